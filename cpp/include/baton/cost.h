@@ -1,0 +1,49 @@
+// Cost and memory model used by the simulator. Times are in arbitrary but
+// consistent units (seconds when profiled); bytes are bytes.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace baton {
+
+struct StageCost {
+  double f = 1.0;  // forward time
+  double b = 2.0;  // full backward time
+  double i = 1.0;  // input-gradient backward time
+  double w = 1.0;  // weight-gradient backward time
+  int64_t stash_bytes = 1;   // kept from F to B/I (per microbatch)
+  int64_t wstash_bytes = 0;  // kept from I to W (per microbatch)
+  int64_t act_bytes = 1;     // activation sent forward (per microbatch)
+  int64_t grad_bytes = 1;    // input gradient sent backward (per microbatch)
+  int64_t wgrad_bytes = 0;   // weight gradient produced per microbatch
+  bool operator==(const StageCost&) const = default;
+};
+
+struct LinkCost {
+  double latency = 0.0;    // per message
+  double bandwidth = 0.0;  // bytes per time unit; 0 means infinite
+  bool operator==(const LinkCost&) const = default;
+};
+
+struct CostModel {
+  StageCost default_stage;          // used for stages not listed
+  std::vector<StageCost> stages;    // per stage overrides (may be empty)
+  LinkCost link;                    // every rank pair
+  // Fused actions (DualPipe F&B) take fused_factor * (sum of both tasks);
+  // 1.0 means no compute overlap inside the fused pair.
+  double fused_factor = 1.0;
+
+  const StageCost& stage(int s) const;
+  // Validates (non-negative, finite); throws ConfigError naming the field.
+  void validate() const;
+  // JSON: {"default": {...}, "stages": [{...}, ...], "link": {"latency": x,
+  // "bandwidth": y}, "fused_factor": z}; every field optional. Throws
+  // FormatError on malformed JSON or unknown keys.
+  static CostModel from_json(const std::string& text);
+  std::string to_json() const;
+  // Uniform stage costs (handy for tests).
+  static CostModel uniform(double f, double b, double i, double w);
+};
+
+}  // namespace baton

@@ -1,0 +1,86 @@
+// Lowering of a Schedule to per-rank instruction streams. The Plan is the
+// single source of truth: the same instruction streams are verified,
+// simulated, drawn and executed.
+//
+// Data model. Every task reads and writes buffers identified by
+// (kind, stage, microbatch):
+//   F(s,m): reads Act(s-1,m) (s>0);             writes Act(s,m) (s<S-1), Stash(s,m)
+//   B(s,m): reads Stash(s,m), Grad(s+1,m) (s<S-1); writes Grad(s,m) (s>0), WGrad(s,m)
+//   I(s,m): reads Stash(s,m), Grad(s+1,m) (s<S-1); writes Grad(s,m) (s>0), WStash(s,m)
+//   W(s,m): reads WStash(s,m);                  writes WGrad(s,m)
+// Act is the activation sent forward, Grad the input-gradient sent backward,
+// Stash the residuals kept from F for the backward, WStash what I keeps for
+// W, WGrad a weight gradient that is ACCUMULATEd into its stage's
+// accumulator. A fused action reads and writes the union of its two tasks.
+//
+// Instruction semantics (what the executor does, and what the verifier and
+// simulator model):
+//   RUN a      run action a of this rank; waits until its inputs are present.
+//   SEND b,r   post an asynchronous send of buffer b to rank r.
+//   RECV b,r   post an asynchronous receive of buffer b from rank r; the
+//              buffer exists on this rank once the transfer completes.
+//   FREE b     release b on this rank (after any pending send of b completes).
+//   ACCUMULATE b   add weight gradient b into its stage's accumulator.
+// Lowering places, for each action in order: RECVs of its remote inputs,
+// RUN, FREEs of inputs whose last use it was, ACCUMULATE+FREE of WGrad, SENDs
+// of outputs with a remote consumer. Consecutive SEND/RECV instructions form
+// one communication group (like ncclGroupStart/End); FREEs of sent buffers
+// follow the group.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "baton/schedule.h"
+
+namespace baton {
+
+enum class BufKind : uint8_t { Act = 0, Grad = 1, Stash = 2, WStash = 3, WGrad = 4 };
+constexpr int kNumBufKinds = 5;
+const char* buf_kind_name(BufKind k);  // "act", "grad", "stash", "wstash", "wgrad"
+
+struct BufferKey {
+  BufKind kind = BufKind::Act;
+  int32_t stage = -1;
+  int32_t microbatch = -1;
+  bool operator==(const BufferKey&) const = default;
+};
+
+enum class OpCode : uint8_t { Run = 0, Send = 1, Recv = 2, Free = 3, Accumulate = 4 };
+const char* opcode_name(OpCode op);  // "RUN", "SEND", ...
+
+struct Instr {
+  OpCode op = OpCode::Run;
+  int32_t action = -1;  // RUN: index into schedule.rank_actions[rank]
+  int32_t buffer = -1;  // SEND/RECV/FREE/ACCUMULATE: buffer id
+  int32_t peer = -1;    // SEND/RECV: the other rank
+  bool operator==(const Instr&) const = default;
+};
+
+struct Plan {
+  Schedule schedule;
+  std::vector<std::vector<Instr>> programs;  // per rank
+
+  // Dense buffer ids: id = (kind * S + stage) * M + microbatch.
+  int32_t buffer_id(BufferKey k) const;
+  BufferKey buffer_key(int32_t id) const;
+  int32_t num_buffer_ids() const;
+
+  // Inputs and outputs of a task / of an action (union for fused), as ids.
+  std::vector<int32_t> task_inputs(const Task& t) const;
+  std::vector<int32_t> task_outputs(const Task& t) const;
+
+  // "rank 0 #5 RUN F0.1" style description of one instruction.
+  std::string describe(int rank, int index) const;
+  std::string describe_buffer(int32_t id) const;  // e.g. "act(s0,m1)"
+  // Full text listing of every rank's program.
+  std::string to_text() const;
+  // Deterministic hex digest over schedule and programs (FNV-1a 64 over a
+  // canonical serialization). Equal plans have equal fingerprints.
+  std::string fingerprint() const;
+};
+
+// Lowers and returns the plan. Calls schedule.validate() first.
+Plan lower(const Schedule& s);
+
+}  // namespace baton

@@ -1,0 +1,53 @@
+// Verifier over a lowered Plan. Checks:
+//  * structure: exactly one F and one B or (one I and one W) per
+//    (stage, microbatch), each on the rank owning the stage;
+//  * data: every RUN's inputs exist on its rank when it runs (produced
+//    earlier on the rank, or RECVed earlier), I before W, own F before B/I;
+//  * buffers: every buffer that exists on a rank is freed exactly once, after
+//    its last use; nothing is used after its FREE; nothing leaks;
+//  * communication: every SEND has its matching RECV and vice versa;
+//  * deadlock freedom under two models (see CommModel). A deadlock report
+//    names the cycle of waiting ranks and instructions.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "baton/plan.h"
+
+namespace baton {
+
+enum class CommModel {
+  // Each communication group blocks the rank until every SEND in it has been
+  // matched by the peer's RECV (rendezvous) and every RECV by its SEND.
+  // Matching is by buffer (tagged). Any async executor that posts no later
+  // and waits no earlier is deadlock-free if this model is.
+  Blocking,
+  // Blocking, and additionally all traffic from rank a to rank b travels in
+  // order over one channel: the k-th SEND a->b matches the k-th RECV b<-a
+  // (as NCCL point-to-point does). A different buffer there is a mismatch.
+  Fifo,
+};
+
+struct Violation {
+  std::string check;         // "structure", "data", "buffer", "comm", "deadlock"
+  std::string message;       // full sentence naming ranks, instrs, stage, mb
+  std::vector<int> ranks;    // ranks involved
+  std::vector<int> instrs;   // instruction indices, parallel to `ranks`
+  int stage = -1;
+  int microbatch = -1;
+};
+
+struct VerifyReport {
+  std::vector<Violation> violations;
+  bool ok() const { return violations.empty(); }
+  std::string to_string() const;  // "OK" or one line per violation
+};
+
+// Runs every check under both models.
+VerifyReport verify(const Plan& plan);
+// Deadlock check under one model only (also reports unmatched comm).
+VerifyReport check_deadlock(const Plan& plan, CommModel model);
+// Throws VerifyError with report.to_string() when not ok.
+void verify_or_throw(const Plan& plan);
+
+}  // namespace baton
