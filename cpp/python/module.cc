@@ -3,11 +3,19 @@
 
 namespace nb = nanobind;
 
+#if BATON_BIND_PLANNER
 void init_planner(nb::module_& m);  // bind_planner.cc: schedules, plans, verify, sim, render
-void init_graph(nb::module_& m);    // bind_graph.cc: Program IR and graph passes
+#endif
+#if BATON_BIND_GRAPH
+void init_graph(nb::module_& m);  // bind_graph.cc: Program IR and graph passes
+#endif
 
 NB_MODULE(_core, m) {
   m.doc() = "Baton C++ core";
+#if BATON_BIND_PLANNER
   init_planner(m);
+#endif
+#if BATON_BIND_GRAPH
   init_graph(m);
+#endif
 }
