@@ -11,9 +11,48 @@ from .errors import (  # noqa: F401
 )
 
 # --- planner API (schedules, plans, verification, simulation) ---
-# (filled in by python/baton/schedules.py and planning.py)
+from ._core import (  # noqa: F401,E402
+    Action,
+    BufferKey,
+    BufKind,
+    CommModel,
+    CostModel,
+    Instr,
+    LinkCost,
+    OpCode,
+    Schedule,
+    SimResult,
+    StageCost,
+    Task,
+    TaskKind,
+    VerifyReport,
+    Violation,
+)
+from .planning import Plan, as_cost_model, plan  # noqa: F401,E402
+from .schedules import (  # noqa: F401,E402
+    ZBH1,
+    ZBH2,
+    ZBV,
+    DualPipeV,
+    Eager1F1B,
+    GPipe,
+    Interleaved1F1B,
+    OneFOneB,
+    ScheduleFile,
+    ScheduleSpec,
+    load_schedule,
+    save_schedule,
+    schedule_from_name,
+    schedule_names,
+)
 
 # --- JAX frontend (stage_boundary, PipelineMesh, accumulate, jit) ---
-# (filled in by python/baton/frontend/)
+from .frontend import (  # noqa: F401,E402
+    PipelinedFunction,
+    PipelineMesh,
+    accumulate,
+    jit,
+    stage_boundary,
+)
 
 __version__ = "0.1.0"

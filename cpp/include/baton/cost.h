@@ -34,16 +34,23 @@ struct CostModel {
   // 1.0 means no compute overlap inside the fused pair.
   double fused_factor = 1.0;
 
+  // stages[s] when listed, default_stage otherwise.
   const StageCost& stage(int s) const;
-  // Validates (non-negative, finite); throws ConfigError naming the field.
+  // Validates (times and bytes non-negative, finite; fused_factor > 0);
+  // throws ConfigError naming the field, e.g. "stages[3].f".
   void validate() const;
   // JSON: {"default": {...}, "stages": [{...}, ...], "link": {"latency": x,
-  // "bandwidth": y}, "fused_factor": z}; every field optional. Throws
-  // FormatError on malformed JSON or unknown keys.
+  // "bandwidth": y}, "fused_factor": z}; every field optional. A stage entry
+  // starts from "default" and overrides only the keys it names. Throws
+  // FormatError on malformed JSON ("line L, column C: ..."), unknown keys and
+  // wrong types (naming the key path, e.g. 'stages[2].f'); the parsed model
+  // is then validate()d (ConfigError). to_json writes every field, and
+  // from_json(to_json(c)) == c.
   static CostModel from_json(const std::string& text);
   std::string to_json() const;
   // Uniform stage costs (handy for tests).
   static CostModel uniform(double f, double b, double i, double w);
+  bool operator==(const CostModel&) const = default;
 };
 
 }  // namespace baton

@@ -1,5 +1,10 @@
 // Schedule generators. Each refuses combinations it cannot serve by throwing
-// ScheduleError naming the constraint and the values given.
+// ScheduleError naming the constraint and the values given. Orders, bubble
+// and memory formulas: docs/SCHEDULES.md.
+//
+// Every returned schedule passes Schedule::validate() and, lowered by
+// lower() (plan.h), verifies deadlock-free under both CommModel::Blocking
+// and CommModel::Fifo. Generation is O(actions) and deterministic.
 #pragma once
 #include <string>
 #include <string_view>
@@ -11,6 +16,10 @@ namespace baton {
 
 // p ranks, m microbatches. Stage count is implied by the schedule:
 // p (contiguous), p*v (interleaved), 2p (ZB-V, DualPipeV).
+// Accepted (besides p >= 1, m >= 1):
+//   interleaved_one_f_one_b: v >= 1; for v >= 2, m % p == 0 or m <= p.
+//                            v == 1 gives the 1F1B order.
+//   dualpipe_v:              m >= 2p.
 Schedule gpipe(int p, int m);
 Schedule one_f_one_b(int p, int m);
 Schedule eager_one_f_one_b(int p, int m);
@@ -21,10 +30,11 @@ Schedule zb_v(int p, int m);
 Schedule dualpipe_v(int p, int m);
 
 // Generator by name: "gpipe", "1f1b", "eager1f1b", "interleaved", "zbh1",
-// "zbh2", "zbv", "dualpipev" (case-insensitive; '-' and '_' ignored).
-// `v` is used by "interleaved" only (others reject v != 1 ... except they
-// ignore it when v == 1).
+// "zbh2", "zbv", "dualpipev" (case-insensitive; '-' and '_' ignored;
+// "interleaved1f1b" is accepted for "interleaved"). `v` is used by
+// "interleaved" only; every other schedule refuses v != 1.
 Schedule make_schedule(std::string_view name, int p, int m, int v = 1);
+// The names above, in that order.
 std::vector<std::string> schedule_names();
 
 }  // namespace baton

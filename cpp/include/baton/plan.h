@@ -67,8 +67,28 @@ struct Plan {
   int32_t num_buffer_ids() const;
 
   // Inputs and outputs of a task / of an action (union for fused), as ids.
+  // Order: as listed in the data model above (F: act; B/I: stash, grad).
   std::vector<int32_t> task_inputs(const Task& t) const;
   std::vector<int32_t> task_outputs(const Task& t) const;
+  // For a fused action, a buffer that one of its tasks produces and the other
+  // consumes (e.g. stash of F3.0+B3.0 on the last stage) is internal: it is
+  // among the outputs, not among the inputs, and it is freed after the RUN.
+  std::vector<int32_t> action_inputs(const Action& a) const;
+  std::vector<int32_t> action_outputs(const Action& a) const;
+  // Allocation-free form of the above for hot loops (lowering, verifier,
+  // simulator). Capacities suffice for any (fused) action.
+  struct ActionIO {
+    int32_t in[4] = {};
+    int32_t out[4] = {};
+    int32_t internal[4] = {};
+    int n_in = 0, n_out = 0, n_internal = 0;
+  };
+  ActionIO action_io(const Action& a) const;
+  // Rank holding the task that writes / reads buffer `id`; -1 when there is
+  // none (a wgrad is only ACCUMULATEd). Every buffer has exactly one producer
+  // task and at most one consumer task.
+  int producer_rank(int32_t id) const;
+  int consumer_rank(int32_t id) const;
 
   // "rank 0 #5 RUN F0.1" style description of one instruction.
   std::string describe(int rank, int index) const;

@@ -4,6 +4,25 @@
 // starts when the SEND is posted and the link is free (links are FIFO per
 // ordered rank pair), takes latency + bytes/bandwidth, and completes no
 // earlier than its RECV is posted.
+//
+// Details of the model:
+//  * A rank executes its program in order. SEND/RECV/FREE/ACCUMULATE take no
+//    time; RUN starts when the rank is free and every input buffer is present
+//    on the rank, and lasts the task cost (F/B/I/W of the task's stage; a
+//    fused action lasts fused_factor * (sum of both tasks)).
+//  * Transfer duration = link.latency + bytes / link.bandwidth (bandwidth 0:
+//    infinite). Bytes: act_bytes for Act, grad_bytes for Grad (of the stage
+//    that produced the buffer), stash/wstash/wgrad_bytes for the others.
+//    The link a->b is busy for that duration from the transfer's start;
+//    transfers on it start in SEND order (FIFO). end = max(start + duration,
+//    RECV posted). Sends and receives pair up by buffer id and rank pair.
+//  * Memory per rank: a RUN allocates its outputs at its start; a RECV
+//    allocates its buffer when posted; FREE releases at its time, or, for a
+//    buffer with sends from this rank, when the last of them completes.
+//    Buffers never freed stay live to the end. "activation" = Stash + WStash,
+//    "total" = every live buffer. At equal times releases are applied before
+//    allocations (program order: FREEs follow the RUN they belong to).
+//  * Cost: O(N log N) in instructions (the memory timeline is sorted).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -51,14 +70,26 @@ struct SimResult {
   double bubble_fraction = 0;            // 1 - sum(busy)/(ranks*step_time)
   std::vector<RunEvent> runs;            // sorted by (rank, start)
   std::vector<TransferEvent> transfers;
+  std::vector<double> span_start;        // per rank: first RUN start (0 if none)
+  std::vector<double> span_end;          // per rank: last RUN end (0 if none)
   std::vector<int64_t> peak_activation;  // per rank, bytes
   std::vector<int64_t> peak_total;       // per rank, bytes
   std::vector<std::vector<MemorySample>> memory;  // per rank timeline
+  // Backtracked from the event that ends last, through whichever dependency
+  // set each start: the rank's previous RUN, the latest input's arrival, a
+  // busy link, or a late RECV. Transfers appear as steps with rank = src,
+  // instr = the SEND's index.
   std::vector<CriticalStep> critical_path;        // from start to end
+
+  // Idle time of `rank` between its first RUN start and its last RUN end.
+  double idle_inside_span(int rank) const;
 };
 
-// Throws VerifyError if the program cannot complete (call verify first for
-// a precise report).
+// Throws ConfigError for an invalid cost model, VerifyError if the program
+// is malformed (bad ids, a RUN input that is never on its rank, a SEND of an
+// absent buffer) or cannot complete (the message names the stuck ranks and
+// their instructions, and sends/receives that never pair up). Call verify
+// first for a precise report.
 SimResult simulate(const Plan& plan, const CostModel& costs);
 
 }  // namespace baton

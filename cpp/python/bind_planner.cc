@@ -1,0 +1,483 @@
+// Bindings of the planner: schedule IR, generators, text format, cost model,
+// lowering (Plan), verifier, simulator and renderers. Thin: conversion only.
+#include <fmt/format.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <exception>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "baton/cost.h"
+#include "baton/error.h"
+#include "baton/generators.h"
+#include "baton/plan.h"
+#include "baton/render.h"
+#include "baton/schedule.h"
+#include "baton/sim.h"
+#include "baton/text_format.h"
+#include "baton/verify.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+// Raises `cls_name` from baton.errors with `msg`; falls back to `fallback`
+// when baton.errors cannot be imported (e.g. _core used on its own).
+void raise_baton_error(const char* cls_name, PyObject* fallback, const char* msg, int line = 0,
+                       int column = 0) {
+  PyObject* errors = PyImport_ImportModule("baton.errors");
+  PyObject* cls = errors ? PyObject_GetAttrString(errors, cls_name) : nullptr;
+  Py_XDECREF(errors);
+  if (cls == nullptr) {
+    PyErr_Clear();
+    PyErr_SetString(fallback, msg);
+    return;
+  }
+  PyObject* exc = PyObject_CallFunction(cls, "s", msg);
+  if (exc == nullptr) {  // constructor failed: report that error instead
+    Py_DECREF(cls);
+    return;
+  }
+  if (line > 0 || column > 0) {
+    PyObject* l = PyLong_FromLong(line);
+    PyObject* c = PyLong_FromLong(column);
+    PyObject_SetAttrString(exc, "line", l);
+    PyObject_SetAttrString(exc, "column", c);
+    Py_XDECREF(l);
+    Py_XDECREF(c);
+    PyErr_Clear();  // attributes are best effort
+  }
+  PyErr_SetObject(cls, exc);
+  Py_DECREF(exc);
+  Py_DECREF(cls);
+}
+
+void translate_baton_error(const std::exception_ptr& p, void*) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const baton::ScheduleError& e) {
+    raise_baton_error("ScheduleError", PyExc_ValueError, e.what());
+  } catch (const baton::FormatError& e) {
+    raise_baton_error("FormatError", PyExc_ValueError, e.what(), e.line, e.column);
+  } catch (const baton::VerifyError& e) {
+    raise_baton_error("VerifyError", PyExc_RuntimeError, e.what());
+  } catch (const baton::ConfigError& e) {
+    raise_baton_error("ConfigError", PyExc_ValueError, e.what());
+  } catch (const baton::Error& e) {
+    raise_baton_error("BatonError", PyExc_RuntimeError, e.what());
+  }
+  // Anything else propagates to the next translator.
+}
+
+std::string task_repr(const baton::Task& t) { return "Task(" + baton::to_string(t) + ")"; }
+
+std::string action_repr(const baton::Action& a) { return "Action(" + baton::to_string(a) + ")"; }
+
+void check_rank(const baton::Schedule& s, int rank) {
+  if (rank < 0 || rank >= s.num_ranks) {
+    throw nb::index_error(("rank " + std::to_string(rank) + " out of range (schedule has " +
+                           std::to_string(s.num_ranks) + " ranks)")
+                              .c_str());
+  }
+}
+
+using InstrTuple = std::tuple<std::string, int, int, int>;
+
+void bind_schedule(nb::module_& m) {
+  nb::enum_<baton::TaskKind>(m, "TaskKind")
+      .value("F", baton::TaskKind::F)
+      .value("B", baton::TaskKind::B)
+      .value("I", baton::TaskKind::I)
+      .value("W", baton::TaskKind::W);
+
+  nb::class_<baton::Task>(m, "Task", "One task: kind, stage, microbatch.")
+      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](baton::Task* t, baton::TaskKind kind, int stage, int microbatch) {
+            new (t) baton::Task{kind, stage, microbatch};
+          },
+          "kind"_a, "stage"_a, "microbatch"_a)
+      .def_rw("kind", &baton::Task::kind)
+      .def_rw("stage", &baton::Task::stage)
+      .def_rw("microbatch", &baton::Task::microbatch)
+      .def("__str__", [](const baton::Task& t) { return baton::to_string(t); })
+      .def("__repr__", &task_repr)
+      .def(
+          "__eq__", [](const baton::Task& a, const baton::Task& b) { return a == b; },
+          nb::is_operator())
+      .def("__hash__", [](const baton::Task& t) {
+        return nb::hash(nb::make_tuple(static_cast<int>(t.kind), t.stage, t.microbatch));
+      });
+
+  nb::class_<baton::Action>(m, "Action", "A task, or two tasks fused into one unit.")
+      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](baton::Action* a, const baton::Task& first, const baton::Task* second) {
+            new (a) baton::Action{};
+            a->first = first;
+            if (second != nullptr) a->second = *second;
+          },
+          "first"_a, "second"_a = nb::none())
+      .def_rw("first", &baton::Action::first)
+      .def_rw("second", &baton::Action::second)
+      .def_prop_ro("is_fused", &baton::Action::is_fused)
+      .def_prop_ro("tasks",
+                   [](const baton::Action& a) {
+                     std::vector<baton::Task> ts{a.first};
+                     if (a.is_fused()) ts.push_back(a.second);
+                     return ts;
+                   })
+      .def("__str__", [](const baton::Action& a) { return baton::to_string(a); })
+      .def("__repr__", &action_repr)
+      .def(
+          "__eq__", [](const baton::Action& a, const baton::Action& b) { return a == b; },
+          nb::is_operator());
+
+  nb::class_<baton::Schedule>(m, "Schedule",
+                              "Pipeline schedule: per-rank ordered actions and stage placement.")
+      .def(nb::init<>())
+      .def_rw("name", &baton::Schedule::name)
+      .def_rw("num_ranks", &baton::Schedule::num_ranks)
+      .def_rw("num_stages", &baton::Schedule::num_stages)
+      .def_rw("num_microbatches", &baton::Schedule::num_microbatches)
+      .def_rw("stage_rank", &baton::Schedule::stage_rank)
+      .def_rw("rank_actions", &baton::Schedule::rank_actions)
+      .def(
+          "actions",
+          [](const baton::Schedule& s, int rank) {
+            check_rank(s, rank);
+            std::vector<std::string> out;
+            out.reserve(s.rank_actions[rank].size());
+            for (const auto& a : s.rank_actions[rank]) out.push_back(baton::to_string(a));
+            return out;
+          },
+          "rank"_a, "The rank's actions as strings, e.g. ['F0.0', 'F0.3+B7.1'].")
+      .def("split_backward", &baton::Schedule::split_backward)
+      .def(
+          "stages_of_rank",
+          [](const baton::Schedule& s, int rank) {
+            check_rank(s, rank);
+            return s.stages_of_rank(rank);
+          },
+          "rank"_a)
+      .def("validate", &baton::Schedule::validate)
+      .def(
+          "__eq__", [](const baton::Schedule& a, const baton::Schedule& b) { return a == b; },
+          nb::is_operator())
+      .def("__repr__", [](const baton::Schedule& s) {
+        return "Schedule(name='" + s.name + "', ranks=" + std::to_string(s.num_ranks) +
+               ", stages=" + std::to_string(s.num_stages) +
+               ", microbatches=" + std::to_string(s.num_microbatches) + ")";
+      });
+
+  m.def("task_kind_char",
+        [](baton::TaskKind k) { return std::string(1, baton::task_kind_char(k)); });
+  m.def("contiguous_placement", &baton::contiguous_placement, "ranks"_a);
+  m.def("interleaved_placement", &baton::interleaved_placement, "ranks"_a, "virtual_stages"_a);
+  m.def("v_placement", &baton::v_placement, "ranks"_a);
+
+  // Generators.
+  m.def("make_schedule", &baton::make_schedule, "name"_a, "ranks"_a, "microbatches"_a,
+        "virtual_stages"_a = 1);
+  m.def("schedule_names", &baton::schedule_names);
+  m.def("gpipe", &baton::gpipe, "ranks"_a, "microbatches"_a);
+  m.def("one_f_one_b", &baton::one_f_one_b, "ranks"_a, "microbatches"_a);
+  m.def("eager_one_f_one_b", &baton::eager_one_f_one_b, "ranks"_a, "microbatches"_a);
+  m.def("interleaved_one_f_one_b", &baton::interleaved_one_f_one_b, "ranks"_a, "microbatches"_a,
+        "virtual_stages"_a);
+  m.def("zb_h1", &baton::zb_h1, "ranks"_a, "microbatches"_a);
+  m.def("zb_h2", &baton::zb_h2, "ranks"_a, "microbatches"_a);
+  m.def("zb_v", &baton::zb_v, "ranks"_a, "microbatches"_a);
+  m.def("dualpipe_v", &baton::dualpipe_v, "ranks"_a, "microbatches"_a);
+
+  // Text format.
+  m.def("save_schedule", &baton::save_schedule, "schedule"_a);
+  m.def("load_schedule", &baton::load_schedule, "text"_a);
+}
+
+void bind_cost(nb::module_& m) {
+  nb::class_<baton::StageCost>(m, "StageCost", "Per-stage time and memory costs.")
+      .def(nb::init<>())
+      .def_rw("f", &baton::StageCost::f)
+      .def_rw("b", &baton::StageCost::b)
+      .def_rw("i", &baton::StageCost::i)
+      .def_rw("w", &baton::StageCost::w)
+      .def_rw("stash_bytes", &baton::StageCost::stash_bytes)
+      .def_rw("wstash_bytes", &baton::StageCost::wstash_bytes)
+      .def_rw("act_bytes", &baton::StageCost::act_bytes)
+      .def_rw("grad_bytes", &baton::StageCost::grad_bytes)
+      .def_rw("wgrad_bytes", &baton::StageCost::wgrad_bytes)
+      .def(
+          "__eq__", [](const baton::StageCost& a, const baton::StageCost& b) { return a == b; },
+          nb::is_operator())
+      .def("__repr__", [](const baton::StageCost& c) {
+        return "StageCost(f=" + fmt::format("{}", c.f) + ", b=" + fmt::format("{}", c.b) +
+               ", i=" + fmt::format("{}", c.i) + ", w=" + fmt::format("{}", c.w) + ")";
+      });
+
+  nb::class_<baton::LinkCost>(m, "LinkCost", "Latency and bandwidth of every rank pair.")
+      .def(nb::init<>())
+      .def_rw("latency", &baton::LinkCost::latency)
+      .def_rw("bandwidth", &baton::LinkCost::bandwidth)
+      .def(
+          "__eq__", [](const baton::LinkCost& a, const baton::LinkCost& b) { return a == b; },
+          nb::is_operator());
+
+  nb::class_<baton::CostModel>(m, "CostModel", "Cost and memory model used by the simulator.")
+      .def(nb::init<>())
+      .def_rw("default_stage", &baton::CostModel::default_stage)
+      .def_rw("stages", &baton::CostModel::stages)
+      .def_rw("link", &baton::CostModel::link)
+      .def_rw("fused_factor", &baton::CostModel::fused_factor)
+      .def(
+          "stage", [](const baton::CostModel& c, int s) { return c.stage(s); }, "stage"_a)
+      .def("validate", &baton::CostModel::validate)
+      .def_static("from_json", &baton::CostModel::from_json, "text"_a)
+      .def("to_json", &baton::CostModel::to_json)
+      .def_static("uniform", &baton::CostModel::uniform, "f"_a, "b"_a, "i"_a, "w"_a)
+      .def("__repr__", [](const baton::CostModel& c) { return "CostModel(" + c.to_json() + ")"; });
+}
+
+void bind_plan(nb::module_& m) {
+  nb::enum_<baton::BufKind>(m, "BufKind")
+      .value("Act", baton::BufKind::Act)
+      .value("Grad", baton::BufKind::Grad)
+      .value("Stash", baton::BufKind::Stash)
+      .value("WStash", baton::BufKind::WStash)
+      .value("WGrad", baton::BufKind::WGrad);
+
+  nb::enum_<baton::OpCode>(m, "OpCode")
+      .value("RUN", baton::OpCode::Run)
+      .value("SEND", baton::OpCode::Send)
+      .value("RECV", baton::OpCode::Recv)
+      .value("FREE", baton::OpCode::Free)
+      .value("ACCUMULATE", baton::OpCode::Accumulate);
+
+  nb::class_<baton::BufferKey>(m, "BufferKey")
+      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](baton::BufferKey* k, baton::BufKind kind, int stage, int microbatch) {
+            new (k) baton::BufferKey{kind, stage, microbatch};
+          },
+          "kind"_a, "stage"_a, "microbatch"_a)
+      .def_rw("kind", &baton::BufferKey::kind)
+      .def_rw("stage", &baton::BufferKey::stage)
+      .def_rw("microbatch", &baton::BufferKey::microbatch)
+      .def(
+          "__eq__", [](const baton::BufferKey& a, const baton::BufferKey& b) { return a == b; },
+          nb::is_operator())
+      .def("__repr__", [](const baton::BufferKey& k) {
+        return std::string("BufferKey(") + baton::buf_kind_name(k.kind) +
+               ", stage=" + std::to_string(k.stage) +
+               ", microbatch=" + std::to_string(k.microbatch) + ")";
+      });
+
+  nb::class_<baton::Instr>(m, "Instr", "One instruction of a rank's program.")
+      .def(nb::init<>())
+      .def_rw("op", &baton::Instr::op)
+      .def_rw("action", &baton::Instr::action)
+      .def_rw("buffer", &baton::Instr::buffer)
+      .def_rw("peer", &baton::Instr::peer)
+      .def_prop_ro("opcode",
+                   [](const baton::Instr& i) { return std::string(baton::opcode_name(i.op)); })
+      .def("astuple",
+           [](const baton::Instr& i) {
+             return InstrTuple{baton::opcode_name(i.op), i.action, i.buffer, i.peer};
+           })
+      .def(
+          "__eq__", [](const baton::Instr& a, const baton::Instr& b) { return a == b; },
+          nb::is_operator())
+      .def("__repr__", [](const baton::Instr& i) {
+        return std::string("Instr(") + baton::opcode_name(i.op) +
+               ", action=" + std::to_string(i.action) + ", buffer=" + std::to_string(i.buffer) +
+               ", peer=" + std::to_string(i.peer) + ")";
+      });
+
+  nb::class_<baton::Plan>(m, "Plan", "A schedule lowered to per-rank instruction streams.")
+      .def_ro("schedule", &baton::Plan::schedule)
+      .def_ro("programs", &baton::Plan::programs)
+      .def_prop_ro("num_ranks",
+                   [](const baton::Plan& p) { return static_cast<int>(p.programs.size()); })
+      .def(
+          "program",
+          [](const baton::Plan& p, int rank) {
+            check_rank(p.schedule, rank);
+            std::vector<InstrTuple> out;
+            out.reserve(p.programs[rank].size());
+            for (const auto& i : p.programs[rank]) {
+              out.emplace_back(baton::opcode_name(i.op), i.action, i.buffer, i.peer);
+            }
+            return out;
+          },
+          "rank"_a, "The rank's program as (opcode, action, buffer, peer) tuples.")
+      .def("buffer_id", &baton::Plan::buffer_id, "key"_a)
+      .def(
+          "buffer_id",
+          [](const baton::Plan& p, baton::BufKind kind, int stage, int microbatch) {
+            return p.buffer_id(baton::BufferKey{kind, stage, microbatch});
+          },
+          "kind"_a, "stage"_a, "microbatch"_a)
+      .def("buffer_key", &baton::Plan::buffer_key, "id"_a)
+      .def("num_buffer_ids", &baton::Plan::num_buffer_ids)
+      .def("task_inputs", &baton::Plan::task_inputs, "task"_a)
+      .def("task_outputs", &baton::Plan::task_outputs, "task"_a)
+      .def(
+          "describe",
+          [](const baton::Plan& p, int rank, int index) {
+            check_rank(p.schedule, rank);
+            if (index < 0 || index >= static_cast<int>(p.programs[rank].size())) {
+              throw nb::index_error(("instruction " + std::to_string(index) +
+                                     " out of range on rank " + std::to_string(rank))
+                                        .c_str());
+            }
+            return p.describe(rank, index);
+          },
+          "rank"_a, "index"_a)
+      .def("describe_buffer", &baton::Plan::describe_buffer, "id"_a)
+      .def("to_text", &baton::Plan::to_text)
+      .def("fingerprint", &baton::Plan::fingerprint)
+      .def("__repr__", [](const baton::Plan& p) {
+        return "Plan(schedule='" + p.schedule.name +
+               "', ranks=" + std::to_string(p.programs.size()) +
+               ", fingerprint=" + p.fingerprint() + ")";
+      });
+
+  m.def("lower", &baton::lower, "schedule"_a);
+  m.def("buf_kind_name", [](baton::BufKind k) { return std::string(baton::buf_kind_name(k)); });
+  m.def("opcode_name", [](baton::OpCode op) { return std::string(baton::opcode_name(op)); });
+}
+
+void bind_verify(nb::module_& m) {
+  nb::enum_<baton::CommModel>(m, "CommModel")
+      .value("Blocking", baton::CommModel::Blocking)
+      .value("Fifo", baton::CommModel::Fifo);
+
+  nb::class_<baton::Violation>(m, "Violation", "One failed check of the verifier.")
+      .def(nb::init<>())
+      .def_rw("check", &baton::Violation::check)
+      .def_rw("message", &baton::Violation::message)
+      .def_rw("ranks", &baton::Violation::ranks)
+      .def_rw("instrs", &baton::Violation::instrs)
+      .def_rw("stage", &baton::Violation::stage)
+      .def_rw("microbatch", &baton::Violation::microbatch)
+      .def("__repr__", [](const baton::Violation& v) {
+        return "Violation(" + v.check + ": " + v.message + ")";
+      });
+
+  nb::class_<baton::VerifyReport>(m, "VerifyReport", "Result of verifying a plan.")
+      .def(nb::init<>())
+      .def_rw("violations", &baton::VerifyReport::violations)
+      .def_prop_ro("ok", &baton::VerifyReport::ok)
+      .def("to_string", &baton::VerifyReport::to_string)
+      .def("__bool__", &baton::VerifyReport::ok)
+      .def("__str__", &baton::VerifyReport::to_string)
+      .def("__repr__", [](const baton::VerifyReport& r) {
+        return "VerifyReport(ok=" + std::string(r.ok() ? "True" : "False") +
+               ", violations=" + std::to_string(r.violations.size()) + ")";
+      });
+
+  m.def("verify", &baton::verify, "plan"_a);
+  m.def("check_deadlock", &baton::check_deadlock, "plan"_a, "model"_a);
+  m.def("verify_or_throw", &baton::verify_or_throw, "plan"_a);
+}
+
+// Per-rank first start / last end, bound when the simulator layer has them.
+template <class R>
+void bind_spans(nb::class_<R>& cls) {
+  if constexpr (requires(R r) {
+                  r.span_start;
+                  r.span_end;
+                }) {
+    cls.def_ro("span_start", &R::span_start).def_ro("span_end", &R::span_end);
+  }
+}
+
+void bind_sim(nb::module_& m) {
+  nb::class_<baton::RunEvent>(m, "RunEvent")
+      .def_ro("rank", &baton::RunEvent::rank)
+      .def_ro("instr", &baton::RunEvent::instr)
+      .def_ro("action", &baton::RunEvent::action)
+      .def_ro("start", &baton::RunEvent::start)
+      .def_ro("end", &baton::RunEvent::end)
+      .def("__repr__", [](const baton::RunEvent& e) {
+        return "RunEvent(rank=" + std::to_string(e.rank) + ", instr=" + std::to_string(e.instr) +
+               ", action=" + std::to_string(e.action) + ", start=" + std::to_string(e.start) +
+               ", end=" + std::to_string(e.end) + ")";
+      });
+
+  nb::class_<baton::TransferEvent>(m, "TransferEvent")
+      .def_ro("src", &baton::TransferEvent::src)
+      .def_ro("dst", &baton::TransferEvent::dst)
+      .def_ro("buffer", &baton::TransferEvent::buffer)
+      .def_ro("send_instr", &baton::TransferEvent::send_instr)
+      .def_ro("recv_instr", &baton::TransferEvent::recv_instr)
+      .def_ro("posted", &baton::TransferEvent::posted)
+      .def_ro("start", &baton::TransferEvent::start)
+      .def_ro("end", &baton::TransferEvent::end)
+      .def_ro("bytes", &baton::TransferEvent::bytes);
+
+  nb::class_<baton::MemorySample>(m, "MemorySample")
+      .def_ro("time", &baton::MemorySample::time)
+      .def_ro("activation", &baton::MemorySample::activation)
+      .def_ro("total", &baton::MemorySample::total);
+
+  nb::class_<baton::CriticalStep>(m, "CriticalStep")
+      .def_ro("rank", &baton::CriticalStep::rank)
+      .def_ro("instr", &baton::CriticalStep::instr)
+      .def_ro("start", &baton::CriticalStep::start)
+      .def_ro("end", &baton::CriticalStep::end)
+      .def_ro("what", &baton::CriticalStep::what)
+      .def("__repr__", [](const baton::CriticalStep& c) {
+        return "CriticalStep(" + c.what + ", rank=" + std::to_string(c.rank) + ")";
+      });
+
+  auto sim = nb::class_<baton::SimResult>(m, "SimResult", "Result of simulating a plan.")
+                 .def_ro("step_time", &baton::SimResult::step_time)
+                 .def_ro("busy", &baton::SimResult::busy)
+                 .def_ro("bubble", &baton::SimResult::bubble)
+                 .def_ro("bubble_fraction", &baton::SimResult::bubble_fraction)
+                 .def_ro("runs", &baton::SimResult::runs)
+                 .def_ro("transfers", &baton::SimResult::transfers)
+                 .def_ro("peak_activation", &baton::SimResult::peak_activation)
+                 .def_ro("peak_total", &baton::SimResult::peak_total)
+                 .def_ro("memory", &baton::SimResult::memory)
+                 .def_ro("critical_path", &baton::SimResult::critical_path);
+  bind_spans(sim);
+  sim.def("__repr__", [](const baton::SimResult& r) {
+    return "SimResult(step_time=" + fmt::format("{}", r.step_time) +
+           ", bubble_fraction=" + fmt::format("{}", r.bubble_fraction) + ")";
+  });
+
+  m.def("simulate", &baton::simulate, "plan"_a, "costs"_a);
+
+  m.def("to_chrome_trace", &baton::to_chrome_trace, "plan"_a, "result"_a,
+        "time_unit_us"_a = 1000.0);
+  m.def("to_svg", &baton::to_svg, "plan"_a, "result"_a);
+  m.def("to_text_grid", &baton::to_text_grid, "plan"_a, "result"_a, "width"_a = 0);
+  m.def(
+      "summary_table",
+      [](const baton::Plan& p, const baton::SimResult& r, const baton::VerifyReport* report) {
+        return baton::summary_table(p, r, report);
+      },
+      "plan"_a, "result"_a, "report"_a = nb::none());
+}
+
+}  // namespace
+
+void init_planner(nb::module_& m) {
+  nb::register_exception_translator(&translate_baton_error);
+  bind_schedule(m);
+  bind_cost(m);
+  bind_plan(m);
+  bind_verify(m);
+  bind_sim(m);
+}

@@ -1,0 +1,589 @@
+// Passes that cut the microbatch loop of a Program into pipeline tasks (see
+// graph.h for the algorithm, in six steps).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <functional>
+#include <limits>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "baton/graph.h"
+
+namespace baton {
+
+namespace {
+
+constexpr int kUnplaced = std::numeric_limits<int>::min();
+
+struct Ctx {
+  const Program& p;
+  int S = 0;            // stages
+  bool split = false;
+  std::vector<int> producer;                 // value -> op or -1
+  std::vector<std::vector<int>> consumers;   // value -> ops
+  std::vector<int> pos;                      // staged value -> chain position
+  std::vector<bool> staged_op;               // body op is staged
+  std::vector<std::map<int, int>> upos;      // unstaged op -> stage -> position
+  std::vector<int> fwd_marker, bwd_marker;   // k -> op index
+  explicit Ctx(const Program& prog) : p(prog) {}
+
+  int stage_of(int position) const { return position < S ? position : 2 * S - 1 - position; }
+  bool is_fwd(int position) const { return position < S; }
+  int f_pos(int s) const { return s; }
+  int b_pos(int s) const { return 2 * S - 1 - s; }
+  std::string op_label(int i) const { return fmt::format("op #{} ({})", i, p.ops[i].name); }
+  std::string val_label(int v) const {
+    const Value& val = p.values[v];
+    std::string shape;
+    for (size_t i = 0; i < val.shape.size(); ++i) shape += fmt::format("{}{}", i ? "," : "", val.shape[i]);
+    return fmt::format("%{} ({}[{}])", v, val.dtype, shape);
+  }
+  std::string pos_label(int position) const {
+    return fmt::format("{}{}", is_fwd(position) ? 'F' : 'B', stage_of(position));
+  }
+};
+
+bool is_free_kind(ValueKind k) {
+  return k == ValueKind::Literal || k == ValueKind::LoopInvariant ||
+         k == ValueKind::LoopMicrobatch;
+}
+
+// Steps 1 and 2: which body ops are staged, and their chain positions.
+void infer_stages(Ctx& c) {
+  const Program& p = c.p;
+  const int nops = static_cast<int>(p.ops.size());
+  // Cut: ops after the last primal loop output are backward. Primal outputs
+  // are the shortest prefix of the loop outputs all produced before the rest.
+  std::vector<int> prod_idx;
+  for (const LoopOutput& o : p.loop_outputs) prod_idx.push_back(c.producer[o.body]);
+  int n = static_cast<int>(prod_idx.size());
+  int cut = nops;
+  for (int k = 1; k <= n; ++k) {
+    int max_pre = -1, min_post = nops;
+    for (int i = 0; i < k; ++i) max_pre = std::max(max_pre, prod_idx[i]);
+    for (int i = k; i < n; ++i) {
+      if (prod_idx[i] >= 0) min_post = std::min(min_post, prod_idx[i]);
+    }
+    if (max_pre < min_post) {
+      cut = k == n ? nops : max_pre + 1;
+      break;
+    }
+  }
+  c.pos.assign(p.values.size(), kUnplaced);
+  c.staged_op.assign(nops, false);
+  for (int i = 0; i < nops; ++i) {
+    const Op& op = p.ops[i];
+    if (op.region != Region::Loop) continue;
+    if (op.kind == OpKind::Boundary) {
+      int k = op.boundary;
+      int limit = op.backward ? c.b_pos(k + 1) : c.f_pos(k);
+      for (int32_t v : op.inputs) {
+        if (c.pos[v] != kUnplaced && c.pos[v] > limit) {
+          throw TraceError(fmt::format(
+              "{}: {} stage_boundary {} consumes {} computed in {}, which comes after the "
+              "boundary (are the boundaries in order along the data flow?)",
+              c.op_label(i), op.backward ? "backward" : "forward", k, c.val_label(v),
+              c.pos_label(c.pos[v])));
+        }
+      }
+      int out = op.backward ? c.b_pos(k) : c.f_pos(k + 1);
+      for (int32_t v : op.outputs) c.pos[v] = out;
+      c.staged_op[i] = true;
+      continue;
+    }
+    int lb = kUnplaced;
+    for (int32_t v : op.inputs) {
+      int q = c.pos[v];
+      // In the backward part of the program a residual of F_s is read by B_s.
+      if (i >= cut && q != kUnplaced && c.is_fwd(q)) q = c.b_pos(q);
+      lb = std::max(lb, q);
+    }
+    if (lb == kUnplaced) continue;  // unstaged: placed by its consumers
+    c.staged_op[i] = true;
+    for (int32_t v : op.outputs) c.pos[v] = lb;
+  }
+}
+
+// Step 3: split summed loop outputs that add contributions of several stages.
+void split_tied_sums(Ctx& c, std::vector<OutputPart>& parts) {
+  const Program& p = c.p;
+  auto stage_of_value = [&](int v) { return c.pos[v] == kUnplaced ? -1 : c.stage_of(c.pos[v]); };
+  std::function<void(int, std::vector<int>&)> expand = [&](int v, std::vector<int>& acc) {
+    int op = c.producer[v];
+    if (op >= 0 && p.ops[op].kind == OpKind::AddAny && c.staged_op[op]) {
+      std::set<int> stages;
+      for (int32_t in : p.ops[op].inputs) stages.insert(stage_of_value(in));
+      if (stages.size() > 1) {
+        for (int32_t in : p.ops[op].inputs) expand(in, acc);
+        return;
+      }
+    }
+    acc.push_back(v);
+  };
+  for (const LoopOutput& o : p.loop_outputs) {
+    std::vector<int> vals;
+    if (o.reduce == Reduce::Stack) {
+      vals.push_back(o.body);
+    } else {
+      expand(o.body, vals);
+    }
+    for (int v : vals) {
+      OutputPart part;
+      part.body = v;
+      part.outer = o.outer;
+      part.reduce = o.reduce;
+      if (c.pos[v] == kUnplaced) {
+        part.stage = 0;  // unstaged: computed by the first stage's forward
+        part.task = TaskKind::F;
+      } else {
+        part.stage = c.stage_of(c.pos[v]);
+        part.task = c.is_fwd(c.pos[v]) ? TaskKind::F : (c.split ? TaskKind::W : TaskKind::B);
+      }
+      parts.push_back(part);
+    }
+  }
+}
+
+// Step 4: place unstaged ops at their earliest consumer, per consuming stage.
+void place_unstaged(Ctx& c, const std::vector<OutputPart>& parts) {
+  const Program& p = c.p;
+  const int nops = static_cast<int>(p.ops.size());
+  c.upos.assign(nops, {});
+  // Extra consumers: loop output parts.
+  std::vector<std::vector<std::pair<int, int>>> extra(p.values.size());
+  for (const OutputPart& part : parts) {
+    int position = part.task == TaskKind::F ? c.f_pos(part.stage) : c.b_pos(part.stage);
+    extra[part.body].push_back({part.stage, position});
+  }
+  auto note = [](std::map<int, int>& m, int stage, int position) {
+    auto it = m.find(stage);
+    if (it == m.end() || position < it->second) m[stage] = position;
+  };
+  for (int i = nops - 1; i >= 0; --i) {
+    const Op& op = p.ops[i];
+    if (op.region != Region::Loop || c.staged_op[i]) continue;
+    std::map<int, int>& m = c.upos[i];
+    for (int32_t v : op.outputs) {
+      for (auto [s, position] : extra[v]) note(m, s, position);
+      for (int u : c.consumers[v]) {
+        const Op& cop = p.ops[u];
+        if (cop.kind == OpKind::Boundary) {
+          int k = cop.boundary;
+          if (cop.backward) {
+            note(m, k + 1, c.b_pos(k + 1));
+          } else {
+            note(m, k, c.f_pos(k));
+          }
+        } else if (c.staged_op[u]) {
+          int position = c.pos[cop.outputs.empty() ? -1 : cop.outputs[0]];
+          if (cop.outputs.empty()) continue;
+          note(m, c.stage_of(position), position);
+        } else {
+          for (auto [s, position] : c.upos[u]) note(m, s, position);
+        }
+      }
+    }
+  }
+}
+
+struct TaskWork {
+  TaskBody body;
+  std::vector<int> candidates;  // ops that may run in this task (program order)
+  std::set<int> needed;         // values this task must output
+};
+
+// Step 5: task formation, interfaces and DCE.
+std::vector<TaskBody> form_tasks(Ctx& c, const std::vector<OutputPart>& parts) {
+  const Program& p = c.p;
+  const int S = c.S;
+  const int nops = static_cast<int>(p.ops.size());
+  // Position -> task slot. Slots: F_s, and B_s (or I_s and W_s).
+  // Work items indexed [stage][0=F,1=B|I,2=W].
+  std::vector<std::array<TaskWork, 3>> work(S);
+  for (int s = 0; s < S; ++s) {
+    work[s][0].body.kind = TaskKind::F;
+    work[s][1].body.kind = c.split ? TaskKind::I : TaskKind::B;
+    work[s][2].body.kind = TaskKind::W;
+    for (auto& w : work[s]) w.body.stage = s;
+  }
+  auto slot_of = [&](int position) { return c.is_fwd(position) ? 0 : 1; };
+  for (int i = 0; i < nops; ++i) {
+    const Op& op = p.ops[i];
+    if (op.region != Region::Loop || op.kind == OpKind::Boundary) continue;
+    if (c.staged_op[i]) {
+      int position = c.pos[op.outputs.empty() ? -1 : op.outputs[0]];
+      if (op.outputs.empty()) continue;
+      work[c.stage_of(position)][slot_of(position)].candidates.push_back(i);
+    } else {
+      for (auto [s, position] : c.upos[i]) work[s][slot_of(position)].candidates.push_back(i);
+    }
+  }
+  // Required outputs.
+  for (int s = 0; s < S; ++s) {
+    if (s < S - 1) {
+      const Op& m = p.ops[c.fwd_marker[s]];
+      work[s][0].body.act_out.assign(m.inputs.begin(), m.inputs.end());
+    }
+    if (s > 0) {
+      work[s][0].body.act_in.assign(p.ops[c.fwd_marker[s - 1]].outputs.begin(),
+                                    p.ops[c.fwd_marker[s - 1]].outputs.end());
+      if (c.bwd_marker[s - 1] >= 0) {
+        work[s][1].body.grad_out.assign(p.ops[c.bwd_marker[s - 1]].inputs.begin(),
+                                        p.ops[c.bwd_marker[s - 1]].inputs.end());
+      }
+    }
+    if (s < S - 1 && c.bwd_marker[s] >= 0) {
+      work[s][1].body.grad_in.assign(p.ops[c.bwd_marker[s]].outputs.begin(),
+                                     p.ops[c.bwd_marker[s]].outputs.end());
+    }
+  }
+  for (int i = 0; i < static_cast<int>(parts.size()); ++i) {
+    const OutputPart& part = parts[i];
+    int slot = part.task == TaskKind::F ? 0 : part.task == TaskKind::W ? 2 : 1;
+    if (slot == 0) {
+      work[part.stage][0].body.mb_out.push_back(i);
+    } else {
+      work[part.stage][slot].body.wgrad_out.push_back(i);
+    }
+  }
+  auto dce = [&](TaskWork& w, const std::vector<int>& outs, std::set<int>& kept_ops) {
+    std::set<int> live(outs.begin(), outs.end());
+    std::set<int> cand(w.candidates.begin(), w.candidates.end());
+    std::vector<int> kept;
+    for (auto it = w.candidates.rbegin(); it != w.candidates.rend(); ++it) {
+      const Op& op = p.ops[*it];
+      bool use = false;
+      for (int32_t v : op.outputs) use = use || live.count(v);
+      if (!use) continue;
+      kept.push_back(*it);
+      for (int32_t v : op.inputs) live.insert(v);
+    }
+    std::reverse(kept.begin(), kept.end());
+    kept_ops.insert(kept.begin(), kept.end());
+    w.body.ops = kept;
+    std::set<int> produced;
+    for (int o : kept) produced.insert(p.ops[o].outputs.begin(), p.ops[o].outputs.end());
+    std::vector<int> ins;
+    for (int v : live) {
+      if (!produced.count(v)) ins.push_back(v);
+    }
+    return ins;
+  };
+
+  // Classifies the inputs of task (s, slot) and returns values the earlier
+  // task of the same stage must provide (stash from F, or wstash from I).
+  auto classify = [&](TaskWork& w, int s, int slot, const std::vector<int>& ins,
+                      const std::set<int>& f_ops, const std::set<int>& i_ops,
+                      std::set<int>& from_f, std::set<int>& from_i) {
+    for (int v : ins) {
+      ValueKind k = p.values[v].kind;
+      if (k == ValueKind::Literal) continue;
+      if (k == ValueKind::LoopInvariant) {
+        w.body.invariant_in.push_back(v);
+        continue;
+      }
+      if (k == ValueKind::LoopMicrobatch) {
+        w.body.microbatch_in.push_back(v);
+        continue;
+      }
+      int op = c.producer[v];
+      if (op < 0) {
+        throw TraceError(fmt::format("value {} used by stage {} has no producer", c.val_label(v), s));
+      }
+      const Op& o = p.ops[op];
+      int src_stage = -1, src_slot = -1;
+      if (o.kind == OpKind::Boundary) {
+        src_stage = o.backward ? o.boundary : o.boundary + 1;
+        src_slot = o.backward ? 1 : 0;
+      } else if (f_ops.count(op)) {
+        src_stage = s;
+        src_slot = 0;
+      } else if (i_ops.count(op)) {
+        src_stage = s;
+        src_slot = 1;
+      } else if (c.staged_op[op]) {
+        int position = c.pos[v];
+        src_stage = c.stage_of(position);
+        src_slot = slot_of(position);
+      }
+      bool ok = src_stage == s && src_slot >= 0 && src_slot < slot;
+      // A task's own boundary inputs (act_in, grad_in) are available directly.
+      if (src_stage == s && src_slot == slot && o.kind == OpKind::Boundary) continue;
+      if (!ok) {
+        std::string where = src_stage < 0 ? std::string("outside any stage")
+                                          : fmt::format("stage {}", src_stage);
+        throw TraceError(fmt::format(
+            "value {} produced by {} in {} is used by the {} task of stage {} without passing "
+            "a stage_boundary (skip connections across stages are not supported; route the "
+            "value through the boundaries)",
+            c.val_label(v), c.op_label(op), where, task_kind_char(w.body.kind), s));
+      }
+      if (src_slot == 0) {
+        from_f.insert(v);
+      } else {
+        from_i.insert(v);
+      }
+    }
+  };
+
+  std::vector<TaskBody> out;
+  for (int s = 0; s < S; ++s) {
+    TaskWork& F = work[s][0];
+    TaskWork& B = work[s][1];
+    TaskWork& W = work[s][2];
+    std::set<int> f_ops_all(F.candidates.begin(), F.candidates.end());
+    std::set<int> b_ops_all(B.candidates.begin(), B.candidates.end());
+    std::vector<int> b_outs = B.body.grad_out;
+    for (int i : B.body.wgrad_out) b_outs.push_back(parts[i].body);
+    std::set<int> from_f, from_i, kept_i;
+    if (c.split) {
+      // I: ancestors of the input gradient.
+      std::set<int> kept_b;
+      std::vector<int> i_ins_probe = dce(B, B.body.grad_out, kept_b);
+      (void)i_ins_probe;
+      // W: the remaining backward ops needed for the weight gradients.
+      W.candidates.clear();
+      for (int o : B.candidates) {
+        if (!kept_b.count(o)) W.candidates.push_back(o);
+      }
+      std::vector<int> w_outs;
+      for (int i : W.body.wgrad_out) w_outs.push_back(parts[i].body);
+      std::set<int> kept_w;
+      std::vector<int> w_ins = dce(W, w_outs, kept_w);
+      std::set<int> wf, wi;
+      // W reads only WStash: everything it needs comes through I.
+      classify(W, s, 2, w_ins, f_ops_all, kept_b, wf, wi);
+      W.body.invariant_in.clear();
+      W.body.microbatch_in.clear();
+      // W may read invariants / microbatch slices directly (they are inputs
+      // of the step, not buffers).
+      for (int v : w_ins) {
+        ValueKind k = p.values[v].kind;
+        if (k == ValueKind::LoopInvariant) W.body.invariant_in.push_back(v);
+        if (k == ValueKind::LoopMicrobatch) W.body.microbatch_in.push_back(v);
+      }
+      std::set<int> wstash;
+      wstash.insert(wf.begin(), wf.end());
+      wstash.insert(wi.begin(), wi.end());
+      W.body.wstash_in.assign(wstash.begin(), wstash.end());
+      // I: outputs grad_out + wstash.
+      std::vector<int> i_outs = B.body.grad_out;
+      i_outs.insert(i_outs.end(), wstash.begin(), wstash.end());
+      std::set<int> kept_i2;
+      std::vector<int> i_ins = dce(B, i_outs, kept_i2);
+      B.body.wstash_out.assign(wstash.begin(), wstash.end());
+      std::set<int> bf, bi;
+      classify(B, s, 1, i_ins, f_ops_all, {}, bf, bi);
+      // Values of F that W needs go through I's inputs as stash.
+      for (int v : wf) bf.insert(v);
+      // Values that I reads from its own grad_in but W needs are forwarded
+      // already (they are in wstash and I has them as grad_in).
+      from_f = bf;
+    } else {
+      std::set<int> kept_b;
+      std::vector<int> b_ins = dce(B, b_outs, kept_b);
+      std::set<int> bi;
+      classify(B, s, 1, b_ins, f_ops_all, {}, from_f, bi);
+    }
+    B.body.stash_in.assign(from_f.begin(), from_f.end());
+    // F: act_out + stash + per-microbatch outputs.
+    std::vector<int> f_outs = F.body.act_out;
+    f_outs.insert(f_outs.end(), from_f.begin(), from_f.end());
+    for (int i : F.body.mb_out) f_outs.push_back(parts[i].body);
+    std::set<int> kept_f;
+    std::vector<int> f_ins = dce(F, f_outs, kept_f);
+    std::set<int> ff, fi;
+    classify(F, s, 0, f_ins, {}, {}, ff, fi);
+    F.body.stash_out.assign(from_f.begin(), from_f.end());
+    if (F.body.ops.empty()) {
+      throw TraceError(fmt::format(
+          "stage {} has no work: no operation between {} (two stage_boundary calls in a row, or "
+          "a boundary on the loop inputs?)",
+          s,
+          s == 0 ? std::string("the loop start and stage_boundary 0")
+                 : fmt::format("stage_boundary {} and {}", s - 1,
+                               s == S - 1 ? std::string("the loop end") : std::to_string(s))));
+    }
+    for (auto* w : {&F, &B, &W}) {
+      if (w == &W && !c.split) continue;
+      std::sort(w->body.invariant_in.begin(), w->body.invariant_in.end());
+      std::sort(w->body.microbatch_in.begin(), w->body.microbatch_in.end());
+      double cost = 0;
+      for (int o : w->body.ops) cost += p.ops[o].cost;
+      w->body.cost = cost;
+    }
+    out.push_back(F.body);
+    out.push_back(B.body);
+    if (c.split) out.push_back(W.body);
+  }
+  return out;
+}
+
+// Step 6: stages of pre and post ops.
+std::vector<int32_t> place_outer(const Ctx& c, const std::vector<TaskBody>& tasks,
+                                 const std::vector<OutputPart>& parts) {
+  const Program& p = c.p;
+  const int nops = static_cast<int>(p.ops.size());
+  std::vector<int32_t> op_stage(nops, -1);
+  std::vector<int> vstage(p.values.size(), -1);
+  auto lower = [](int& a, int b) {
+    if (b >= 0 && (a < 0 || b < a)) a = b;
+  };
+  for (const OutputPart& part : parts) lower(vstage[part.outer], part.stage);
+  // Outer value -> stage of the first task that reads its loop input.
+  std::vector<int> loop_use(p.values.size(), -1);
+  std::vector<int> body_use(p.values.size(), -1);
+  for (const TaskBody& t : tasks) {
+    for (int v : t.invariant_in) lower(body_use[v], t.stage);
+    for (int v : t.microbatch_in) lower(body_use[v], t.stage);
+  }
+  for (const LoopInput& in : p.loop_inputs) lower(loop_use[in.outer], body_use[in.body]);
+  // Post: forward from staged inputs.
+  for (int i = 0; i < nops; ++i) {
+    const Op& op = p.ops[i];
+    if (op.region != Region::Post) continue;
+    int s = -1;
+    for (int32_t v : op.inputs) lower(s, vstage[v]);
+    op_stage[i] = s;
+    for (int32_t v : op.outputs) vstage[v] = s;
+  }
+  // Pre and unplaced post ops: backward from consumers.
+  std::vector<int> want(p.values.size(), -1);
+  for (int v = 0; v < static_cast<int>(p.values.size()); ++v) want[v] = loop_use[v];
+  for (int i = nops - 1; i >= 0; --i) {
+    const Op& op = p.ops[i];
+    if (op.region == Region::Loop) continue;
+    if (op_stage[i] < 0) {
+      int s = -1;
+      for (int32_t v : op.outputs) lower(s, want[v]);
+      op_stage[i] = s < 0 ? 0 : s;
+    }
+    for (int32_t v : op.inputs) lower(want[v], op_stage[i]);
+  }
+  return op_stage;
+}
+
+}  // namespace
+
+int64_t TaskBody::bytes(const Program& p, const std::vector<int32_t>& vals) const {
+  int64_t b = 0;
+  for (int32_t v : vals) b += p.values[v].bytes;
+  return b;
+}
+
+int32_t Partition::task_index(TaskKind kind, int32_t stage) const {
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    if (tasks[i].kind == kind && tasks[i].stage == stage) return static_cast<int32_t>(i);
+  }
+  throw TraceError(fmt::format("no {} task for stage {} in this partition ({} backward)",
+                               task_kind_char(kind), stage, split_backward ? "split" : "full"));
+}
+
+const TaskBody& Partition::task(TaskKind kind, int32_t stage) const {
+  return tasks[task_index(kind, stage)];
+}
+
+std::string Partition::to_text(const Program& p) const {
+  auto vals = [](const std::vector<int32_t>& vs) {
+    std::string s;
+    for (size_t i = 0; i < vs.size(); ++i) s += fmt::format("{}%{}", i ? " " : "", vs[i]);
+    return s;
+  };
+  std::string out = fmt::format("partition: {} stages, {} backward\n", num_stages,
+                                split_backward ? "split (I/W)" : "full (B)");
+  for (const TaskBody& t : tasks) {
+    out += fmt::format("{}{}: {} ops, cost {}\n", task_kind_char(t.kind), t.stage, t.ops.size(),
+                       t.cost);
+    auto line = [&](const char* what, const std::vector<int32_t>& vs) {
+      if (!vs.empty()) {
+        out += fmt::format("  {}: {} ({} bytes)\n", what, vals(vs), t.bytes(p, vs));
+      }
+    };
+    line("act_in", t.act_in);
+    line("grad_in", t.grad_in);
+    line("stash_in", t.stash_in);
+    line("wstash_in", t.wstash_in);
+    line("invariant_in", t.invariant_in);
+    line("microbatch_in", t.microbatch_in);
+    line("act_out", t.act_out);
+    line("grad_out", t.grad_out);
+    line("stash_out", t.stash_out);
+    line("wstash_out", t.wstash_out);
+    std::vector<int32_t> wg, mo;
+    for (int i : t.wgrad_out) wg.push_back(parts[i].body);
+    for (int i : t.mb_out) mo.push_back(parts[i].body);
+    line("wgrad_out", wg);
+    line("mb_out", mo);
+  }
+  return out;
+}
+
+Partition partition(const Program& program, bool split_backward) {
+  program.validate();
+  Ctx c(program);
+  c.split = split_backward;
+  const int nv = static_cast<int>(program.values.size());
+  const int nops = static_cast<int>(program.ops.size());
+  c.producer.assign(nv, -1);
+  c.consumers.assign(nv, {});
+  int n_markers = 0;
+  bool any_loop = !program.loop_inputs.empty() || !program.loop_outputs.empty();
+  for (int i = 0; i < nops; ++i) {
+    const Op& op = program.ops[i];
+    for (int32_t v : op.outputs) c.producer[v] = i;
+    for (int32_t v : op.inputs) c.consumers[v].push_back(i);
+    if (op.kind == OpKind::Boundary && !op.backward) ++n_markers;
+    if (op.region == Region::Loop) any_loop = true;
+  }
+  if (!any_loop) {
+    throw TraceError("the step has no microbatch loop: call baton.accumulate inside the step");
+  }
+  if (n_markers == 0) {
+    throw TraceError(
+        "no stage_boundary inside the microbatch loop: mark where each stage ends with "
+        "baton.stage_boundary(x)");
+  }
+  c.S = n_markers + 1;
+  c.fwd_marker.assign(n_markers, -1);
+  c.bwd_marker.assign(n_markers, -1);
+  for (int i = 0; i < nops; ++i) {
+    const Op& op = program.ops[i];
+    if (op.kind != OpKind::Boundary) continue;
+    if (op.boundary < 0 || op.boundary >= n_markers) {
+      throw TraceError(fmt::format("{}: boundary index {} out of range [0, {})", c.op_label(i),
+                                   op.boundary, n_markers));
+    }
+    auto& slot = op.backward ? c.bwd_marker[op.boundary] : c.fwd_marker[op.boundary];
+    if (slot >= 0) {
+      throw TraceError(fmt::format(
+          "{}: stage_boundary {} appears twice ({} direction); each boundary must be crossed "
+          "once per microbatch",
+          c.op_label(i), op.boundary, op.backward ? "backward" : "forward"));
+    }
+    slot = i;
+  }
+  for (int s = 0; s + 1 < n_markers; ++s) {
+    if ((c.bwd_marker[s] < 0) != (c.bwd_marker[s + 1] < 0)) {
+      throw TraceError(fmt::format(
+          "stage_boundary {} has {} backward marker but boundary {} has {}: the loss must "
+          "depend on every stage",
+          s, c.bwd_marker[s] < 0 ? "no" : "a", s + 1, c.bwd_marker[s + 1] < 0 ? "none" : "one"));
+    }
+  }
+  (void)is_free_kind;
+  infer_stages(c);
+  Partition part;
+  part.num_stages = c.S;
+  part.split_backward = split_backward;
+  split_tied_sums(c, part.parts);
+  place_unstaged(c, part.parts);
+  part.tasks = form_tasks(c, part.parts);
+  part.op_stage = place_outer(c, part.tasks, part.parts);
+  return part;
+}
+
+}  // namespace baton

@@ -1,0 +1,353 @@
+// Plan methods: buffer ids, task inputs/outputs, text forms, fingerprint.
+#include "baton/plan.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "baton/error.h"
+
+namespace baton {
+
+const char* buf_kind_name(BufKind k) {
+  switch (k) {
+    case BufKind::Act:
+      return "act";
+    case BufKind::Grad:
+      return "grad";
+    case BufKind::Stash:
+      return "stash";
+    case BufKind::WStash:
+      return "wstash";
+    case BufKind::WGrad:
+      return "wgrad";
+  }
+  return "?";
+}
+
+const char* opcode_name(OpCode op) {
+  switch (op) {
+    case OpCode::Run:
+      return "RUN";
+    case OpCode::Send:
+      return "SEND";
+    case OpCode::Recv:
+      return "RECV";
+    case OpCode::Free:
+      return "FREE";
+    case OpCode::Accumulate:
+      return "ACCUMULATE";
+  }
+  return "?";
+}
+
+int32_t Plan::buffer_id(BufferKey k) const {
+  const int32_t S = schedule.num_stages, M = schedule.num_microbatches;
+  const int kind = static_cast<int>(k.kind);
+  if (kind < 0 || kind >= kNumBufKinds || k.stage < 0 || k.stage >= S || k.microbatch < 0 ||
+      k.microbatch >= M) {
+    throw ScheduleError(
+        fmt::format("buffer {}(s{},m{}) is out of range (stages 0..{}, microbatches 0..{})",
+                    buf_kind_name(k.kind), k.stage, k.microbatch, S - 1, M - 1));
+  }
+  return (kind * S + k.stage) * M + k.microbatch;
+}
+
+BufferKey Plan::buffer_key(int32_t id) const {
+  const int32_t S = schedule.num_stages, M = schedule.num_microbatches;
+  if (id < 0 || id >= num_buffer_ids()) {
+    throw ScheduleError(
+        fmt::format("buffer id {} is out of range 0..{}", id, num_buffer_ids() - 1));
+  }
+  BufferKey k;
+  k.microbatch = id % M;
+  k.stage = (id / M) % S;
+  k.kind = static_cast<BufKind>(id / M / S);
+  return k;
+}
+
+int32_t Plan::num_buffer_ids() const {
+  if (schedule.num_stages <= 0 || schedule.num_microbatches <= 0) return 0;
+  return kNumBufKinds * schedule.num_stages * schedule.num_microbatches;
+}
+
+namespace {
+
+// Appends the ids of one task's inputs / outputs. No validation beyond what
+// the id formula needs (callers validate the schedule first).
+int task_in(const Plan& p, const Task& t, int32_t* out) {
+  const int32_t S = p.schedule.num_stages, M = p.schedule.num_microbatches;
+  auto id = [&](BufKind k, int32_t s) { return (static_cast<int>(k) * S + s) * M + t.microbatch; };
+  int n = 0;
+  switch (t.kind) {
+    case TaskKind::F:
+      if (t.stage > 0) out[n++] = id(BufKind::Act, t.stage - 1);
+      break;
+    case TaskKind::B:
+    case TaskKind::I:
+      out[n++] = id(BufKind::Stash, t.stage);
+      if (t.stage < S - 1) out[n++] = id(BufKind::Grad, t.stage + 1);
+      break;
+    case TaskKind::W:
+      out[n++] = id(BufKind::WStash, t.stage);
+      break;
+  }
+  return n;
+}
+
+int task_out(const Plan& p, const Task& t, int32_t* out) {
+  const int32_t S = p.schedule.num_stages, M = p.schedule.num_microbatches;
+  auto id = [&](BufKind k, int32_t s) { return (static_cast<int>(k) * S + s) * M + t.microbatch; };
+  int n = 0;
+  switch (t.kind) {
+    case TaskKind::F:
+      if (t.stage < S - 1) out[n++] = id(BufKind::Act, t.stage);
+      out[n++] = id(BufKind::Stash, t.stage);
+      break;
+    case TaskKind::B:
+      if (t.stage > 0) out[n++] = id(BufKind::Grad, t.stage);
+      out[n++] = id(BufKind::WGrad, t.stage);
+      break;
+    case TaskKind::I:
+      if (t.stage > 0) out[n++] = id(BufKind::Grad, t.stage);
+      out[n++] = id(BufKind::WStash, t.stage);
+      break;
+    case TaskKind::W:
+      out[n++] = id(BufKind::WGrad, t.stage);
+      break;
+  }
+  return n;
+}
+
+void check_task(const Plan& p, const Task& t) {
+  const int k = static_cast<int>(t.kind);
+  if (k < 0 || k > 3 || t.stage < 0 || t.stage >= p.schedule.num_stages || t.microbatch < 0 ||
+      t.microbatch >= p.schedule.num_microbatches) {
+    throw ScheduleError(fmt::format("task {} is out of range (stages 0..{}, microbatches 0..{})",
+                                    to_string(t), p.schedule.num_stages - 1,
+                                    p.schedule.num_microbatches - 1));
+  }
+}
+
+}  // namespace
+
+std::vector<int32_t> Plan::task_inputs(const Task& t) const {
+  check_task(*this, t);
+  int32_t buf[2];
+  const int n = task_in(*this, t, buf);
+  return {buf, buf + n};
+}
+
+std::vector<int32_t> Plan::task_outputs(const Task& t) const {
+  check_task(*this, t);
+  int32_t buf[2];
+  const int n = task_out(*this, t, buf);
+  return {buf, buf + n};
+}
+
+Plan::ActionIO Plan::action_io(const Action& a) const {
+  ActionIO io;
+  io.n_in = task_in(*this, a.first, io.in);
+  io.n_out = task_out(*this, a.first, io.out);
+  if (!a.is_fused()) return io;
+  int32_t in2[2], out2[2];
+  const int n_in2 = task_in(*this, a.second, in2);
+  const int n_out2 = task_out(*this, a.second, out2);
+  auto contains = [](const int32_t* xs, int n, int32_t x) {
+    for (int i = 0; i < n; ++i)
+      if (xs[i] == x) return true;
+    return false;
+  };
+  // Inputs of the first task produced by the second (or vice versa) are
+  // internal to the action.
+  int keep = 0;
+  for (int i = 0; i < io.n_in; ++i) {
+    if (contains(out2, n_out2, io.in[i])) {
+      io.internal[io.n_internal++] = io.in[i];
+    } else {
+      io.in[keep++] = io.in[i];
+    }
+  }
+  io.n_in = keep;
+  for (int i = 0; i < n_in2; ++i) {
+    const int32_t b = in2[i];
+    if (contains(io.out, io.n_out, b)) {
+      if (!contains(io.internal, io.n_internal, b)) io.internal[io.n_internal++] = b;
+    } else if (!contains(io.in, io.n_in, b)) {
+      io.in[io.n_in++] = b;
+    }
+  }
+  for (int i = 0; i < n_out2; ++i)
+    if (!contains(io.out, io.n_out, out2[i])) io.out[io.n_out++] = out2[i];
+  return io;
+}
+
+std::vector<int32_t> Plan::action_inputs(const Action& a) const {
+  check_task(*this, a.first);
+  if (a.is_fused()) check_task(*this, a.second);
+  const ActionIO io = action_io(a);
+  return {io.in, io.in + io.n_in};
+}
+
+std::vector<int32_t> Plan::action_outputs(const Action& a) const {
+  check_task(*this, a.first);
+  if (a.is_fused()) check_task(*this, a.second);
+  const ActionIO io = action_io(a);
+  return {io.out, io.out + io.n_out};
+}
+
+int Plan::producer_rank(int32_t id) const {
+  const BufferKey k = buffer_key(id);
+  return schedule.stage_rank[k.stage];
+}
+
+int Plan::consumer_rank(int32_t id) const {
+  const BufferKey k = buffer_key(id);
+  switch (k.kind) {
+    case BufKind::Act:
+      return k.stage + 1 < schedule.num_stages ? schedule.stage_rank[k.stage + 1] : -1;
+    case BufKind::Grad:
+      return k.stage > 0 ? schedule.stage_rank[k.stage - 1] : -1;
+    case BufKind::Stash:
+    case BufKind::WStash:
+      return schedule.stage_rank[k.stage];
+    case BufKind::WGrad:
+      return -1;
+  }
+  return -1;
+}
+
+std::string Plan::describe_buffer(int32_t id) const {
+  if (id < 0 || id >= num_buffer_ids()) return fmt::format("buffer#{}?", id);
+  const BufferKey k = buffer_key(id);
+  return fmt::format("{}(s{},m{})", buf_kind_name(k.kind), k.stage, k.microbatch);
+}
+
+namespace {
+
+std::string describe_instr(const Plan& p, int rank, const Instr& in) {
+  switch (in.op) {
+    case OpCode::Run: {
+      const bool ok = rank >= 0 && rank < static_cast<int>(p.schedule.rank_actions.size()) &&
+                      in.action >= 0 &&
+                      in.action < static_cast<int>(p.schedule.rank_actions[rank].size());
+      return ok ? fmt::format("RUN {}", to_string(p.schedule.rank_actions[rank][in.action]))
+                : fmt::format("RUN action#{}?", in.action);
+    }
+    case OpCode::Send:
+      return fmt::format("SEND {}->{}", p.describe_buffer(in.buffer), in.peer);
+    case OpCode::Recv:
+      return fmt::format("RECV {}<-{}", p.describe_buffer(in.buffer), in.peer);
+    case OpCode::Free:
+      return fmt::format("FREE {}", p.describe_buffer(in.buffer));
+    case OpCode::Accumulate:
+      return fmt::format("ACCUMULATE {}", p.describe_buffer(in.buffer));
+  }
+  return fmt::format("op#{}?", static_cast<int>(in.op));
+}
+
+}  // namespace
+
+std::string Plan::describe(int rank, int index) const {
+  if (rank < 0 || rank >= static_cast<int>(programs.size()) || index < 0 ||
+      index >= static_cast<int>(programs[rank].size())) {
+    return fmt::format("rank {} #{} (no such instruction)", rank, index);
+  }
+  return fmt::format("rank {} #{} {}", rank, index,
+                     describe_instr(*this, rank, programs[rank][index]));
+}
+
+std::string Plan::to_text() const {
+  std::string out = fmt::format("plan {}: ranks {}, stages {}, microbatches {}\n", schedule.name,
+                                schedule.num_ranks, schedule.num_stages, schedule.num_microbatches);
+  for (size_t r = 0; r < programs.size(); ++r) {
+    out += fmt::format("rank {}: {} instructions\n", r, programs[r].size());
+    for (size_t i = 0; i < programs[r].size(); ++i) {
+      out +=
+          fmt::format("  #{} {}\n", i, describe_instr(*this, static_cast<int>(r), programs[r][i]));
+    }
+  }
+  return out;
+}
+
+namespace {
+
+// FNV-1a 64 over a canonical little-endian serialization: a format tag, the
+// schedule (name, sizes, placement, every action as kind/stage/microbatch of
+// both task slots) and each rank's program (opcode byte, then the fields that
+// opcode uses: RUN action; SEND/RECV buffer, peer; FREE/ACCUMULATE buffer).
+class Fnv {
+ public:
+  void byte(uint8_t b) {
+    h_ ^= b;
+    h_ *= 1099511628211ULL;
+  }
+  void u32(uint32_t v) {
+    for (int i = 0; i < 4; ++i) byte(static_cast<uint8_t>(v >> (8 * i)));
+  }
+  void i32(int32_t v) { u32(static_cast<uint32_t>(v)); }
+  void str(const std::string& s) {
+    u32(static_cast<uint32_t>(s.size()));
+    for (char c : s) byte(static_cast<uint8_t>(c));
+  }
+  void task(const Task& t) {
+    byte(static_cast<uint8_t>(t.kind));
+    i32(t.stage);
+    i32(t.microbatch);
+  }
+  uint64_t value() const { return h_; }
+
+ private:
+  uint64_t h_ = 14695981039346656037ULL;
+};
+
+}  // namespace
+
+std::string Plan::fingerprint() const {
+  Fnv h;
+  h.str("baton-plan 1");
+  const Schedule& s = schedule;
+  h.str(s.name);
+  h.i32(s.num_ranks);
+  h.i32(s.num_stages);
+  h.i32(s.num_microbatches);
+  h.u32(static_cast<uint32_t>(s.stage_rank.size()));
+  for (int32_t r : s.stage_rank) h.i32(r);
+  h.u32(static_cast<uint32_t>(s.rank_actions.size()));
+  for (const auto& row : s.rank_actions) {
+    h.u32(static_cast<uint32_t>(row.size()));
+    for (const Action& a : row) {
+      h.task(a.first);
+      h.task(a.second);
+    }
+  }
+  h.u32(static_cast<uint32_t>(programs.size()));
+  for (const auto& prog : programs) {
+    h.u32(static_cast<uint32_t>(prog.size()));
+    // Only the fields an opcode uses are part of its canonical form.
+    for (const Instr& in : prog) {
+      h.byte(static_cast<uint8_t>(in.op));
+      switch (in.op) {
+        case OpCode::Run:
+          h.i32(in.action);
+          break;
+        case OpCode::Send:
+        case OpCode::Recv:
+          h.i32(in.buffer);
+          h.i32(in.peer);
+          break;
+        case OpCode::Free:
+        case OpCode::Accumulate:
+          h.i32(in.buffer);
+          break;
+        default:
+          h.i32(in.action);
+          h.i32(in.buffer);
+          h.i32(in.peer);
+      }
+    }
+  }
+  return fmt::format("{:016x}", h.value());
+}
+
+}  // namespace baton

@@ -1,0 +1,930 @@
+// Discrete-event simulator over a lowered Plan (semantics in sim.h).
+//
+// Every rank's timeline depends only on its own earlier instructions and on
+// the arrival times of the buffers it receives, and an arrival time is fixed
+// as soon as both the SEND and the RECV are posted (links are FIFO per
+// sender, so a link's free time is known when the sender posts). So the
+// simulation is a dataflow evaluation: each rank runs ahead until a RUN waits
+// for an input whose arrival is not yet known; resolving that transfer wakes
+// the rank again. Every instruction is processed once (a blocked RUN is
+// re-evaluated once), so the main loop is O(N). Buffer records are recycled
+// when freed, so the working set stays the size of the live buffers; RUN and
+// transfer records are written straight into the result. Only the releases
+// that wait for a send are sorted (memory timeline).
+#include "baton/sim.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <charconv>
+#include <cmath>
+#include <limits>
+
+#include "baton/error.h"
+
+namespace baton {
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Dense buffer ids as documented in plan.h: id = (kind * S + stage) * M + mb.
+struct Ids {
+  int32_t S = 0, M = 0;
+  int32_t id(BufKind k, int32_t s, int32_t m) const {
+    return (static_cast<int32_t>(k) * S + s) * M + m;
+  }
+  int32_t count() const { return kNumBufKinds * S * M; }
+  BufKind kind(int32_t id) const { return static_cast<BufKind>(id / (S * M)); }
+  int32_t stage(int32_t id) const { return (id / M) % S; }
+  int32_t mb(int32_t id) const { return id % M; }
+};
+
+const char* kind_name(BufKind k) {
+  switch (k) {
+    case BufKind::Act: return "act";
+    case BufKind::Grad: return "grad";
+    case BufKind::Stash: return "stash";
+    case BufKind::WStash: return "wstash";
+    case BufKind::WGrad: return "wgrad";
+  }
+  return "?";
+}
+
+const char* op_name(OpCode op) {
+  switch (op) {
+    case OpCode::Run: return "RUN";
+    case OpCode::Send: return "SEND";
+    case OpCode::Recv: return "RECV";
+    case OpCode::Free: return "FREE";
+    case OpCode::Accumulate: return "ACCUMULATE";
+  }
+  return "?";
+}
+
+void append_int(std::string& out, int v) {
+  char buf[16];
+  const auto res = std::to_chars(buf, buf + sizeof buf, v);
+  out.append(buf, res.ptr);
+}
+
+// Same text as to_string(Task): "F3.1".
+void append_task(std::string& out, const Task& t) {
+  out += task_kind_char(t.kind);
+  append_int(out, t.stage);
+  out += '.';
+  append_int(out, t.microbatch);
+}
+
+// Small fixed-capacity id list (a fused action touches at most 8 buffers).
+struct IdList {
+  std::array<int32_t, 8> v;
+  std::array<int32_t, 8> ks;  // kind * S + stage of each (indexes the byte table)
+  int n = 0;
+  bool dedupe = false;  // only a fused pair can name a buffer twice
+  void add(const Ids& ids, BufKind k, int32_t s, int32_t m) {
+    const int32_t x = ids.id(k, s, m);
+    if (dedupe)
+      for (int j = 0; j < n; ++j)
+        if (v[j] == x) return;
+    ks[n] = static_cast<int32_t>(k) * ids.S + s;
+    v[n++] = x;
+  }
+  bool contains(int32_t x) const {
+    for (int k = 0; k < n; ++k)
+      if (v[k] == x) return true;
+    return false;
+  }
+};
+
+void task_io(const Ids& ids, const Task& t, IdList& in, IdList& out) {
+  const int32_t s = t.stage, m = t.microbatch, last = ids.S - 1;
+  switch (t.kind) {
+    case TaskKind::F:
+      if (s > 0) in.add(ids, BufKind::Act, s - 1, m);
+      if (s < last) out.add(ids, BufKind::Act, s, m);
+      out.add(ids, BufKind::Stash, s, m);
+      break;
+    case TaskKind::B:
+    case TaskKind::I:
+      in.add(ids, BufKind::Stash, s, m);
+      if (s < last) in.add(ids, BufKind::Grad, s + 1, m);
+      if (s > 0) out.add(ids, BufKind::Grad, s, m);
+      out.add(ids, t.kind == TaskKind::B ? BufKind::WGrad : BufKind::WStash, s, m);
+      break;
+    case TaskKind::W:
+      in.add(ids, BufKind::WStash, s, m);
+      out.add(ids, BufKind::WGrad, s, m);
+      break;
+  }
+}
+
+double task_time(const StageCost& c, TaskKind k) {
+  switch (k) {
+    case TaskKind::F: return c.f;
+    case TaskKind::B: return c.b;
+    case TaskKind::I: return c.i;
+    case TaskKind::W: return c.w;
+  }
+  return 0;
+}
+
+// Where a buffer lives on a rank: a Life record index, or kLocal for a
+// buffer produced on the rank and neither sent nor freed yet (most buffers:
+// they need no record).
+constexpr int32_t kNoLife = -1;
+constexpr int32_t kLocal = -2;
+
+// Map from buffer id to its life on one rank: open addressing with linear
+// probing and backward-shift deletion. It holds only the rank's live
+// buffers, so it stays small and in cache (a dense table over all buffer
+// ids would cost a cache miss per first touch).
+class LiveMap {
+ public:
+  LiveMap() { rehash(32); }
+  int32_t get(int32_t key) const {
+    for (uint32_t i = home(key);; i = (i + 1) & mask_) {
+      if (keys_[i] == key) return vals_[i];
+      if (keys_[i] == kEmpty) return kNoLife;
+    }
+  }
+  int32_t* find(int32_t key) {
+    for (uint32_t i = home(key);; i = (i + 1) & mask_) {
+      if (keys_[i] == key) return &vals_[i];
+      if (keys_[i] == kEmpty) return nullptr;
+    }
+  }
+  // False (and no change) when the key is present.
+  bool insert(int32_t key, int32_t val) {
+    if (2 * (size_ + 1) > mask_ + 1) rehash(2 * (mask_ + 1));
+    uint32_t i = home(key);
+    for (; keys_[i] != kEmpty; i = (i + 1) & mask_)
+      if (keys_[i] == key) return false;
+    keys_[i] = key;
+    vals_[i] = val;
+    ++size_;
+    return true;
+  }
+  void erase(int32_t key) {
+    uint32_t i = home(key);
+    for (; keys_[i] != key; i = (i + 1) & mask_)
+      if (keys_[i] == kEmpty) return;
+    for (uint32_t j = i;;) {
+      j = (j + 1) & mask_;
+      if (keys_[j] == kEmpty) break;
+      const uint32_t k = home(keys_[j]);
+      // Entry j may move back to i unless its home lies cyclically in (i, j].
+      if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
+      keys_[i] = keys_[j];
+      vals_[i] = vals_[j];
+      i = j;
+    }
+    keys_[i] = kEmpty;
+    --size_;
+  }
+
+ private:
+  static constexpr int32_t kEmpty = -1;
+  uint32_t home(int32_t key) const {
+    return (static_cast<uint32_t>(key) * 2654435769u) >> shift_;
+  }
+  void rehash(uint32_t cap) {
+    std::vector<int32_t> k(cap, kEmpty), v(cap, 0);
+    keys_.swap(k);
+    vals_.swap(v);
+    mask_ = cap - 1;
+    shift_ = 32 - static_cast<uint32_t>(std::countr_zero(cap));
+    size_ = 0;
+    for (size_t i = 0; i < k.size(); ++i)
+      if (k[i] != kEmpty) insert(k[i], v[i]);
+  }
+  std::vector<int32_t> keys_, vals_;
+  uint32_t mask_ = 0, shift_ = 32, size_ = 0;
+};
+
+// A buffer's life on one rank. Records are recycled once the buffer is
+// released, so only live buffers occupy the table.
+struct Life {
+  int32_t rank = 0;
+  int32_t buffer = 0;
+  int32_t transfer = -1;       // received: the transfer that brings it
+  int32_t pending_sends = 0;   // sends of it from this rank not yet resolved
+  int64_t bytes = 0;
+  double ready = 0;            // when it is present (produced or arrived)
+  double free_post = kInf;     // FREE posted
+  double send_end = -kInf;     // latest completion of a send of it from this rank
+  bool activation = false;
+  bool freed = false;
+  bool ready_known = true;
+};
+
+enum class Pred : uint8_t { None, Run, Transfer };
+enum class XferPred : uint8_t { SendPost, LinkBusy, RecvPost };
+
+// Simulator-side state of a transfer (the TransferEvent lives in the result).
+struct XferState {
+  int32_t next_open = -1;  // open transfers of the same buffer to the same rank
+  int32_t send_life = -1, recv_life = -1;
+  int32_t send_run = -1, recv_run = -1;  // sender's / receiver's last RUN at posting
+  int32_t link_prev = -1;                // previous transfer on the same link
+  double dur = 0, recv_posted = 0;
+  bool has_send = false, has_recv = false, resolved = false, waited = false;
+  XferPred start_pred = XferPred::SendPost;
+  XferPred end_pred = XferPred::SendPost;
+};
+
+struct RunPred {
+  Pred kind = Pred::None;
+  int32_t index = -1;
+};
+
+// A memory event: deltas of the activation and total bytes on a rank.
+struct MemEvent {
+  double time;
+  int64_t act, total;
+};
+
+enum class Status : uint8_t { Ready, Blocked, Done };
+
+struct RankState {
+  int32_t pc = 0;
+  double time = 0;
+  int32_t last_run = -1;  // index in result.runs
+  int32_t next_run = 0;   // where this rank's next RUN goes in result.runs
+  int32_t missing = 0;
+  Status status = Status::Ready;
+  bool queued = false;
+  int64_t act = 0, total = 0;  // live bytes, without the releases that wait for sends
+};
+
+class Simulator {
+ public:
+  Simulator(const Plan& plan, const CostModel& costs) : plan_(plan), costs_(costs) {
+    const Schedule& s = plan.schedule;
+    P_ = s.num_ranks;
+    ids_.S = s.num_stages;
+    ids_.M = s.num_microbatches;
+    nids_ = ids_.count();
+  }
+
+  SimResult run();
+
+ private:
+  std::string buf_name(int32_t id) const {
+    return fmt::format("{}(s{},m{})", kind_name(ids_.kind(id)), ids_.stage(id), ids_.mb(id));
+  }
+  std::string describe(int rank, int index) const;
+  [[noreturn, gnu::cold, gnu::noinline]] void fail(int rank, int index,
+                                                   const std::string& why) const {
+    throw VerifyError(fmt::format("simulate: {}: {}", describe(rank, index), why));
+  }
+  // Bytes and kind of a buffer, from a table per (kind, stage).
+  struct BufInfo {
+    int64_t bytes = 0;
+    bool activation = false;
+  };
+  const BufInfo& info(int32_t id) const { return info_[id / ids_.M]; }
+  // Life of buffer `id` on `rank`: a record index, kLocal, or kNoLife.
+  int32_t find_life(int32_t rank, int32_t id) const { return live_[rank].get(id); }
+  // Records that `id` is live on `rank` (life or kLocal); throws when it
+  // already is.
+  void claim(int32_t rank, int32_t id, int32_t life, int pc) {
+    if (!live_[rank].insert(id, life)) [[unlikely]]
+      fail(rank, pc, fmt::format("{} is already live on rank {}", buf_name(id), rank));
+  }
+  // A record for a buffer arriving by RECV (allocated at `alloc`).
+  int32_t new_life(int32_t rank, int32_t id, double alloc, int pc);
+  // A record for a local buffer that is being sent.
+  int32_t materialize(int32_t rank, int32_t id, double ready);
+  // Releases life `l` at `time` (its rank's cursor when `late` is false;
+  // otherwise any time, merged into the timeline at the end) and recycles it.
+  void release(int32_t l, double time, bool late);
+  void mem_event(int32_t rank, double time, int64_t act, int64_t total) {
+    RankState& st = ranks_[rank];
+    st.act += act;
+    st.total += total;
+    auto& v = res_.memory[rank];
+    if (!v.empty() && v.back().time == time) {
+      v.back().activation = st.act;
+      v.back().total = st.total;
+    } else {
+      v.push_back({time, st.act, st.total});
+    }
+  }
+  int32_t open_transfer(int32_t src, int32_t dst, int32_t id, bool want_send);
+  void close_transfer(int32_t t);
+  void resolve(int32_t t);
+  void step(int32_t rank);
+  void push(int32_t rank) {
+    RankState& st = ranks_[rank];
+    if (!st.queued) {
+      st.queued = true;
+      work_.push_back(rank);
+    }
+  }
+  void check_instr(int rank, int index, const Instr& in) const;
+  [[noreturn]] void report_stuck() const;
+  void finish_memory();
+  void build_critical_path();
+
+  const Plan& plan_;
+  const CostModel& costs_;
+  int32_t P_ = 0;
+  Ids ids_;
+  int32_t nids_ = 0;
+  SimResult res_;
+  std::vector<RankState> ranks_;
+  std::vector<int32_t> work_;
+  std::vector<Life> lives_;
+  std::vector<int32_t> free_lives_;
+  std::vector<LiveMap> live_;  // per rank: buffer id -> life
+  std::vector<XferState> xs_;  // parallel to res_.transfers
+  std::vector<int32_t> open_;  // per buffer id: chain of transfers missing a side
+  std::vector<double> link_free_;
+  std::vector<int32_t> link_last_;
+  std::vector<RunPred> run_pred_;  // parallel to res_.runs
+  std::vector<BufInfo> info_;      // per kind * S + stage
+  std::vector<std::vector<MemEvent>> late_;  // per rank: releases that waited for sends
+};
+
+std::string Simulator::describe(int rank, int index) const {
+  const auto& prog = plan_.programs[rank];
+  if (index < 0 || index >= static_cast<int>(prog.size()))
+    return fmt::format("rank {} #{}", rank, index);
+  const Instr& in = prog[index];
+  std::string head = fmt::format("rank {} #{} {}", rank, index, op_name(in.op));
+  const bool buf_ok = in.buffer >= 0 && in.buffer < ids_.count();
+  switch (in.op) {
+    case OpCode::Run: {
+      const auto& acts = plan_.schedule.rank_actions[rank];
+      if (in.action >= 0 && in.action < static_cast<int>(acts.size()))
+        return head + " " + to_string(acts[in.action]);
+      return fmt::format("{} <action {}>", head, in.action);
+    }
+    case OpCode::Send:
+      return fmt::format("{} {}->{}", head, buf_ok ? buf_name(in.buffer) : "<bad buffer>",
+                         in.peer);
+    case OpCode::Recv:
+      return fmt::format("{} {}<-{}", head, buf_ok ? buf_name(in.buffer) : "<bad buffer>",
+                         in.peer);
+    case OpCode::Free:
+    case OpCode::Accumulate:
+      return fmt::format("{} {}", head, buf_ok ? buf_name(in.buffer) : "<bad buffer>");
+  }
+  return head;
+}
+
+int32_t Simulator::materialize(int32_t rank, int32_t id, double ready) {
+  int32_t l;
+  if (!free_lives_.empty()) {
+    l = free_lives_.back();
+    free_lives_.pop_back();
+  } else {
+    l = static_cast<int32_t>(lives_.size());
+    lives_.emplace_back();
+  }
+  const BufInfo& bi = info(id);
+  Life& L = lives_[l];
+  L = Life{};
+  L.rank = rank;
+  L.buffer = id;
+  L.bytes = bi.bytes;
+  L.activation = bi.activation;
+  L.ready = ready;
+  *live_[rank].find(id) = l;
+  return l;
+}
+
+int32_t Simulator::new_life(int32_t rank, int32_t id, double alloc, int pc) {
+  claim(rank, id, kLocal, pc);
+  const int32_t l = materialize(rank, id, alloc);
+  // Allocation times follow program order, so each rank's timeline is
+  // appended in time order.
+  const BufInfo& bi = info(id);
+  mem_event(rank, alloc, bi.activation ? bi.bytes : 0, bi.bytes);
+  return l;
+}
+
+void Simulator::release(int32_t l, double time, bool late) {
+  Life& L = lives_[l];
+  const int64_t act = L.activation ? -L.bytes : 0;
+  if (late)
+    late_[L.rank].push_back({time, act, -L.bytes});
+  else
+    mem_event(L.rank, time, act, -L.bytes);
+  live_[L.rank].erase(L.buffer);
+  free_lives_.push_back(l);
+}
+
+int32_t Simulator::open_transfer(int32_t src, int32_t dst, int32_t id, bool want_send) {
+  for (int32_t t = open_[id]; t >= 0; t = xs_[t].next_open) {
+    const TransferEvent& e = res_.transfers[t];
+    if (e.src == src && e.dst == dst && (want_send ? !xs_[t].has_send : !xs_[t].has_recv))
+      return t;
+  }
+  TransferEvent e;
+  e.src = src;
+  e.dst = dst;
+  e.buffer = id;
+  e.send_instr = e.recv_instr = -1;
+  e.bytes = info(id).bytes;
+  res_.transfers.push_back(e);
+  xs_.emplace_back();
+  const int32_t t = static_cast<int32_t>(xs_.size() - 1);
+  xs_[t].next_open = open_[id];
+  open_[id] = t;
+  return t;
+}
+
+// Both sides are posted: take the transfer off its buffer's open chain.
+void Simulator::close_transfer(int32_t t) {
+  int32_t* link = &open_[res_.transfers[t].buffer];
+  while (*link != t) link = &xs_[*link].next_open;
+  *link = xs_[t].next_open;
+}
+
+void Simulator::check_instr(int rank, int index, const Instr& in) const {
+  switch (in.op) {
+    case OpCode::Run:
+      if (in.action < 0 ||
+          in.action >= static_cast<int>(plan_.schedule.rank_actions[rank].size()))
+        fail(rank, index, fmt::format("action index {} out of range", in.action));
+      return;
+    case OpCode::Send:
+    case OpCode::Recv:
+      if (in.peer < 0 || in.peer >= P_ || in.peer == rank)
+        fail(rank, index, fmt::format("bad peer rank {}", in.peer));
+      [[fallthrough]];
+    case OpCode::Free:
+    case OpCode::Accumulate:
+      if (in.buffer < 0 || in.buffer >= nids_)
+        fail(rank, index, fmt::format("buffer id {} out of range", in.buffer));
+      return;
+  }
+  fail(rank, index, "unknown opcode");
+}
+
+void Simulator::resolve(int32_t t) {
+  TransferEvent& e = res_.transfers[t];
+  XferState& x = xs_[t];
+  close_transfer(t);
+  const double arrive = e.start + x.dur;
+  if (x.recv_posted > arrive) {
+    e.end = x.recv_posted;
+    x.end_pred = XferPred::RecvPost;
+  } else {
+    e.end = arrive;
+    x.end_pred = x.start_pred;
+  }
+  x.resolved = true;
+  Life& rl = lives_[x.recv_life];
+  rl.ready = e.end;
+  rl.ready_known = true;
+  if (rl.freed && rl.pending_sends == 0) release(x.recv_life, rl.free_post, true);
+  Life& sl = lives_[x.send_life];
+  sl.send_end = std::max(sl.send_end, e.end);
+  if (--sl.pending_sends == 0 && sl.freed && sl.ready_known)
+    release(x.send_life, std::max(sl.free_post, sl.send_end), true);
+  if (x.waited) {
+    RankState& st = ranks_[e.dst];
+    if (st.status == Status::Blocked && --st.missing == 0) {
+      st.status = Status::Ready;
+      push(e.dst);
+    }
+  }
+}
+
+void Simulator::step(int32_t rank) {
+  RankState& st = ranks_[rank];
+  const auto& prog = plan_.programs[rank];
+  const auto& acts = plan_.schedule.rank_actions[rank];
+  const int32_t n = static_cast<int32_t>(prog.size());
+  while (st.pc < n) {
+    const int32_t pc = st.pc;
+    const Instr& in = prog[pc];
+    check_instr(rank, pc, in);
+    switch (in.op) {
+      case OpCode::Run: {
+        const Action& a = acts[in.action];
+        const bool fused = a.is_fused();
+        IdList ins, outs;
+        ins.dedupe = outs.dedupe = fused;
+        task_io(ids_, a.first, ins, outs);
+        double dur = task_time(costs_.stage(a.first.stage), a.first.kind);
+        if (fused) {
+          task_io(ids_, a.second, ins, outs);
+          dur += task_time(costs_.stage(a.second.stage), a.second.kind);
+          dur *= costs_.fused_factor;
+        }
+        double ready = st.time;
+        int32_t ready_xfer = -1;
+        double ready_xfer_end = -kInf;
+        int32_t missing = 0;
+        for (int k = 0; k < ins.n; ++k) {
+          const int32_t b = ins.v[k];
+          if (fused && outs.contains(b)) continue;  // produced inside the fused pair
+          const int32_t l = find_life(rank, b);
+          if (l == kLocal) continue;  // produced here earlier: present
+          if (l == kNoLife)
+            fail(rank, pc, fmt::format("input {} is not on rank {} (not produced earlier on the "
+                                       "rank nor received by an earlier RECV, or already freed)",
+                                       buf_name(b), rank));
+          const Life& L = lives_[l];
+          if (L.freed)  // freed, release pending on a send
+            fail(rank, pc, fmt::format("input {} was already freed", buf_name(b)));
+          if (!L.ready_known) {
+            xs_[L.transfer].waited = true;
+            ++missing;
+            continue;
+          }
+          if (L.transfer >= 0 && L.ready > ready_xfer_end) {
+            ready_xfer = L.transfer;
+            ready_xfer_end = L.ready;
+          }
+          ready = std::max(ready, L.ready);
+        }
+        if (missing > 0) {
+          st.missing = missing;
+          st.status = Status::Blocked;
+          return;
+        }
+        const int32_t slot = st.next_run++;
+        RunEvent& r = res_.runs[slot];
+        r = RunEvent{rank, pc, in.action, ready, ready + dur};
+        // What set the start: the latest input's arrival when it came after
+        // the rank was free (or the rank has not run anything yet), else the
+        // rank's previous RUN.
+        RunPred& pred = run_pred_[slot];
+        if (ready_xfer >= 0 && (ready_xfer_end > st.time || st.last_run < 0))
+          pred = {Pred::Transfer, ready_xfer};
+        else if (st.last_run >= 0)
+          pred = {Pred::Run, st.last_run};
+        for (int k = 0; k < outs.n; ++k) {
+          const int32_t b = outs.v[k];
+          claim(rank, b, kLocal, pc);
+          const BufInfo& bi = info_[outs.ks[k]];
+          mem_event(rank, r.start, bi.activation ? bi.bytes : 0, bi.bytes);
+        }
+        st.last_run = slot;
+        st.time = r.end;
+        break;
+      }
+      case OpCode::Send: {
+        int32_t l = find_life(rank, in.buffer);
+        if (l == kLocal) l = materialize(rank, in.buffer, st.time);
+        if (l == kNoLife || lives_[l].freed)
+          fail(rank, pc, fmt::format("sends {}, which is not on rank {}", buf_name(in.buffer), rank));
+        const int32_t t = open_transfer(rank, in.peer, in.buffer, true);
+        const int32_t link = rank * P_ + in.peer;
+        TransferEvent& e = res_.transfers[t];
+        XferState& x = xs_[t];
+        x.has_send = true;
+        e.send_instr = pc;
+        x.send_life = l;
+        ++lives_[l].pending_sends;
+        x.send_run = st.last_run;
+        e.posted = st.time;
+        x.dur = costs_.link.latency +
+                (costs_.link.bandwidth > 0 ? static_cast<double>(e.bytes) / costs_.link.bandwidth
+                                           : 0.0);
+        if (link_free_[link] > st.time) {
+          e.start = link_free_[link];
+          x.start_pred = XferPred::LinkBusy;
+        } else {
+          e.start = st.time;
+          x.start_pred = XferPred::SendPost;
+        }
+        x.link_prev = link_last_[link];
+        link_free_[link] = e.start + x.dur;
+        link_last_[link] = t;
+        if (x.has_recv) resolve(t);
+        break;
+      }
+      case OpCode::Recv: {
+        const int32_t t = open_transfer(in.peer, rank, in.buffer, false);
+        const int32_t l = new_life(rank, in.buffer, st.time, pc);
+        XferState& x = xs_[t];
+        x.has_recv = true;
+        res_.transfers[t].recv_instr = pc;
+        x.recv_life = l;
+        x.recv_run = st.last_run;
+        x.recv_posted = st.time;
+        Life& L = lives_[l];
+        L.transfer = t;
+        L.ready_known = false;
+        if (x.has_send) resolve(t);
+        break;
+      }
+      case OpCode::Free: {
+        const int32_t l = find_life(rank, in.buffer);
+        if (l == kLocal) {
+          const BufInfo& bi = info(in.buffer);
+          mem_event(rank, st.time, bi.activation ? -bi.bytes : 0, -bi.bytes);
+          live_[rank].erase(in.buffer);
+          break;
+        }
+        if (l == kNoLife || lives_[l].freed)
+          fail(rank, pc,
+               fmt::format("frees {}, which is not live on rank {}", buf_name(in.buffer), rank));
+        Life& L = lives_[l];
+        L.freed = true;
+        L.free_post = st.time;
+        // Released now, or when its sends (or its own arrival) complete.
+        if (L.pending_sends == 0 && L.ready_known) {
+          if (L.send_end <= st.time)
+            release(l, st.time, false);
+          else
+            release(l, L.send_end, true);
+        }
+        break;
+      }
+      case OpCode::Accumulate: {
+        const int32_t l = find_life(rank, in.buffer);
+        if (l == kNoLife || (l >= 0 && lives_[l].freed))
+          fail(rank, pc, fmt::format("accumulates {}, which is not live on rank {}",
+                                     buf_name(in.buffer), rank));
+        break;
+      }
+    }
+    ++st.pc;
+  }
+  st.status = Status::Done;
+}
+
+void Simulator::report_stuck() const {
+  std::vector<std::string> lines;
+  std::vector<int> stuck;
+  for (int32_t r = 0; r < P_; ++r) {
+    const RankState& st = ranks_[r];
+    if (st.status == Status::Done) continue;
+    stuck.push_back(r);
+    std::string line = describe(r, st.pc) + " waits for";
+    const Instr& in = plan_.programs[r][st.pc];
+    const Action& a = plan_.schedule.rank_actions[r][in.action];
+    IdList ins, outs;
+    ins.dedupe = outs.dedupe = true;
+    task_io(ids_, a.first, ins, outs);
+    if (a.is_fused()) task_io(ids_, a.second, ins, outs);
+    bool first = true;
+    for (int k = 0; k < ins.n; ++k) {
+      const int32_t l = find_life(r, ins.v[k]);
+      if (l < 0 || lives_[l].ready_known) continue;
+      const int32_t src = res_.transfers[lives_[l].transfer].src;
+      line += fmt::format("{} {} from rank {} (rank {} ", first ? "" : ",", buf_name(ins.v[k]),
+                          src, src);
+      const RankState& ss = ranks_[src];
+      if (ss.status == Status::Done)
+        line += "finished without sending it)";
+      else
+        line += fmt::format("is stuck at #{})", ss.pc);
+      first = false;
+    }
+    lines.push_back(std::move(line));
+  }
+  std::string msg;
+  if (!stuck.empty()) {
+    msg = "simulate: the program cannot make progress; stuck ranks:";
+    for (int r : stuck) msg += fmt::format(" {}", r);
+    msg += "\n";
+    for (const auto& l : lines) msg += "  " + l + "\n";
+  } else {
+    msg = "simulate: communication never completes\n";
+  }
+  int shown = 0, more = 0;
+  for (size_t t = 0; t < xs_.size(); ++t) {
+    const XferState& x = xs_[t];
+    const TransferEvent& e = res_.transfers[t];
+    if (x.has_send && x.has_recv) continue;
+    if (shown >= 8) {
+      ++more;
+      continue;
+    }
+    ++shown;
+    if (x.has_send)
+      msg += fmt::format("  {} is never received\n", describe(e.src, e.send_instr));
+    else
+      msg += fmt::format("  {} never gets its send\n", describe(e.dst, e.recv_instr));
+  }
+  if (more) msg += fmt::format("  ... and {} more unmatched sends/receives\n", more);
+  msg.pop_back();
+  throw VerifyError(msg);
+}
+
+// Merges the releases that waited for sends into each rank's timeline and
+// takes the peaks. A sample holds the value after every event at its time.
+void Simulator::finish_memory() {
+  res_.peak_activation.assign(P_, 0);
+  res_.peak_total.assign(P_, 0);
+  std::vector<MemorySample> merged;
+  for (int32_t r = 0; r < P_; ++r) {
+    auto& late = late_[r];
+    auto& samples = res_.memory[r];
+    if (!late.empty()) {
+      std::sort(late.begin(), late.end(),
+                [](const MemEvent& a, const MemEvent& b) { return a.time < b.time; });
+      merged.clear();
+      merged.reserve(samples.size() + late.size());
+      size_t i = 0, j = 0;
+      MemorySample cur{0, 0, 0};
+      int64_t late_act = 0, late_total = 0;
+      while (i < samples.size() || j < late.size()) {
+        double t = kInf;
+        if (i < samples.size()) t = samples[i].time;
+        if (j < late.size()) t = std::min(t, late[j].time);
+        if (i < samples.size() && samples[i].time == t) cur = samples[i++];
+        for (; j < late.size() && late[j].time == t; ++j) {
+          late_act += late[j].act;
+          late_total += late[j].total;
+        }
+        merged.push_back({t, cur.activation + late_act, cur.total + late_total});
+      }
+      samples.swap(merged);
+    }
+    if (samples.empty() || samples.front().time > 0) samples.insert(samples.begin(), {0.0, 0, 0});
+    int64_t pa = 0, pt = 0;
+    for (const MemorySample& m : samples) {
+      pa = std::max(pa, m.activation);
+      pt = std::max(pt, m.total);
+    }
+    res_.peak_activation[r] = pa;
+    res_.peak_total[r] = pt;
+  }
+}
+
+void Simulator::build_critical_path() {
+  // Find the event that ends last (RUNs preferred on ties).
+  Pred node = Pred::None;
+  int32_t idx = -1;
+  double best = -kInf;
+  for (size_t k = 0; k < res_.runs.size(); ++k)
+    if (res_.runs[k].end > best) {
+      best = res_.runs[k].end;
+      node = Pred::Run;
+      idx = static_cast<int32_t>(k);
+    }
+  for (size_t k = 0; k < res_.transfers.size(); ++k)
+    if (res_.transfers[k].end > best) {
+      best = res_.transfers[k].end;
+      node = Pred::Transfer;
+      idx = static_cast<int32_t>(k);
+    }
+  std::vector<CriticalStep> path;
+  while (node != Pred::None && idx >= 0) {
+    if (node == Pred::Run) {
+      const RunEvent& r = res_.runs[idx];
+      const Action& a = plan_.schedule.rank_actions[r.rank][r.action];
+      std::string what = "RUN ";
+      append_task(what, a.first);
+      if (a.is_fused()) {
+        what += '+';
+        append_task(what, a.second);
+      }
+      path.push_back({r.rank, r.instr, r.start, r.end, std::move(what)});
+      node = run_pred_[idx].kind;
+      idx = run_pred_[idx].index;
+    } else {
+      const TransferEvent& e = res_.transfers[idx];
+      const XferState& x = xs_[idx];
+      // "transfer act(s0,m1) 0->1", without fmt: paths can be long.
+      std::string what = "transfer ";
+      what += kind_name(ids_.kind(e.buffer));
+      what += "(s";
+      append_int(what, ids_.stage(e.buffer));
+      what += ",m";
+      append_int(what, ids_.mb(e.buffer));
+      what += ") ";
+      append_int(what, e.src);
+      what += "->";
+      append_int(what, e.dst);
+      path.push_back({e.src, e.send_instr, e.start, e.end, std::move(what)});
+      switch (x.end_pred) {
+        case XferPred::SendPost:
+          node = x.send_run >= 0 ? Pred::Run : Pred::None;
+          idx = x.send_run;
+          break;
+        case XferPred::LinkBusy:
+          node = Pred::Transfer;
+          idx = x.link_prev;
+          break;
+        case XferPred::RecvPost:
+          node = x.recv_run >= 0 ? Pred::Run : Pred::None;
+          idx = x.recv_run;
+          break;
+      }
+    }
+  }
+  std::reverse(path.begin(), path.end());
+  res_.critical_path = std::move(path);
+}
+
+SimResult Simulator::run() {
+  costs_.validate();
+  const Schedule& s = plan_.schedule;
+  if (P_ <= 0 || ids_.S <= 0 || ids_.M <= 0)
+    throw VerifyError(fmt::format("simulate: empty schedule (ranks={}, stages={}, microbatches={})",
+                                  P_, ids_.S, ids_.M));
+  if (int64_t{kNumBufKinds} * ids_.S * ids_.M > std::numeric_limits<int32_t>::max())
+    throw VerifyError(fmt::format("simulate: too many buffers (stages={}, microbatches={})", ids_.S,
+                                  ids_.M));
+  if (static_cast<int32_t>(plan_.programs.size()) != P_ ||
+      static_cast<int32_t>(s.rank_actions.size()) != P_)
+    throw VerifyError(fmt::format(
+        "simulate: plan has {} programs and {} action lists for {} ranks", plan_.programs.size(),
+        s.rank_actions.size(), P_));
+  for (int32_t r = 0; r < P_; ++r)
+    for (const Action& a : s.rank_actions[r])
+      for (const Task* t : {&a.first, &a.second}) {
+        if (t == &a.second && !a.is_fused()) continue;
+        if (t->stage < 0 || t->stage >= ids_.S || t->microbatch < 0 || t->microbatch >= ids_.M)
+          throw VerifyError(fmt::format("simulate: rank {} has task {} out of range", r,
+                                        to_string(*t)));
+      }
+
+  // Pre-count to size every table once; each rank's RUNs get a contiguous
+  // range of result.runs, which is therefore sorted by (rank, start).
+  info_.resize(static_cast<size_t>(kNumBufKinds) * ids_.S);
+  for (int32_t st = 0; st < ids_.S; ++st) {
+    const StageCost& c = costs_.stage(st);
+    const int64_t bytes[kNumBufKinds] = {c.act_bytes, c.grad_bytes, c.stash_bytes,
+                                         c.wstash_bytes, c.wgrad_bytes};
+    for (int k = 0; k < kNumBufKinds; ++k)
+      info_[k * ids_.S + st] = {bytes[k], k == static_cast<int>(BufKind::Stash) ||
+                                              k == static_cast<int>(BufKind::WStash)};
+  }
+  ranks_.assign(P_, {});
+  res_.memory.assign(P_, {});
+  late_.assign(P_, {});
+  size_t n_runs = 0, n_sends = 0;
+  for (int32_t r = 0; r < P_; ++r) {
+    size_t runs = 0, recvs = 0, sends = 0;
+    for (const Instr& in : plan_.programs[r]) {
+      runs += in.op == OpCode::Run;
+      recvs += in.op == OpCode::Recv;
+      sends += in.op == OpCode::Send;
+    }
+    ranks_[r].next_run = static_cast<int32_t>(n_runs);
+    n_runs += runs;
+    n_sends += sends;
+    res_.memory[r].reserve(2 * runs + recvs + 1);
+  }
+  res_.runs.resize(n_runs);
+  run_pred_.assign(n_runs, RunPred{});
+  res_.transfers.reserve(n_sends);
+  xs_.reserve(n_sends);
+  live_.assign(P_, LiveMap{});
+  open_.assign(ids_.count(), -1);
+  link_free_.assign(static_cast<size_t>(P_) * P_, -kInf);
+  link_last_.assign(static_cast<size_t>(P_) * P_, -1);
+
+  for (int32_t r = P_ - 1; r >= 0; --r) push(r);
+  while (!work_.empty()) {
+    const int32_t r = work_.back();
+    work_.pop_back();
+    ranks_[r].queued = false;
+    if (ranks_[r].status == Status::Ready) step(r);
+  }
+  for (const RankState& st : ranks_)
+    if (st.status != Status::Done) report_stuck();
+  for (const XferState& x : xs_)
+    if (!x.has_send || !x.has_recv) report_stuck();
+
+  res_.busy.assign(P_, 0.0);
+  res_.span_start.assign(P_, 0.0);
+  res_.span_end.assign(P_, 0.0);
+  double step_time = 0;
+  for (size_t k = 0; k < res_.runs.size(); ++k) {
+    const RunEvent& r = res_.runs[k];
+    res_.busy[r.rank] += r.end - r.start;
+    if (k == 0 || res_.runs[k - 1].rank != r.rank) res_.span_start[r.rank] = r.start;
+    res_.span_end[r.rank] = r.end;
+    step_time = std::max(step_time, r.end);
+  }
+  for (const TransferEvent& e : res_.transfers) step_time = std::max(step_time, e.end);
+  res_.step_time = step_time;
+  res_.bubble.assign(P_, 0.0);
+  double total_busy = 0;
+  for (int32_t r = 0; r < P_; ++r) {
+    total_busy += res_.busy[r];
+    res_.bubble[r] = step_time > 0 ? 1.0 - res_.busy[r] / step_time : 0.0;
+  }
+  res_.bubble_fraction = step_time > 0 ? 1.0 - total_busy / (P_ * step_time) : 0.0;
+  finish_memory();
+  build_critical_path();
+  return std::move(res_);
+}
+
+}  // namespace
+
+double SimResult::idle_inside_span(int rank) const {
+  if (rank < 0 || static_cast<size_t>(rank) >= busy.size()) return 0.0;
+  return std::max(0.0, span_end[rank] - span_start[rank] - busy[rank]);
+}
+
+SimResult simulate(const Plan& plan, const CostModel& costs) {
+  Simulator sim(plan, costs);
+  return sim.run();
+}
+
+}  // namespace baton

@@ -1,0 +1,52 @@
+# Smoke test of the baton-plan command (run by ctest: cmake -DCLI=<exe> -P cli_smoke.cmake).
+if(NOT CLI)
+  message(FATAL_ERROR "pass -DCLI=<path to baton-plan>")
+endif()
+
+function(expect_match what text regex)
+  if(NOT text MATCHES "${regex}")
+    message(FATAL_ERROR "${what}: expected output matching '${regex}', got:\n${text}")
+  endif()
+endfunction()
+
+# 1. A good run prints the summary table.
+execute_process(COMMAND "${CLI}" --schedule zbv --ranks 4 --microbatches 8 --grid
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "good run exited ${rc}:\n${out}\n${err}")
+endif()
+expect_match("good run" "${out}" "[Bb]ubble")
+
+# 2. Save the schedule and load it back: same summary.
+set(_file "${CMAKE_CURRENT_BINARY_DIR}/cli_smoke_schedule.txt")
+execute_process(COMMAND "${CLI}" -s 1f1b -p 2 -m 4 --save "${_file}"
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out1 ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "save run exited ${rc}:\n${err}")
+endif()
+execute_process(COMMAND "${CLI}" --load "${_file}"
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out2 ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "load run exited ${rc}:\n${err}")
+endif()
+if(NOT out1 STREQUAL out2)
+  message(FATAL_ERROR "saved and loaded schedules differ:\n${out1}\n---\n${out2}")
+endif()
+
+# 3. Bad input exits non-zero with one "baton-plan: error:" line on stderr.
+execute_process(COMMAND "${CLI}" --schedule no-such-schedule --ranks 4 --microbatches 8
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc EQUAL 0)
+  message(FATAL_ERROR "unknown schedule was accepted:\n${out}")
+endif()
+expect_match("unknown schedule" "${err}" "^baton-plan: error: [^\n]+\n$")
+
+# 4. A parse error names line and column.
+file(WRITE "${_file}" "baton-schedule 1\nranks two\n")
+execute_process(COMMAND "${CLI}" --load "${_file}"
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc EQUAL 0)
+  message(FATAL_ERROR "malformed schedule file was accepted:\n${out}")
+endif()
+expect_match("parse error" "${err}" "baton-plan: error: .*line 2")
+file(REMOVE "${_file}")

@@ -1,0 +1,262 @@
+// Tests of the program IR and the partition passes on hand-built programs that
+// mirror what the JAX frontend exports for a small MLP.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "baton/graph.h"
+
+namespace baton {
+namespace {
+
+struct Builder {
+  Program p;
+  Region region = Region::Loop;
+  int val(ValueKind k = ValueKind::Intermediate, int64_t bytes = 16) {
+    Value v;
+    v.kind = k;
+    v.shape = {2, 2};
+    v.dtype = "float32";
+    v.bytes = bytes;
+    return p.add_value(v);
+  }
+  int op(const std::string& name, std::vector<int32_t> ins, double cost = 1.0,
+         OpKind kind = OpKind::Compute) {
+    Op o;
+    o.kind = kind;
+    o.region = region;
+    o.name = name;
+    o.inputs = std::move(ins);
+    o.outputs = {val()};
+    o.cost = cost;
+    p.add_op(o);
+    return o.outputs[0];
+  }
+  int marker(int k, bool backward, int in) {
+    Op o;
+    o.kind = OpKind::Boundary;
+    o.region = Region::Loop;
+    o.name = "stage_boundary";
+    o.inputs = {in};
+    o.outputs = {val()};
+    o.boundary = k;
+    o.backward = backward;
+    p.add_op(o);
+    return o.outputs[0];
+  }
+  int loop_in(ValueKind k) {
+    int outer = val(ValueKind::StepInput);
+    int body = val(k);
+    p.loop_inputs.push_back({body, outer});
+    return body;
+  }
+  int loop_out(int body, Reduce r) {
+    int outer = val();
+    p.loop_outputs.push_back({body, outer, r});
+    return outer;
+  }
+};
+
+// loss = sum(tanh(tanh(x*w0) [boundary 0] * w1) [boundary 1] * w2)
+// with a hand-written backward in JAX's order (forward first).
+struct Mlp {
+  Builder b;
+  int w[3], x, h0, a0, h1, a1, loss, g[3];
+  explicit Mlp(int stages = 3, bool tied = false) {
+    for (int i = 0; i < 3; ++i) w[i] = b.loop_in(ValueKind::LoopInvariant);
+    x = b.loop_in(ValueKind::LoopMicrobatch);
+    int lit = b.val(ValueKind::Literal);
+    int z0 = b.op("mul", {x, w[0]});
+    h0 = b.op("tanh", {z0});
+    int r0 = b.op("one_minus_square", {h0});
+    a0 = b.marker(0, false, h0);
+    int z1 = b.op("mul", {a0, tied ? w[0] : w[1]});
+    h1 = b.op("tanh", {z1});
+    int r1 = b.op("one_minus_square", {h1});
+    a1 = stages == 3 ? b.marker(1, false, h1) : h1;
+    int z2 = b.op("mul", {a1, w[2]});
+    loss = b.op("reduce_sum", {z2});
+    // backward
+    int seed = b.op("broadcast_in_dim", {lit});
+    g[2] = b.op("mul", {seed, a1});
+    int ct_a1 = b.op("mul", {seed, w[2]});
+    int c1 = stages == 3 ? b.marker(1, true, ct_a1) : ct_a1;
+    int d1 = b.op("mul", {c1, r1});
+    int g1 = b.op("mul", {d1, a0});
+    int ct_a0 = b.op("mul", {d1, tied ? w[0] : w[1]});
+    int c0 = b.marker(0, true, ct_a0);
+    int d0 = b.op("mul", {c0, r0});
+    int g0 = b.op("mul", {d0, x});
+    if (tied) {
+      g[0] = b.op("add_any", {g0, g1}, 1.0, OpKind::AddAny);
+      g[1] = b.op("broadcast_in_dim", {lit});
+    } else {
+      g[0] = g0;
+      g[1] = g1;
+    }
+    b.loop_out(loss, Reduce::Mean);
+    for (int i = 0; i < 3; ++i) b.loop_out(g[i], Reduce::Mean);
+  }
+};
+
+TEST(Graph, ValidateAndPrint) {
+  Mlp m;
+  EXPECT_NO_THROW(m.b.p.validate());
+  std::string text = m.b.p.to_text();
+  EXPECT_NE(text.find("stage_boundary[bwd 1]"), std::string::npos);
+  EXPECT_EQ(count_stages(m.b.p), 3);
+}
+
+TEST(Graph, ValidateRejectsUseBeforeDef) {
+  Builder b;
+  int x = b.loop_in(ValueKind::LoopMicrobatch);
+  int later = b.val();
+  Op o;
+  o.name = "add";
+  o.inputs = {x, later};
+  o.outputs = {b.val()};
+  b.p.add_op(o);
+  EXPECT_THROW(b.p.validate(), TraceError);
+}
+
+TEST(Graph, ThreeStagesFullBackward) {
+  Mlp m;
+  Partition part = partition(m.b.p, false);
+  ASSERT_EQ(part.num_stages, 3);
+  ASSERT_EQ(part.tasks.size(), 6u);
+  const TaskBody& f0 = part.task(TaskKind::F, 0);
+  const TaskBody& f2 = part.task(TaskKind::F, 2);
+  const TaskBody& b2 = part.task(TaskKind::B, 2);
+  const TaskBody& b0 = part.task(TaskKind::B, 0);
+  EXPECT_EQ(f0.act_out, std::vector<int32_t>{m.h0});
+  EXPECT_TRUE(f0.act_in.empty());
+  EXPECT_EQ(f0.microbatch_in, std::vector<int32_t>{m.x});
+  EXPECT_EQ(f0.invariant_in, std::vector<int32_t>{m.w[0]});
+  // The loss is produced by the last forward, its gradient by the last backward.
+  ASSERT_EQ(f2.mb_out.size(), 1u);
+  EXPECT_EQ(part.parts[f2.mb_out[0]].body, m.loss);
+  ASSERT_EQ(b2.wgrad_out.size(), 1u);
+  EXPECT_EQ(part.parts[b2.wgrad_out[0]].body, m.g[2]);
+  // B2 needs a1 (the activation it received) from F2's stash.
+  EXPECT_EQ(b2.stash_in, std::vector<int32_t>{m.a1});
+  EXPECT_EQ(f2.stash_out, b2.stash_in);
+  EXPECT_TRUE(b2.grad_in.empty());
+  EXPECT_EQ(b2.grad_out.size(), 1u);
+  EXPECT_TRUE(b0.grad_out.empty());
+  EXPECT_EQ(b0.grad_in.size(), 1u);
+  // B0 reads x directly and the tanh residual from the stash.
+  EXPECT_EQ(b0.microbatch_in, std::vector<int32_t>{m.x});
+  EXPECT_EQ(b0.stash_in.size(), 1u);
+  for (const TaskBody& t : part.tasks) EXPECT_FALSE(t.ops.empty()) << part.to_text(m.b.p);
+}
+
+TEST(Graph, SplitBackwardFormsIandW) {
+  Mlp m;
+  Partition part = partition(m.b.p, true);
+  ASSERT_EQ(part.tasks.size(), 9u);
+  const TaskBody& i1 = part.task(TaskKind::I, 1);
+  const TaskBody& w1 = part.task(TaskKind::W, 1);
+  EXPECT_EQ(i1.grad_out.size(), 1u);
+  EXPECT_TRUE(w1.grad_out.empty());
+  ASSERT_EQ(w1.wgrad_out.size(), 1u);
+  EXPECT_EQ(part.parts[w1.wgrad_out[0]].body, m.g[1]);
+  EXPECT_EQ(i1.wstash_out, w1.wstash_in);
+  EXPECT_FALSE(w1.wstash_in.empty());
+  // I of stage 0 has nothing to compute: W does all.
+  EXPECT_TRUE(part.task(TaskKind::I, 0).ops.empty());
+  EXPECT_FALSE(part.task(TaskKind::W, 0).ops.empty());
+  // Cost is conserved: I + W == B.
+  Partition full = partition(m.b.p, false);
+  for (int s = 0; s < 3; ++s) {
+    EXPECT_DOUBLE_EQ(part.task(TaskKind::I, s).cost + part.task(TaskKind::W, s).cost,
+                     full.task(TaskKind::B, s).cost);
+  }
+}
+
+TEST(Graph, TiedWeightGradientIsSplitAcrossStages) {
+  Mlp m(3, true);
+  Partition part = partition(m.b.p, false);
+  int n = 0;
+  std::vector<int> stages;
+  for (const OutputPart& o : part.parts) {
+    if (o.outer == m.b.p.loop_outputs[1].outer) {
+      ++n;
+      stages.push_back(o.stage);
+    }
+  }
+  EXPECT_EQ(n, 2);
+  EXPECT_NE(stages[0], stages[1]);
+}
+
+TEST(Graph, ErrorsNameTheProblem) {
+  {
+    Builder b;
+    int x = b.loop_in(ValueKind::LoopMicrobatch);
+    int y = b.op("tanh", {x});
+    b.loop_out(y, Reduce::Sum);
+    try {
+      partition(b.p, false);
+      FAIL();
+    } catch (const TraceError& e) {
+      EXPECT_NE(std::string(e.what()).find("no stage_boundary"), std::string::npos);
+    }
+  }
+  {
+    // Skip connection: stage 1's value used in stage 2. (A value computed from
+    // the batch alone is not an error: each stage recomputes it.)
+    Builder b;
+    int x = b.loop_in(ValueKind::LoopMicrobatch);
+    int h = b.op("tanh", {x});
+    int a = b.marker(0, false, h);
+    int h1 = b.op("tanh", {a});
+    int a1 = b.marker(1, false, h1);
+    int y = b.op("add", {a1, h1});
+    b.loop_out(y, Reduce::Sum);
+    try {
+      partition(b.p, false);
+      FAIL();
+    } catch (const TraceError& e) {
+      EXPECT_NE(std::string(e.what()).find("without passing a stage_boundary"), std::string::npos)
+          << e.what();
+    }
+  }
+  {
+    // Empty stage: two boundaries in a row.
+    Builder b;
+    int x = b.loop_in(ValueKind::LoopMicrobatch);
+    int h = b.op("tanh", {x});
+    int a = b.marker(0, false, h);
+    int a1 = b.marker(1, false, a);
+    int y = b.op("tanh", {a1});
+    b.loop_out(y, Reduce::Sum);
+    try {
+      partition(b.p, false);
+      FAIL();
+    } catch (const TraceError& e) {
+      EXPECT_NE(std::string(e.what()).find("stage 1 has no work"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(Graph, OuterOpsFollowTheirStage) {
+  Mlp m;
+  Builder& b = m.b;
+  b.region = Region::Post;
+  // sgd update per parameter: w - g
+  std::vector<int> upd;
+  for (int i = 0; i < 3; ++i) {
+    upd.push_back(b.op("sub", {b.p.loop_inputs[i].outer, b.p.loop_outputs[i + 1].outer}));
+  }
+  int count = b.op("add", {b.val(ValueKind::StepInput)});
+  b.p.step_outputs = {upd[0], upd[1], upd[2], count};
+  Partition part = partition(b.p, false);
+  size_t n = b.p.ops.size();
+  EXPECT_EQ(part.op_stage[n - 4], 0);
+  EXPECT_EQ(part.op_stage[n - 3], 1);
+  EXPECT_EQ(part.op_stage[n - 2], 2);
+  EXPECT_EQ(part.op_stage[n - 1], 0);
+}
+
+}  // namespace
+}  // namespace baton

@@ -1,0 +1,213 @@
+// Bubble and memory formulas of every generator (docs/SCHEDULES.md), checked
+// through the whole pipeline: generate -> lower -> verify -> simulate.
+// Equal costs per stage, no communication cost. For the interleaved and V
+// schedules each stage is a chunk, so chunk costs are 1/v (1/2) of a
+// full-rank stage. Peak activation is in units of stash_bytes (= 1).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "baton/cost.h"
+#include "baton/generators.h"
+#include "baton/plan.h"
+#include "baton/sim.h"
+#include "baton/verify.h"
+
+namespace baton {
+namespace {
+
+std::string label(const std::string& n, int p, int m, int v = 1) {
+  return n + " p=" + std::to_string(p) + " m=" + std::to_string(m) + " v=" + std::to_string(v);
+}
+
+SimResult run(const Schedule& s, const CostModel& c) {
+  const Plan plan = lower(s);
+  const VerifyReport rep = verify(plan);
+  EXPECT_TRUE(rep.ok()) << s.name << ": " << rep.to_string();
+  return simulate(plan, c);
+}
+
+// Idle time of rank r between the start of its first RUN and the end of its
+// last one.
+double idle_inside(const SimResult& res, int r) {
+  double first = 1e300, last = -1e300;
+  for (const RunEvent& e : res.runs)
+    if (e.rank == r) {
+      first = std::min(first, e.start);
+      last = std::max(last, e.end);
+    }
+  return (last - first) - res.busy[r];
+}
+
+constexpr double kEps = 1e-9;
+
+// F=1, B=2 (I=W=1) on a full-rank stage.
+const CostModel kUnit = CostModel::uniform(1, 2, 1, 1);
+// The same on a half stage (the chunks of the V schedules).
+const CostModel kHalf = CostModel::uniform(0.5, 1, 0.5, 0.5);
+
+TEST(ScheduleFormulas, EveryGeneratorVerifies) {
+  for (const auto& n : schedule_names())
+    for (int p : {1, 2, 3, 4, 6})
+      for (int m : {1, 2, 3, 5, 6, 8, 12, 13}) {
+        for (int v : {1, 2, 3}) {
+          if (v > 1 && n != "interleaved") continue;
+          if (n == "interleaved" && v > 1 && m % p && m > p) continue;
+          if (n == "dualpipev" && m < 2 * p) continue;
+          SCOPED_TRACE(label(n, p, m, v));
+          const VerifyReport rep = verify(lower(make_schedule(n, p, m, v)));
+          EXPECT_TRUE(rep.ok()) << rep.to_string();
+        }
+      }
+}
+
+TEST(ScheduleFormulas, LargeConfigurationsVerify) {
+  for (const auto& n : schedule_names()) {
+    const int v = n == "interleaved" ? 2 : 1;
+    SCOPED_TRACE(n);
+    const VerifyReport rep = verify(lower(make_schedule(n, 16, 64, v)));
+    EXPECT_TRUE(rep.ok()) << rep.to_string();
+  }
+}
+
+TEST(ScheduleFormulas, GPipeAnd1F1BBubble) {
+  for (const char* n : {"gpipe", "1f1b", "eager1f1b"})
+    for (int p : {1, 2, 3, 4, 7})
+      for (int m : {1, 2, 4, 7, 16}) {
+        SCOPED_TRACE(label(n, p, m));
+        const SimResult r = run(make_schedule(n, p, m), kUnit);
+        EXPECT_NEAR(r.bubble_fraction, double(p - 1) / (m + p - 1), kEps);
+        EXPECT_NEAR(r.step_time, 3.0 * (m + p - 1), kEps);
+      }
+}
+
+TEST(ScheduleFormulas, InterleavedBubble) {
+  for (int p : {1, 2, 3, 4})
+    for (int v : {1, 2, 3, 4})
+      for (int k : {1, 2, 3}) {
+        const int m = k * p;
+        SCOPED_TRACE(label("interleaved", p, m, v));
+        const SimResult r =
+            run(interleaved_one_f_one_b(p, m, v), CostModel::uniform(1.0 / v, 2.0 / v, 1, 1));
+        EXPECT_NEAR(r.bubble_fraction, double(p - 1) / (v * m + p - 1), kEps);
+      }
+}
+
+TEST(ScheduleFormulas, ZBH1BubbleIsAThirdOf1F1B) {
+  for (int p : {2, 3, 4, 6})
+    for (int m : {p, p + 1, 2 * p, 3 * p + 1}) {
+      SCOPED_TRACE(label("zbh1", p, m));
+      const double work = 3.0 * m;  // F + I + W per microbatch
+      const double zb = run(zb_h1(p, m), kUnit).step_time - work;
+      const double base = run(one_f_one_b(p, m), kUnit).step_time - work;
+      EXPECT_NEAR(zb, base / 3, kEps);
+      EXPECT_NEAR(zb, p - 1.0, kEps);  // (p-1)(F+I-W)
+    }
+}
+
+TEST(ScheduleFormulas, ZBH2HasNoBubbleButTheFill) {
+  for (int p : {1, 2, 3, 4, 6})
+    for (int m : {p, 2 * p - 1, 2 * p, 3 * p + 2}) {
+      SCOPED_TRACE(label("zbh2", p, m));
+      const SimResult r = run(zb_h2(p, m), kUnit);
+      // Makespan = work of one rank + the fill of the last rank.
+      EXPECT_NEAR(r.step_time, 3.0 * m + (p - 1), kEps);
+      if (m >= 2 * p - 1) {
+        for (int k = 0; k < p; ++k) EXPECT_NEAR(idle_inside(r, k), 0.0, kEps) << "rank " << k;
+      }
+    }
+}
+
+TEST(ScheduleFormulas, ZBVHasNoBubbleButTheFill) {
+  for (int p : {1, 2, 3, 4, 6})
+    for (int m : {p, 2 * p, 2 * p + 1, 4 * p}) {
+      SCOPED_TRACE(label("zbv", p, m));
+      const SimResult r = run(zb_v(p, m), kHalf);
+      // Work per rank: two chunks of F+I+W = 3 per microbatch; fill: p-1
+      // chunk forwards.
+      EXPECT_NEAR(r.step_time, 3.0 * m + 0.5 * (p - 1), kEps);
+      for (int k = 0; k < p; ++k) EXPECT_NEAR(r.busy[k], 3.0 * m, kEps);
+    }
+}
+
+TEST(ScheduleFormulas, DualPipeVBubble) {
+  for (int p : {1, 2, 3, 4, 5, 8})
+    for (int m : {2 * p, 2 * p + 1, 3 * p, 5 * p}) {
+      SCOPED_TRACE(label("dualpipev", p, m));
+      const SimResult r = run(dualpipe_v(p, m), kHalf);
+      // Bubble per rank in chunk forwards (F = 0.5): 2p for p >= 3, 3 for
+      // p = 2, none for p = 1; rank r idles 2p - r of it between its first
+      // and last action.
+      const double bubble_f = p == 1 ? 0 : p == 2 ? 3 : 2.0 * p;
+      EXPECT_NEAR(r.step_time, 3.0 * m + 0.5 * bubble_f, kEps);
+      if (p >= 3) {
+        for (int k = 0; k < p; ++k)
+          EXPECT_NEAR(idle_inside(r, k), 0.5 * (2 * p - k), kEps) << "rank " << k;
+      }
+    }
+}
+
+std::vector<int64_t> peaks(const Schedule& s, const CostModel& c) {
+  return run(s, c).peak_activation;
+}
+
+TEST(ScheduleFormulas, PeakActivation) {
+  for (int p : {1, 2, 3, 5})
+    for (int m : {1, 2, p, 2 * p, 3 * p + 1}) {
+      SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
+      std::vector<int64_t> gp, fb, eg, h1;
+      for (int r = 0; r < p; ++r) {
+        gp.push_back(m);
+        fb.push_back(std::min(p - r, m));
+        eg.push_back(std::min(2 * (p - r) - 1, m));
+        h1.push_back(std::min(p - r, m));
+      }
+      EXPECT_EQ(peaks(gpipe(p, m), kUnit), gp);
+      EXPECT_EQ(peaks(one_f_one_b(p, m), kUnit), fb);
+      EXPECT_EQ(peaks(eager_one_f_one_b(p, m), kUnit), eg);
+      EXPECT_EQ(peaks(zb_h1(p, m), kUnit), h1);
+      if (m >= 2 * p - 1) {
+        std::vector<int64_t> h2;
+        for (int r = 0; r < p; ++r) h2.push_back(2 * (p - r) - 1);
+        EXPECT_EQ(peaks(zb_h2(p, m), kUnit), h2);
+      }
+      if (m >= 2 * p) {
+        EXPECT_EQ(peaks(zb_v(p, m), kHalf), std::vector<int64_t>(p, 2 * p));
+        EXPECT_EQ(peaks(dualpipe_v(p, m), kHalf), std::vector<int64_t>(p, 2 * p + 1));
+      }
+    }
+}
+
+TEST(ScheduleFormulas, InterleavedPeakActivation) {
+  for (int p : {1, 2, 3, 4})
+    for (int v : {2, 3})
+      for (int m : {1, p, 2 * p, 3 * p}) {
+        if (m % p && m > p) continue;
+        SCOPED_TRACE(label("interleaved", p, m, v));
+        const int g = std::min(p, m);
+        std::vector<int64_t> want;
+        for (int r = 0; r < p; ++r)
+          want.push_back(std::min(2 * (p - r - 1) + (v - 1) * g + 1, v * m));
+        EXPECT_EQ(
+            peaks(interleaved_one_f_one_b(p, m, v), CostModel::uniform(1.0 / v, 2.0 / v, 1, 1)),
+            want);
+      }
+}
+
+// With the zero-bubble memory model (I keeps as much for W as F kept for I),
+// ZB-H1 holds p+1 microbatches on every rank at its peak, ZB-H2 2p.
+TEST(ScheduleFormulas, ZeroBubbleMemoryWithWeightStash) {
+  CostModel c = kUnit;
+  c.default_stage.wstash_bytes = 1;
+  for (int p : {2, 3, 5})
+    for (int m : {2 * p, 3 * p}) {
+      SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
+      EXPECT_EQ(peaks(zb_h1(p, m), c), std::vector<int64_t>(p, p + 1));
+      EXPECT_EQ(peaks(zb_h2(p, m), c), std::vector<int64_t>(p, 2 * p));
+    }
+}
+
+}  // namespace
+}  // namespace baton

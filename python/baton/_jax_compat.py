@@ -1,0 +1,132 @@
+"""Every private / ``jax.extend`` / ``jax.interpreters`` use in Baton, in one place.
+
+``jax.extend`` and ``jax.interpreters`` carry no compatibility promise, and the
+jaxpr data structures changed between the JAX versions Baton supports (0.11:
+``ClosedJaxpr`` wraps a ``Jaxpr``; 0.12: one ``Jaxpr`` class carries its
+consts). The rest of Baton only calls the small functions below, which read
+jaxprs through the attributes both versions share (``.jaxpr.eqns``,
+``.jaxpr.invars``, ``.jaxpr.constvars``, ``.jaxpr.outvars``, ``.consts``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+from jax.interpreters import ad, batching, mlir
+
+Primitive = jex_core.Primitive
+Literal = jex_core.Literal
+Var = jex_core.Var
+
+__all__ = [
+    "Primitive",
+    "Literal",
+    "Var",
+    "new_primitive",
+    "register_identity_rules",
+    "register_abstract_eval",
+    "is_literal",
+    "literal_value",
+    "jaxpr_parts",
+    "sub_jaxprs",
+    "eval_eqn",
+    "is_drop_var",
+    "instantiate_zeros",
+    "jax_version",
+]
+
+jax_version = tuple(int(x) for x in jax.__version__.split(".")[:2])
+
+
+def new_primitive(name: str, multiple_results: bool = True) -> Primitive:
+    p = Primitive(name)
+    p.multiple_results = multiple_results
+    return p
+
+
+def instantiate_zeros(ct):
+    return ad.instantiate_zeros(ct)
+
+
+def register_identity_rules(prim: Primitive, transpose_params) -> None:
+    """Rules of an identity primitive on several operands.
+
+    ``transpose_params(params) -> params`` gives the parameters the transpose
+    binds with (the backward marker of a forward marker and vice versa).
+    """
+    prim.def_impl(lambda *args, **params: list(args))
+    prim.def_abstract_eval(lambda *avals, **params: list(avals))
+    mlir.register_lowering(prim, lambda ctx, *args, **params: list(args))
+
+    def transpose(cts, *args, **params):
+        cts = [ad.instantiate_zeros(ct) for ct in cts]
+        return prim.bind(*cts, **transpose_params(params))
+
+    ad.deflinear2(prim, transpose)
+
+    def batcher(args, dims, **params):
+        return prim.bind(*args, **params), dims
+
+    batching.primitive_batchers[prim] = batcher
+
+
+def register_abstract_eval(prim: Primitive, rule, impl=None) -> None:
+    prim.def_abstract_eval(rule)
+    if impl is not None:
+        prim.def_impl(impl)
+
+
+def is_literal(atom: Any) -> bool:
+    return isinstance(atom, Literal)
+
+
+def literal_value(atom: Any) -> Any:
+    return atom.val
+
+
+def is_drop_var(v: Any) -> bool:
+    return type(v).__name__ == "DropVar"
+
+
+def jaxpr_parts(closed: Any) -> tuple[list, list, list, list, list]:
+    """``(constvars, consts, invars, outvars, eqns)`` of a (closed) jaxpr."""
+    j = closed.jaxpr
+    consts = list(getattr(closed, "consts", []) or [])
+    return list(j.constvars), consts, list(j.invars), list(j.outvars), list(j.eqns)
+
+
+def sub_jaxprs(eqn: Any) -> list:
+    """The jaxprs in an equation's parameters (scan bodies, jit callees, ...)."""
+    out = []
+    for v in eqn.params.values():
+        vs = v if isinstance(v, (tuple, list)) else [v]
+        for x in vs:
+            if hasattr(x, "eqns") or (hasattr(x, "jaxpr") and hasattr(x.jaxpr, "eqns")):
+                out.append(x)
+    return out
+
+
+def call_jaxpr(eqn: Any):
+    """The callee of a jit call equation (``pjit``/``jit``), else None."""
+    if eqn.primitive.name in ("pjit", "jit", "closed_call", "core_call"):
+        j = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        return j
+    return None
+
+
+def eval_eqn(prim: Primitive, params: dict, ctx: Any, vals: list) -> list:
+    """Binds one equation's primitive on ``vals`` like ``jax.core.eval_jaxpr`` does."""
+    bp = prim.get_bind_params(params)
+    if isinstance(bp, tuple) and len(bp) == 2 and isinstance(bp[0], list):
+        subfuns, bp = bp
+        args = [*subfuns, *vals]
+    else:
+        args = vals
+    if ctx is not None and hasattr(ctx, "manager"):
+        with ctx.manager:
+            out = prim.bind(*args, **bp)
+    else:
+        out = prim.bind(*args, **bp)
+    return list(out) if prim.multiple_results else [out]

@@ -1,0 +1,13 @@
+"""The JAX frontend: annotate a model, pipeline its training step.
+
+``stage_boundary`` and ``accumulate`` mark the model; ``PipelineMesh`` groups
+devices into pipeline ranks; ``jit`` traces the step, cuts it into per-stage
+tasks (C++ passes in ``baton._core.graph``), plans a schedule and runs it.
+"""
+
+from .api import PipelinedFunction, cost_model_of, jit
+from .mesh import PipelineMesh
+from .primitives import accumulate, stage_boundary
+
+__all__ = ["PipelinedFunction", "PipelineMesh", "accumulate", "cost_model_of", "jit",
+           "stage_boundary"]

@@ -1,0 +1,311 @@
+"""Tracing: a training step -> jaxpr -> a JAX-free ``Program`` for the C++ passes.
+
+One op per jaxpr equation. Calls of jitted functions (``pjit``) are inlined so
+that boundaries and optimizer code inside them are visible; other higher-order
+equations (``scan``, ``checkpoint``, ``custom_jvp_call``, ...) stay opaque ops
+and must not contain a ``stage_boundary``. Literals and closed-over constants
+become ``Literal`` values whose contents stay here, in ``Traced.literals``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from .. import _core
+from .. import _jax_compat as jc
+from ..errors import TraceError
+from .primitives import accumulate_p, stage_boundary_p, tracing_pipeline
+
+G = _core.graph
+
+
+@dataclasses.dataclass
+class OpInfo:
+    prim: Any
+    params: dict
+    ctx: Any
+    inputs: list[int]
+    outputs: list[int]
+    region: str  # "pre" | "loop" | "post"
+    kind: str = "compute"  # "compute" | "boundary" | "add_any"
+    uid: int = -1
+    backward: bool = False
+    boundary: int = -1
+    cost: float = 0.0
+
+
+@dataclasses.dataclass
+class Traced:
+    program: Any  # _core.graph.Program
+    ops: list[OpInfo]
+    literals: dict[int, Any]
+    avals: list[Any]
+    step_inputs: list[int]
+    step_outputs: list[int]
+    loop_inputs: list[tuple[int, int, bool]]  # (body, outer, is_microbatch)
+    loop_outputs: list[tuple[int, int, str]]  # (body, outer, reduce)
+    in_tree: Any
+    out_tree: Any
+    microbatches: int
+    num_stages: int
+
+
+def _nbytes(aval) -> int:
+    try:
+        return int(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+    except Exception:  # noqa: BLE001  (tokens, extended dtypes)
+        return 0
+
+
+def _eqn_cost(eqn) -> float:
+    """Rough flop count of one equation (consistent, not exact)."""
+    out_elems = sum(int(math.prod(getattr(v.aval, "shape", ()))) for v in eqn.outvars)
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        k = int(math.prod(lhs[d] for d in lc)) if lc else 1
+        return 2.0 * out_elems * k
+    subs = jc.sub_jaxprs(eqn)
+    if subs:
+        total = 0.0
+        for sj in subs:
+            for e in jc.jaxpr_parts(sj)[4]:
+                total += _eqn_cost(e)
+        return total * float(eqn.params.get("length", 1))
+    return float(max(out_elems, 1))
+
+
+def _contains_marker(closed) -> bool:
+    for e in jc.jaxpr_parts(closed)[4]:
+        if e.primitive is stage_boundary_p or e.primitive is accumulate_p:
+            return True
+        if any(_contains_marker(s) for s in jc.sub_jaxprs(e)):
+            return True
+    return False
+
+
+class _Exporter:
+    def __init__(self):
+        self.avals: list[Any] = []
+        self.kinds: list[Any] = []
+        self.literals: dict[int, Any] = {}
+        self.ops: list[OpInfo] = []
+        self.loop_inputs: list[tuple[int, int, bool]] = []
+        self.loop_outputs: list[tuple[int, int, str]] = []
+        self.microbatches = 0
+        self.seen_loop = False
+
+    def new_value(self, aval, kind) -> int:
+        self.avals.append(aval)
+        self.kinds.append(kind)
+        return len(self.avals) - 1
+
+    def literal(self, value, aval=None) -> int:
+        if aval is None:
+            aval = jax.core.get_aval(value)
+        i = self.new_value(aval, G.ValueKind.Literal)
+        self.literals[i] = value
+        return i
+
+    def read(self, env, atom) -> int:
+        if jc.is_literal(atom):
+            return self.literal(jc.literal_value(atom), atom.aval)
+        try:
+            return env[atom]
+        except KeyError:
+            raise TraceError(f"internal: variable {atom} used before definition") from None
+
+    def emit(self, eqns, env, region: str) -> str:
+        for eqn in eqns:
+            callee = jc.call_jaxpr(eqn)
+            if callee is not None:
+                constvars, consts, invars, outvars, sub = jc.jaxpr_parts(callee)
+                senv = {}
+                for v, c in zip(constvars, consts):
+                    senv[v] = self.literal(c, v.aval)
+                for v, a in zip(invars, eqn.invars):
+                    senv[v] = self.read(env, a)
+                region = self.emit(sub, senv, region)
+                for o, so in zip(eqn.outvars, outvars):
+                    if not jc.is_drop_var(o):
+                        env[o] = self.read(senv, so)
+                continue
+            if eqn.primitive is accumulate_p:
+                if region != "pre" or self.seen_loop:
+                    raise TraceError("baton.jit supports one baton.accumulate loop per step")
+                self.emit_loop(eqn, env)
+                self.seen_loop = True
+                region = "post"
+                continue
+            if eqn.primitive is stage_boundary_p and region != "loop":
+                raise TraceError(
+                    "stage_boundary outside baton.accumulate: boundaries must be inside the "
+                    "function that accumulate runs per microbatch"
+                )
+            for sj in jc.sub_jaxprs(eqn):
+                if _contains_marker(sj):
+                    raise TraceError(
+                        f"a stage_boundary is inside a '{eqn.primitive.name}' equation "
+                        "(scan, checkpoint, cond, custom_jvp/vjp ...); put boundaries at the top "
+                        "level of the per-microbatch function"
+                    )
+            ins = [self.read(env, a) for a in eqn.invars]
+            outs = []
+            for o in eqn.outvars:
+                i = self.new_value(o.aval, G.ValueKind.Intermediate)
+                if not jc.is_drop_var(o):
+                    env[o] = i
+                outs.append(i)
+            info = OpInfo(
+                prim=eqn.primitive,
+                params=dict(eqn.params),
+                ctx=getattr(eqn, "ctx", None),
+                inputs=ins,
+                outputs=outs,
+                region=region,
+                cost=_eqn_cost(eqn),
+            )
+            if eqn.primitive is stage_boundary_p:
+                info.kind = "boundary"
+                info.uid = eqn.params["uid"]
+                info.backward = eqn.params["backward"]
+            elif eqn.primitive.name == "add_any":
+                info.kind = "add_any"
+            self.ops.append(info)
+        return region
+
+    def emit_loop(self, eqn, env):
+        p = eqn.params
+        body = p["body"]
+        constvars, consts, invars, outvars, beqns = jc.jaxpr_parts(body.closed)
+        all_in = [*constvars, *invars]
+        n_inv = p["n_invariant"]
+        self.microbatches = p["microbatches"]
+        benv = {}
+        # The body's own consts come first among the operands.
+        operands = list(eqn.invars)
+        if len(all_in) != len(operands):
+            raise TraceError("internal: loop operand count mismatch")
+        for i, (v, a) in enumerate(zip(all_in, operands)):
+            outer = self.read(env, a)
+            is_mb = i >= n_inv
+            kind = G.ValueKind.LoopMicrobatch if is_mb else G.ValueKind.LoopInvariant
+            b = self.new_value(v.aval, kind)
+            benv[v] = b
+            self.loop_inputs.append((b, outer, is_mb))
+        if consts:
+            # make_jaxpr kept closed-over constants as consts: they are the
+            # leading operands already (see accumulate).
+            pass
+        self.emit(beqns, benv, "loop")
+        for i, (ov, o) in enumerate(zip(outvars, eqn.outvars)):
+            b = self.read(benv, ov)
+            outer = self.new_value(o.aval, G.ValueKind.Intermediate)
+            if not jc.is_drop_var(o):
+                env[o] = outer
+            self.loop_outputs.append((b, outer, p["reduce"][i]))
+
+
+def _number_markers(ops: list[OpInfo]) -> int:
+    fwd = [op for op in ops if op.kind == "boundary" and not op.backward]
+    index = {}
+    for k, op in enumerate(fwd):
+        if op.uid in index:
+            raise TraceError(
+                "the same stage_boundary call was traced twice in the loop body "
+                "(is it inside a function that JAX re-traces, like jax.checkpoint?)"
+            )
+        index[op.uid] = k
+        op.boundary = k
+    for op in ops:
+        if op.kind == "boundary" and op.backward:
+            if op.uid not in index:
+                raise TraceError(
+                    "a backward stage_boundary has no forward counterpart in the loop body "
+                    "(was the boundary applied outside the differentiated function?)"
+                )
+            op.boundary = index[op.uid]
+    return len(fwd)
+
+
+_REGION = {"pre": None, "loop": None, "post": None}
+_REDUCE = {"sum": "Sum", "mean": "Mean", "stack": "Stack"}
+
+
+def trace_step(fn: Callable, args: tuple, microbatches: int) -> Traced:
+    flat, in_tree = jax.tree.flatten(args)
+    structs = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) for x in flat]
+    box = []
+
+    def flat_fn(*xs):
+        out = fn(*jax.tree.unflatten(in_tree, xs))
+        leaves, tree = jax.tree.flatten(out)
+        box[:] = [tree]
+        return leaves
+
+    with tracing_pipeline(microbatches):
+        closed = jax.make_jaxpr(flat_fn)(*structs)
+    out_tree = box[0]
+    constvars, consts, invars, outvars, eqns = jc.jaxpr_parts(closed)
+    ex = _Exporter()
+    env = {}
+    for v, c in zip(constvars, consts):
+        env[v] = ex.literal(c, v.aval)
+    step_inputs = []
+    for v in invars:
+        i = ex.new_value(v.aval, G.ValueKind.StepInput)
+        env[v] = i
+        step_inputs.append(i)
+    ex.emit(eqns, env, "pre")
+    if not ex.seen_loop:
+        raise TraceError(
+            "the step has no microbatch loop: call baton.accumulate(fn, *args, batch=...) inside "
+            "the function given to baton.jit"
+        )
+    step_outputs = [ex.read(env, o) for o in outvars]
+    n_markers = _number_markers(ex.ops)
+
+    prog = G.Program()
+    for aval, kind in zip(ex.avals, ex.kinds):
+        shape = [int(d) for d in getattr(aval, "shape", ())]
+        dtype = str(getattr(aval, "dtype", "token"))
+        prog.add_value(kind, shape, dtype, _nbytes(aval))
+    regions = {"pre": G.Region.Pre, "loop": G.Region.Loop, "post": G.Region.Post}
+    kinds = {"compute": G.OpKind.Compute, "boundary": G.OpKind.Boundary, "add_any": G.OpKind.AddAny}
+    for op in ex.ops:
+        prog.add_op(
+            kinds[op.kind],
+            regions[op.region],
+            op.prim.name,
+            op.inputs,
+            op.outputs,
+            op.cost,
+            op.boundary,
+            op.backward,
+        )
+    for b, o, _ in ex.loop_inputs:
+        prog.add_loop_input(b, o)
+    for b, o, r in ex.loop_outputs:
+        prog.add_loop_output(b, o, getattr(G.Reduce, _REDUCE[r]))
+    prog.step_outputs = step_outputs
+    prog.validate()
+    return Traced(
+        program=prog,
+        ops=ex.ops,
+        literals=ex.literals,
+        avals=ex.avals,
+        step_inputs=step_inputs,
+        step_outputs=step_outputs,
+        loop_inputs=ex.loop_inputs,
+        loop_outputs=ex.loop_outputs,
+        in_tree=in_tree,
+        out_tree=out_tree,
+        microbatches=ex.microbatches,
+        num_stages=n_markers + 1,
+    )

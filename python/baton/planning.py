@@ -1,0 +1,237 @@
+"""Plans: a schedule lowered to per-rank instruction streams, verified and simulated.
+
+    p = baton.plan(baton.ZBV(), ranks=4, microbatches=8)
+    p.verify()                      # raises VerifyError on a bad plan
+    print(p.summary())              # step time, bubble and peak memory per rank
+    p.to_trace(path="trace.json")   # open in https://ui.perfetto.dev
+
+The plan wraps the C++ ``Plan``, the single source of truth: what is verified
+and simulated here is what the executor runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from . import _core
+from .errors import ConfigError, VerifyError
+from .schedules import ScheduleFile, ScheduleSpec, _positive_int, save_schedule, schedule_from_name
+
+__all__ = ["Plan", "plan", "as_cost_model"]
+
+
+def as_cost_model(costs: Any = None) -> _core.CostModel:
+    """A validated C++ ``CostModel`` from ``costs``.
+
+    ``costs`` may be ``None`` (uniform default: F=1, B=2, I=W=1, unit bytes),
+    a ``CostModel``, a dict in the cost JSON layout, a JSON string, or a path
+    to a JSON file. Raises ``FormatError`` on bad JSON and ``ConfigError`` on
+    bad values.
+    """
+    if costs is None:
+        model = _core.CostModel()
+    elif isinstance(costs, _core.CostModel):
+        model = costs
+    elif isinstance(costs, dict):
+        try:
+            text = json.dumps(costs)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"cost model dict is not JSON-serialisable: {e}") from None
+        model = _core.CostModel.from_json(text)
+    elif isinstance(costs, (str, os.PathLike)):
+        if isinstance(costs, str) and costs.lstrip().startswith("{"):
+            model = _core.CostModel.from_json(costs)
+        else:
+            path = os.fspath(costs)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:
+                raise ConfigError(f"cannot read cost file {path!r}: {e.strerror or e}") from None
+            model = _core.CostModel.from_json(text)
+    else:
+        raise ConfigError(
+            "costs must be None, a CostModel, a dict, JSON text or a path "
+            f"(got {type(costs).__name__})"
+        )
+    model.validate()
+    return model
+
+
+def _build_schedule(schedule: Any, ranks: int | None, microbatches: int | None) -> _core.Schedule:
+    if isinstance(schedule, _core.Schedule):
+        for what, asked, have in (
+            ("ranks", ranks, schedule.num_ranks),
+            ("microbatches", microbatches, schedule.num_microbatches),
+        ):
+            if asked is not None and _positive_int(asked, what) != have:
+                raise ConfigError(
+                    f"schedule {schedule.name!r} has {what}={have}, but {what}={asked} was given"
+                )
+        return schedule
+    if isinstance(schedule, str):
+        schedule = schedule_from_name(schedule)
+    if not isinstance(schedule, ScheduleSpec):
+        raise ConfigError(
+            "schedule must be a schedule spec (e.g. baton.ZBV()), a schedule name or a "
+            f"baton.Schedule (got {type(schedule).__name__})"
+        )
+    if isinstance(schedule, ScheduleFile):  # sizes come from the file
+        return schedule.build(ranks, microbatches)
+    missing = [n for n, v in (("ranks", ranks), ("microbatches", microbatches)) if v is None]
+    if missing:
+        raise ConfigError(f"{schedule!r} needs {' and '.join(missing)} to build a plan")
+    return schedule.build(ranks, microbatches)
+
+
+class Plan:
+    """A lowered schedule: per-rank programs, verification, simulation, pictures."""
+
+    def __init__(self, core: _core.Plan):
+        if not isinstance(core, _core.Plan):
+            raise ConfigError(f"Plan wraps a baton._core.Plan (got {type(core).__name__})")
+        self._core = core
+
+    @classmethod
+    def from_schedule(cls, schedule: _core.Schedule) -> Plan:
+        return cls(_core.lower(schedule))
+
+    # -- the lowered program ---------------------------------------------------------
+    @property
+    def core(self) -> _core.Plan:
+        """The C++ plan (what the executor runs)."""
+        return self._core
+
+    @property
+    def schedule(self) -> _core.Schedule:
+        return self._core.schedule
+
+    @property
+    def num_ranks(self) -> int:
+        return self._core.schedule.num_ranks
+
+    @property
+    def num_stages(self) -> int:
+        return self._core.schedule.num_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._core.schedule.num_microbatches
+
+    @property
+    def programs(self) -> list[list[_core.Instr]]:
+        return self._core.programs
+
+    def program(self, rank: int) -> list[tuple[str, int, int, int]]:
+        """Rank's program as (opcode, action, buffer, peer) tuples."""
+        return self._core.program(rank)
+
+    @property
+    def fingerprint(self) -> str:
+        """Deterministic digest of schedule and programs (equal plans, equal digests)."""
+        return self._core.fingerprint()
+
+    def to_text(self) -> str:
+        return self._core.to_text()
+
+    def describe(self, rank: int, index: int) -> str:
+        return self._core.describe(rank, index)
+
+    def describe_buffer(self, buffer: int) -> str:
+        return self._core.describe_buffer(buffer)
+
+    def task_inputs(self, task: _core.Task) -> list[int]:
+        return self._core.task_inputs(task)
+
+    def task_outputs(self, task: _core.Task) -> list[int]:
+        return self._core.task_outputs(task)
+
+    def buffer_id(self, kind, stage: int, microbatch: int) -> int:
+        return self._core.buffer_id(kind, stage, microbatch)
+
+    def buffer_key(self, buffer: int) -> _core.BufferKey:
+        return self._core.buffer_key(buffer)
+
+    def save(self, path: str | os.PathLike | None = None) -> str:
+        """The schedule in the text format; written to ``path`` when given."""
+        return save_schedule(self._core.schedule, path)
+
+    # -- checks ------------------------------------------------------------------------
+    def verify(self, raise_on_error: bool = True) -> _core.VerifyReport:
+        """Runs every verifier check; raises ``VerifyError`` on a violation unless told not to."""
+        report = _core.verify(self._core)
+        if raise_on_error and not report.ok:
+            raise VerifyError(report.to_string())
+        return report
+
+    def check_deadlock(self, fifo: bool = False) -> _core.VerifyReport:
+        model = _core.CommModel.Fifo if fifo else _core.CommModel.Blocking
+        return _core.check_deadlock(self._core, model)
+
+    # -- simulation and pictures ---------------------------------------------------------
+    def simulate(self, costs: Any = None) -> _core.SimResult:
+        """Simulated step: time, bubbles, memory (``costs``: see ``as_cost_model``)."""
+        return _core.simulate(self._core, as_cost_model(costs))
+
+    def to_svg(self, costs: Any = None, path: str | os.PathLike | None = None) -> str:
+        """SVG timeline of the simulated step; written to ``path`` when given."""
+        return _write(path, _core.to_svg(self._core, self.simulate(costs)))
+
+    def to_trace(
+        self,
+        costs: Any = None,
+        path: str | os.PathLike | None = None,
+        time_unit_us: float = 1000.0,
+    ) -> str:
+        """Chrome/Perfetto trace JSON of the simulated step; written to ``path`` when given."""
+        return _write(path, _core.to_chrome_trace(self._core, self.simulate(costs), time_unit_us))
+
+    def to_grid(self, costs: Any = None, width: int = 0) -> str:
+        """Text picture of the simulated step: one row per rank."""
+        return _core.to_text_grid(self._core, self.simulate(costs), width)
+
+    def summary(self, costs: Any = None) -> str:
+        """Table of step time, per-rank bubble and peak memory, and the verification result."""
+        report = _core.verify(self._core)
+        try:
+            result = self.simulate(costs)
+        except VerifyError:
+            if report.ok:
+                raise
+            raise VerifyError(report.to_string()) from None
+        return _core.summary_table(self._core, result, report)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return self.fingerprint == other.fingerprint
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint)
+
+    def __repr__(self) -> str:
+        s = self._core.schedule
+        return (
+            f"Plan(schedule={s.name!r}, ranks={s.num_ranks}, stages={s.num_stages}, "
+            f"microbatches={s.num_microbatches}, fingerprint={self.fingerprint})"
+        )
+
+
+def _write(path: str | os.PathLike | None, text: str) -> str:
+    if path is not None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    return text
+
+
+def plan(schedule: Any, ranks: int | None = None, microbatches: int | None = None) -> Plan:
+    """Builds and lowers a schedule.
+
+    ``schedule`` is a spec (``baton.ZBV()``; needs ``ranks`` and
+    ``microbatches`` unless it is a ``ScheduleFile``), a generator name
+    ("zbv"), or a built ``baton.Schedule``. The plan is not verified here:
+    call ``.verify()``.
+    """
+    return Plan(_core.lower(_build_schedule(schedule, ranks, microbatches)))

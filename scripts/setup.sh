@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Sets up everything Baton needs, idempotently and quickly when nothing changed:
+#   1. Debian packages (compiler, CMake, C++ libraries), installed only if missing;
+#   2. the virtual environment .venv (Python 3.12) with Baton's Python dependencies;
+#   3. Baton itself (C++ core, bindings, baton-plan) pip-installed into .venv, rebuilt
+#      only when the sources changed since the last install.
+# Environment: BATON_FORCE_INSTALL=1 reinstalls Baton; PYTHON=/path/to/python3.12
+# chooses the interpreter used to create .venv.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="$ROOT/.venv"
+STAMPS="$ROOT/.stamps"
+
+log() { echo "[setup] $*" >&2; }
+die() { echo "[setup] error: $*" >&2; exit 1; }
+
+# --- 1. system packages --------------------------------------------------------
+APT_PACKAGES=(cmake ninja-build g++ make git libgtest-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev
+              libfmt-dev libgloo-dev)
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  SUDO=""
+  if [[ $(id -u) -ne 0 ]]; then
+    command -v sudo >/dev/null || die "need root (or sudo) to install: ${missing[*]}"
+    SUDO="sudo"
+  fi
+  log "installing Debian packages: ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null
+fi
+
+# --- 2. virtual environment --------------------------------------------------------
+find_python() {
+  if [[ -n "${PYTHON:-}" ]]; then echo "$PYTHON"; return; fi
+  local root cand
+  if command -v pyenv >/dev/null 2>&1; then
+    root="$(pyenv root)"
+  else
+    root="${PYENV_ROOT:-$HOME/.pyenv}"
+  fi
+  # Newest 3.12.x that pyenv has.
+  cand="$(ls -d "$root"/versions/3.12.*/bin/python 2>/dev/null | sort -V | tail -n1 || true)"
+  if [[ -n "$cand" && -x "$cand" ]]; then echo "$cand"; return; fi
+  command -v python3.12 2>/dev/null || true
+}
+
+if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c 'import sys' 2>/dev/null; then
+  PY="$(find_python)"
+  [[ -n "$PY" ]] || die "Python 3.12 not found (pyenv versions/3.12.* or python3.12 on PATH)"
+  log "creating $VENV with $PY"
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+"$VPY" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 12))' \
+  || die "$VENV uses Python $("$VPY" -V 2>&1); Baton needs >= 3.12 (remove .venv to recreate)"
+
+# Minimum versions; pip installs only what is missing or too old.
+PY_REQUIREMENTS=("jax>=0.11" "flax>=0.10" "optax>=0.2" "numpy>=1.26" "pytest>=8"
+                 "hypothesis>=6" "nanobind>=2.4" "scikit-build-core>=0.10")
+mapfile -t need < <("$VPY" - "${PY_REQUIREMENTS[@]}" <<'EOF'
+import re, sys
+from importlib.metadata import PackageNotFoundError, version
+
+def key(v):
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+
+for req in sys.argv[1:]:
+    name, _, minimum = req.partition(">=")
+    try:
+        if key(version(name)) >= key(minimum):
+            continue
+    except PackageNotFoundError:
+        pass
+    print(req)
+EOF
+)
+if ((${#need[@]})); then
+  log "installing Python packages: ${need[*]}"
+  "$VPY" -m pip install -q --disable-pip-version-check "${need[@]}"
+fi
+
+# --- 3. Baton itself ---------------------------------------------------------------
+source_hash() {
+  {
+    if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+      git -C "$ROOT" ls-files --cached --others --exclude-standard -- \
+        cpp python CMakeLists.txt pyproject.toml
+    else
+      find cpp python CMakeLists.txt pyproject.toml -type f ! -name '*.pyc'
+    fi
+  } | LC_ALL=C sort -u | while IFS= read -r f; do
+    [[ -f "$f" ]] && printf '%s\n' "$f" && sha256sum <"$f"
+  done | sha256sum | cut -d' ' -f1
+}
+
+mkdir -p "$STAMPS"
+HASH="$(source_hash)"
+STAMP="$STAMPS/baton-install"
+installed_ok() {
+  [[ -f "$STAMP" && "$(cat "$STAMP")" == "$HASH" ]] || return 1
+  [[ -x "$VENV/bin/baton-plan" ]] || return 1
+  compgen -G "$VENV/lib/python3*/site-packages/baton/_core*.so" >/dev/null
+}
+if [[ "${BATON_FORCE_INSTALL:-0}" == 1 ]] || ! installed_ok; then
+  log "building and installing Baton into $VENV (build dir build/py; first build takes minutes)"
+  rm -f "$STAMP"
+  "$VPY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
+    -Cbuild-dir=build/py "$ROOT"
+  echo "$HASH" >"$STAMP"
+fi
+log "ready: $VENV ($("$VPY" -V 2>&1))"

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Runs every Baton test: sets up (scripts/setup.sh), builds and runs the C++ tests
+# (ctest, build/cpp, -Werror), then the Python tests (pytest). Exits non-zero if
+# anything fails.
+#
+#   bash scripts/test.sh                 # everything
+#   bash scripts/test.sh --cpp-only      # C++ tests only
+#   bash scripts/test.sh --py-only       # Python tests only
+#   bash scripts/test.sh -- -k planner   # extra arguments after -- go to pytest
+#   BATON_SANITIZE=1 bash scripts/test.sh --cpp-only   # ASan+UBSan build in build/asan
+#
+# Environment: BATON_JOBS (build parallelism, default 2), BATON_PYTEST_TIMEOUT (seconds
+# for the whole pytest run, default 1200).
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+run_cpp=1
+run_py=1
+pytest_args=()
+while (($#)); do
+  case "$1" in
+    --cpp-only) run_py=0 ;;
+    --py-only) run_cpp=0 ;;
+    --) shift; pytest_args=("$@"); break ;;
+    *) echo "usage: $0 [--cpp-only | --py-only] [-- pytest args]" >&2; exit 64 ;;
+  esac
+  shift
+done
+
+JOBS="${BATON_JOBS:-2}"
+log() { echo "[test] $*" >&2; }
+
+bash scripts/setup.sh || { log "setup failed"; exit 1; }
+
+failed=()
+
+if ((run_cpp)); then
+  if [[ "${BATON_SANITIZE:-0}" == 1 ]]; then
+    BUILD="build/asan"
+    cfg=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DBATON_SANITIZE=ON)
+    export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0}"
+    export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
+  else
+    BUILD="build/cpp"
+    cfg=(-DCMAKE_BUILD_TYPE=Release)
+  fi
+  log "C++: configure + build ($BUILD)"
+  if cmake -S . -B "$BUILD" -DBATON_BUILD_TESTS=ON -DBATON_WERROR=ON -DBATON_BUILD_CLI=ON \
+       "${cfg[@]}" >/dev/null; then
+    if cmake --build "$BUILD" -j"$JOBS"; then
+      log "C++: ctest"
+      ctest --test-dir "$BUILD" --output-on-failure -j"$JOBS" || failed+=("ctest")
+    else
+      failed+=("C++ build")
+    fi
+  else
+    failed+=("C++ configure")
+  fi
+fi
+
+if ((run_py)); then
+  log "Python: pytest"
+  export JAX_NUM_CPU_DEVICES="${JAX_NUM_CPU_DEVICES:-8}"
+  export PATH="$ROOT/.venv/bin:$PATH"
+  # pytest exits 5 when it collects nothing: that is a failure here too.
+  timeout --kill-after=30 "${BATON_PYTEST_TIMEOUT:-1200}" \
+    "$ROOT/.venv/bin/python" -m pytest -q -p no:cacheprovider tests/python "${pytest_args[@]}"
+  rc=$?
+  if ((rc == 124 || rc == 137)); then
+    log "pytest timed out after ${BATON_PYTEST_TIMEOUT:-1200}s"
+    failed+=("pytest (timeout)")
+  elif ((rc != 0)); then
+    failed+=("pytest (exit $rc)")
+  fi
+fi
+
+if ((${#failed[@]})); then
+  log "FAILED: ${failed[*]}"
+  exit 1
+fi
+log "all tests passed"

@@ -1,0 +1,192 @@
+"""End-to-end: pipelined training steps match single-device JAX + Optax.
+
+Reference: the same step with jax.value_and_grad on the full batch (no
+microbatching) and the same optimizer. float32, rtol 1e-5 on the loss, the
+gradients and the parameters after 3 AdamW steps. Not bit-identical in
+general: the pipeline sums per-microbatch gradients in the schedule's order
+and the task jits fuse differently from the reference's single jit.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+
+import baton  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+import gpt  # noqa: E402
+import mlp  # noqa: E402
+
+# AdamW with eps=1e-6: with the default 1e-8 a gradient entry of ~1e-9 (e.g. float
+# noise of a mathematically-zero gradient) makes Adam's update sign noise, which
+# no pipelined (or differently fused) computation can reproduce.
+OPT = optax.adamw(1e-2, eps=1e-6, weight_decay=0.01)
+
+
+def close(a, b, rtol=1e-5, atol=1e-6):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def mesh(ranks, per_rank=1):
+    assert len(jax.devices()) >= ranks * per_rank, "run with JAX_NUM_CPU_DEVICES=8"
+    return baton.PipelineMesh(jax.devices()[: ranks * per_rank], ranks=ranks)
+
+
+def run_mlp(schedule, ranks, microbatches=4, steps=3, per_rank=1, remat=False, scan=False,
+            aux=False, layers_per_stage=1):
+    stages = schedule.stages(ranks)
+    key = jax.random.PRNGKey(stages)
+    params = mlp.init_params(key, stages, layers_per_stage, scan=scan)
+    batch = mlp.synthetic_batch(key, 4 * microbatches)
+    loss_fn = mlp.make_loss(remat=remat, scan=scan, aux=aux)
+    step, ref = mlp.make_steps(loss_fn, OPT, aux=aux)
+    ps = baton.jit(step, mesh=mesh(ranks, per_rank), schedule=schedule, microbatches=microbatches)
+    ref = jax.jit(ref)
+    p1 = p2 = params
+    s1 = s2 = OPT.init(params)
+    for i in range(steps):
+        if aux and i == 0:  # expected per-microbatch aux of the first step
+            xs = [jax.tree.map(lambda a: a.reshape(microbatches, -1, *a.shape[1:])[m], batch)
+                  for m in range(microbatches)]
+            want_aux = jnp.stack([loss_fn(p1, mb)[1] for mb in xs])
+        p1, s1, out1 = ps(p1, s1, batch)
+        p2, s2, out2 = ref(p2, s2, batch)
+        if aux:
+            (l1, a1), (l2, _) = out1, out2
+            if i == 0:
+                np.testing.assert_allclose(a1, want_aux, rtol=1e-5)
+        else:
+            l1, l2 = out1, out2
+        np.testing.assert_allclose(l1, l2, rtol=1e-5)
+    close(p1, p2)
+    close(s1, s2, atol=1e-6)
+    ps.final_params = p1
+    return ps
+
+
+def check_memory(ps):
+    sim = ps.simulate()
+    measured = ps.last.last_stats["peak_bytes"]
+    predicted = list(sim.peak_total)
+    assert len(measured) == len(predicted)
+    for r, (m, p) in enumerate(zip(measured, predicted)):
+        assert m <= p, f"rank {r}: measured peak {m} B > predicted {p} B"
+    assert max(measured) > 0
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("schedule", [baton.GPipe(), baton.OneFOneB()], ids=["gpipe", "1f1b"])
+def test_mlp_matches_reference(schedule, ranks):
+    ps = run_mlp(schedule, ranks)
+    check_memory(ps)
+
+
+def test_mlp_gradients_match():
+    key = jax.random.PRNGKey(3)
+    params = mlp.init_params(key, 4)
+    batch = mlp.synthetic_batch(key, 16)
+    vg = jax.value_and_grad(mlp.make_loss())
+    ps = baton.jit(lambda p, b: baton.accumulate(vg, p, batch=b), mesh=mesh(4),
+                   schedule=baton.ZBH1(), microbatches=4)
+    loss, grads = ps(params, batch)
+    ref_loss, ref_grads = vg(params, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    close(grads, ref_grads, atol=1e-7)
+    # gradients of stage s stay on the rank of stage s
+    for s in range(4):
+        assert jax.tree.leaves(grads[s])[0].devices() == {jax.devices()[s]}
+
+
+SCHEDULES = [
+    ("gpipe", baton.GPipe(), [2, 4, 8]),
+    ("1f1b", baton.OneFOneB(), [2, 4, 8]),
+    ("eager1f1b", baton.Eager1F1B(), [2, 4]),
+    ("interleaved", baton.Interleaved1F1B(virtual_stages=2), [2, 4]),
+    ("zbh1", baton.ZBH1(), [2, 4]),
+    ("zbh2", baton.ZBH2(), [2, 4]),
+    ("zbv", baton.ZBV(), [2, 4]),
+    ("dualpipev", baton.DualPipeV(), [2, 4]),
+]
+
+
+@pytest.mark.parametrize(
+    "schedule,ranks",
+    [pytest.param(s, r, id=f"{n}-{r}") for n, s, rs in SCHEDULES for r in rs],
+)
+def test_every_schedule(schedule, ranks):
+    stages = schedule.stages(ranks)
+    microbatches = max(2 * stages, 4) if ranks < 8 else 8
+    ps = run_mlp(schedule, ranks, microbatches=microbatches, steps=2)
+    check_memory(ps)
+
+
+def test_gpt_tied_embedding_adamw():
+    cfg = gpt.GPTConfig(stages=4, layers=4)
+    model, params, opt, st, step, ref = gpt.make(cfg, eps=1e-6)
+    batch = gpt.synthetic_batch(cfg, 8)
+    ps = baton.jit(step, mesh=mesh(4), schedule=baton.OneFOneB(), microbatches=4)
+    ref = jax.jit(ref)
+    p1 = p2 = params
+    s1 = s2 = st
+    for _ in range(3):
+        p1, s1, l1 = ps(p1, s1, batch)
+        p2, s2, l2 = ref(p2, s2, batch)
+        np.testing.assert_allclose(l1, l2, rtol=1e-5)
+    # Adam divides by sqrt(v): gradient entries near zero turn float rounding
+    # differences into parameter differences of a fraction of one step (lr=1e-3).
+    close(p1, p2, atol=1e-5)
+    # the tied embedding is used by the first and the last stage
+    parts = ps.last.parts
+    outers = {}
+    for p in parts:
+        outers.setdefault(p.outer, set()).add(p.stage)
+    assert any(st == {0, 3} for st in outers.values())
+    check_memory(ps)
+
+
+def test_gpt_gradients_match():
+    cfg = gpt.GPTConfig(stages=2, layers=2)
+    model, params, *_ = gpt.make(cfg)
+    batch = gpt.synthetic_batch(cfg, 8)
+    vg = jax.value_and_grad(lambda p, b: gpt.loss_fn(model, p, b))
+    ps = baton.jit(lambda p, b: baton.accumulate(vg, p, batch=b), mesh=mesh(2),
+                   schedule=baton.ZBH1(), microbatches=4)
+    loss, grads = ps(params, batch)
+    ref_loss, ref_grads = vg(params, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    close(grads, ref_grads, rtol=1e-5, atol=1e-7)
+
+
+def test_data_parallel_inside_stage():
+    ps = run_mlp(baton.OneFOneB(), 4, per_rank=2, steps=2)
+    # rank r owns devices 2r, 2r+1: its microbatches are split over both and its
+    # parameters (updated on the rank) are replicated over both.
+    devs = jax.devices()
+    for s in range(4):
+        w = ps.final_params[s][0]["w"]
+        assert w.sharding.device_set == {devs[2 * s], devs[2 * s + 1]}
+    assert len(ps.last.mesh.batch_sharded(1, (4, 16)).device_set) == 2
+    check_memory(ps)
+
+
+def test_checkpoint_and_scan_inside_stage_and_aux():
+    run_mlp(baton.OneFOneB(), 2, remat=True, layers_per_stage=2, steps=2)
+    run_mlp(baton.ZBH1(), 2, scan=True, layers_per_stage=3, steps=2)
+    run_mlp(baton.GPipe(), 2, aux=True, steps=2)
+
+
+def test_schedule_from_text_format(tmp_path):
+    text = baton.save_schedule(baton.OneFOneB().build(2, 4))
+    path = tmp_path / "my.sched"
+    path.write_text(text)
+    run_mlp(baton.ScheduleFile(str(path)), 2, steps=2)

@@ -1,0 +1,400 @@
+"""Tests of the planner API: schedule specs, plans, verification, simulation, pictures, CLI."""
+
+import json
+import os
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+
+import pytest
+
+import baton
+from baton import _core
+
+ALL_SPECS = [
+    baton.GPipe(),
+    baton.OneFOneB(),
+    baton.Eager1F1B(),
+    baton.Interleaved1F1B(virtual_stages=2),
+    baton.ZBH1(),
+    baton.ZBH2(),
+    baton.ZBV(),
+    baton.DualPipeV(),
+]
+SIZES = [(2, 4), (4, 8), (4, 12)]
+
+# A structurally valid schedule that deadlocks: rank 0 sends microbatch 0 first,
+# rank 1 waits for microbatch 1 first.
+DEADLOCK = """\
+baton-schedule 1
+name custom
+ranks 2
+stages 2
+microbatches 2
+placement 0 1
+rank 0: F0.0 F0.1 B0.0 B0.1
+rank 1: F1.1 B1.1 F1.0 B1.0
+"""
+
+
+def n_actions(schedule):
+    return sum(len(schedule.actions(r)) for r in range(schedule.num_ranks))
+
+
+# --- schedule specs -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=repr)
+@pytest.mark.parametrize("ranks,microbatches", SIZES)
+def test_spec_builds_and_verifies(spec, ranks, microbatches):
+    s = spec.build(ranks, microbatches)
+    assert isinstance(s, baton.Schedule)
+    assert s.num_ranks == ranks
+    assert s.num_microbatches == microbatches
+    assert s.num_stages == spec.stages(ranks)
+    assert len(s.stage_rank) == s.num_stages
+    s.validate()
+    # one F and one B (or I and W) per (stage, microbatch), on the rank owning the stage
+    kinds = {}
+    for r, acts in enumerate(s.rank_actions):
+        for a in acts:
+            for t in a.tasks:
+                assert s.stage_rank[t.stage] == r
+                kinds.setdefault((t.stage, t.microbatch), []).append(str(t)[0])
+    assert len(kinds) == s.num_stages * microbatches
+    assert all(sorted(k) in (["B", "F"], ["F", "I", "W"]) for k in kinds.values())
+    assert s.split_backward() == any("I" in k for k in kinds.values())
+    p = baton.plan(spec, ranks, microbatches)
+    report = p.verify()
+    assert report.ok and bool(report) and report.violations == []
+    assert p.fingerprint == baton.plan(spec, ranks, microbatches).fingerprint
+
+
+def test_spec_stage_counts():
+    assert baton.GPipe().stages(4) == 4
+    assert baton.OneFOneB().stages(3) == 3
+    assert baton.Interleaved1F1B(virtual_stages=3).stages(4) == 12
+    assert baton.ZBV().stages(4) == 8
+    assert baton.DualPipeV().stages(2) == 4
+    assert baton.ZBH1().stages(5) == 5
+
+
+def test_spec_repr_equality_hash():
+    assert repr(baton.ZBV()) == "ZBV()"
+    assert repr(baton.Interleaved1F1B(virtual_stages=2)) == "Interleaved1F1B(virtual_stages=2)"
+    assert baton.Interleaved1F1B(3) == baton.Interleaved1F1B(virtual_stages=3)
+    assert baton.Interleaved1F1B(3) != baton.Interleaved1F1B(2)
+    assert baton.ZBH1() == baton.ZBH1() and baton.ZBH1() != baton.ZBH2()
+    assert len({baton.ZBV(), baton.ZBV(), baton.GPipe(), baton.Interleaved1F1B(2)}) == 3
+    assert baton.ScheduleFile("a.txt") == baton.ScheduleFile("a.txt")
+    assert repr(baton.ScheduleFile("a.txt")) == "ScheduleFile('a.txt')"
+
+
+def test_schedule_from_name():
+    assert baton.schedule_from_name("zbv") == baton.ZBV()
+    assert baton.schedule_from_name("ZB-V", virtual_stages=1) == baton.ZBV()
+    assert baton.schedule_from_name("1F1B") == baton.OneFOneB()
+    assert baton.schedule_from_name("dual_pipe_v") == baton.DualPipeV()
+    assert baton.schedule_from_name("interleaved", virtual_stages=3) == baton.Interleaved1F1B(3)
+    assert baton.schedule_from_name("interleaved") == baton.Interleaved1F1B(2)
+    with pytest.raises(baton.ScheduleError, match="virtual_stages=2"):
+        baton.schedule_from_name("zbh1", virtual_stages=2)
+    with pytest.raises(baton.ScheduleError, match="'nope'.*gpipe"):
+        baton.schedule_from_name("nope")
+    assert sorted(baton.schedule_names()) == sorted(_core.schedule_names())
+
+
+def test_bad_sizes_are_config_errors():
+    with pytest.raises(baton.ConfigError, match=r"ranks must be a positive integer \(got 0\)"):
+        baton.ZBV().build(0, 8)
+    with pytest.raises(baton.ConfigError, match="microbatches"):
+        baton.GPipe().build(2, "8")
+    with pytest.raises(baton.ConfigError, match="virtual_stages"):
+        baton.Interleaved1F1B(virtual_stages=0)
+
+
+# --- errors from the C++ core ---------------------------------------------------------
+
+
+def test_schedule_error_classes_and_message():
+    assert issubclass(baton.ScheduleError, ValueError)
+    assert issubclass(baton.ScheduleError, baton.BatonError)
+    with pytest.raises(baton.ScheduleError) as exc:
+        _core.make_schedule("zbv", 4, 8, 3)  # only "interleaved" takes virtual stages
+    assert isinstance(exc.value, ValueError) and isinstance(exc.value, baton.BatonError)
+    assert "3" in str(exc.value)
+    with pytest.raises(baton.ScheduleError, match="no-such"):
+        _core.make_schedule("no-such", 2, 4)
+
+
+def test_generator_refusal_names_values():
+    with pytest.raises(baton.ScheduleError, match=r"microbatches.*got microbatches=0"):
+        _core.make_schedule("1f1b", 3, 0)
+    # DualPipeV needs at least 2 microbatches per rank; the spec path raises the same error.
+    with pytest.raises(baton.ScheduleError, match=r"ranks=3, microbatches=4") as exc:
+        baton.plan(baton.DualPipeV(), ranks=3, microbatches=4)
+    assert isinstance(exc.value, ValueError)
+
+
+def test_malformed_schedule_object_is_schedule_error():
+    s = baton.OneFOneB().build(2, 2)
+    s.stage_rank = [0, 5]
+    with pytest.raises(baton.ScheduleError):
+        s.validate()
+    with pytest.raises(baton.ScheduleError):
+        baton.plan(s)
+
+
+def test_config_error_from_cost_model():
+    costs = baton.CostModel()
+    costs.default_stage.f = -1.0
+    assert costs.default_stage.f == -1.0
+    with pytest.raises(baton.ConfigError) as exc:
+        costs.validate()
+    assert isinstance(exc.value, ValueError)
+
+
+# --- text format ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=repr)
+def test_save_load_round_trip_keeps_fingerprint(spec, tmp_path):
+    p = baton.plan(spec, 4, 8)
+    path = tmp_path / "schedule.txt"
+    text = p.save(path)
+    assert path.read_text() == text
+    assert baton.load_schedule(path) == p.schedule
+    assert baton.load_schedule(text) == p.schedule
+    from_file = baton.plan(baton.ScheduleFile(path))
+    assert from_file.fingerprint == p.fingerprint
+    assert from_file == p
+    assert baton.plan(baton.ScheduleFile(str(path)), 4, 8).fingerprint == p.fingerprint
+    assert baton.ScheduleFile(text).stages() == spec.stages(4)
+
+
+def test_schedule_file_size_mismatch(tmp_path):
+    path = tmp_path / "s.txt"
+    baton.plan(baton.OneFOneB(), 2, 4).save(path)
+    with pytest.raises(baton.ScheduleError, match="ranks=2.*ranks=3"):
+        baton.plan(baton.ScheduleFile(path), ranks=3)
+    with pytest.raises(baton.ConfigError, match="cannot read schedule file"):
+        baton.load_schedule(str(tmp_path / "missing.txt"))
+
+
+def test_format_error_line_and_column():
+    text = DEADLOCK.replace("rank 1: F1.1", "rank 1: Q1.1")
+    with pytest.raises(baton.FormatError) as exc:
+        baton.load_schedule(text)
+    e = exc.value
+    assert isinstance(e, ValueError) and isinstance(e, baton.BatonError)
+    assert e.line == 8
+    assert e.column == 9
+    assert "line 8" in str(e)
+
+
+# --- plans and verification -----------------------------------------------------------
+
+
+def test_plan_accepts_spec_name_and_schedule():
+    s = baton.ZBH1().build(2, 4)
+    a = baton.plan(s)
+    b = baton.plan("zbh1", ranks=2, microbatches=4)
+    c = baton.plan(baton.ZBH1(), 2, 4)
+    assert a.fingerprint == b.fingerprint == c.fingerprint
+    assert a.num_ranks == 2 and a.num_stages == 2 and a.num_microbatches == 4
+    assert "zbh1" in repr(a)
+    with pytest.raises(baton.ConfigError, match="needs ranks and microbatches"):
+        baton.plan(baton.ZBH1())
+    with pytest.raises(baton.ConfigError, match="needs microbatches"):
+        baton.plan(baton.ZBH1(), ranks=2)
+    with pytest.raises(baton.ConfigError, match="ranks=2, but ranks=3"):
+        baton.plan(s, ranks=3)
+    with pytest.raises(baton.ConfigError):
+        baton.plan(42)
+
+
+def test_plan_programs_and_buffers():
+    p = baton.plan(baton.OneFOneB(), 2, 3)
+    s = p.schedule
+    assert s.actions(0) == ["F0.0", "F0.1", "B0.0", "F0.2", "B0.1", "B0.2"]
+    assert s.actions(1) == ["F1.0", "B1.0", "F1.1", "B1.1", "F1.2", "B1.2"]
+    assert len(p.programs) == 2
+    for r in range(2):
+        prog = p.program(r)
+        assert len(prog) == len(p.programs[r])
+        assert {op for op, *_ in prog} <= {"RUN", "SEND", "RECV", "FREE", "ACCUMULATE"}
+        runs = [t for t in prog if t[0] == "RUN"]
+        assert [t[1] for t in runs] == list(range(len(s.actions(r))))
+        assert prog[0] == p.programs[r][0].astuple()
+        assert p.describe(r, 0).startswith(f"rank {r} #0")
+    # F1.0 reads the activation of stage 0, microbatch 0
+    act = p.buffer_id(baton.BufKind.Act, 0, 0)
+    f10 = baton.Task(baton.TaskKind.F, 1, 0)
+    assert act in p.task_inputs(f10)
+    assert p.buffer_key(act) == baton.BufferKey(baton.BufKind.Act, 0, 0)
+    assert p.describe_buffer(act) == "act(s0,m0)"
+    assert p.buffer_id(baton.BufKind.Stash, 1, 0) in p.task_outputs(f10)
+    sends = [t for t in p.program(0) if t[0] == "SEND"]
+    assert sends and all(t[3] == 1 for t in sends)
+    assert "RUN" in p.to_text()
+    with pytest.raises(IndexError):
+        p.program(2)
+    with pytest.raises(IndexError):
+        s.actions(-1)
+
+
+def test_fused_actions_are_strings():
+    s = baton.DualPipeV().build(2, 8)
+    fused = [a for r in range(2) for a in s.actions(r) if "+" in a]
+    assert fused, "DualPipeV fuses F and B in its steady phase"
+    assert all(a.count("+") == 1 for a in fused)
+
+
+def test_verify_reports_deadlock(tmp_path):
+    p = baton.plan(baton.ScheduleFile(DEADLOCK))
+    with pytest.raises(baton.VerifyError) as exc:
+        p.verify()
+    assert isinstance(exc.value, RuntimeError)
+    assert "deadlock" in str(exc.value)
+    report = p.verify(raise_on_error=False)
+    assert not report.ok and not bool(report)
+    checks = {v.check for v in report.violations}
+    assert "deadlock" in checks
+    v = next(v for v in report.violations if v.check == "deadlock")
+    assert v.ranks and len(v.ranks) == len(v.instrs)
+    assert set(v.ranks) <= {0, 1}
+    assert not p.check_deadlock().ok
+    with pytest.raises(baton.VerifyError):
+        _core.verify_or_throw(p.core)
+    assert "verification: FAILED" in p.summary()  # the simulator's async model completes
+
+
+# --- simulation and pictures ----------------------------------------------------------
+
+
+def test_simulate_fields_1f1b():
+    ranks, m = 2, 4
+    p = baton.plan(baton.OneFOneB(), ranks, m)
+    r = p.simulate()  # uniform default: F=1, B=2, no communication cost
+    assert r.step_time == pytest.approx((m + ranks - 1) * 3.0)
+    assert r.busy == pytest.approx([m * 3.0] * ranks)
+    assert r.bubble == pytest.approx([1 - 12 / 15] * ranks)
+    assert r.bubble_fraction == pytest.approx(1 - 24 / 30)
+    assert len(r.runs) == n_actions(p.schedule)
+    assert all(e.end > e.start >= 0 for e in r.runs)
+    assert len(r.peak_activation) == ranks and len(r.peak_total) == ranks
+    assert all(a >= 1 for a in r.peak_activation)
+    assert all(t >= a for t, a in zip(r.peak_total, r.peak_activation))
+    assert len(r.memory) == ranks and all(len(tl) > 0 for tl in r.memory)
+    assert len(r.transfers) == 2 * m  # one activation and one gradient per microbatch
+    assert all(t.src != t.dst and t.end >= t.start for t in r.transfers)
+    assert r.critical_path and r.critical_path[-1].end == pytest.approx(r.step_time)
+    assert r.span_start == pytest.approx([0.0, 1.0])
+    assert r.span_end == pytest.approx([15.0, 13.0])
+
+
+def test_simulate_cost_inputs(tmp_path):
+    p = baton.plan(baton.OneFOneB(), 2, 4)
+    doubled = {"default": {"f": 2.0, "b": 4.0}}
+    assert p.simulate(doubled).step_time == pytest.approx(30.0)
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(doubled))
+    assert p.simulate(path).step_time == pytest.approx(30.0)
+    assert p.simulate(str(path)).step_time == pytest.approx(30.0)
+    assert p.simulate(json.dumps(doubled)).step_time == pytest.approx(30.0)
+    model = baton.CostModel.uniform(2.0, 4.0, 2.0, 2.0)
+    assert p.simulate(model).step_time == pytest.approx(30.0)
+    assert baton.CostModel.from_json(model.to_json()).default_stage == model.default_stage
+    slow = baton.CostModel()
+    slow.link.latency = 1.0
+    assert p.simulate(slow).step_time > 15.0
+    with pytest.raises(baton.FormatError, match="bogus"):
+        p.simulate({"default": {"bogus": 1}})
+    with pytest.raises(baton.FormatError):
+        p.simulate("{not json")
+    with pytest.raises(baton.ConfigError, match="cannot read cost file"):
+        p.simulate(str(tmp_path / "missing.json"))
+    with pytest.raises(baton.ConfigError):
+        p.simulate(3.5)
+
+
+@pytest.mark.parametrize("spec", [baton.ZBV(), baton.DualPipeV(), baton.Interleaved1F1B(2)], ids=repr)
+def test_trace_has_one_x_event_per_action(spec, tmp_path):
+    p = baton.plan(spec, 4, 8)
+    path = tmp_path / "trace.json"
+    text = p.to_trace(path=path)
+    assert path.read_text() == text
+    trace = json.loads(text)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    xs = [e for e in events if e.get("ph") == "X" and e.get("cat") != "transfer"]
+    assert len(xs) == n_actions(p.schedule)
+    assert {e["tid"] for e in xs} == set(range(4))
+    assert sorted(e["name"] for e in xs) == sorted(
+        a for r in range(4) for a in p.schedule.actions(r)
+    )
+    transfers = [e for e in events if e.get("ph") == "X" and e.get("cat") == "transfer"]
+    assert len(transfers) == len(p.simulate().transfers)
+
+
+def test_svg_parses(tmp_path):
+    p = baton.plan(baton.ZBH1(), 4, 8)
+    path = tmp_path / "t.svg"
+    svg = p.to_svg(path=path)
+    root = ET.fromstring(svg)
+    assert root.tag.endswith("svg")
+    assert len(list(root.iter("{http://www.w3.org/2000/svg}rect"))) + len(
+        list(root.iter("rect"))
+    ) >= n_actions(p.schedule)
+    assert path.read_text() == svg
+
+
+def test_grid_and_summary():
+    p = baton.plan(baton.ZBV(), 4, 8)
+    grid = p.to_grid(width=40)
+    assert len([ln for ln in grid.splitlines() if ln.strip()]) >= 4
+    summary = p.summary()
+    assert "bubble" in summary.lower()
+    assert "zbv" in summary.lower()
+
+
+# --- the baton-plan command -----------------------------------------------------------
+
+
+def run_cli(exe, *args):
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_cli_installed_and_runs(baton_plan_exe, tmp_path):
+    venv_bin = os.path.dirname(baton_plan_exe)
+    assert shutil.which("baton-plan", path=venv_bin) == str(baton_plan_exe)
+    svg, trace = tmp_path / "t.svg", tmp_path / "t.json"
+    r = run_cli(baton_plan_exe, "--schedule", "zbv", "--ranks", "4", "--microbatches", "8",
+                "--grid", "--svg", str(svg), "--trace", str(trace))
+    assert r.returncode == 0, r.stderr
+    assert "bubble" in r.stdout.lower()
+    ET.parse(svg)
+    events = json.loads(trace.read_text())["traceEvents"]
+    n = sum(len(baton.ZBV().build(4, 8).actions(r)) for r in range(4))
+    assert len([e for e in events if e["ph"] == "X" and e.get("cat") != "transfer"]) == n
+    # the CLI's numbers are the library's
+    assert baton.plan(baton.ZBV(), 4, 8).summary() in r.stdout
+
+
+def test_cli_errors(baton_plan_exe, tmp_path):
+    r = run_cli(baton_plan_exe, "--schedule", "nope", "--ranks", "2", "--microbatches", "2")
+    assert r.returncode == 1
+    assert r.stderr.startswith("baton-plan: error:") and r.stderr.count("\n") == 1
+    r = run_cli(baton_plan_exe, "--load", str(tmp_path / "missing.txt"))
+    assert r.returncode == 1 and "cannot read" in r.stderr
+    bad = tmp_path / "bad.txt"
+    bad.write_text(DEADLOCK.replace("rank 1: F1.1", "rank 1: Q1.1"))
+    r = run_cli(baton_plan_exe, "--load", str(bad))
+    assert r.returncode == 1 and "line 8" in r.stderr
+    dead = tmp_path / "dead.txt"
+    dead.write_text(DEADLOCK)
+    r = run_cli(baton_plan_exe, "--load", str(dead))
+    assert r.returncode == 2
+    assert r.stderr.startswith("baton-plan: error: verification failed (4 violations)")
+    assert "deadlock (blocking model)" in r.stdout  # the full report
+    r = run_cli(baton_plan_exe, "--ranks", "2")
+    assert r.returncode == 1 and "--schedule or --load" in r.stderr
