@@ -6,7 +6,8 @@
 #   bash scripts/test.sh                 # everything
 #   bash scripts/test.sh --cpp-only      # C++ tests only
 #   bash scripts/test.sh --py-only       # Python tests only
-#   bash scripts/test.sh -- -k planner   # extra arguments after -- go to pytest
+#   bash scripts/test.sh --py-only -- -k planner   # arguments after -- go to pytest
+#                                        # (default: the testpaths of pyproject.toml)
 #   BATON_SANITIZE=1 bash scripts/test.sh --cpp-only   # ASan+UBSan build in build/asan
 #
 # Environment: BATON_JOBS (build parallelism, default 2), BATON_PYTEST_TIMEOUT (seconds
@@ -66,7 +67,7 @@ if ((run_py)); then
   export PATH="$ROOT/.venv/bin:$PATH"
   # pytest exits 5 when it collects nothing: that is a failure here too.
   timeout --kill-after=30 "${BATON_PYTEST_TIMEOUT:-1200}" \
-    "$ROOT/.venv/bin/python" -m pytest -q -p no:cacheprovider tests/python "${pytest_args[@]}"
+    "$ROOT/.venv/bin/python" -m pytest -q -p no:cacheprovider "${pytest_args[@]}"
   rc=$?
   if ((rc == 124 || rc == 137)); then
     log "pytest timed out after ${BATON_PYTEST_TIMEOUT:-1200}s"

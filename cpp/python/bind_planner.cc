@@ -7,6 +7,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdint>
 #include <exception>
 #include <string>
 #include <tuple>
@@ -204,8 +205,19 @@ void bind_schedule(nb::module_& m) {
 }
 
 void bind_cost(nb::module_& m) {
+  const baton::StageCost dflt;
   nb::class_<baton::StageCost>(m, "StageCost", "Per-stage time and memory costs.")
-      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](baton::StageCost* c, double f, double b, double i, double w, int64_t stash_bytes,
+             int64_t wstash_bytes, int64_t act_bytes, int64_t grad_bytes, int64_t wgrad_bytes) {
+            new (c) baton::StageCost{
+                f, b, i, w, stash_bytes, wstash_bytes, act_bytes, grad_bytes, wgrad_bytes};
+          },
+          "f"_a = dflt.f, "b"_a = dflt.b, "i"_a = dflt.i, "w"_a = dflt.w,
+          "stash_bytes"_a = dflt.stash_bytes, "wstash_bytes"_a = dflt.wstash_bytes,
+          "act_bytes"_a = dflt.act_bytes, "grad_bytes"_a = dflt.grad_bytes,
+          "wgrad_bytes"_a = dflt.wgrad_bytes)
       .def_rw("f", &baton::StageCost::f)
       .def_rw("b", &baton::StageCost::b)
       .def_rw("i", &baton::StageCost::i)
@@ -224,7 +236,12 @@ void bind_cost(nb::module_& m) {
       });
 
   nb::class_<baton::LinkCost>(m, "LinkCost", "Latency and bandwidth of every rank pair.")
-      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](baton::LinkCost* l, double latency, double bandwidth) {
+            new (l) baton::LinkCost{latency, bandwidth};
+          },
+          "latency"_a = 0.0, "bandwidth"_a = 0.0)
       .def_rw("latency", &baton::LinkCost::latency)
       .def_rw("bandwidth", &baton::LinkCost::bandwidth)
       .def(

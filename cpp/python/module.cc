@@ -9,6 +9,9 @@ void init_planner(nb::module_& m);  // bind_planner.cc: schedules, plans, verify
 #if BATON_BIND_GRAPH
 void init_graph(nb::module_& m);  // bind_graph.cc: Program IR and graph passes
 #endif
+#if BATON_BIND_RUNTIME
+void init_runtime(nb::module_& m);  // bind_runtime.cc: executor, transports (_core.runtime)
+#endif
 
 NB_MODULE(_core, m) {
   m.doc() = "Baton C++ core";
@@ -17,5 +20,8 @@ NB_MODULE(_core, m) {
 #endif
 #if BATON_BIND_GRAPH
   init_graph(m);
+#endif
+#if BATON_BIND_RUNTIME
+  init_runtime(m);
 #endif
 }

@@ -330,12 +330,24 @@ TEST(Verify, RandomEditsNeverCrash) {
       const size_t n = prog.size();
       const size_t i = rng() % n, j = rng() % n;
       switch (rng() % 6) {
-        case 0: prog.erase(prog.begin() + static_cast<long>(i)); break;
-        case 1: std::swap(prog[i], prog[j]); break;
-        case 2: prog.insert(prog.begin() + static_cast<long>(j), prog[i]); break;
-        case 3: prog[i].peer = static_cast<int32_t>(rng() % 5) - 1; break;
-        case 4: prog[i].buffer = static_cast<int32_t>(rng() % (p.num_buffer_ids() + 2)) - 1; break;
-        case 5: prog[i].action = static_cast<int32_t>(rng() % 8) - 1; break;
+        case 0:
+          prog.erase(prog.begin() + static_cast<long>(i));
+          break;
+        case 1:
+          std::swap(prog[i], prog[j]);
+          break;
+        case 2:
+          prog.insert(prog.begin() + static_cast<long>(j), prog[i]);
+          break;
+        case 3:
+          prog[i].peer = static_cast<int32_t>(rng() % 5) - 1;
+          break;
+        case 4:
+          prog[i].buffer = static_cast<int32_t>(rng() % (p.num_buffer_ids() + 2)) - 1;
+          break;
+        case 5:
+          prog[i].action = static_cast<int32_t>(rng() % 8) - 1;
+          break;
       }
     }
     VerifyReport rep;
@@ -358,8 +370,8 @@ TEST(Verify, EveryEssentialInstructionMatters) {
     for (size_t i = 0; i < clean.programs[r].size(); ++i) {
       Plan p = clean;
       p.programs[r].erase(p.programs[r].begin() + static_cast<long>(i));
-      EXPECT_FALSE(verify(p).ok()) << "erasing " << clean.describe(static_cast<int>(r),
-                                                                   static_cast<int>(i));
+      EXPECT_FALSE(verify(p).ok())
+          << "erasing " << clean.describe(static_cast<int>(r), static_cast<int>(i));
     }
 }
 

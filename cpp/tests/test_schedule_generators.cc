@@ -275,6 +275,12 @@ TEST(Generators, Refusals) {
       "interleaved needs microbatches to be a multiple of ranks, or at most ranks "
       "(got ranks=4, microbatches=6, v=2)");
   expect_schedule_error([] { interleaved_one_f_one_b(4, 8, 0); }, "virtual stages >= 1 (got v=0)");
+  expect_schedule_error(
+      [] { gpipe(4096, 4096); },
+      "gpipe is too large: stages*microbatches = 16777216 (ranks=4096, microbatches=4096)");
+  expect_schedule_error([] { interleaved_one_f_one_b(1024, 1024, 8); },
+                        "stages*microbatches = 8388608");
+  expect_schedule_error([] { zb_v(1024, 4096); }, "stages*microbatches = 8388608");
   for (const char* n : {"gpipe", "1f1b", "eager1f1b", "zbh1", "zbh2", "zbv", "dualpipev"})
     expect_schedule_error([n] { make_schedule(n, 2, 4, 2); },
                           std::string("schedule '") + n + "' takes no virtual stages (got v=2)");

@@ -98,7 +98,8 @@ bool contains(const std::string& s, const std::string& part) {
 TEST(Sim, SingleRankGpipeTimingAndMemory) {
   Builder b(1, 1, 3);
   for (int m = 0; m < 3; ++m) b.run(0, TaskKind::F, 0, m);
-  for (int m = 0; m < 3; ++m) b.run(0, TaskKind::B, 0, m).free(0, BufKind::Stash, 0, m).acc(0, 0, m);
+  for (int m = 0; m < 3; ++m)
+    b.run(0, TaskKind::B, 0, m).free(0, BufKind::Stash, 0, m).acc(0, 0, m);
   CostModel c = CostModel::uniform(1, 2, 1, 1);
   c.default_stage.stash_bytes = 10;
   c.default_stage.wgrad_bytes = 5;
@@ -120,8 +121,8 @@ TEST(Sim, SingleRankGpipeTimingAndMemory) {
   EXPECT_EQ(r.peak_activation[0], 30);
   EXPECT_EQ(r.peak_total[0], 35);  // 3 stashes + the wgrad of B0
   // Timeline: (time, activation, total).
-  const std::vector<MemorySample> want = {
-      {0, 10, 10}, {1, 20, 20}, {2, 30, 30}, {3, 30, 35}, {5, 20, 25}, {7, 10, 15}, {9, 0, 0}};
+  const std::vector<MemorySample> want = {{0, 10, 10}, {1, 20, 20}, {2, 30, 30}, {3, 30, 35},
+                                          {5, 20, 25}, {7, 10, 15}, {9, 0, 0}};
   ASSERT_EQ(r.memory[0].size(), want.size());
   for (size_t k = 0; k < want.size(); ++k) {
     EXPECT_DOUBLE_EQ(r.memory[0][k].time, want[k].time) << k;
@@ -138,7 +139,10 @@ Plan two_rank_one_mb() {
   Builder b(2, 2, 1);
   b.run(0, TaskKind::F, 0, 0).send(0, BufKind::Act, 0, 0, 1).recv(0, BufKind::Grad, 1, 0, 1);
   b.free(0, BufKind::Act, 0, 0);
-  b.run(0, TaskKind::B, 0, 0).free(0, BufKind::Grad, 1, 0).free(0, BufKind::Stash, 0, 0).acc(0, 0, 0);
+  b.run(0, TaskKind::B, 0, 0)
+      .free(0, BufKind::Grad, 1, 0)
+      .free(0, BufKind::Stash, 0, 0)
+      .acc(0, 0, 0);
   b.recv(1, BufKind::Act, 0, 0, 0).run(1, TaskKind::F, 1, 0).free(1, BufKind::Act, 0, 0);
   b.run(1, TaskKind::B, 1, 0).free(1, BufKind::Stash, 1, 0).acc(1, 1, 0);
   b.send(1, BufKind::Grad, 1, 0, 0).free(1, BufKind::Grad, 1, 0);
@@ -179,7 +183,7 @@ TEST(Sim, LinkLatencyAndBandwidth) {
   // Rank 0 holds its act until the send completes (3.5), and its stash
   // throughout: the received grad adds to the total from its RECV (t=1).
   EXPECT_EQ(r.peak_total[0], 1 + 100 + 25);  // stash + act + grad receive buffer
-  int64_t at_4 = -1;  // after the act send completed at 3.5
+  int64_t at_4 = -1;                         // after the act send completed at 3.5
   for (const auto& s : r.memory[0])
     if (s.time <= 4) at_4 = s.total;
   EXPECT_EQ(at_4, 1 + 25);
@@ -207,11 +211,17 @@ TEST(Sim, FifoLinkSerialisation) {
   b.recv(0, BufKind::Grad, 1, 0, 1).recv(0, BufKind::Grad, 1, 1, 1);
   b.free(0, BufKind::Act, 0, 0).free(0, BufKind::Act, 0, 1);
   for (int m = 0; m < 2; ++m)
-    b.run(0, TaskKind::B, 0, m).free(0, BufKind::Grad, 1, m).free(0, BufKind::Stash, 0, m).acc(0, 0, m);
+    b.run(0, TaskKind::B, 0, m)
+        .free(0, BufKind::Grad, 1, m)
+        .free(0, BufKind::Stash, 0, m)
+        .acc(0, 0, m);
   b.recv(1, BufKind::Act, 0, 0, 0).recv(1, BufKind::Act, 0, 1, 0);
   for (int m = 0; m < 2; ++m) b.run(1, TaskKind::F, 1, m).free(1, BufKind::Act, 0, m);
   for (int m = 0; m < 2; ++m)
-    b.run(1, TaskKind::B, 1, m).free(1, BufKind::Stash, 1, m).acc(1, 1, m).send(1, BufKind::Grad, 1, m, 0);
+    b.run(1, TaskKind::B, 1, m)
+        .free(1, BufKind::Stash, 1, m)
+        .acc(1, 1, m)
+        .send(1, BufKind::Grad, 1, m, 0);
   b.free(1, BufKind::Grad, 1, 0).free(1, BufKind::Grad, 1, 1);
   CostModel c = CostModel::uniform(1, 2, 1, 1);
   c.link.bandwidth = 1;
@@ -259,7 +269,10 @@ TEST(Sim, LateRecvDelaysArrival) {
   b.free(0, BufKind::Act, 0, 0).free(0, BufKind::Act, 0, 1);
   for (int m = 0; m < 2; ++m) {
     b.recv(0, BufKind::Grad, 1, m, 1);
-    b.run(0, TaskKind::B, 0, m).free(0, BufKind::Grad, 1, m).free(0, BufKind::Stash, 0, m).acc(0, 0, m);
+    b.run(0, TaskKind::B, 0, m)
+        .free(0, BufKind::Grad, 1, m)
+        .free(0, BufKind::Stash, 0, m)
+        .acc(0, 0, m);
   }
   for (int m = 0; m < 2; ++m) {
     b.recv(1, BufKind::Act, 0, m, 0).run(1, TaskKind::F, 1, m).free(1, BufKind::Act, 0, m);
@@ -412,7 +425,8 @@ TEST(Sim, DeadlockNamesBothRanks) {
   b.send(1, BufKind::Grad, 1, 0, 0);
   const std::string msg = error_of<VerifyError>([&] { simulate(b.plan, CostModel{}); });
   EXPECT_TRUE(contains(msg, "stuck ranks: 0 1")) << msg;
-  EXPECT_TRUE(contains(msg, "rank 0 #3 RUN B0.0 waits for grad(s1,m0) from rank 1 (rank 1 is stuck at #2)"))
+  EXPECT_TRUE(
+      contains(msg, "rank 0 #3 RUN B0.0 waits for grad(s1,m0) from rank 1 (rank 1 is stuck at #2)"))
       << msg;
   EXPECT_TRUE(contains(msg, "rank 1 #2 RUN F1.1 waits for act(s0,m1) from rank 0")) << msg;
 }
@@ -435,8 +449,8 @@ TEST(Sim, MalformedProgramsAreErrorsNotCrashes) {
   {
     Builder b(1, 1, 1);
     b.run(0, TaskKind::F, 0, 0).free(0, BufKind::Stash, 0, 0).run(0, TaskKind::B, 0, 0);
-    EXPECT_TRUE(contains(error_of<VerifyError>([&] { simulate(b.plan, CostModel{}); }),
-                         "already freed"));
+    EXPECT_TRUE(
+        contains(error_of<VerifyError>([&] { simulate(b.plan, CostModel{}); }), "already freed"));
     // Freed while its send is still in flight.
     Builder b2(2, 2, 1);
     b2.run(0, TaskKind::F, 0, 0).send(0, BufKind::Act, 0, 0, 1).free(0, BufKind::Act, 0, 0);
@@ -447,17 +461,17 @@ TEST(Sim, MalformedProgramsAreErrorsNotCrashes) {
   {
     Builder b(2, 2, 1);
     b.plan.programs[0].push_back(Instr{OpCode::Send, -1, 9999, 1});
-    EXPECT_TRUE(contains(error_of<VerifyError>([&] { simulate(b.plan, CostModel{}); }),
-                         "rank 0 #0"));
+    EXPECT_TRUE(
+        contains(error_of<VerifyError>([&] { simulate(b.plan, CostModel{}); }), "rank 0 #0"));
     b.plan.programs[0][0] = Instr{OpCode::Send, -1, 0, 7};
-    EXPECT_TRUE(contains(error_of<VerifyError>([&] { simulate(b.plan, CostModel{}); }),
-                         "bad peer rank 7"));
+    EXPECT_TRUE(
+        contains(error_of<VerifyError>([&] { simulate(b.plan, CostModel{}); }), "bad peer rank 7"));
     b.plan.programs[0][0] = Instr{OpCode::Run, 3, -1, -1};
     EXPECT_TRUE(contains(error_of<VerifyError>([&] { simulate(b.plan, CostModel{}); }),
                          "action index 3 out of range"));
     b.plan.programs[0][0] = Instr{OpCode::Free, -1, 0, -1};
-    EXPECT_TRUE(contains(error_of<VerifyError>([&] { simulate(b.plan, CostModel{}); }),
-                         "not live"));
+    EXPECT_TRUE(
+        contains(error_of<VerifyError>([&] { simulate(b.plan, CostModel{}); }), "not live"));
     b.plan.programs.pop_back();
     EXPECT_THROW(simulate(b.plan, CostModel{}), VerifyError);
   }

@@ -77,31 +77,36 @@ TEST(SimCost, JsonPartialAndStageInheritsDefault) {
 }
 
 TEST(SimCost, JsonUnknownKeysNamed) {
-  EXPECT_NE(error_of<FormatError>([] { CostModel::from_json(R"({"defualt": {}})"); })
-                .find("'defualt'"),
+  EXPECT_NE(
+      error_of<FormatError>([] { CostModel::from_json(R"({"defualt": {}})"); }).find("'defualt'"),
+      std::string::npos);
+  EXPECT_NE(error_of<FormatError>([] {
+              CostModel::from_json(R"({"stages": [{}, {"fo": 1}]})");
+            }).find("'stages[1].fo'"),
             std::string::npos);
-  EXPECT_NE(error_of<FormatError>([] { CostModel::from_json(R"({"stages": [{}, {"fo": 1}]})"); })
-                .find("'stages[1].fo'"),
-            std::string::npos);
-  EXPECT_NE(error_of<FormatError>([] { CostModel::from_json(R"({"link": {"lat": 1}})"); })
-                .find("'link.lat'"),
+  EXPECT_NE(error_of<FormatError>([] {
+              CostModel::from_json(R"({"link": {"lat": 1}})");
+            }).find("'link.lat'"),
             std::string::npos);
 }
 
 TEST(SimCost, JsonBadTypesNamed) {
-  EXPECT_NE(error_of<FormatError>([] { CostModel::from_json(R"({"default": {"f": "1"}})"); })
-                .find("'default.f' must be a number"),
+  EXPECT_NE(error_of<FormatError>([] {
+              CostModel::from_json(R"({"default": {"f": "1"}})");
+            }).find("'default.f' must be a number"),
             std::string::npos);
-  EXPECT_NE(error_of<FormatError>([] { CostModel::from_json(R"({"stages": {}})"); })
-                .find("'stages' must be an array"),
+  EXPECT_NE(error_of<FormatError>([] {
+              CostModel::from_json(R"({"stages": {}})");
+            }).find("'stages' must be an array"),
             std::string::npos);
-  EXPECT_NE(error_of<FormatError>([] { CostModel::from_json(R"({"stages": [3]})"); })
-                .find("'stages[0]' must be an object"),
+  EXPECT_NE(error_of<FormatError>([] {
+              CostModel::from_json(R"({"stages": [3]})");
+            }).find("'stages[0]' must be an object"),
             std::string::npos);
-  EXPECT_NE(
-      error_of<FormatError>([] { CostModel::from_json(R"({"default": {"act_bytes": 1.5}})"); })
-          .find("'default.act_bytes' must be an integer"),
-      std::string::npos);
+  EXPECT_NE(error_of<FormatError>([] {
+              CostModel::from_json(R"({"default": {"act_bytes": 1.5}})");
+            }).find("'default.act_bytes' must be an integer"),
+            std::string::npos);
   EXPECT_NE(error_of<FormatError>([] { CostModel::from_json("[1, 2]"); }).find("must be an object"),
             std::string::npos);
   // An integral float is accepted as a byte count.
@@ -127,8 +132,7 @@ TEST(SimCost, ValidateNamesField) {
   c.stages[3].f = 1;
   c.validate();
   c.link.bandwidth = std::numeric_limits<double>::infinity();
-  EXPECT_NE(error_of<ConfigError>([&] { c.validate(); }).find("link.bandwidth"),
-            std::string::npos);
+  EXPECT_NE(error_of<ConfigError>([&] { c.validate(); }).find("link.bandwidth"), std::string::npos);
   c.link.bandwidth = 0;
   c.default_stage.grad_bytes = -3;
   EXPECT_NE(error_of<ConfigError>([&] { c.validate(); }).find("default.grad_bytes"),
@@ -137,8 +141,9 @@ TEST(SimCost, ValidateNamesField) {
   c.fused_factor = 0;
   EXPECT_NE(error_of<ConfigError>([&] { c.validate(); }).find("fused_factor"), std::string::npos);
   // from_json validates too.
-  EXPECT_NE(error_of<ConfigError>([] { CostModel::from_json(R"({"link": {"latency": -2}})"); })
-                .find("link.latency"),
+  EXPECT_NE(error_of<ConfigError>([] {
+              CostModel::from_json(R"({"link": {"latency": -2}})");
+            }).find("link.latency"),
             std::string::npos);
 }
 

@@ -50,9 +50,9 @@ Schedule mixed_single_rank() {
   s.num_microbatches = 2;
   s.stage_rank = {0, 0};
   s.rank_actions = {{A(TaskKind::F, 0, 0), A(TaskKind::F, 1, 0),
-                     Action{Task{TaskKind::F, 0, 1}, Task{TaskKind::B, 1, 0}},
-                     A(TaskKind::I, 0, 0), A(TaskKind::W, 0, 0), A(TaskKind::F, 1, 1),
-                     A(TaskKind::B, 1, 1), A(TaskKind::B, 0, 1)}};
+                     Action{Task{TaskKind::F, 0, 1}, Task{TaskKind::B, 1, 0}}, A(TaskKind::I, 0, 0),
+                     A(TaskKind::W, 0, 0), A(TaskKind::F, 1, 1), A(TaskKind::B, 1, 1),
+                     A(TaskKind::B, 0, 1)}};
   return s;
 }
 

@@ -131,40 +131,31 @@ def test_every_schedule(schedule, ranks):
 
 
 def test_gpt_tied_embedding_adamw():
+    """GPT (tied LM head) on 4 ranks with ZB-H1 (I/W split): gradients, then 2 AdamW steps."""
     cfg = gpt.GPTConfig(stages=4, layers=4)
     model, params, opt, st, step, ref = gpt.make(cfg, eps=1e-6)
     batch = gpt.synthetic_batch(cfg, 8)
-    ps = baton.jit(step, mesh=mesh(4), schedule=baton.OneFOneB(), microbatches=4)
+    m = mesh(4)
+    ps = baton.jit(step, mesh=m, schedule=baton.ZBH1(), microbatches=4)
     ref = jax.jit(ref)
     p1 = p2 = params
     s1 = s2 = st
-    for _ in range(3):
+    for i in range(2):
         p1, s1, l1 = ps(p1, s1, batch)
         p2, s2, l2 = ref(p2, s2, batch)
         np.testing.assert_allclose(l1, l2, rtol=1e-5)
+        if i == 0:
+            # Adam's first moment after one step is (1 - b1) * grad: the gradients match.
+            close(s1[0].mu, s2[0].mu, rtol=1e-5, atol=1e-8)
     # Adam divides by sqrt(v): gradient entries near zero turn float rounding
     # differences into parameter differences of a fraction of one step (lr=1e-3).
     close(p1, p2, atol=1e-5)
-    # the tied embedding is used by the first and the last stage
-    parts = ps.last.parts
-    outers = {}
-    for p in parts:
-        outers.setdefault(p.outer, set()).add(p.stage)
-    assert any(st == {0, 3} for st in outers.values())
+    # the tied embedding's gradient has one part on the first and one on the last stage
+    stages_of = {}
+    for p in ps.last.parts:
+        stages_of.setdefault(p.outer, set()).add(p.stage)
+    assert {0, 3} in stages_of.values()
     check_memory(ps)
-
-
-def test_gpt_gradients_match():
-    cfg = gpt.GPTConfig(stages=2, layers=2)
-    model, params, *_ = gpt.make(cfg)
-    batch = gpt.synthetic_batch(cfg, 8)
-    vg = jax.value_and_grad(lambda p, b: gpt.loss_fn(model, p, b))
-    ps = baton.jit(lambda p, b: baton.accumulate(vg, p, batch=b), mesh=mesh(2),
-                   schedule=baton.ZBH1(), microbatches=4)
-    loss, grads = ps(params, batch)
-    ref_loss, ref_grads = vg(params, batch)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    close(grads, ref_grads, rtol=1e-5, atol=1e-7)
 
 
 def test_data_parallel_inside_stage():

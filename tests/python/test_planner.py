@@ -305,6 +305,12 @@ def test_simulate_cost_inputs(tmp_path):
     model = baton.CostModel.uniform(2.0, 4.0, 2.0, 2.0)
     assert p.simulate(model).step_time == pytest.approx(30.0)
     assert baton.CostModel.from_json(model.to_json()).default_stage == model.default_stage
+    per_stage = baton.CostModel()
+    per_stage.stages = [baton.StageCost(f=2.0, b=4.0), baton.StageCost(f=2.0, b=4.0, i=2, w=2)]
+    assert p.simulate(per_stage).step_time == pytest.approx(30.0)
+    assert per_stage.stage(0) == baton.StageCost(f=2.0, b=4.0)
+    assert per_stage.stage(7) == baton.StageCost()  # unlisted stages use the default
+    assert baton.LinkCost(latency=0.5).latency == 0.5
     slow = baton.CostModel()
     slow.link.latency = 1.0
     assert p.simulate(slow).step_time > 15.0

@@ -8,10 +8,10 @@
 namespace baton {
 
 struct StageCost {
-  double f = 1.0;  // forward time
-  double b = 2.0;  // full backward time
-  double i = 1.0;  // input-gradient backward time
-  double w = 1.0;  // weight-gradient backward time
+  double f = 1.0;            // forward time
+  double b = 2.0;            // full backward time
+  double i = 1.0;            // input-gradient backward time
+  double w = 1.0;            // weight-gradient backward time
   int64_t stash_bytes = 1;   // kept from F to B/I (per microbatch)
   int64_t wstash_bytes = 0;  // kept from I to W (per microbatch)
   int64_t act_bytes = 1;     // activation sent forward (per microbatch)
@@ -27,9 +27,9 @@ struct LinkCost {
 };
 
 struct CostModel {
-  StageCost default_stage;          // used for stages not listed
-  std::vector<StageCost> stages;    // per stage overrides (may be empty)
-  LinkCost link;                    // every rank pair
+  StageCost default_stage;        // used for stages not listed
+  std::vector<StageCost> stages;  // per stage overrides (may be empty)
+  LinkCost link;                  // every rank pair
   // Fused actions (DualPipe F&B) take fused_factor * (sum of both tasks);
   // 1.0 means no compute overlap inside the fused pair.
   double fused_factor = 1.0;

@@ -54,11 +54,11 @@ class TraceError : public Error {
 };
 
 enum class ValueKind : uint8_t {
-  Intermediate = 0,  // produced by an op
-  StepInput = 1,     // an input of the whole step (outer)
-  Literal = 2,       // a constant known to the frontend; available everywhere
-  LoopInvariant = 3, // body input, same for every microbatch
-  LoopMicrobatch = 4 // body input, one slice per microbatch
+  Intermediate = 0,   // produced by an op
+  StepInput = 1,      // an input of the whole step (outer)
+  Literal = 2,        // a constant known to the frontend; available everywhere
+  LoopInvariant = 3,  // body input, same for every microbatch
+  LoopMicrobatch = 4  // body input, one slice per microbatch
 };
 
 struct Value {
@@ -124,7 +124,7 @@ struct OutputPart {
   int32_t body = -1;   // body value holding this part per microbatch
   int32_t outer = -1;  // outer value it contributes to
   Reduce reduce = Reduce::Sum;
-  int32_t stage = -1;  // stage whose task produces it
+  int32_t stage = -1;           // stage whose task produces it
   TaskKind task = TaskKind::F;  // task kind producing it (F: per-mb output;
                                 // B/W: part of WGrad)
 };

@@ -26,6 +26,12 @@
 // of outputs with a remote consumer. Consecutive SEND/RECV instructions form
 // one communication group (like ncclGroupStart/End); FREEs of sent buffers
 // follow the group.
+// Details: every buffer has one producer task and at most one consumer task,
+// so an action is the last local use of each of its inputs, which it frees
+// in input order (then buffers internal to a fused action). A local hand-off
+// (producer and consumer stage on one rank) has no SEND/RECV; the consumer
+// frees it. The group after action k holds k's SENDs and action k+1's RECVs,
+// so k's sent buffers are freed just before RUN k+1 (or at the program end).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -96,7 +102,14 @@ struct Plan {
   // Full text listing of every rank's program.
   std::string to_text() const;
   // Deterministic hex digest over schedule and programs (FNV-1a 64 over a
-  // canonical serialization). Equal plans have equal fingerprints.
+  // canonical serialization). Equal plans have equal fingerprints. 16 lower
+  // case hex digits. Serialization (little-endian): the string "baton-plan 1",
+  // the schedule name (strings as u32 length + bytes), ranks, stages and
+  // microbatches (i32), the placement (u32 count + i32 each), per rank its
+  // actions (u32 count; per action both task slots as u8 kind, i32 stage, i32
+  // microbatch), then per rank its program (u32 count; per instruction a u8
+  // opcode, then RUN: i32 action; SEND/RECV: i32 buffer, i32 peer;
+  // FREE/ACCUMULATE: i32 buffer).
   std::string fingerprint() const;
 };
 

@@ -44,9 +44,9 @@ struct TransferEvent {
   int src = 0, dst = 0;
   int buffer = 0;
   int send_instr = 0, recv_instr = 0;
-  double posted = 0;     // SEND posted
-  double start = 0;      // transfer began on the link
-  double end = 0;        // arrived
+  double posted = 0;  // SEND posted
+  double start = 0;   // transfer began on the link
+  double end = 0;     // arrived
   int64_t bytes = 0;
 };
 
@@ -64,22 +64,26 @@ struct CriticalStep {
 };
 
 struct SimResult {
-  double step_time = 0;                  // makespan
-  std::vector<double> busy;              // per rank: time spent in RUN
-  std::vector<double> bubble;            // per rank: 1 - busy/step_time
-  double bubble_fraction = 0;            // 1 - sum(busy)/(ranks*step_time)
-  std::vector<RunEvent> runs;            // sorted by (rank, start)
+  double step_time = 0;        // makespan
+  std::vector<double> busy;    // per rank: time spent in RUN
+  std::vector<double> bubble;  // per rank: 1 - busy/step_time
+  double bubble_fraction = 0;  // 1 - sum(busy)/(ranks*step_time)
+  std::vector<RunEvent> runs;  // sorted by (rank, start)
   std::vector<TransferEvent> transfers;
-  std::vector<double> span_start;        // per rank: first RUN start (0 if none)
-  std::vector<double> span_end;          // per rank: last RUN end (0 if none)
-  std::vector<int64_t> peak_activation;  // per rank, bytes
-  std::vector<int64_t> peak_total;       // per rank, bytes
+  std::vector<double> span_start;                 // per rank: first RUN start (0 if none)
+  std::vector<double> span_end;                   // per rank: last RUN end (0 if none)
+  std::vector<int64_t> peak_activation;           // per rank, bytes
+  std::vector<int64_t> peak_total;                // per rank, bytes
   std::vector<std::vector<MemorySample>> memory;  // per rank timeline
   // Backtracked from the event that ends last, through whichever dependency
   // set each start: the rank's previous RUN, the latest input's arrival, a
   // busy link, or a late RECV. Transfers appear as steps with rank = src,
-  // instr = the SEND's index.
-  std::vector<CriticalStep> critical_path;        // from start to end
+  // instr = the SEND's index, spanning [start, end] of the transfer. Each
+  // step starts where its predecessor ends, except after a busy link (the
+  // step starts when the previous transfer left the wire, which may be
+  // before that transfer's end) and at a late RECV (the transfer ends when
+  // the receiving rank's previous RUN ends).
+  std::vector<CriticalStep> critical_path;  // from start to end
 
   // Idle time of `rank` between its first RUN start and its last RUN end.
   double idle_inside_span(int rank) const;

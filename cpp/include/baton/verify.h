@@ -29,14 +29,23 @@ enum class CommModel {
 };
 
 struct Violation {
-  std::string check;         // "structure", "data", "buffer", "comm", "deadlock"
-  std::string message;       // full sentence naming ranks, instrs, stage, mb
-  std::vector<int> ranks;    // ranks involved
-  std::vector<int> instrs;   // instruction indices, parallel to `ranks`
+  std::string check;        // "structure", "data", "buffer", "comm", "deadlock", "summary"
+  std::string message;      // full sentence naming ranks, instrs, stage, mb
+  std::vector<int> ranks;   // ranks involved
+  std::vector<int> instrs;  // instruction indices, parallel to `ranks`
   int stage = -1;
   int microbatch = -1;
 };
 
+// Messages start with their check ("data: ...", "buffer: ...", "comm: ...",
+// "comm (fifo model): ...", "deadlock (blocking model): ...", "deadlock (fifo
+// model): ...", or "deadlock (blocking and fifo models): ..." when both models
+// stall the same way). A deadlock is reported as the cycle of blocked
+// instructions ("rank 0 #4 SEND act(s0,m1)->1 waits for rank 1 #9 RECV
+// act(s0,m1)<-0, but rank 1 is blocked at #7 ..., but rank 0 is blocked at #4:
+// a cycle") and/or as the operations that can never complete ("... never gets
+// its send: rank 0 finished"). At most 50 violations are listed; a final
+// violation with check "summary" then says that more were left out.
 struct VerifyReport {
   std::vector<Violation> violations;
   bool ok() const { return violations.empty(); }

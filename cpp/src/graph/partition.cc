@@ -21,14 +21,14 @@ constexpr int kUnplaced = std::numeric_limits<int>::min();
 
 struct Ctx {
   const Program& p;
-  int S = 0;            // stages
+  int S = 0;  // stages
   bool split = false;
-  std::vector<int> producer;                 // value -> op or -1
-  std::vector<std::vector<int>> consumers;   // value -> ops
-  std::vector<int> pos;                      // staged value -> chain position
-  std::vector<bool> staged_op;               // body op is staged
-  std::vector<std::map<int, int>> upos;      // unstaged op -> stage -> position
-  std::vector<int> fwd_marker, bwd_marker;   // k -> op index
+  std::vector<int> producer;                // value -> op or -1
+  std::vector<std::vector<int>> consumers;  // value -> ops
+  std::vector<int> pos;                     // staged value -> chain position
+  std::vector<bool> staged_op;              // body op is staged
+  std::vector<std::map<int, int>> upos;     // unstaged op -> stage -> position
+  std::vector<int> fwd_marker, bwd_marker;  // k -> op index
   explicit Ctx(const Program& prog) : p(prog) {}
 
   int stage_of(int position) const { return position < S ? position : 2 * S - 1 - position; }
@@ -39,7 +39,8 @@ struct Ctx {
   std::string val_label(int v) const {
     const Value& val = p.values[v];
     std::string shape;
-    for (size_t i = 0; i < val.shape.size(); ++i) shape += fmt::format("{}{}", i ? "," : "", val.shape[i]);
+    for (size_t i = 0; i < val.shape.size(); ++i)
+      shape += fmt::format("{}{}", i ? "," : "", val.shape[i]);
     return fmt::format("%{} ({}[{}])", v, val.dtype, shape);
   }
   std::string pos_label(int position) const {
@@ -47,10 +48,6 @@ struct Ctx {
   }
 };
 
-bool is_free_kind(ValueKind k) {
-  return k == ValueKind::Literal || k == ValueKind::LoopInvariant ||
-         k == ValueKind::LoopMicrobatch;
-}
 
 // Steps 1 and 2: which body ops are staged, and their chain positions.
 void infer_stages(Ctx& c) {
@@ -277,8 +274,8 @@ std::vector<TaskBody> form_tasks(Ctx& c, const std::vector<OutputPart>& parts) {
   // Classifies the inputs of task (s, slot) and returns values the earlier
   // task of the same stage must provide (stash from F, or wstash from I).
   auto classify = [&](TaskWork& w, int s, int slot, const std::vector<int>& ins,
-                      const std::set<int>& f_ops, const std::set<int>& i_ops,
-                      std::set<int>& from_f, std::set<int>& from_i) {
+                      const std::set<int>& f_ops, const std::set<int>& i_ops, std::set<int>& from_f,
+                      std::set<int>& from_i) {
     for (int v : ins) {
       ValueKind k = p.values[v].kind;
       if (k == ValueKind::Literal) continue;
@@ -292,7 +289,8 @@ std::vector<TaskBody> form_tasks(Ctx& c, const std::vector<OutputPart>& parts) {
       }
       int op = c.producer[v];
       if (op < 0) {
-        throw TraceError(fmt::format("value {} used by stage {} has no producer", c.val_label(v), s));
+        throw TraceError(
+            fmt::format("value {} used by stage {} has no producer", c.val_label(v), s));
       }
       const Op& o = p.ops[op];
       int src_stage = -1, src_slot = -1;
@@ -314,8 +312,8 @@ std::vector<TaskBody> form_tasks(Ctx& c, const std::vector<OutputPart>& parts) {
       // A task's own boundary inputs (act_in, grad_in) are available directly.
       if (src_stage == s && src_slot == slot && o.kind == OpKind::Boundary) continue;
       if (!ok) {
-        std::string where = src_stage < 0 ? std::string("outside any stage")
-                                          : fmt::format("stage {}", src_stage);
+        std::string where =
+            src_stage < 0 ? std::string("outside any stage") : fmt::format("stage {}", src_stage);
         throw TraceError(fmt::format(
             "value {} produced by {} in {} is used by the {} task of stage {} without passing "
             "a stage_boundary (skip connections across stages are not supported; route the "
@@ -339,12 +337,11 @@ std::vector<TaskBody> form_tasks(Ctx& c, const std::vector<OutputPart>& parts) {
     std::set<int> b_ops_all(B.candidates.begin(), B.candidates.end());
     std::vector<int> b_outs = B.body.grad_out;
     for (int i : B.body.wgrad_out) b_outs.push_back(parts[i].body);
-    std::set<int> from_f, from_i, kept_i;
+    std::set<int> from_f;
     if (c.split) {
       // I: ancestors of the input gradient.
       std::set<int> kept_b;
-      std::vector<int> i_ins_probe = dce(B, B.body.grad_out, kept_b);
-      (void)i_ins_probe;
+      dce(B, B.body.grad_out, kept_b);
       // W: the remaining backward ops needed for the weight gradients.
       W.candidates.clear();
       for (int o : B.candidates) {
@@ -574,7 +571,6 @@ Partition partition(const Program& program, bool split_backward) {
           s, c.bwd_marker[s] < 0 ? "no" : "a", s + 1, c.bwd_marker[s + 1] < 0 ? "none" : "one"));
     }
   }
-  (void)is_free_kind;
   infer_stages(c);
   Partition part;
   part.num_stages = c.S;

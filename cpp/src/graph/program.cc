@@ -12,9 +12,12 @@ namespace {
 
 const char* region_name(Region r) {
   switch (r) {
-    case Region::Pre: return "pre";
-    case Region::Loop: return "loop";
-    case Region::Post: return "post";
+    case Region::Pre:
+      return "pre";
+    case Region::Loop:
+      return "loop";
+    case Region::Post:
+      return "post";
   }
   return "?";
 }
@@ -46,11 +49,18 @@ void Program::validate() const {
   };
   for (int v = 0; v < nv; ++v) {
     switch (values[v].kind) {
-      case ValueKind::StepInput: defined[v] = 1; break;
-      case ValueKind::Literal: defined[v] = 3; break;  // usable anywhere
+      case ValueKind::StepInput:
+        defined[v] = 1;
+        break;
+      case ValueKind::Literal:
+        defined[v] = 3;
+        break;  // usable anywhere
       case ValueKind::LoopInvariant:
-      case ValueKind::LoopMicrobatch: defined[v] = 2; break;
-      case ValueKind::Intermediate: break;
+      case ValueKind::LoopMicrobatch:
+        defined[v] = 2;
+        break;
+      case ValueKind::Intermediate:
+        break;
     }
   }
   for (const LoopInput& in : loop_inputs) {
@@ -58,8 +68,8 @@ void Program::validate() const {
     check_id(in.outer, "loop input");
     ValueKind k = values[in.body].kind;
     if (k != ValueKind::LoopInvariant && k != ValueKind::LoopMicrobatch) {
-      throw TraceError(fmt::format("loop input %{} is not a loop-invariant or per-microbatch value",
-                                   in.body));
+      throw TraceError(
+          fmt::format("loop input %{} is not a loop-invariant or per-microbatch value", in.body));
     }
   }
   Region last = Region::Pre;
@@ -142,9 +152,9 @@ std::string Program::to_text() const {
     return s;
   };
   for (const LoopInput& in : loop_inputs) {
-    out += fmt::format("loop input %{} <- %{} ({})\n", in.body, in.outer,
-                       values[in.body].kind == ValueKind::LoopInvariant ? "invariant"
-                                                                         : "microbatch");
+    out +=
+        fmt::format("loop input %{} <- %{} ({})\n", in.body, in.outer,
+                    values[in.body].kind == ValueKind::LoopInvariant ? "invariant" : "microbatch");
   }
   for (size_t i = 0; i < ops.size(); ++i) {
     const Op& op = ops[i];

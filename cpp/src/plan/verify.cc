@@ -1,11 +1,11 @@
 // Verifier over a lowered Plan (checks documented in verify.h).
 //
 // Everything on the success path is linear in the number of instructions and
-// allocation-light: per-buffer state lives in dense arrays indexed by buffer
-// id (stamped per rank instead of cleared), SEND/RECV matching walks short
-// per-buffer chains, and the abstract execution is a worklist over ranks in
-// which every communication op is posted and completed once. Strings are only
-// built when something is wrong.
+// allocation-light: per-buffer state lives in a dense array indexed by buffer
+// id (reset after each rank through a touched list), SEND/RECV matching walks
+// short per-buffer chains, and the abstract execution is a worklist over ranks
+// that moves from communication group to communication group, posting and
+// completing every op once. Strings are only built when something is wrong.
 #include "baton/verify.h"
 
 #include <fmt/format.h>
@@ -54,8 +54,6 @@ struct Group {
   int32_t first_op = 0, n_ops = 0;       // range in ops
 };
 
-// Per-buffer state of the rank being scanned (static pass); `stamp` says
-// which rank an entry belongs to, so nothing is cleared between ranks.
 // Dense copy of what the matching passes read of each SEND/RECV (reading it
 // from the programs instead touches one cache line per op).
 struct OpInfo {
@@ -63,12 +61,15 @@ struct OpInfo {
   bool send = false;
 };
 
-// After the static pass, matching reuses have/freed/acc for the first SEND
-// of the buffer (its rank, its peer, its channel position) so that the
-// common case -- one SEND and one RECV per buffer -- needs one lookup.
+// Per-buffer state of the rank being scanned (static pass): instruction
+// indices where the buffer appeared, was freed, was accumulated; first_send
+// marks the entries touched by this rank (they are reset after the rank).
+// Matching then reuses the fields for the first SEND of the buffer: its op,
+// rank, peer and channel position, so that the common case -- one SEND and
+// one RECV per buffer -- needs one lookup.
 struct BufState {
-  int32_t stamp = -1, have = -1, freed = -1, acc = -1;
-  int32_t first_send = -1;  // matching: first SEND op of this buffer
+  int32_t have = -1, freed = -1, acc = -1;
+  int32_t first_send = -1;
 };
 
 struct ExecState {
@@ -168,12 +169,11 @@ class Verifier {
 
   std::vector<BufState> bufs_;
   // Communication ops are numbered densely in program order (rank by rank);
-  // the ops of a group are its instructions. Only the group of each op is
-  // stored; everything else is read from the program (see op()).
+  // the ops of a group are its instructions. op() rebuilds the full record.
   int32_t n_ops_ = 0;
   std::vector<int32_t> op_group_;
   std::vector<OpInfo> opi_;
-  std::vector<int32_t> chan_k_;  // per op, set by fifo_pairing
+  std::vector<int32_t> chan_k_;  // per op, set by match_by_buffer
   std::vector<Group> groups_;
   std::vector<int32_t> rank_group_begin_;  // per rank + 1
   // Per rank: the first RUN that lacks an input (it never runs), or INT32_MAX.
@@ -295,10 +295,10 @@ void Verifier::static_pass(bool report) {
   for (const auto& prog : plan_.programs) n_instr += prog.size();
   op_group_.clear();
   opi_.clear();
-
+  // Lowered plans have about one SEND or RECV in four instructions.
   op_group_.reserve(n_instr / 3);
-  opi_.reserve(n_instr / 3);  // lowered plans: about one SEND or RECV in four  // lowered
-                              // plans: about one SEND or RECV in four
+  opi_.reserve(n_instr / 3);
+  groups_.reserve(n_instr / 5);
 
   for (int r = 0; r < R; ++r) {
     rank_group_begin_[r] = static_cast<int32_t>(groups_.size());
@@ -306,9 +306,8 @@ void Verifier::static_pass(bool report) {
     const int n = static_cast<int>(prog.size());
     touched.clear();
     auto touch = [&](int32_t b) {
-      if (bs[b].stamp == r) return;
-      bs[b].stamp = r;
-      bs[b].have = bs[b].freed = bs[b].acc = -1;  // first_send stays -1 (set later)
+      if (bs[b].first_send == 0) return;
+      bs[b].first_send = 0;
       touched.push_back(b);
     };
     auto mark_bad_run = [&](int i, int32_t b) {
@@ -459,9 +458,8 @@ void Verifier::static_pass(bool report) {
         }
       }
     }
-    if (!report) continue;
     for (int32_t b : touched) {
-      if (full()) break;
+      if (!report || full()) break;
       if (bs[b].have >= 0 && bs[b].freed < 0) {
         add("buffer",
             fmt::format("buffer: rank {}: {} (created by {}) is never freed", r, buf(b),
@@ -475,6 +473,7 @@ void Verifier::static_pass(bool report) {
             {r}, {bs[b].have}, key(b).stage, key(b).microbatch);
       }
     }
+    for (int32_t b : touched) bs[b] = BufState{};
   }
   rank_group_begin_[R] = static_cast<int32_t>(groups_.size());
 }

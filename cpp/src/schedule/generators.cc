@@ -26,10 +26,18 @@ namespace {
 Action act(TaskKind k, int32_t stage, int32_t mb) { return Action{Task{k, stage, mb}}; }
 Action fused(Task a, Task b) { return Action{a, b}; }
 
-void check_common(const char* name, int p, int m) {
+// Upper bound on stages * microbatches (every generator builds O(that) actions).
+constexpr int64_t kMaxTaskSlots = int64_t{1} << 22;
+
+void check_common(const char* name, int p, int m, int64_t chunks = 1) {
   if (p < 1) throw ScheduleError(fmt::format("{} needs ranks >= 1 (got ranks={})", name, p));
   if (m < 1)
     throw ScheduleError(fmt::format("{} needs microbatches >= 1 (got microbatches={})", name, m));
+  const int64_t slots = int64_t{p} * chunks * m;
+  if (slots > kMaxTaskSlots)
+    throw ScheduleError(fmt::format(
+        "{} is too large: stages*microbatches = {} (ranks={}, microbatches={}) exceeds {}", name,
+        slots, p, m, kMaxTaskSlots));
 }
 
 Schedule make_base(const char* name, int p, int m, std::vector<int32_t> placement) {
@@ -119,6 +127,7 @@ Schedule interleaved_one_f_one_b(int p, int m, int v) {
   check_common("interleaved", p, m);
   if (v < 1)
     throw ScheduleError(fmt::format("interleaved needs virtual stages >= 1 (got v={})", v));
+  check_common("interleaved", p, m, v);
   if (v == 1) {
     Schedule s = one_f_one_b(p, m);
     s.name = "interleaved";
@@ -232,7 +241,7 @@ Schedule zb_h2(int p, int m) {
 // ----------------------------------------------------------------------- ZB-V
 
 Schedule zb_v(int p, int m) {
-  check_common("zbv", p, m);
+  check_common("zbv", p, m, 2);
   Schedule s = make_base("zbv", p, m, v_placement(p));
   const int S = 2 * p;
   // Channel r -> r+1 carries F outputs of stage r and I outputs of stage
@@ -266,6 +275,9 @@ Schedule zb_v(int p, int m) {
         return pattern_at(down ? pos_down[r] : pos_up[r]) == first;
       };
       // Priority F > I > W; forwards prefer the later stage, I the earlier.
+      // W therefore runs when nothing else may, in practice at the rank's end:
+      // placing W passes inside the steady state splits communication groups,
+      // and every placement tried deadlocks under blocking groups.
       Task pick{TaskKind::F, -1, -1};
       for (int st : {c1, c0}) {
         if (nf[st] < m && clk.f_ready(st, nf[st], t) && allowed(TaskKind::F, st)) {
@@ -309,7 +321,7 @@ Schedule zb_v(int p, int m) {
 // ------------------------------------------------------------------ DualPipeV
 
 Schedule dualpipe_v(int p, int m) {
-  check_common("dualpipev", p, m);
+  check_common("dualpipev", p, m, 2);
   if (m < 2 * p)
     throw ScheduleError(fmt::format(
         "dualpipev needs microbatches >= 2*ranks (got ranks={}, microbatches={})", p, m));

@@ -40,8 +40,7 @@ const char* json_type(const json& j) { return j.type_name(); }
 
 double get_number(const json& j, const std::string& path) {
   if (!j.is_number())
-    throw FormatError(
-        fmt::format("cost JSON: '{}' must be a number (got {})", path, json_type(j)));
+    throw FormatError(fmt::format("cost JSON: '{}' must be a number (got {})", path, json_type(j)));
   return j.get<double>();
 }
 
@@ -51,7 +50,8 @@ int64_t get_bytes(const json& j, const std::string& path) {
     double d = j.get<double>();
     if (std::isfinite(d) && std::floor(d) == d && std::fabs(d) < 9.0e18)
       return static_cast<int64_t>(d);
-    throw FormatError(fmt::format("cost JSON: '{}' must be an integer byte count (got {})", path, d));
+    throw FormatError(
+        fmt::format("cost JSON: '{}' must be an integer byte count (got {})", path, d));
   }
   throw FormatError(
       fmt::format("cost JSON: '{}' must be an integer byte count (got {})", path, json_type(j)));
@@ -59,7 +59,8 @@ int64_t get_bytes(const json& j, const std::string& path) {
 
 void require_object(const json& j, const std::string& path) {
   if (!j.is_object())
-    throw FormatError(fmt::format("cost JSON: '{}' must be an object (got {})", path, json_type(j)));
+    throw FormatError(
+        fmt::format("cost JSON: '{}' must be an object (got {})", path, json_type(j)));
 }
 
 // Applies the keys of `j` onto `c` (fields not mentioned keep their values).
@@ -67,15 +68,24 @@ void apply_stage(const json& j, const std::string& path, StageCost& c) {
   require_object(j, path);
   for (const auto& [key, val] : j.items()) {
     const std::string p = path + "." + key;
-    if (key == "f") c.f = get_number(val, p);
-    else if (key == "b") c.b = get_number(val, p);
-    else if (key == "i") c.i = get_number(val, p);
-    else if (key == "w") c.w = get_number(val, p);
-    else if (key == "stash_bytes") c.stash_bytes = get_bytes(val, p);
-    else if (key == "wstash_bytes") c.wstash_bytes = get_bytes(val, p);
-    else if (key == "act_bytes") c.act_bytes = get_bytes(val, p);
-    else if (key == "grad_bytes") c.grad_bytes = get_bytes(val, p);
-    else if (key == "wgrad_bytes") c.wgrad_bytes = get_bytes(val, p);
+    if (key == "f")
+      c.f = get_number(val, p);
+    else if (key == "b")
+      c.b = get_number(val, p);
+    else if (key == "i")
+      c.i = get_number(val, p);
+    else if (key == "w")
+      c.w = get_number(val, p);
+    else if (key == "stash_bytes")
+      c.stash_bytes = get_bytes(val, p);
+    else if (key == "wstash_bytes")
+      c.wstash_bytes = get_bytes(val, p);
+    else if (key == "act_bytes")
+      c.act_bytes = get_bytes(val, p);
+    else if (key == "grad_bytes")
+      c.grad_bytes = get_bytes(val, p);
+    else if (key == "wgrad_bytes")
+      c.wgrad_bytes = get_bytes(val, p);
     else
       throw FormatError(fmt::format(
           "cost JSON: unknown key '{}' (stage keys: f, b, i, w, stash_bytes, wstash_bytes, "
@@ -121,7 +131,8 @@ const StageCost& CostModel::stage(int s) const {
 
 void CostModel::validate() const {
   validate_stage(default_stage, "default");
-  for (size_t k = 0; k < stages.size(); ++k) validate_stage(stages[k], fmt::format("stages[{}]", k));
+  for (size_t k = 0; k < stages.size(); ++k)
+    validate_stage(stages[k], fmt::format("stages[{}]", k));
   check_time(link.latency, "link.latency");
   check_time(link.bandwidth, "link.bandwidth");
   if (!std::isfinite(fused_factor) || fused_factor <= 0)
@@ -143,7 +154,8 @@ CostModel CostModel::from_json(const std::string& text) {
   require_object(root, "<root>");
   CostModel c;
   // "default" first: stage entries start from it.
-  if (auto it = root.find("default"); it != root.end()) apply_stage(*it, "default", c.default_stage);
+  if (auto it = root.find("default"); it != root.end())
+    apply_stage(*it, "default", c.default_stage);
   for (const auto& [key, val] : root.items()) {
     if (key == "default") continue;
     if (key == "stages") {
@@ -159,17 +171,20 @@ CostModel CostModel::from_json(const std::string& text) {
     } else if (key == "link") {
       require_object(val, "link");
       for (const auto& [lk, lv] : val.items()) {
-        if (lk == "latency") c.link.latency = get_number(lv, "link.latency");
-        else if (lk == "bandwidth") c.link.bandwidth = get_number(lv, "link.bandwidth");
+        if (lk == "latency")
+          c.link.latency = get_number(lv, "link.latency");
+        else if (lk == "bandwidth")
+          c.link.bandwidth = get_number(lv, "link.bandwidth");
         else
-          throw FormatError(fmt::format(
-              "cost JSON: unknown key 'link.{}' (link keys: latency, bandwidth)", lk));
+          throw FormatError(
+              fmt::format("cost JSON: unknown key 'link.{}' (link keys: latency, bandwidth)", lk));
       }
     } else if (key == "fused_factor") {
       c.fused_factor = get_number(val, "fused_factor");
     } else {
       throw FormatError(fmt::format(
-          "cost JSON: unknown key '{}' (top-level keys: default, stages, link, fused_factor)", key));
+          "cost JSON: unknown key '{}' (top-level keys: default, stages, link, fused_factor)",
+          key));
     }
   }
   c.validate();

@@ -21,10 +21,14 @@ using nlohmann::json;
 const char* kind_category(const Action& a) {
   if (a.is_fused()) return "fused";
   switch (a.first.kind) {
-    case TaskKind::F: return "F";
-    case TaskKind::B: return "B";
-    case TaskKind::I: return "I";
-    case TaskKind::W: return "W";
+    case TaskKind::F:
+      return "F";
+    case TaskKind::B:
+      return "B";
+    case TaskKind::I:
+      return "I";
+    case TaskKind::W:
+      return "W";
   }
   return "?";
 }
@@ -46,11 +50,20 @@ std::string xml_escape(std::string_view s) {
   out.reserve(s.size());
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -220,7 +233,8 @@ std::string to_svg(const Plan& plan, const SimResult& r) {
       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" "
       "viewBox=\"0 0 {:.0f} {:.0f}\" font-family=\"sans-serif\" font-size=\"11\">\n",
       width, height, width, height);
-  out += fmt::format("<rect class=\"background\" width=\"100%\" height=\"100%\" fill=\"white\"/>\n");
+  out +=
+      fmt::format("<rect class=\"background\" width=\"100%\" height=\"100%\" fill=\"white\"/>\n");
   out += fmt::format(
       "<text class=\"title\" x=\"{:.1f}\" y=\"20\" font-size=\"14\">{}: {} ranks, {} stages, {} "
       "microbatches, step {}, bubble {:.1f}%</text>\n",
@@ -247,8 +261,9 @@ std::string to_svg(const Plan& plan, const SimResult& r) {
         "[{}, {})</title></rect>\n",
         cat, x0, y, w, row_h, colour(cat), e.rank, to_string(a), fmt_time(e.start),
         fmt_time(e.end));
-    const std::string label = multi[e.rank] ? fmt::format("{}/{}", a.first.microbatch, a.first.stage)
-                                            : fmt::format("{}", a.first.microbatch);
+    const std::string label = multi[e.rank]
+                                  ? fmt::format("{}/{}", a.first.microbatch, a.first.stage)
+                                  : fmt::format("{}", a.first.microbatch);
     if (w >= 6.5 * label.size() + 3)
       out += fmt::format(
           "<text class=\"action-label\" x=\"{:.2f}\" y=\"{:.2f}\" text-anchor=\"middle\" "
@@ -307,10 +322,10 @@ std::string to_text_grid(const Plan& plan, const SimResult& r, int width) {
   // Runs are sorted by (rank, start): find each rank's slice.
   std::vector<size_t> begin(P + 1, r.runs.size());
   for (int rank = 0; rank < P; ++rank)
-    begin[rank] = static_cast<size_t>(
-        std::partition_point(r.runs.begin(), r.runs.end(),
-                             [&](const RunEvent& e) { return e.rank < rank; }) -
-        r.runs.begin());
+    begin[rank] =
+        static_cast<size_t>(std::partition_point(r.runs.begin(), r.runs.end(),
+                                                 [&](const RunEvent& e) { return e.rank < rank; }) -
+                            r.runs.begin());
   std::string out = fmt::format("{}: {} ranks, step {}, {} columns of {}\n", plan.schedule.name, P,
                                 fmt_time(step), cols, fmt_time(dt));
   const int label_w = static_cast<int>(fmt::format("{}", std::max(P - 1, 0)).size());
@@ -362,7 +377,8 @@ std::string summary_table(const Plan& plan, const SimResult& r, const VerifyRepo
   } else {
     out += fmt::format("verification: FAILED ({} violation{})\n", report->violations.size(),
                        report->violations.size() == 1 ? "" : "s");
-    for (const Violation& v : report->violations) out += fmt::format("  {}: {}\n", v.check, v.message);
+    for (const Violation& v : report->violations)
+      out += fmt::format("  {}: {}\n", v.check, v.message);
   }
   return out;
 }

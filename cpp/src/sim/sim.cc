@@ -44,22 +44,32 @@ struct Ids {
 
 const char* kind_name(BufKind k) {
   switch (k) {
-    case BufKind::Act: return "act";
-    case BufKind::Grad: return "grad";
-    case BufKind::Stash: return "stash";
-    case BufKind::WStash: return "wstash";
-    case BufKind::WGrad: return "wgrad";
+    case BufKind::Act:
+      return "act";
+    case BufKind::Grad:
+      return "grad";
+    case BufKind::Stash:
+      return "stash";
+    case BufKind::WStash:
+      return "wstash";
+    case BufKind::WGrad:
+      return "wgrad";
   }
   return "?";
 }
 
 const char* op_name(OpCode op) {
   switch (op) {
-    case OpCode::Run: return "RUN";
-    case OpCode::Send: return "SEND";
-    case OpCode::Recv: return "RECV";
-    case OpCode::Free: return "FREE";
-    case OpCode::Accumulate: return "ACCUMULATE";
+    case OpCode::Run:
+      return "RUN";
+    case OpCode::Send:
+      return "SEND";
+    case OpCode::Recv:
+      return "RECV";
+    case OpCode::Free:
+      return "FREE";
+    case OpCode::Accumulate:
+      return "ACCUMULATE";
   }
   return "?";
 }
@@ -123,10 +133,14 @@ void task_io(const Ids& ids, const Task& t, IdList& in, IdList& out) {
 
 double task_time(const StageCost& c, TaskKind k) {
   switch (k) {
-    case TaskKind::F: return c.f;
-    case TaskKind::B: return c.b;
-    case TaskKind::I: return c.i;
-    case TaskKind::W: return c.w;
+    case TaskKind::F:
+      return c.f;
+    case TaskKind::B:
+      return c.b;
+    case TaskKind::I:
+      return c.i;
+    case TaskKind::W:
+      return c.w;
   }
   return 0;
 }
@@ -187,9 +201,7 @@ class LiveMap {
 
  private:
   static constexpr int32_t kEmpty = -1;
-  uint32_t home(int32_t key) const {
-    return (static_cast<uint32_t>(key) * 2654435769u) >> shift_;
-  }
+  uint32_t home(int32_t key) const { return (static_cast<uint32_t>(key) * 2654435769u) >> shift_; }
   void rehash(uint32_t cap) {
     std::vector<int32_t> k(cap, kEmpty), v(cap, 0);
     keys_.swap(k);
@@ -209,12 +221,12 @@ class LiveMap {
 struct Life {
   int32_t rank = 0;
   int32_t buffer = 0;
-  int32_t transfer = -1;       // received: the transfer that brings it
-  int32_t pending_sends = 0;   // sends of it from this rank not yet resolved
+  int32_t transfer = -1;      // received: the transfer that brings it
+  int32_t pending_sends = 0;  // sends of it from this rank not yet resolved
   int64_t bytes = 0;
-  double ready = 0;            // when it is present (produced or arrived)
-  double free_post = kInf;     // FREE posted
-  double send_end = -kInf;     // latest completion of a send of it from this rank
+  double ready = 0;         // when it is present (produced or arrived)
+  double free_post = kInf;  // FREE posted
+  double send_end = -kInf;  // latest completion of a send of it from this rank
   bool activation = false;
   bool freed = false;
   bool ready_known = true;
@@ -341,11 +353,11 @@ class Simulator {
   std::vector<int32_t> free_lives_;
   std::vector<LiveMap> live_;  // per rank: buffer id -> life
   std::vector<XferState> xs_;  // parallel to res_.transfers
-  std::vector<int32_t> open_;  // per buffer id: chain of transfers missing a side
+  std::vector<LiveMap> open_;  // per receiving rank: buffer id -> transfers missing a side
   std::vector<double> link_free_;
   std::vector<int32_t> link_last_;
-  std::vector<RunPred> run_pred_;  // parallel to res_.runs
-  std::vector<BufInfo> info_;      // per kind * S + stage
+  std::vector<RunPred> run_pred_;            // parallel to res_.runs
+  std::vector<BufInfo> info_;                // per kind * S + stage
   std::vector<std::vector<MemEvent>> late_;  // per rank: releases that waited for sends
 };
 
@@ -364,11 +376,9 @@ std::string Simulator::describe(int rank, int index) const {
       return fmt::format("{} <action {}>", head, in.action);
     }
     case OpCode::Send:
-      return fmt::format("{} {}->{}", head, buf_ok ? buf_name(in.buffer) : "<bad buffer>",
-                         in.peer);
+      return fmt::format("{} {}->{}", head, buf_ok ? buf_name(in.buffer) : "<bad buffer>", in.peer);
     case OpCode::Recv:
-      return fmt::format("{} {}<-{}", head, buf_ok ? buf_name(in.buffer) : "<bad buffer>",
-                         in.peer);
+      return fmt::format("{} {}<-{}", head, buf_ok ? buf_name(in.buffer) : "<bad buffer>", in.peer);
     case OpCode::Free:
     case OpCode::Accumulate:
       return fmt::format("{} {}", head, buf_ok ? buf_name(in.buffer) : "<bad buffer>");
@@ -419,10 +429,10 @@ void Simulator::release(int32_t l, double time, bool late) {
 }
 
 int32_t Simulator::open_transfer(int32_t src, int32_t dst, int32_t id, bool want_send) {
-  for (int32_t t = open_[id]; t >= 0; t = xs_[t].next_open) {
+  const int32_t head = open_[dst].get(id);
+  for (int32_t t = head; t >= 0; t = xs_[t].next_open) {
     const TransferEvent& e = res_.transfers[t];
-    if (e.src == src && e.dst == dst && (want_send ? !xs_[t].has_send : !xs_[t].has_recv))
-      return t;
+    if (e.src == src && e.dst == dst && (want_send ? !xs_[t].has_send : !xs_[t].has_recv)) return t;
   }
   TransferEvent e;
   e.src = src;
@@ -433,23 +443,34 @@ int32_t Simulator::open_transfer(int32_t src, int32_t dst, int32_t id, bool want
   res_.transfers.push_back(e);
   xs_.emplace_back();
   const int32_t t = static_cast<int32_t>(xs_.size() - 1);
-  xs_[t].next_open = open_[id];
-  open_[id] = t;
+  xs_[t].next_open = head;
+  if (head >= 0)
+    *open_[dst].find(id) = t;
+  else
+    open_[dst].insert(id, t);
   return t;
 }
 
 // Both sides are posted: take the transfer off its buffer's open chain.
 void Simulator::close_transfer(int32_t t) {
-  int32_t* link = &open_[res_.transfers[t].buffer];
-  while (*link != t) link = &xs_[*link].next_open;
-  *link = xs_[t].next_open;
+  const TransferEvent& e = res_.transfers[t];
+  int32_t* head = open_[e.dst].find(e.buffer);
+  if (*head == t) {
+    if (xs_[t].next_open >= 0)
+      *head = xs_[t].next_open;
+    else
+      open_[e.dst].erase(e.buffer);
+    return;
+  }
+  int32_t link = *head;
+  while (xs_[link].next_open != t) link = xs_[link].next_open;
+  xs_[link].next_open = xs_[t].next_open;
 }
 
 void Simulator::check_instr(int rank, int index, const Instr& in) const {
   switch (in.op) {
     case OpCode::Run:
-      if (in.action < 0 ||
-          in.action >= static_cast<int>(plan_.schedule.rank_actions[rank].size()))
+      if (in.action < 0 || in.action >= static_cast<int>(plan_.schedule.rank_actions[rank].size()))
         fail(rank, index, fmt::format("action index {} out of range", in.action));
       return;
     case OpCode::Send:
@@ -504,10 +525,15 @@ void Simulator::step(int32_t rank) {
   while (st.pc < n) {
     const int32_t pc = st.pc;
     const Instr& in = prog[pc];
+    // Ranks take turns in short bursts, so hardware prefetching of each
+    // rank's program and action streams does not get going; help it.
+    if (pc + 16 < n) __builtin_prefetch(&prog[pc + 16]);
     check_instr(rank, pc, in);
     switch (in.op) {
       case OpCode::Run: {
         const Action& a = acts[in.action];
+        if (in.action + 4 < static_cast<int32_t>(acts.size()))
+          __builtin_prefetch(&acts[in.action + 4]);
         const bool fused = a.is_fused();
         IdList ins, outs;
         ins.dedupe = outs.dedupe = fused;
@@ -528,9 +554,10 @@ void Simulator::step(int32_t rank) {
           const int32_t l = find_life(rank, b);
           if (l == kLocal) continue;  // produced here earlier: present
           if (l == kNoLife)
-            fail(rank, pc, fmt::format("input {} is not on rank {} (not produced earlier on the "
-                                       "rank nor received by an earlier RECV, or already freed)",
-                                       buf_name(b), rank));
+            fail(rank, pc,
+                 fmt::format("input {} is not on rank {} (not produced earlier on the "
+                             "rank nor received by an earlier RECV, or already freed)",
+                             buf_name(b), rank));
           const Life& L = lives_[l];
           if (L.freed)  // freed, release pending on a send
             fail(rank, pc, fmt::format("input {} was already freed", buf_name(b)));
@@ -575,7 +602,8 @@ void Simulator::step(int32_t rank) {
         int32_t l = find_life(rank, in.buffer);
         if (l == kLocal) l = materialize(rank, in.buffer, st.time);
         if (l == kNoLife || lives_[l].freed)
-          fail(rank, pc, fmt::format("sends {}, which is not on rank {}", buf_name(in.buffer), rank));
+          fail(rank, pc,
+               fmt::format("sends {}, which is not on rank {}", buf_name(in.buffer), rank));
         const int32_t t = open_transfer(rank, in.peer, in.buffer, true);
         const int32_t link = rank * P_ + in.peer;
         TransferEvent& e = res_.transfers[t];
@@ -586,8 +614,8 @@ void Simulator::step(int32_t rank) {
         ++lives_[l].pending_sends;
         x.send_run = st.last_run;
         e.posted = st.time;
-        x.dur = costs_.link.latency +
-                (costs_.link.bandwidth > 0 ? static_cast<double>(e.bytes) / costs_.link.bandwidth
+        x.dur = costs_.link.latency + (costs_.link.bandwidth > 0
+                                           ? static_cast<double>(e.bytes) / costs_.link.bandwidth
                                            : 0.0);
         if (link_free_[link] > st.time) {
           e.start = link_free_[link];
@@ -643,8 +671,9 @@ void Simulator::step(int32_t rank) {
       case OpCode::Accumulate: {
         const int32_t l = find_life(rank, in.buffer);
         if (l == kNoLife || (l >= 0 && lives_[l].freed))
-          fail(rank, pc, fmt::format("accumulates {}, which is not live on rank {}",
-                                     buf_name(in.buffer), rank));
+          fail(rank, pc,
+               fmt::format("accumulates {}, which is not live on rank {}", buf_name(in.buffer),
+                           rank));
         break;
       }
     }
@@ -672,8 +701,8 @@ void Simulator::report_stuck() const {
       const int32_t l = find_life(r, ins.v[k]);
       if (l < 0 || lives_[l].ready_known) continue;
       const int32_t src = res_.transfers[lives_[l].transfer].src;
-      line += fmt::format("{} {} from rank {} (rank {} ", first ? "" : ",", buf_name(ins.v[k]),
-                          src, src);
+      line += fmt::format("{} {} from rank {} (rank {} ", first ? "" : ",", buf_name(ins.v[k]), src,
+                          src);
       const RankState& ss = ranks_[src];
       if (ss.status == Status::Done)
         line += "finished without sending it)";
@@ -826,20 +855,19 @@ SimResult Simulator::run() {
     throw VerifyError(fmt::format("simulate: empty schedule (ranks={}, stages={}, microbatches={})",
                                   P_, ids_.S, ids_.M));
   if (int64_t{kNumBufKinds} * ids_.S * ids_.M > std::numeric_limits<int32_t>::max())
-    throw VerifyError(fmt::format("simulate: too many buffers (stages={}, microbatches={})", ids_.S,
-                                  ids_.M));
+    throw VerifyError(
+        fmt::format("simulate: too many buffers (stages={}, microbatches={})", ids_.S, ids_.M));
   if (static_cast<int32_t>(plan_.programs.size()) != P_ ||
       static_cast<int32_t>(s.rank_actions.size()) != P_)
-    throw VerifyError(fmt::format(
-        "simulate: plan has {} programs and {} action lists for {} ranks", plan_.programs.size(),
-        s.rank_actions.size(), P_));
+    throw VerifyError(fmt::format("simulate: plan has {} programs and {} action lists for {} ranks",
+                                  plan_.programs.size(), s.rank_actions.size(), P_));
   for (int32_t r = 0; r < P_; ++r)
     for (const Action& a : s.rank_actions[r])
       for (const Task* t : {&a.first, &a.second}) {
         if (t == &a.second && !a.is_fused()) continue;
         if (t->stage < 0 || t->stage >= ids_.S || t->microbatch < 0 || t->microbatch >= ids_.M)
-          throw VerifyError(fmt::format("simulate: rank {} has task {} out of range", r,
-                                        to_string(*t)));
+          throw VerifyError(
+              fmt::format("simulate: rank {} has task {} out of range", r, to_string(*t)));
       }
 
   // Pre-count to size every table once; each rank's RUNs get a contiguous
@@ -847,8 +875,8 @@ SimResult Simulator::run() {
   info_.resize(static_cast<size_t>(kNumBufKinds) * ids_.S);
   for (int32_t st = 0; st < ids_.S; ++st) {
     const StageCost& c = costs_.stage(st);
-    const int64_t bytes[kNumBufKinds] = {c.act_bytes, c.grad_bytes, c.stash_bytes,
-                                         c.wstash_bytes, c.wgrad_bytes};
+    const int64_t bytes[kNumBufKinds] = {c.act_bytes, c.grad_bytes, c.stash_bytes, c.wstash_bytes,
+                                         c.wgrad_bytes};
     for (int k = 0; k < kNumBufKinds; ++k)
       info_[k * ids_.S + st] = {bytes[k], k == static_cast<int>(BufKind::Stash) ||
                                               k == static_cast<int>(BufKind::WStash)};
@@ -874,7 +902,7 @@ SimResult Simulator::run() {
   res_.transfers.reserve(n_sends);
   xs_.reserve(n_sends);
   live_.assign(P_, LiveMap{});
-  open_.assign(ids_.count(), -1);
+  open_.assign(P_, LiveMap{});
   link_free_.assign(static_cast<size_t>(P_) * P_, -kInf);
   link_last_.assign(static_cast<size_t>(P_) * P_, -1);
 

@@ -56,6 +56,7 @@ class PipelinedFunction:
             step = self._build(args)
             self._cache[key] = step
             self._tree = tree
+        self.last = step
         return step
 
     def _build(self, args) -> CompiledStep:
@@ -72,6 +73,13 @@ class PipelinedFunction:
             )
         plan = make_plan(self.spec, ranks, self.microbatches)
         sched = plan.core.schedule if hasattr(plan, "core") else plan.schedule
+        if sched.num_ranks != ranks or sched.num_microbatches != self.microbatches:
+            raise ConfigError(
+                f"the schedule has {sched.num_ranks} ranks and {sched.num_microbatches} "
+                f"microbatches but the mesh has {ranks} ranks and baton.jit was given "
+                f"microbatches={self.microbatches}"
+            )
+        plan.verify()  # raises baton.VerifyError with the report
         return CompiledStep(traced, plan, self.mesh, bool(sched.split_backward()))
 
     def __call__(self, *args):
@@ -105,12 +113,16 @@ def cost_model_of(step: CompiledStep):
     scale = max(max(c["f"] for c in costs), 1.0)
     cm = _core.CostModel()
     stages = []
+    # A task with no ops (stage 0's I) still allocates its outputs before its
+    # inputs are freed: give every task a small positive duration so that the
+    # simulator's memory timeline sees that moment too.
+    tiny = 1e-3
     for c in costs:
         sc = _core.StageCost()
-        sc.f = c["f"] / scale
-        sc.b = c["b"] / scale
-        sc.i = c["i"] / scale
-        sc.w = c["w"] / scale
+        sc.f = max(c["f"] / scale, tiny)
+        sc.b = max(c["b"] / scale, tiny)
+        sc.i = max(c["i"] / scale, tiny)
+        sc.w = max(c["w"] / scale, tiny)
         sc.act_bytes = int(c["act_bytes"])
         sc.stash_bytes = int(c["stash_bytes"])
         sc.grad_bytes = int(c["grad_bytes"])

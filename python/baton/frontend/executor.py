@@ -143,7 +143,6 @@ class CompiledStep:
     def _build_segments(self):
         tr = self.traced
         ops = tr.ops
-        needed_after: dict[int, int] = {}
         pre = [i for i, op in enumerate(ops) if op.region == REGION_PRE]
         post = [i for i, op in enumerate(ops) if op.region == REGION_POST]
         self.pre_segments = self._segments(pre, set(tr.step_inputs))
@@ -152,7 +151,6 @@ class CompiledStep:
             avail.update(s.outputs)
         avail.update(o for _, o, _ in tr.loop_outputs)
         self.post_segments = self._segments(post, avail)
-        del needed_after
 
     def _segments(self, op_ids: list[int], avail: set[int]) -> list[Segment]:
         tr = self.traced
@@ -298,6 +296,8 @@ class CompiledStep:
 
         def task_inputs(task, rank):
             kind, s, m = task
+            if kind == "B" and ("B", s) not in self.tasks:
+                kind = "I"  # split partition: B runs I then W (see run_task)
             exe = self.tasks[(kind, s)]
             inv, mbi, act, grad, stash, wstash = exe.in_groups
             args = [invariant(v, rank) for v in inv]
@@ -320,6 +320,21 @@ class CompiledStep:
 
         def run_task(task, rank, args):
             kind, s, m = task
+            if kind == "B" and ("B", s) not in self.tasks:
+                # The schedule mixes B with I/W: run I, feed its WStash straight to W.
+                ie, we = self.tasks[("I", s)], self.tasks[("W", s)]
+                outs = ie.fn(*args)
+                k = ie.n_out
+                grad = outs[k["act"]:k["act"] + k["grad"]]
+                off = k["act"] + k["grad"] + k["stash"]
+                wst = outs[off:off + k["wstash"]]
+                inv, mbi = we.in_groups[0], we.in_groups[1]
+                wargs = [invariant(v, rank) for v in inv] + [microbatch(v, m, rank) for v in mbi]
+                wouts = we.fn(*wargs, *wst)
+                if s > 0:
+                    put_buf(rank, buf_id("Grad", s, m), list(grad))
+                put_buf(rank, buf_id("WGrad", s, m), list(wouts[:we.n_out["wgrad"]]))
+                return
             exe = self.tasks[(kind, s)]
             outs = exe.fn(*args)
             pos = 0

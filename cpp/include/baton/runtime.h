@@ -1,0 +1,327 @@
+// Runtime: executes one rank's instruction stream of a Plan (plan.h).
+//
+//   RUN a        waits (bounded) until the action's inputs are present, then
+//                calls Tasks::run with their values; stores the outputs.
+//   SEND b,r     posts an asynchronous send to the Transport; never blocks.
+//   RECV b,r     posts an asynchronous receive; the value is taken when a
+//                later instruction needs it.
+//   FREE b       drops b; when a send of b is still in flight the value is
+//                released once that send completes (FREE does not block, so
+//                a slow send never holds up the next task).
+//   ACCUMULATE b calls Tasks::accumulate with b's value.
+// Transfers are moved by the transport's own threads (the progress engine)
+// while tasks run. Every blocking wait has a deadline (ExecutorOptions::
+// timeout); when it passes, or a peer fails, the executor aborts the transport
+// (which tells every other rank) and throws an ExecutionError naming the rank,
+// instruction, buffer, stage and microbatch, and the failed peer if known.
+//
+// Values are opaque reference-counted handles (ValueBase): in Python a list of
+// jax.Arrays, in tests a number. Byte transports (Gloo, NCCL) convert a value
+// to host/device tensors (Payload) and back through Tasks::to_payload /
+// from_payload, called on transport threads.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "baton/error.h"
+#include "baton/plan.h"
+
+namespace baton::runtime {
+
+using Clock = std::chrono::steady_clock;
+
+// A pipelined step failed while running (Python: baton.ExecutionError).
+class ExecutionError : public Error {
+ public:
+  explicit ExecutionError(const std::string& what, int origin = -1)
+      : Error(what), failed_rank(origin) {}
+  int failed_rank = -1;  // the rank that failed first, when known
+};
+
+// ---------------------------------------------------------------- tensors
+
+enum class DType : uint8_t {
+  F32 = 0, F64, F16, BF16, I8, I16, I32, I64, U8, U16, U32, U64, Bool,
+};
+const char* dtype_name(DType d);  // "float32", "bfloat16", ...
+size_t dtype_size(DType d);
+DType dtype_from_name(const std::string& name);  // throws ConfigError
+
+// A dense, C-contiguous tensor in host (or device) memory. `owner` keeps the
+// memory alive; `data` points into it.
+struct Tensor {
+  DType dtype = DType::F32;
+  std::vector<int64_t> shape;
+  void* data = nullptr;
+  size_t nbytes = 0;
+  int device = -1;  // -1: host; >= 0: CUDA device ordinal (NCCL transport)
+  std::shared_ptr<void> owner;
+};
+using Payload = std::vector<Tensor>;
+
+// A 64-byte aligned host allocation of `nbytes` (zero-copy friendly for XLA).
+Tensor alloc_host_tensor(DType dtype, std::vector<int64_t> shape);
+int64_t num_elements(const std::vector<int64_t>& shape);
+
+// ---------------------------------------------------------------- values
+
+class ValueBase {
+ public:
+  virtual ~ValueBase() = default;
+  // Bytes held, for memory accounting (0 when unknown).
+  virtual size_t nbytes() const { return 0; }
+};
+using Value = std::shared_ptr<ValueBase>;
+
+// A value made of host tensors; what byte transports produce when the Tasks
+// do not override from_payload.
+class HostValue : public ValueBase {
+ public:
+  explicit HostValue(Payload p) : tensors(std::move(p)) {}
+  size_t nbytes() const override;
+  Payload tensors;
+};
+
+// What the executor passes to Tasks::run.
+struct TaskCall {
+  int rank = 0;
+  int instr = 0;                  // instruction index
+  int action = 0;                 // index into schedule.rank_actions[rank]
+  const Action* act = nullptr;
+  const std::vector<int32_t>* input_ids = nullptr;   // Plan::action_inputs
+  const std::vector<int32_t>* output_ids = nullptr;  // Plan::action_outputs
+  std::vector<Value> inputs;      // parallel to input_ids
+};
+
+// The compiled tasks of one rank (in Python: jitted functions).
+class Tasks {
+ public:
+  virtual ~Tasks() = default;
+  // Must return one value per output id (null values are an error).
+  virtual std::vector<Value> run(const TaskCall& call) = 0;
+  // Adds weight gradient `buffer` into its stage's accumulator.
+  virtual void accumulate(int rank, int32_t buffer, const Value& v) = 0;
+  // Called in the executor thread when a received value is first used
+  // (in-process transport: move it to this rank's devices). Default: as is.
+  virtual Value received(int rank, int32_t buffer, Value v);
+  // Conversions for byte transports, called on transport threads. Defaults
+  // handle HostValue and throw ExecutionError for anything else.
+  virtual Payload to_payload(const Value& v);
+  virtual Value from_payload(Payload p);
+};
+
+// ---------------------------------------------------------------- transport
+
+// One posted transfer. Completed by the transport (any thread), waited on by
+// the executor. Thread-safe.
+class Request {
+ public:
+  Request(bool send, int to_or_from, uint64_t tg, std::string description)
+      : is_send(send), peer(to_or_from), tag(tg), what(std::move(description)),
+        posted(Clock::now()) {}
+  const bool is_send;
+  const int peer;
+  const uint64_t tag;
+  const std::string what;  // e.g. "act(s0,m1)"
+  const Clock::time_point posted;
+
+  void mark_started();
+  void complete(Value v = nullptr);
+  void fail(std::exception_ptr e);
+  // Waits until done or the deadline; true when done (completed or failed).
+  bool wait_until(Clock::time_point deadline);
+  bool done() const;
+  // Rethrows the failure, if any.
+  void check() const;
+  Value take_value();
+  Clock::time_point started_at() const;
+  Clock::time_point completed_at() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+  Value value_;
+  Clock::time_point started_{};
+  Clock::time_point completed_{};
+};
+using RequestPtr = std::shared_ptr<Request>;
+
+struct TransportOptions {
+  // Artificial delay added to every transfer (tests of overlap).
+  std::chrono::milliseconds delay{0};
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual std::string kind() const = 0;  // "local", "gloo", "nccl"
+  // Posts never block. `tasks` converts values for byte transports and must
+  // outlive the request.
+  virtual RequestPtr isend(int peer, uint64_t tag, Value v, const std::string& what,
+                           Tasks* tasks) = 0;
+  virtual RequestPtr irecv(int peer, uint64_t tag, const std::string& what, Tasks* tasks) = 0;
+  // Ends a communication group (the executor calls it after the last of
+  // consecutive SEND/RECV posts). NCCL issues a group's operations as one
+  // ncclGroupStart/End; other transports ignore it.
+  virtual void flush() {}
+  // Every rank contributes a blob, every rank gets all blobs (start-up
+  // handshake). Bounded by `timeout`.
+  virtual std::vector<std::string> exchange(const std::string& mine,
+                                            std::chrono::milliseconds timeout) = 0;
+  // A rank failed (`origin`: the rank where the failure started; -1 means
+  // this rank): tell every peer and fail every pending request with an
+  // ExecutionError naming `origin`. Idempotent (the first call wins); never
+  // throws.
+  virtual void abort(const std::string& reason, int origin = -1) = 0;
+  // (origin rank, reason) once any rank reported a failure or a peer became
+  // unreachable; empty otherwise.
+  virtual std::optional<std::pair<int, std::string>> failure() const = 0;
+};
+
+// In-process transport: N executors (threads) in one process hand value
+// handles to each other through a shared hub. Sends complete at once (after
+// `delay`); a receive completes when its send is posted (plus `delay`).
+class LocalHub : public std::enable_shared_from_this<LocalHub> {
+ public:
+  static std::shared_ptr<LocalHub> create(int world_size, TransportOptions opts = {});
+  std::unique_ptr<Transport> transport(int rank);
+  int world_size() const { return world_; }
+
+  // internals used by the local transport
+  struct State;
+  std::shared_ptr<State> state() const { return state_; }
+
+ private:
+  int world_ = 0;
+  std::shared_ptr<State> state_;
+};
+
+// Gloo over TCP. `store` is the rendezvous store (HashStore between threads,
+// FileStore on one host, or any Store, e.g. backed by jax.distributed's key-
+// value store). Connects the full mesh in the constructor (bounded by
+// `connect_timeout`). Tags map to Gloo slots; each transfer sends a small
+// header (count, dtypes, shapes) then one message per tensor; received host
+// tensors are 64-byte aligned. A control channel carries failure reports
+// and the shutdown handshake; a lost connection marks the peer failed.
+struct GlooOptions : TransportOptions {
+  std::string hostname = "127.0.0.1";
+  std::chrono::milliseconds connect_timeout{30000};
+  std::string prefix = "baton";  // store key prefix
+};
+// Minimal rendezvous store interface (maps onto gloo::rendezvous::Store).
+class Store {
+ public:
+  virtual ~Store() = default;
+  virtual void set(const std::string& key, const std::string& value) = 0;
+  // Blocks until the key exists or the timeout passes (then throws).
+  virtual std::string get(const std::string& key, std::chrono::milliseconds timeout) = 0;
+};
+std::shared_ptr<Store> make_hash_store();                       // in-process
+std::shared_ptr<Store> make_file_store(const std::string& dir);  // one host
+std::shared_ptr<Store> make_callback_store(
+    std::function<void(const std::string&, const std::string&)> set,
+    std::function<std::string(const std::string&, std::chrono::milliseconds)> get);
+std::unique_ptr<Transport> make_gloo_transport(int rank, int world_size,
+                                               std::shared_ptr<Store> store,
+                                               GlooOptions opts = {});
+
+// NCCL point-to-point (compiled only when CUDA and nccl.h are found; see
+// nccl_available()). Values must convert to device tensors (Tensor::device
+// >= 0). The unique id travels through `store`. Throws ConfigError when
+// Baton was built without NCCL.
+bool nccl_available();
+std::unique_ptr<Transport> make_nccl_transport(int rank, int world_size, int device,
+                                               std::shared_ptr<Store> store,
+                                               TransportOptions opts = {});
+
+// ---------------------------------------------------------------- executor
+
+struct ExecutorOptions {
+  // Longest time one instruction may wait for a transfer or an input.
+  std::chrono::milliseconds timeout{60000};
+  bool record_events = false;
+};
+
+struct Event {
+  int32_t instr = -1;
+  OpCode op = OpCode::Run;
+  int32_t buffer = -1;  // SEND/RECV/FREE/ACCUMULATE
+  int32_t peer = -1;
+  // RUN: posted = reached, started = inputs ready, completed = returned.
+  // SEND/RECV: posted by the executor; started/completed by the transport.
+  Clock::time_point posted{}, started{}, completed{};
+};
+
+struct ExecStats {
+  int64_t peak_live_buffers = 0;
+  int64_t peak_live_bytes = 0;
+  int64_t instructions = 0;
+  double wait_seconds = 0;  // time blocked on transfers
+};
+
+class Executor {
+ public:
+  // `plan`, `transport` and `tasks` must outlive the executor.
+  Executor(const Plan& plan, int rank, Transport& transport, Tasks& tasks,
+           ExecutorOptions opts = {});
+  // Runs this rank's program once (one training step). Throws ExecutionError.
+  void run();
+  // Compares plan fingerprint, Baton version, schedule and world size with
+  // every rank; throws ExecutionError saying what differs (on every rank).
+  void handshake(std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
+  const std::vector<Event>& events() const { return events_; }
+  const ExecStats& stats() const { return stats_; }
+  int rank() const { return rank_; }
+  int64_t steps_done() const { return step_; }
+
+ private:
+  struct Slot {
+    Value value;
+    RequestPtr recv;  // pending receive
+    RequestPtr send;  // pending send
+    bool present = false;
+  };
+  void exec(int index, const Instr& in);
+  Value need(int index, int32_t buffer);
+  void wait(int index, const RequestPtr& r, const char* doing);
+  [[noreturn]] void fail(int index, const std::string& msg, int failed_rank = -1);
+  std::string where(int index) const;
+  void add_live(const Value& v);
+  void drop_live(const Value& v);
+  uint64_t tag(int32_t buffer) const;
+
+  const Plan& plan_;
+  int rank_;
+  Transport& transport_;
+  Tasks& tasks_;
+  ExecutorOptions opts_;
+  std::vector<Slot> slots_;
+  std::vector<std::vector<int32_t>> action_in_, action_out_;
+  std::vector<Event> events_;
+  std::vector<std::pair<size_t, RequestPtr>> pending_events_;  // SEND/RECV events
+  // FREEd buffers whose send is still in flight: released when it completes.
+  std::vector<std::pair<RequestPtr, Value>> deferred_;
+  void reap(bool wait_all, int index);
+  ExecStats stats_;
+  int64_t live_buffers_ = 0, live_bytes_ = 0;
+  int64_t step_ = 0;
+};
+
+// The string compared by the handshake (plan fingerprint, version, schedule).
+std::string handshake_blob(const Plan& plan, int world_size);
+const char* runtime_version();
+
+}  // namespace baton::runtime

@@ -1,0 +1,463 @@
+// Bindings of the runtime (baton._core.runtime): executor, transports, stores.
+// Thin: conversion only. Values are Python objects (e.g. lists of jax.Arrays);
+// byte transports see them as lists of arrays crossing as DLPack views.
+#include <fmt/format.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/function.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+
+#include "baton/plan.h"
+#include "baton/runtime.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace rt = baton::runtime;
+
+namespace {
+
+using std::chrono::milliseconds;
+milliseconds ms(double seconds) { return milliseconds(static_cast<int64_t>(seconds * 1000.0)); }
+
+void translate_execution_error(const std::exception_ptr& p, void*) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const rt::ExecutionError& e) {
+    PyObject* errors = PyImport_ImportModule("baton.errors");
+    PyObject* cls = errors ? PyObject_GetAttrString(errors, "ExecutionError") : nullptr;
+    Py_XDECREF(errors);
+    if (cls == nullptr) {
+      PyErr_Clear();
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      return;
+    }
+    PyObject* exc = PyObject_CallFunction(cls, "s", e.what());
+    if (exc != nullptr) {
+      PyObject* r = PyLong_FromLong(e.failed_rank);
+      PyObject_SetAttrString(exc, "failed_rank", r);
+      Py_XDECREF(r);
+      PyErr_SetObject(cls, exc);
+      Py_DECREF(exc);
+    }
+    Py_DECREF(cls);
+  }
+}
+
+// A Python object as a runtime value. Releases its reference under the GIL.
+struct PyValue : rt::ValueBase {
+  explicit PyValue(nb::object o) : obj(std::move(o)) {
+    auto bytes_of = [](nb::handle h) -> size_t {
+      if (!nb::hasattr(h, "nbytes")) return 0;
+      try {
+        return nb::cast<size_t>(h.attr("nbytes"));
+      } catch (...) {
+        return 0;
+      }
+    };
+    if (nb::isinstance<nb::list>(obj) || nb::isinstance<nb::tuple>(obj)) {
+      for (nb::handle h : obj) bytes += bytes_of(h);
+    } else {
+      bytes = bytes_of(obj);
+    }
+  }
+  ~PyValue() override {
+    nb::gil_scoped_acquire gil;
+    obj.reset();
+  }
+  size_t nbytes() const override { return bytes; }
+  nb::object obj;
+  size_t bytes = 0;
+};
+
+rt::Value wrap(nb::object o) { return std::make_shared<PyValue>(std::move(o)); }
+nb::object unwrap(const rt::Value& v) {
+  if (auto* p = dynamic_cast<PyValue*>(v.get())) return p->obj;
+  throw rt::ExecutionError("internal: a value that is not a Python object reached Python");
+}
+
+using HostArray = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
+
+rt::DType dtype_of(nb::dlpack::dtype d, const std::string& where) {
+  using C = nb::dlpack::dtype_code;
+  const auto code = static_cast<C>(d.code);
+  if (d.lanes == 1) {
+    if (code == C::Float && d.bits == 32) return rt::DType::F32;
+    if (code == C::Float && d.bits == 64) return rt::DType::F64;
+    if (code == C::Float && d.bits == 16) return rt::DType::F16;
+    if (code == C::Bfloat && d.bits == 16) return rt::DType::BF16;
+    if (code == C::Int && d.bits == 8) return rt::DType::I8;
+    if (code == C::Int && d.bits == 16) return rt::DType::I16;
+    if (code == C::Int && d.bits == 32) return rt::DType::I32;
+    if (code == C::Int && d.bits == 64) return rt::DType::I64;
+    if (code == C::UInt && d.bits == 8) return rt::DType::U8;
+    if (code == C::UInt && d.bits == 16) return rt::DType::U16;
+    if (code == C::UInt && d.bits == 32) return rt::DType::U32;
+    if (code == C::UInt && d.bits == 64) return rt::DType::U64;
+    if (code == C::Bool && d.bits == 8) return rt::DType::Bool;
+  }
+  throw rt::ExecutionError(fmt::format(
+      "{}: unsupported dtype (DLPack code {}, {} bits, {} lanes); supported: float32, float64, "
+      "float16, bfloat16, int8/16/32/64, uint8/16/32/64, bool",
+      where, static_cast<int>(d.code), static_cast<int>(d.bits), static_cast<int>(d.lanes)));
+}
+
+// One array (anything speaking DLPack or the buffer protocol) as a Tensor that
+// references the array's memory (no copy when it is C-contiguous on the host).
+rt::Tensor to_tensor(nb::handle obj, const std::string& where) {
+  HostArray arr;
+  std::optional<rt::DType> forced;
+  if (!nb::try_cast(obj, arr, true)) {
+    // numpy has no DLPack code for ml_dtypes (bfloat16): reinterpret the bits.
+    std::string name;
+    if (nb::hasattr(obj, "dtype")) name = nb::cast<std::string>(nb::str(obj.attr("dtype")));
+    if (name == "bfloat16") {
+      nb::object u16 = nb::module_::import_("numpy").attr("uint16");
+      nb::object view = nb::module_::import_("numpy").attr("ascontiguousarray")(obj).attr("view")(u16);
+      if (nb::try_cast(view, arr, true)) forced = rt::DType::BF16;
+    }
+    if (!forced)
+      throw rt::ExecutionError(fmt::format(
+          "{}: cannot transfer an object of type {} with dtype '{}' (need a host array with a "
+          "supported dtype: float32, float64, float16, bfloat16, int8/16/32/64, uint8/16/32/64, "
+          "bool)",
+          where, nb::cast<std::string>(nb::str(obj.type().attr("__name__"))),
+          name.empty() ? "?" : name));
+  }
+  rt::Tensor t;
+  t.dtype = forced ? *forced : dtype_of(arr.dtype(), where);
+  for (size_t i = 0; i < arr.ndim(); ++i) t.shape.push_back(static_cast<int64_t>(arr.shape(i)));
+  t.nbytes = arr.nbytes();
+  t.data = const_cast<void*>(arr.data());
+  auto* keep = new HostArray(std::move(arr));
+  t.owner = std::shared_ptr<void>(keep, [](void* p) {
+    nb::gil_scoped_acquire gil;
+    delete static_cast<HostArray*>(p);
+  });
+  return t;
+}
+
+nb::object to_numpy(const rt::Tensor& t) {
+  using C = nb::dlpack::dtype_code;
+  nb::dlpack::dtype d{};
+  d.lanes = 1;
+  d.bits = static_cast<uint8_t>(rt::dtype_size(t.dtype) * 8);
+  switch (t.dtype) {
+    case rt::DType::F32: case rt::DType::F64: case rt::DType::F16:
+      d.code = static_cast<uint8_t>(C::Float);
+      break;
+    case rt::DType::I8: case rt::DType::I16: case rt::DType::I32: case rt::DType::I64:
+      d.code = static_cast<uint8_t>(C::Int);
+      break;
+    case rt::DType::Bool:
+      d.code = static_cast<uint8_t>(C::Bool);
+      break;
+    default:  // unsigned and bfloat16 (as uint16 bits, viewed below)
+      d.code = static_cast<uint8_t>(C::UInt);
+  }
+  std::vector<size_t> shape;
+  for (int64_t s : t.shape) shape.push_back(static_cast<size_t>(s));
+  auto* keep = new std::shared_ptr<void>(t.owner);
+  nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<std::shared_ptr<void>*>(p); });
+  nb::ndarray<nb::numpy> arr(t.data, shape.size(), shape.data(), owner, nullptr, d);
+  nb::object out = nb::cast(arr, nb::rv_policy::reference);
+  if (t.dtype == rt::DType::BF16)
+    out = out.attr("view")(nb::module_::import_("ml_dtypes").attr("bfloat16"));
+  return out;
+}
+
+// Tasks backed by Python callables. Every callback runs with the GIL held.
+class PyTasks : public rt::Tasks {
+ public:
+  PyTasks(nb::object run, nb::object accumulate, nb::object received, nb::object to_host,
+          nb::object from_host)
+      : run_(std::move(run)), acc_(std::move(accumulate)), recv_(std::move(received)),
+        to_host_(std::move(to_host)), from_host_(std::move(from_host)) {}
+  ~PyTasks() override {
+    nb::gil_scoped_acquire gil;
+    run_.reset();
+    acc_.reset();
+    recv_.reset();
+    to_host_.reset();
+    from_host_.reset();
+  }
+
+  std::vector<rt::Value> run(const rt::TaskCall& c) override {
+    nb::gil_scoped_acquire gil;
+    if (!run_.is_valid() || run_.is_none()) throw rt::ExecutionError("no run callback was given");
+    nb::list ins, ids;
+    for (size_t i = 0; i < c.inputs.size(); ++i) {
+      ins.append(unwrap(c.inputs[i]));
+      ids.append((*c.input_ids)[i]);
+    }
+    nb::object outs = run_(c.rank, c.action, ids, ins);
+    std::vector<rt::Value> res;
+    for (nb::handle h : outs) res.push_back(wrap(nb::borrow(h)));
+    return res;
+  }
+  void accumulate(int rank, int32_t buffer, const rt::Value& v) override {
+    nb::gil_scoped_acquire gil;
+    if (!acc_.is_valid() || acc_.is_none())
+      throw rt::ExecutionError("no accumulate callback was given");
+    acc_(rank, buffer, unwrap(v));
+  }
+  rt::Value received(int rank, int32_t buffer, rt::Value v) override {
+    if (!recv_.is_valid()) return v;
+    nb::gil_scoped_acquire gil;
+    if (recv_.is_none()) return v;
+    return wrap(recv_(rank, buffer, unwrap(v)));
+  }
+  rt::Payload to_payload(const rt::Value& v) override {
+    nb::gil_scoped_acquire gil;
+    nb::object obj = unwrap(v);
+    if (to_host_.is_valid() && !to_host_.is_none()) obj = to_host_(obj);
+    rt::Payload p;
+    if (nb::isinstance<nb::list>(obj) || nb::isinstance<nb::tuple>(obj)) {
+      size_t i = 0;
+      for (nb::handle h : obj) p.push_back(to_tensor(h, fmt::format("array {} of a transfer", i++)));
+    } else {
+      p.push_back(to_tensor(obj, "transfer"));
+    }
+    return p;
+  }
+  rt::Value from_payload(rt::Payload p) override {
+    nb::gil_scoped_acquire gil;
+    nb::list arrays;
+    for (const rt::Tensor& t : p) arrays.append(to_numpy(t));
+    nb::object obj = arrays;
+    if (from_host_.is_valid() && !from_host_.is_none()) obj = from_host_(arrays);
+    return wrap(obj);
+  }
+
+ private:
+  nb::object run_, acc_, recv_, to_host_, from_host_;
+};
+
+struct PyStore {
+  std::shared_ptr<rt::Store> store;
+};
+
+// Owns a transport; closing releases the GIL because transport threads may
+// need it to finish.
+struct PyTransport {
+  std::unique_ptr<rt::Transport> t;
+  PyTasks codec{nb::none(), nb::none(), nb::none(), nb::none(), nb::none()};
+  rt::Transport& get() {
+    if (!t) throw baton::ConfigError("the transport is closed");
+    return *t;
+  }
+  void close() {
+    nb::gil_scoped_release nogil;
+    t.reset();
+  }
+  ~PyTransport() {
+    if (t) close();
+  }
+};
+
+void wait_request(const rt::RequestPtr& r, double timeout, rt::Transport& t) {
+  {
+    nb::gil_scoped_release nogil;
+    if (!r->wait_until(rt::Clock::now() + ms(timeout))) {
+      const std::string msg = fmt::format("rank {}: timed out after {:g} s waiting to {} {} {} rank {}",
+                                          t.rank(), timeout, r->is_send ? "send" : "receive",
+                                          r->what, r->is_send ? "to" : "from", r->peer);
+      t.abort(msg);
+      throw rt::ExecutionError(msg, -1);
+    }
+  }
+  r->check();
+}
+
+struct PyExecutor {
+  PyExecutor(const baton::Plan& plan, int rank, PyTransport& transport, PyTasks& tasks,
+             double timeout, bool record_events)
+      : ex(plan, rank, transport.get(), tasks,
+           rt::ExecutorOptions{ms(timeout), record_events}) {}
+  rt::Executor ex;
+};
+
+int64_t ns(rt::Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
+}  // namespace
+
+void init_runtime(nb::module_& root) {
+  nb::register_exception_translator(&translate_execution_error);
+  nb::module_ m = root.def_submodule("runtime", "Per-rank executor and transports");
+
+  m.def("runtime_version", &rt::runtime_version);
+  m.def("nccl_available", &rt::nccl_available);
+  m.def("handshake_blob", &rt::handshake_blob, "plan"_a, "world_size"_a);
+  m.def("dtype_names", [] {
+    std::vector<std::string> out;
+    for (int i = 0; i <= static_cast<int>(rt::DType::Bool); ++i)
+      out.push_back(rt::dtype_name(static_cast<rt::DType>(i)));
+    return out;
+  });
+
+  nb::class_<PyStore>(m, "Store", "A rendezvous key-value store.");
+  m.def("hash_store", [] { return PyStore{rt::make_hash_store()}; }, "In-process store.");
+  m.def("file_store", [](const std::string& dir) { return PyStore{rt::make_file_store(dir)}; },
+        "dir"_a, "Store in a directory (processes on one host).");
+  m.def(
+      "callback_store",
+      [](nb::object set, nb::object get) {
+        auto hold = std::make_shared<std::pair<nb::object, nb::object>>(set, get);
+        auto release = std::shared_ptr<void>(nullptr, [hold](void*) mutable {
+          nb::gil_scoped_acquire gil;
+          hold->first.reset();
+          hold->second.reset();
+        });
+        auto s = rt::make_callback_store(
+            [hold, release](const std::string& k, const std::string& v) {
+              nb::gil_scoped_acquire gil;
+              hold->first(k, nb::bytes(v.data(), v.size()));
+            },
+            [hold, release](const std::string& k, milliseconds timeout) {
+              nb::gil_scoped_acquire gil;
+              try {
+                nb::object r = hold->second(k, static_cast<double>(timeout.count()) / 1000.0);
+                if (nb::isinstance<nb::bytes>(r)) {
+                  nb::bytes b = nb::borrow<nb::bytes>(r);
+                  return std::string(b.c_str(), b.size());
+                }
+                return nb::cast<std::string>(r);
+              } catch (nb::python_error& e) {
+                throw rt::ExecutionError(fmt::format("store get('{}') failed: {}", k, e.what()));
+              }
+            });
+        return PyStore{s};
+      },
+      "set"_a, "get"_a,
+      "Store backed by Python callables set(key, value: bytes) and get(key, timeout_s) -> bytes "
+      "(e.g. jax.distributed's key-value store).");
+
+  nb::class_<PyTasks>(m, "Tasks", "Python callbacks the executor calls.")
+      .def(nb::init<nb::object, nb::object, nb::object, nb::object, nb::object>(),
+           "run"_a = nb::none(), "accumulate"_a = nb::none(), "received"_a = nb::none(),
+           "to_host"_a = nb::none(), "from_host"_a = nb::none(),
+           "run(rank, action, input_ids, inputs) -> outputs (plan.action_outputs order);\n"
+           "accumulate(rank, buffer, value); received(rank, buffer, value) -> value;\n"
+           "to_host(value) -> list of arrays; from_host(list of numpy arrays) -> value.");
+
+  nb::class_<PyTransport>(m, "Transport", "A transport of one rank.")
+      .def_prop_ro("rank", [](PyTransport& t) { return t.get().rank(); })
+      .def_prop_ro("world_size", [](PyTransport& t) { return t.get().world_size(); })
+      .def_prop_ro("kind", [](PyTransport& t) { return t.get().kind(); })
+      .def_prop_ro("closed", [](PyTransport& t) { return !t.t; })
+      .def("failure", [](PyTransport& t) { return t.get().failure(); },
+           "(origin rank, reason) once a rank failed, else None.")
+      .def("abort", [](PyTransport& t, const std::string& reason) {
+             nb::gil_scoped_release nogil;
+             t.get().abort(reason);
+           }, "reason"_a)
+      .def("close", &PyTransport::close)
+      .def(
+          "send",
+          [](PyTransport& t, int peer, uint64_t tag, nb::object arrays, double timeout) {
+            auto r = t.get().isend(peer, tag, wrap(arrays), fmt::format("tag {}", tag), &t.codec);
+            wait_request(r, timeout, t.get());
+          },
+          "peer"_a, "tag"_a, "arrays"_a, "timeout"_a = 60.0,
+          "Sends a list of arrays (blocking, bounded by timeout).")
+      .def(
+          "recv",
+          [](PyTransport& t, int peer, uint64_t tag, double timeout) {
+            auto r = t.get().irecv(peer, tag, fmt::format("tag {}", tag), &t.codec);
+            wait_request(r, timeout, t.get());
+            return unwrap(r->take_value());
+          },
+          "peer"_a, "tag"_a, "timeout"_a = 60.0,
+          "Receives a list of numpy arrays (64-byte aligned; blocking, bounded).")
+      .def(
+          "exchange",
+          [](PyTransport& t, const std::string& blob, double timeout) {
+            nb::gil_scoped_release nogil;
+            return t.get().exchange(blob, ms(timeout));
+          },
+          "blob"_a, "timeout"_a = 60.0);
+
+  nb::class_<std::shared_ptr<rt::LocalHub>>(m, "LocalHub", "In-process transport hub.")
+      .def("__init__",
+           [](std::shared_ptr<rt::LocalHub>* self, int world, double delay) {
+             rt::TransportOptions o;
+             o.delay = ms(delay);
+             new (self) std::shared_ptr<rt::LocalHub>(rt::LocalHub::create(world, o));
+           },
+           "world_size"_a, "delay"_a = 0.0)
+      .def("transport", [](std::shared_ptr<rt::LocalHub>& h, int rank) {
+        auto* t = new PyTransport();
+        t->t = h->transport(rank);
+        return t;
+      }, "rank"_a, nb::rv_policy::take_ownership);
+
+  m.def(
+      "gloo_transport",
+      [](int rank, int world, PyStore& store, const std::string& hostname, double connect_timeout,
+         const std::string& prefix, double delay) {
+        rt::GlooOptions o;
+        o.hostname = hostname;
+        o.connect_timeout = ms(connect_timeout);
+        o.prefix = prefix;
+        o.delay = ms(delay);
+        auto* t = new PyTransport();
+        {
+          nb::gil_scoped_release nogil;
+          t->t = rt::make_gloo_transport(rank, world, store.store, o);
+        }
+        return t;
+      },
+      "rank"_a, "world_size"_a, "store"_a, "hostname"_a = "127.0.0.1",
+      "connect_timeout"_a = 30.0, "prefix"_a = "baton", "delay"_a = 0.0,
+      nb::rv_policy::take_ownership);
+
+  m.def(
+      "nccl_transport",
+      [](int rank, int world, int device, PyStore& store) {
+        auto* t = new PyTransport();
+        {
+          nb::gil_scoped_release nogil;
+          t->t = rt::make_nccl_transport(rank, world, device, store.store);
+        }
+        return t;
+      },
+      "rank"_a, "world_size"_a, "device"_a, "store"_a, nb::rv_policy::take_ownership);
+
+  nb::class_<PyExecutor>(m, "Executor", "Runs one rank's program of a Plan.")
+      .def(nb::init<const baton::Plan&, int, PyTransport&, PyTasks&, double, bool>(), "plan"_a,
+           "rank"_a, "transport"_a, "tasks"_a, "timeout"_a = 60.0, "record_events"_a = false,
+           nb::keep_alive<1, 2>(), nb::keep_alive<1, 4>(), nb::keep_alive<1, 5>())
+      .def("run", [](PyExecutor& e) {
+             nb::gil_scoped_release nogil;
+             e.ex.run();
+           }, "Runs one step (releases the GIL; callbacks take it).")
+      .def("handshake", [](PyExecutor& e, double timeout) {
+             nb::gil_scoped_release nogil;
+             e.ex.handshake(ms(timeout));
+           }, "timeout"_a = 60.0)
+      .def_prop_ro("rank", [](PyExecutor& e) { return e.ex.rank(); })
+      .def_prop_ro("steps_done", [](PyExecutor& e) { return e.ex.steps_done(); })
+      .def("stats", [](PyExecutor& e) {
+        const auto& s = e.ex.stats();
+        nb::dict d;
+        d["peak_live_buffers"] = s.peak_live_buffers;
+        d["peak_live_bytes"] = s.peak_live_bytes;
+        d["instructions"] = s.instructions;
+        d["wait_seconds"] = s.wait_seconds;
+        return d;
+      })
+      .def("events", [](PyExecutor& e) {
+        nb::list out;
+        for (const rt::Event& ev : e.ex.events())
+          out.append(nb::make_tuple(ev.instr, baton::opcode_name(ev.op), ev.buffer, ev.peer,
+                                    ns(ev.posted), ns(ev.started), ns(ev.completed)));
+        return out;
+      }, "(instr, op, buffer, peer, posted_ns, started_ns, completed_ns) per instruction of the "
+         "last step (time.monotonic_ns clock); empty unless record_events.");
+}

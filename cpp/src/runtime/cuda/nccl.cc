@@ -1,0 +1,417 @@
+// NCCL point-to-point transport (built only when CUDA and nccl.h are found).
+//
+// NCCL is loaded with dlopen at run time ($BATON_NCCL_LIBRARY, else
+// libnccl.so.2 from the loader path): the JAX CUDA plugin ships its own NCCL
+// and Baton should use that same copy rather than link a second one.
+//
+// One progress thread issues the posted operations in order, one
+// communication group (as ended by flush()) at a time, on its own stream:
+//   phase 1: ncclGroupStart; a 4 KiB header per op (dtypes, shapes);
+//            ncclGroupEnd; wait;
+//   phase 2: ncclGroupStart; every tensor; ncclGroupEnd; wait.
+// Both phases of a group run back to back, so traffic between two ranks stays
+// in order (the plan verifier checks deadlock freedom under exactly this FIFO
+// model). Waits poll the stream and the abort flag; abort() calls
+// ncclCommAbort and writes the failure into the store, which a watcher thread
+// on every rank polls.
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <fmt/format.h>
+#include <nccl.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <sstream>
+#include <thread>
+
+#include "baton/runtime.h"
+
+namespace baton::runtime {
+
+namespace {
+
+struct NcclApi {
+  void* lib = nullptr;
+  decltype(&ncclGetUniqueId) GetUniqueId = nullptr;
+  decltype(&ncclCommInitRank) CommInitRank = nullptr;
+  decltype(&ncclCommDestroy) CommDestroy = nullptr;
+  decltype(&ncclCommAbort) CommAbort = nullptr;
+  decltype(&ncclCommGetAsyncError) CommGetAsyncError = nullptr;
+  decltype(&ncclSend) Send = nullptr;
+  decltype(&ncclRecv) Recv = nullptr;
+  decltype(&ncclGroupStart) GroupStart = nullptr;
+  decltype(&ncclGroupEnd) GroupEnd = nullptr;
+  decltype(&ncclGetErrorString) GetErrorString = nullptr;
+  std::string error;
+};
+
+const NcclApi& nccl_api() {
+  static const NcclApi api = [] {
+    NcclApi a;
+    const char* env = std::getenv("BATON_NCCL_LIBRARY");
+    for (const char* name : {env, "libnccl.so.2", "libnccl.so"}) {
+      if (name == nullptr || *name == '\0') continue;
+      a.lib = dlopen(name, RTLD_NOW | RTLD_GLOBAL);
+      if (a.lib) break;
+      a.error = dlerror();
+    }
+    if (!a.lib) return a;
+    auto sym = [&](auto& fn, const char* n) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(a.lib, n));
+      if (!fn && a.error.empty()) a.error = fmt::format("symbol {} missing from NCCL", n);
+    };
+    sym(a.GetUniqueId, "ncclGetUniqueId");
+    sym(a.CommInitRank, "ncclCommInitRank");
+    sym(a.CommDestroy, "ncclCommDestroy");
+    sym(a.CommAbort, "ncclCommAbort");
+    sym(a.CommGetAsyncError, "ncclCommGetAsyncError");
+    sym(a.Send, "ncclSend");
+    sym(a.Recv, "ncclRecv");
+    sym(a.GroupStart, "ncclGroupStart");
+    sym(a.GroupEnd, "ncclGroupEnd");
+    sym(a.GetErrorString, "ncclGetErrorString");
+    if (!a.error.empty()) a.lib = nullptr;
+    return a;
+  }();
+  return api;
+}
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw ExecutionError(fmt::format("CUDA error in {}: {}", what, cudaGetErrorString(e)));
+}
+
+void nccl_check(ncclResult_t r, const char* what) {
+  if (r != ncclSuccess)
+    throw ExecutionError(fmt::format("NCCL error in {}: {}", what, nccl_api().GetErrorString(r)));
+}
+
+constexpr size_t kHeaderBytes = 4096;
+
+struct Op {
+  RequestPtr req;
+  Value value;  // send
+  Tasks* tasks = nullptr;
+  bool flush = false;  // group marker
+  Payload payload;
+  void* header_dev = nullptr;
+  std::string header;
+};
+
+class NcclTransport : public Transport {
+ public:
+  NcclTransport(int rank, int world, int device, std::shared_ptr<Store> store,
+                TransportOptions opts)
+      : rank_(rank), world_(world), device_(device), store_(std::move(store)), opts_(opts) {
+    const NcclApi& api = nccl_api();
+    if (!api.lib) throw ConfigError(fmt::format("cannot load NCCL: {}", api.error));
+    cuda_check(cudaSetDevice(device), "cudaSetDevice");
+    ncclUniqueId id;
+    const std::string key = "baton/nccl/id";
+    if (rank == 0) {
+      nccl_check(api.GetUniqueId(&id), "ncclGetUniqueId");
+      store_->set(key, std::string(reinterpret_cast<char*>(&id), sizeof(id)));
+    } else {
+      const std::string v = store_->get(key, std::chrono::seconds(60));
+      if (v.size() != sizeof(id)) throw ExecutionError("malformed NCCL unique id in the store");
+      std::memcpy(&id, v.data(), sizeof(id));
+    }
+    nccl_check(api.CommInitRank(&comm_, world, id, rank), "ncclCommInitRank");
+    cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    worker_ = std::thread([this] { loop(); });
+    watcher_ = std::thread([this] { watch(); });
+  }
+
+  ~NcclTransport() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+    watcher_.join();
+    if (failed_)
+      nccl_api().CommAbort(comm_);
+    else
+      nccl_api().CommDestroy(comm_);
+    cudaStreamDestroy(stream_);
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  std::string kind() const override { return "nccl"; }
+
+  RequestPtr isend(int peer, uint64_t tag, Value v, const std::string& what,
+                   Tasks* tasks) override {
+    auto r = std::make_shared<Request>(true, peer, tag, what);
+    enqueue(Op{r, std::move(v), tasks});
+    return r;
+  }
+  RequestPtr irecv(int peer, uint64_t tag, const std::string& what, Tasks* tasks) override {
+    auto r = std::make_shared<Request>(false, peer, tag, what);
+    enqueue(Op{r, nullptr, tasks});
+    return r;
+  }
+  void flush() override {
+    Op m;
+    m.flush = true;
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(m));
+    cv_.notify_all();
+  }
+
+  std::vector<std::string> exchange(const std::string& mine,
+                                    std::chrono::milliseconds timeout) override {
+    const int round = round_++;
+    const std::string base = fmt::format("baton/nccl/exchange/{}/", round);
+    store_->set(base + std::to_string(rank_), mine);
+    std::vector<std::string> out;
+    for (int r = 0; r < world_; ++r) out.push_back(r == rank_ ? mine : store_->get(base + std::to_string(r), timeout));
+    return out;
+  }
+
+  void abort(const std::string& reason, int origin) override {
+    const int o = origin >= 0 ? origin : rank_;
+    if (!mark_failed(o, reason)) return;
+    try {
+      store_->set("baton/nccl/abort", fmt::format("{}|{}", o, reason));
+    } catch (const std::exception&) {
+    }
+  }
+
+  std::optional<std::pair<int, std::string>> failure() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failed_) return std::nullopt;
+    return std::make_pair(failed_origin_, failed_reason_);
+  }
+
+ private:
+  void enqueue(Op op) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (op.req->peer < 0 || op.req->peer >= world_) {
+      op.req->fail(std::make_exception_ptr(ConfigError(fmt::format("invalid peer {}", op.req->peer))));
+      return;
+    }
+    if (failed_) {
+      op.req->fail(error_locked());
+      return;
+    }
+    queue_.push_back(std::move(op));
+    cv_.notify_all();
+  }
+
+  std::exception_ptr error_locked() const {
+    return std::make_exception_ptr(ExecutionError(
+        fmt::format("rank {} failed: {}", failed_origin_, failed_reason_), failed_origin_));
+  }
+
+  bool mark_failed(int origin, const std::string& reason) {
+    std::vector<RequestPtr> pending;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (failed_) return false;
+      failed_ = true;
+      failed_origin_ = origin;
+      failed_reason_ = reason;
+      for (auto& op : queue_)
+        if (op.req) pending.push_back(op.req);
+      for (auto& r : in_flight_) pending.push_back(r);
+    }
+    cv_.notify_all();
+    nccl_api().CommAbort(comm_);
+    aborted_comm_ = true;
+    std::exception_ptr e;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      e = error_locked();
+    }
+    for (auto& r : pending) r->fail(e);
+    return true;
+  }
+
+  // Waits for the stream; false when the transport failed meanwhile.
+  bool sync() {
+    for (;;) {
+      const cudaError_t q = cudaStreamQuery(stream_);
+      if (q == cudaSuccess) return true;
+      if (q != cudaErrorNotReady) cuda_check(q, "cudaStreamQuery");
+      ncclResult_t async = ncclSuccess;
+      if (!aborted_comm_) nccl_api().CommGetAsyncError(comm_, &async);
+      nccl_check(async, "NCCL (asynchronous)");
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (failed_) return false;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  void run_group(std::vector<Op>& ops) {
+    const NcclApi& api = nccl_api();
+    for (auto& op : ops) {
+      op.req->mark_started();
+      cuda_check(cudaMallocAsync(&op.header_dev, kHeaderBytes, stream_), "cudaMallocAsync");
+      if (op.req->is_send) {
+        op.payload = op.tasks->to_payload(op.value);
+        op.value.reset();
+        std::string h = fmt::format("{}\n", op.payload.size());
+        for (const Tensor& t : op.payload) {
+          if (t.device != device_)
+            throw ExecutionError(fmt::format("NCCL send of {}: tensor is on device {}, not {}",
+                                             op.req->what, t.device, device_));
+          h += fmt::format("{} {}", static_cast<int>(t.dtype), t.shape.size());
+          for (int64_t d : t.shape) h += fmt::format(" {}", d);
+          h += "\n";
+        }
+        if (h.size() >= kHeaderBytes)
+          throw ExecutionError(fmt::format("NCCL send of {}: too many tensors", op.req->what));
+        op.header = h;
+        op.header.resize(kHeaderBytes, '\0');
+        cuda_check(cudaMemcpyAsync(op.header_dev, op.header.data(), kHeaderBytes,
+                                   cudaMemcpyHostToDevice, stream_),
+                   "cudaMemcpyAsync");
+      }
+    }
+    nccl_check(api.GroupStart(), "ncclGroupStart");
+    for (auto& op : ops) {
+      if (op.req->is_send)
+        nccl_check(api.Send(op.header_dev, kHeaderBytes, ncclUint8, op.req->peer, comm_, stream_),
+                   "ncclSend");
+      else
+        nccl_check(api.Recv(op.header_dev, kHeaderBytes, ncclUint8, op.req->peer, comm_, stream_),
+                   "ncclRecv");
+    }
+    nccl_check(api.GroupEnd(), "ncclGroupEnd");
+    for (auto& op : ops) {
+      if (op.req->is_send) continue;
+      op.header.assign(kHeaderBytes, '\0');
+      cuda_check(cudaMemcpyAsync(op.header.data(), op.header_dev, kHeaderBytes,
+                                 cudaMemcpyDeviceToHost, stream_),
+                 "cudaMemcpyAsync");
+    }
+    if (!sync()) return;
+    for (auto& op : ops) {
+      cudaFreeAsync(op.header_dev, stream_);
+      if (op.req->is_send) continue;
+      std::istringstream in(op.header.c_str());
+      size_t n = 0;
+      in >> n;
+      for (size_t i = 0; i < n; ++i) {
+        int code = 0;
+        size_t nd = 0;
+        in >> code >> nd;
+        Tensor t;
+        t.dtype = static_cast<DType>(code);
+        t.shape.resize(nd);
+        for (auto& d : t.shape) in >> d;
+        t.nbytes = static_cast<size_t>(num_elements(t.shape)) * dtype_size(t.dtype);
+        t.device = device_;
+        void* p = nullptr;
+        if (t.nbytes) cuda_check(cudaMallocAsync(&p, t.nbytes, stream_), "cudaMallocAsync");
+        t.data = p;
+        t.owner = std::shared_ptr<void>(p, [](void* q) {
+          if (q) cudaFree(q);
+        });
+        op.payload.push_back(std::move(t));
+      }
+    }
+    nccl_check(api.GroupStart(), "ncclGroupStart");
+    for (auto& op : ops)
+      for (Tensor& t : op.payload) {
+        if (t.nbytes == 0) continue;
+        if (op.req->is_send)
+          nccl_check(api.Send(t.data, t.nbytes, ncclUint8, op.req->peer, comm_, stream_), "ncclSend");
+        else
+          nccl_check(api.Recv(t.data, t.nbytes, ncclUint8, op.req->peer, comm_, stream_), "ncclRecv");
+      }
+    nccl_check(api.GroupEnd(), "ncclGroupEnd");
+    if (!sync()) return;
+    for (auto& op : ops) {
+      if (op.req->is_send)
+        op.req->complete();
+      else
+        op.req->complete(op.tasks->from_payload(std::move(op.payload)));
+    }
+  }
+
+  void loop() {
+    cudaSetDevice(device_);
+    for (;;) {
+      std::vector<Op> group;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] {
+          if (stop_ || failed_) return true;
+          for (auto& op : queue_)
+            if (op.flush) return true;
+          return false;
+        });
+        if (stop_ || failed_) return;
+        while (!queue_.empty()) {
+          Op op = std::move(queue_.front());
+          queue_.pop_front();
+          if (op.flush) break;
+          in_flight_.push_back(op.req);
+          group.push_back(std::move(op));
+        }
+      }
+      try {
+        if (!group.empty()) run_group(group);
+      } catch (const std::exception& e) {
+        mark_failed(rank_, fmt::format("NCCL transfer failed: {}", e.what()));
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      in_flight_.clear();
+    }
+  }
+
+  void watch() {
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (stop_ || failed_) return;
+      }
+      try {
+        const std::string v = store_->get("baton/nccl/abort", std::chrono::milliseconds(500));
+        const auto bar = v.find('|');
+        mark_failed(std::atoi(v.substr(0, bar).c_str()), v.substr(bar + 1));
+        return;
+      } catch (const std::exception&) {
+        // not set yet
+      }
+    }
+  }
+
+  int rank_, world_, device_;
+  std::shared_ptr<Store> store_;
+  TransportOptions opts_;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Op> queue_;
+  std::vector<RequestPtr> in_flight_;
+  bool stop_ = false, failed_ = false;
+  std::atomic<bool> aborted_comm_{false};
+  int failed_origin_ = -1;
+  std::string failed_reason_;
+  int round_ = 0;
+  std::thread worker_, watcher_;
+};
+
+}  // namespace
+
+bool nccl_available() { return nccl_api().lib != nullptr; }
+
+std::unique_ptr<Transport> make_nccl_transport(int rank, int world_size, int device,
+                                               std::shared_ptr<Store> store,
+                                               TransportOptions opts) {
+  if (!store) throw ConfigError("nccl transport: a rendezvous store is required");
+  if (world_size < 1 || rank < 0 || rank >= world_size)
+    throw ConfigError(fmt::format("nccl transport: rank {} is invalid for world size {}", rank,
+                                  world_size));
+  return std::make_unique<NcclTransport>(rank, world_size, device, std::move(store), opts);
+}
+
+}  // namespace baton::runtime

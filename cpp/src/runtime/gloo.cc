@@ -1,0 +1,594 @@
+// Gloo (TCP) transport and rendezvous stores.
+//
+// Every transfer runs on its own short-lived thread (the progress engine for
+// this transport): it converts the value to host tensors, then sends a header
+// (meta length), the meta (dtypes, shapes) and one message per tensor on
+// Gloo slots derived from the tag; the receiver mirrors it. Gloo waits are
+// never given a timeout (a Gloo timeout poisons the whole context): the
+// executor bounds its own waits and calls abort(), which aborts every pending
+// Gloo wait and tells every peer over the control slot. A lost connection on
+// the control slot marks that peer failed.
+#include <fmt/format.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/file_store.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+
+#include <cstring>
+#include <list>
+#include <map>
+#include <sstream>
+#include <thread>
+
+#include "baton/runtime.h"
+
+namespace baton::runtime {
+
+// ---------------------------------------------------------------- stores
+
+namespace {
+
+class HashStore : public Store {
+ public:
+  void set(const std::string& key, const std::string& value) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      map_[key] = value;
+    }
+    cv_.notify_all();
+  }
+  std::string get(const std::string& key, std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_for(lock, timeout, [&] { return map_.count(key) > 0; }))
+      throw ExecutionError(fmt::format("store: timed out after {} ms waiting for key '{}'",
+                                       timeout.count(), key));
+    return map_[key];
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, std::string> map_;
+};
+
+class FileStoreWrap : public Store {
+ public:
+  explicit FileStoreWrap(const std::string& dir) : fs_(dir) {}
+  void set(const std::string& key, const std::string& value) override {
+    fs_.set(key, std::vector<char>(value.begin(), value.end()));
+  }
+  std::string get(const std::string& key, std::chrono::milliseconds timeout) override {
+    try {
+      fs_.wait({key}, timeout);
+    } catch (const std::exception& e) {
+      throw ExecutionError(fmt::format("store: timed out after {} ms waiting for key '{}': {}",
+                                       timeout.count(), key, e.what()));
+    }
+    auto v = fs_.get(key);
+    return std::string(v.begin(), v.end());
+  }
+
+ private:
+  gloo::rendezvous::FileStore fs_;
+};
+
+class CallbackStore : public Store {
+ public:
+  CallbackStore(std::function<void(const std::string&, const std::string&)> s,
+                std::function<std::string(const std::string&, std::chrono::milliseconds)> g)
+      : set_(std::move(s)), get_(std::move(g)) {}
+  void set(const std::string& key, const std::string& value) override { set_(key, value); }
+  std::string get(const std::string& key, std::chrono::milliseconds timeout) override {
+    return get_(key, timeout);
+  }
+
+ private:
+  std::function<void(const std::string&, const std::string&)> set_;
+  std::function<std::string(const std::string&, std::chrono::milliseconds)> get_;
+};
+
+// Presents a baton Store (with a key prefix) as a gloo Store.
+class GlooStoreAdapter : public gloo::rendezvous::Store {
+ public:
+  GlooStoreAdapter(std::shared_ptr<runtime::Store> s, std::string prefix,
+                   std::chrono::milliseconds timeout)
+      : s_(std::move(s)), prefix_(std::move(prefix)), timeout_(timeout) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    s_->set(prefix_ + key, std::string(data.begin(), data.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    auto v = s_->get(prefix_ + key, timeout_);
+    return std::vector<char>(v.begin(), v.end());
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    for (const auto& k : keys) s_->get(prefix_ + k, timeout);
+  }
+
+ private:
+  std::shared_ptr<runtime::Store> s_;
+  std::string prefix_;
+  std::chrono::milliseconds timeout_;
+};
+
+}  // namespace
+
+std::shared_ptr<Store> make_hash_store() { return std::make_shared<HashStore>(); }
+std::shared_ptr<Store> make_file_store(const std::string& dir) {
+  return std::make_shared<FileStoreWrap>(dir);
+}
+std::shared_ptr<Store> make_callback_store(
+    std::function<void(const std::string&, const std::string&)> set,
+    std::function<std::string(const std::string&, std::chrono::milliseconds)> get) {
+  return std::make_shared<CallbackStore>(std::move(set), std::move(get));
+}
+
+// ---------------------------------------------------------------- transport
+
+namespace {
+
+constexpr uint64_t kControlSlot = uint64_t{1} << 62;
+constexpr int kPartBits = 16;
+constexpr uint32_t kMsgAbort = 1, kMsgBye = 2;
+
+struct ControlMsg {
+  uint32_t kind = 0;
+  int32_t origin = -1;
+  char text[1016] = {};
+};
+
+uint64_t slot_of(uint64_t tag, uint64_t part) { return (tag << kPartBits) | part; }
+
+std::string encode_meta(const Payload& p) {
+  std::string s = fmt::format("{}\n", p.size());
+  for (const Tensor& t : p) {
+    s += fmt::format("{} {}", static_cast<int>(t.dtype), t.shape.size());
+    for (int64_t d : t.shape) s += fmt::format(" {}", d);
+    s += "\n";
+  }
+  return s;
+}
+
+Payload decode_meta(const std::string& s) {
+  std::istringstream in(s);
+  size_t n = 0;
+  if (!(in >> n)) throw ExecutionError("malformed transfer header");
+  Payload p;
+  for (size_t i = 0; i < n; ++i) {
+    int code = 0;
+    size_t nd = 0;
+    if (!(in >> code >> nd)) throw ExecutionError("malformed transfer header");
+    std::vector<int64_t> shape(nd);
+    for (auto& d : shape)
+      if (!(in >> d)) throw ExecutionError("malformed transfer header");
+    p.push_back(alloc_host_tensor(static_cast<DType>(code), std::move(shape)));
+  }
+  return p;
+}
+
+// One transfer's Gloo buffers, abortable from another thread.
+struct Transfer {
+  std::mutex mu;
+  bool aborted = false;
+  bool is_send = false;
+  RequestPtr req;
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> bufs;
+
+  // Registers a buffer; false when the transfer was aborted already.
+  bool add(std::unique_ptr<gloo::transport::UnboundBuffer> b) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (aborted) return false;
+    bufs.push_back(std::move(b));
+    return true;
+  }
+  void abort() {
+    std::lock_guard<std::mutex> lock(mu);
+    aborted = true;
+    for (auto& b : bufs) {
+      if (is_send)
+        b->abortWaitSend();
+      else
+        b->abortWaitRecv();
+    }
+  }
+};
+
+class GlooTransport : public Transport {
+ public:
+  GlooTransport(int rank, int world, std::shared_ptr<Store> store, GlooOptions opts)
+      : rank_(rank), world_(world), store_(std::move(store)), opts_(std::move(opts)) {
+    if (world < 1 || rank < 0 || rank >= world)
+      throw ConfigError(fmt::format("gloo transport: rank {} is invalid for world size {}", rank,
+                                    world));
+    gloo::transport::tcp::attr attr;
+    attr.hostname = opts_.hostname;
+    try {
+      dev_ = gloo::transport::tcp::CreateDevice(attr);
+      ctx_ = std::make_shared<gloo::rendezvous::Context>(rank, world);
+      ctx_->setTimeout(opts_.connect_timeout);
+      GlooStoreAdapter adapter(store_, opts_.prefix + "/mesh/", opts_.connect_timeout);
+      ctx_->connectFullMesh(adapter, dev_);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw ExecutionError(
+          fmt::format("rank {}: gloo could not connect {} ranks (host {}): {}", rank, world,
+                      opts_.hostname, e.what()));
+    }
+    // Transfers never time out inside Gloo (see the file comment).
+    ctx_->setTimeout(std::chrono::hours(24 * 365));
+    bye_.assign(static_cast<size_t>(world), false);
+    bye_[static_cast<size_t>(rank)] = true;
+    for (int p = 0; p < world; ++p) {
+      if (p == rank) continue;
+      auto msg = std::make_unique<ControlMsg>();
+      auto buf = ctx_->createUnboundBuffer(msg.get(), sizeof(ControlMsg));
+      listeners_.push_back(Listener{p, std::move(msg), std::move(buf), {}});
+    }
+    for (auto& l : listeners_) l.thread = std::thread([this, &l] { listen(l); });
+  }
+
+  ~GlooTransport() override {
+    bool failed;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closing_ = true;
+      failed = failed_;
+    }
+    if (!failed) {
+      // Tell every peer that we leave normally before our sockets close, so
+      // that none of them mistakes the closed connection for a failure.
+      send_control(kMsgBye, rank_, "bye", std::chrono::seconds(5));
+    }
+    for (auto& l : listeners_) l.buf->abortWaitRecv();
+    for (auto& l : listeners_)
+      if (l.thread.joinable()) l.thread.join();
+    std::list<std::shared_ptr<Transfer>> transfers;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      transfers = transfers_;
+    }
+    for (auto& t : transfers) t->abort();
+    join_threads(true);
+    listeners_.clear();
+    ctx_.reset();
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  std::string kind() const override { return "gloo"; }
+
+  RequestPtr isend(int peer, uint64_t tag, Value v, const std::string& what,
+                   Tasks* tasks) override {
+    check_peer(peer);
+    auto r = std::make_shared<Request>(true, peer, tag, what);
+    auto t = start(r);
+    if (!t) return r;
+    spawn([this, r, t, v = std::move(v), tasks]() mutable { do_send(r, t, std::move(v), tasks); });
+    return r;
+  }
+
+  RequestPtr irecv(int peer, uint64_t tag, const std::string& what, Tasks* tasks) override {
+    check_peer(peer);
+    auto r = std::make_shared<Request>(false, peer, tag, what);
+    auto t = start(r);
+    if (!t) return r;
+    spawn([this, r, t, tasks] { do_recv(r, t, tasks); });
+    return r;
+  }
+
+  std::vector<std::string> exchange(const std::string& mine,
+                                    std::chrono::milliseconds timeout) override {
+    const int round = round_++;
+    const std::string base = fmt::format("{}/exchange/{}/", opts_.prefix, round);
+    store_->set(base + std::to_string(rank_), mine);
+    std::vector<std::string> out;
+    for (int r = 0; r < world_; ++r) {
+      try {
+        out.push_back(r == rank_ ? mine : store_->get(base + std::to_string(r), timeout));
+      } catch (const std::exception& e) {
+        throw ExecutionError(fmt::format(
+            "rank {}: start-up handshake: no answer from rank {} within {} ms ({})", rank_, r,
+            timeout.count(), e.what()));
+      }
+    }
+    return out;
+  }
+
+  void abort(const std::string& reason, int origin) override {
+    if (!mark_failed(origin >= 0 ? origin : rank_, reason)) return;
+    send_control(kMsgAbort, origin >= 0 ? origin : rank_, reason, std::chrono::seconds(2));
+  }
+
+  std::optional<std::pair<int, std::string>> failure() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failed_) return std::nullopt;
+    return std::make_pair(failed_origin_, failed_reason_);
+  }
+
+ private:
+  struct Listener {
+    int peer;
+    std::unique_ptr<ControlMsg> msg;
+    std::unique_ptr<gloo::transport::UnboundBuffer> buf;
+    std::thread thread;
+  };
+
+  void check_peer(int peer) const {
+    if (peer < 0 || peer >= world_ || peer == rank_)
+      throw ConfigError(
+          fmt::format("rank {}: invalid peer rank {} (world size {})", rank_, peer, world_));
+  }
+
+  std::exception_ptr failure_error_locked() const {
+    return std::make_exception_ptr(ExecutionError(
+        fmt::format("rank {} failed: {}", failed_origin_, failed_reason_), failed_origin_));
+  }
+
+  // Registers a transfer; returns null (and fails r) when already failed.
+  std::shared_ptr<Transfer> start(const RequestPtr& r) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_) {
+      r->fail(failure_error_locked());
+      return nullptr;
+    }
+    auto t = std::make_shared<Transfer>();
+    t->is_send = r->is_send;
+    t->req = r;
+    transfers_.push_back(t);
+    return t;
+  }
+
+  void finish(const std::shared_ptr<Transfer>& t) {
+    std::lock_guard<std::mutex> lock(mu_);
+    transfers_.remove(t);
+  }
+
+  void spawn(std::function<void()> fn) {
+    join_threads(false);
+    std::lock_guard<std::mutex> lock(threads_mu_);
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    threads_.push_back({std::thread([fn = std::move(fn), done] {
+                          fn();
+                          done->store(true);
+                        }),
+                        done});
+  }
+
+  void join_threads(bool all) {
+    std::list<Worker> finished;
+    {
+      std::lock_guard<std::mutex> lock(threads_mu_);
+      for (auto it = threads_.begin(); it != threads_.end();) {
+        if (all || it->done->load()) {
+          finished.push_back(std::move(*it));
+          it = threads_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (auto& w : finished) w.thread.join();
+  }
+
+  // Waits on one Gloo buffer; false when aborted. Throws on Gloo errors.
+  static bool wait_buf(gloo::transport::UnboundBuffer& b, bool is_send) {
+    return is_send ? b.waitSend() : b.waitRecv();
+  }
+
+  void fail_request(const RequestPtr& r, const std::string& what) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_)
+      r->fail(failure_error_locked());
+    else
+      r->fail(std::make_exception_ptr(ExecutionError(what)));
+  }
+
+  void do_send(const RequestPtr& r, const std::shared_ptr<Transfer>& t, Value v, Tasks* tasks) {
+    try {
+      r->mark_started();
+      if (opts_.delay.count() > 0) std::this_thread::sleep_for(opts_.delay);
+      Payload p = tasks->to_payload(v);
+      v.reset();
+      std::string meta = encode_meta(p);
+      uint64_t len = meta.size();
+      std::vector<gloo::transport::UnboundBuffer*> bufs;
+      auto post = [&](void* ptr, size_t n, uint64_t part) {
+        auto b = ctx_->createUnboundBuffer(ptr, n);
+        auto* raw = b.get();
+        if (!t->add(std::move(b))) return false;
+        raw->send(r->peer, slot_of(r->tag, part));
+        bufs.push_back(raw);
+        return true;
+      };
+      bool ok = post(&len, sizeof(len), 0) && post(meta.data(), meta.size(), 1);
+      for (size_t i = 0; ok && i < p.size(); ++i)
+        if (p[i].nbytes > 0) ok = post(p[i].data, p[i].nbytes, 2 + i);
+      for (auto* b : bufs)
+        if (ok) ok = wait_buf(*b, true);
+      if (!ok) {
+        fail_request(r, fmt::format("send of {} to rank {} was aborted", r->what, r->peer));
+      } else {
+        r->complete();
+      }
+    } catch (const std::exception& e) {
+      fail_request(r, fmt::format("send of {} to rank {} failed: {}", r->what, r->peer, e.what()));
+    }
+    finish(t);
+  }
+
+  void do_recv(const RequestPtr& r, const std::shared_ptr<Transfer>& t, Tasks* tasks) {
+    try {
+      auto recv_one = [&](void* ptr, size_t n, uint64_t part) {
+        auto b = ctx_->createUnboundBuffer(ptr, n);
+        auto* raw = b.get();
+        if (!t->add(std::move(b))) return false;
+        raw->recv(r->peer, slot_of(r->tag, part));
+        return wait_buf(*raw, false);
+      };
+      uint64_t len = 0;
+      bool ok = recv_one(&len, sizeof(len), 0);
+      r->mark_started();
+      std::string meta(ok ? len : 0, '\0');
+      if (ok) ok = recv_one(meta.data(), meta.size(), 1);
+      Payload p;
+      if (ok) {
+        p = decode_meta(meta);
+        // Post every tensor receive before waiting on any.
+        std::vector<gloo::transport::UnboundBuffer*> bufs;
+        for (size_t i = 0; ok && i < p.size(); ++i) {
+          if (p[i].nbytes == 0) continue;
+          auto b = ctx_->createUnboundBuffer(p[i].data, p[i].nbytes);
+          auto* raw = b.get();
+          if (!t->add(std::move(b))) {
+            ok = false;
+            break;
+          }
+          raw->recv(r->peer, slot_of(r->tag, 2 + i));
+          bufs.push_back(raw);
+        }
+        for (auto* b : bufs)
+          if (ok) ok = wait_buf(*b, false);
+      }
+      if (!ok) {
+        fail_request(r, fmt::format("receive of {} from rank {} was aborted", r->what, r->peer));
+      } else {
+        r->complete(tasks->from_payload(std::move(p)));
+      }
+    } catch (const std::exception& e) {
+      fail_request(r,
+                   fmt::format("receive of {} from rank {} failed: {}", r->what, r->peer, e.what()));
+    }
+    finish(t);
+  }
+
+  // Returns true when this call set the failure (first failure wins).
+  bool mark_failed(int origin, const std::string& reason) {
+    std::list<std::shared_ptr<Transfer>> transfers;
+    std::exception_ptr e;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (failed_) return false;
+      failed_ = true;
+      failed_origin_ = origin;
+      failed_reason_ = reason;
+      transfers = transfers_;
+      e = failure_error_locked();
+    }
+    cv_.notify_all();
+    for (auto& t : transfers) {
+      t->req->fail(e);
+      t->abort();
+    }
+    return true;
+  }
+
+  void send_control(uint32_t kind, int origin, const std::string& text,
+                    std::chrono::milliseconds limit) {
+    std::vector<std::unique_ptr<ControlMsg>> msgs;
+    std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> bufs;
+    for (int p = 0; p < world_; ++p) {
+      if (p == rank_) continue;
+      auto m = std::make_unique<ControlMsg>();
+      m->kind = kind;
+      m->origin = origin;
+      std::strncpy(m->text, text.c_str(), sizeof(m->text) - 1);
+      try {
+        auto b = ctx_->createUnboundBuffer(m.get(), sizeof(ControlMsg));
+        b->send(p, kControlSlot);
+        bufs.push_back(std::move(b));
+        msgs.push_back(std::move(m));
+      } catch (const std::exception&) {
+        // peer unreachable: nothing to tell
+      }
+    }
+    // Bounded wait; a peer that is gone cannot be told anyway.
+    const auto deadline = Clock::now() + limit;
+    for (auto& b : bufs) {
+      std::thread aborter;
+      std::atomic<bool> finished{false};
+      auto* raw = b.get();
+      aborter = std::thread([&] {
+        while (!finished.load() && Clock::now() < deadline)
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        if (!finished.load()) raw->abortWaitSend();
+      });
+      try {
+        raw->waitSend();
+      } catch (const std::exception&) {
+      }
+      finished.store(true);
+      aborter.join();
+    }
+  }
+
+  void listen(Listener& l) {
+    for (;;) {
+      bool ok = false;
+      std::string error;
+      try {
+        l.buf->recv(l.peer, kControlSlot);
+        ok = l.buf->waitRecv();
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      if (!ok) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (closing_ || bye_[static_cast<size_t>(l.peer)]) {
+            bye_[static_cast<size_t>(l.peer)] = true;
+            cv_.notify_all();
+            return;
+          }
+        }
+        if (error.empty()) return;  // aborted
+        mark_failed(l.peer, fmt::format("connection to rank {} was lost (did the process die?): {}",
+                                        l.peer, error));
+        return;
+      }
+      ControlMsg m = *l.msg;
+      m.text[sizeof(m.text) - 1] = '\0';
+      if (m.kind == kMsgBye) {
+        std::lock_guard<std::mutex> lock(mu_);
+        bye_[static_cast<size_t>(l.peer)] = true;
+        cv_.notify_all();
+        return;
+      }
+      if (m.kind == kMsgAbort) mark_failed(m.origin >= 0 ? m.origin : l.peer, m.text);
+    }
+  }
+
+  struct Worker {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+
+  int rank_, world_;
+  std::shared_ptr<Store> store_;
+  GlooOptions opts_;
+  std::shared_ptr<gloo::transport::Device> dev_;
+  std::shared_ptr<gloo::rendezvous::Context> ctx_;
+  std::list<Listener> listeners_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool failed_ = false, closing_ = false;
+  int failed_origin_ = -1;
+  std::string failed_reason_;
+  std::vector<bool> bye_;
+  std::list<std::shared_ptr<Transfer>> transfers_;
+  std::mutex threads_mu_;
+  std::list<Worker> threads_;
+  int round_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_gloo_transport(int rank, int world_size,
+                                               std::shared_ptr<Store> store, GlooOptions opts) {
+  if (!store) throw ConfigError("gloo transport: a rendezvous store is required");
+  return std::make_unique<GlooTransport>(rank, world_size, std::move(store), std::move(opts));
+}
+
+}  // namespace baton::runtime

@@ -1,0 +1,17 @@
+// NCCL entry points when Baton is built without CUDA (see cuda/nccl.cc).
+#if !defined(BATON_HAVE_NCCL)
+#include "baton/runtime.h"
+
+namespace baton::runtime {
+
+bool nccl_available() { return false; }
+
+std::unique_ptr<Transport> make_nccl_transport(int, int, int, std::shared_ptr<Store>,
+                                               TransportOptions) {
+  throw ConfigError(
+      "the NCCL transport is not available: Baton was built without CUDA/nccl.h "
+      "(rebuild on a machine with the CUDA toolkit, or use the gloo transport)");
+}
+
+}  // namespace baton::runtime
+#endif
