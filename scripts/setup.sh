@@ -17,11 +17,11 @@ log() { echo "[setup] $*" >&2; }
 die() { echo "[setup] error: $*" >&2; exit 1; }
 
 # --- 1. system packages --------------------------------------------------------
-APT_PACKAGES=(cmake ninja-build g++ make git libgtest-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev
-              libfmt-dev libgloo-dev)
+APT_PACKAGES=(cmake ninja-build g++ make git libgtest-dev libbenchmark-dev nlohmann-json3-dev
+              libcli11-dev libfmt-dev libgloo-dev)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
-  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+  dpkg -s "$pkg" 2>/dev/null | grep '^Status: install ok installed' >/dev/null || missing+=("$pkg")
 done
 if ((${#missing[@]})); then
   SUDO=""

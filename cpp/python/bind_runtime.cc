@@ -80,7 +80,18 @@ nb::object unwrap(const rt::Value& v) {
   throw rt::ExecutionError("internal: a value that is not a Python object reached Python");
 }
 
-using HostArray = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
+// str(h) as a C++ string.
+std::string pystr(nb::handle h) {
+  PyObject* s = PyObject_Str(h.ptr());
+  if (s == nullptr) {
+    PyErr_Clear();
+    return "?";
+  }
+  nb::str str = nb::steal<nb::str>(s);
+  return str.c_str();
+}
+
+using AnyArray = nb::ndarray<nb::ro, nb::c_contig>;
 
 rt::DType dtype_of(nb::dlpack::dtype d, const std::string& where) {
   using C = nb::dlpack::dtype_code;
@@ -107,36 +118,46 @@ rt::DType dtype_of(nb::dlpack::dtype d, const std::string& where) {
 }
 
 // One array (anything speaking DLPack or the buffer protocol) as a Tensor that
-// references the array's memory (no copy when it is C-contiguous on the host).
+// references the array's memory (no copy when it is C-contiguous). Host
+// arrays give device -1, CUDA arrays their device ordinal (NCCL transport).
 rt::Tensor to_tensor(nb::handle obj, const std::string& where) {
-  HostArray arr;
+  AnyArray arr;
   std::optional<rt::DType> forced;
-  if (!nb::try_cast(obj, arr, true)) {
-    // numpy has no DLPack code for ml_dtypes (bfloat16): reinterpret the bits.
-    std::string name;
-    if (nb::hasattr(obj, "dtype")) name = nb::cast<std::string>(nb::str(obj.attr("dtype")));
-    if (name == "bfloat16") {
-      nb::object u16 = nb::module_::import_("numpy").attr("uint16");
-      nb::object view = nb::module_::import_("numpy").attr("ascontiguousarray")(obj).attr("view")(u16);
-      if (nb::try_cast(view, arr, true)) forced = rt::DType::BF16;
-    }
-    if (!forced)
-      throw rt::ExecutionError(fmt::format(
-          "{}: cannot transfer an object of type {} with dtype '{}' (need a host array with a "
-          "supported dtype: float32, float64, float16, bfloat16, int8/16/32/64, uint8/16/32/64, "
-          "bool)",
-          where, nb::cast<std::string>(nb::str(obj.type().attr("__name__"))),
-          name.empty() ? "?" : name));
+  nb::object src = nb::borrow(obj);
+  std::string name;
+  if (nb::hasattr(obj, "dtype")) name = pystr(obj.attr("dtype"));
+  nb::module_ np = nb::module_::import_("numpy");
+  if (name == "bfloat16" && nb::isinstance(obj, np.attr("ndarray"))) {
+    // numpy has no DLPack code for ml_dtypes' bfloat16: send the bits.
+    src = np.attr("ascontiguousarray")(obj).attr("view")(np.attr("uint16"));
+    forced = rt::DType::BF16;
   }
+  bool ok = false;
+  try {
+    ok = nb::try_cast(src, arr, true);
+  } catch (const std::exception&) {
+    ok = false;
+  }
+  if (!ok)
+    throw rt::ExecutionError(fmt::format(
+        "{}: cannot transfer an object of type {} with dtype '{}' (need an array with a "
+        "supported dtype: float32, float64, float16, bfloat16, int8/16/32/64, uint8/16/32/64, "
+        "bool)",
+        where, pystr(obj.type().attr("__name__")), name.empty() ? "?" : name));
   rt::Tensor t;
   t.dtype = forced ? *forced : dtype_of(arr.dtype(), where);
+  if (arr.device_type() == nb::device::cuda::value)
+    t.device = static_cast<int>(arr.device_id());
+  else if (arr.device_type() != nb::device::cpu::value)
+    throw rt::ExecutionError(fmt::format("{}: arrays on DLPack device type {} cannot be sent", where,
+                                         arr.device_type()));
   for (size_t i = 0; i < arr.ndim(); ++i) t.shape.push_back(static_cast<int64_t>(arr.shape(i)));
   t.nbytes = arr.nbytes();
   t.data = const_cast<void*>(arr.data());
-  auto* keep = new HostArray(std::move(arr));
+  auto* keep = new AnyArray(std::move(arr));
   t.owner = std::shared_ptr<void>(keep, [](void* p) {
     nb::gil_scoped_acquire gil;
-    delete static_cast<HostArray*>(p);
+    delete static_cast<AnyArray*>(p);
   });
   return t;
 }
@@ -163,11 +184,27 @@ nb::object to_numpy(const rt::Tensor& t) {
   for (int64_t s : t.shape) shape.push_back(static_cast<size_t>(s));
   auto* keep = new std::shared_ptr<void>(t.owner);
   nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<std::shared_ptr<void>*>(p); });
+  if (t.device >= 0) {  // CUDA memory (NCCL transport): hand it to JAX
+    if (t.dtype == rt::DType::BF16) d.code = static_cast<uint8_t>(C::Bfloat);
+    nb::ndarray<nb::jax> arr(t.data, shape.size(), shape.data(), owner, nullptr, d,
+                             nb::device::cuda::value, t.device);
+    return nb::cast(arr, nb::rv_policy::reference);
+  }
   nb::ndarray<nb::numpy> arr(t.data, shape.size(), shape.data(), owner, nullptr, d);
   nb::object out = nb::cast(arr, nb::rv_policy::reference);
   if (t.dtype == rt::DType::BF16)
     out = out.attr("view")(nb::module_::import_("ml_dtypes").attr("bfloat16"));
   return out;
+}
+
+// A Python exception raised by a callback, as "Type: message" (the traceback
+// stays out of the runtime's error messages).
+[[noreturn]] void rethrow_python(nb::python_error& e, const char* what) {
+  std::string type = pystr(e.type().attr("__name__"));
+  std::string msg = pystr(e.value());
+  e.restore();
+  PyErr_Clear();
+  throw rt::ExecutionError(fmt::format("{} raised {}: {}", what, type, msg));
 }
 
 // Tasks backed by Python callables. Every callback runs with the GIL held.
@@ -189,32 +226,49 @@ class PyTasks : public rt::Tasks {
   std::vector<rt::Value> run(const rt::TaskCall& c) override {
     nb::gil_scoped_acquire gil;
     if (!run_.is_valid() || run_.is_none()) throw rt::ExecutionError("no run callback was given");
-    nb::list ins, ids;
+    nb::list ins, ids, out_ids;
     for (size_t i = 0; i < c.inputs.size(); ++i) {
       ins.append(unwrap(c.inputs[i]));
       ids.append((*c.input_ids)[i]);
     }
-    nb::object outs = run_(c.rank, c.action, ids, ins);
+    for (int32_t b : *c.output_ids) out_ids.append(b);
     std::vector<rt::Value> res;
-    for (nb::handle h : outs) res.push_back(wrap(nb::borrow(h)));
+    try {
+      nb::object outs = run_(c.rank, c.action, ids, ins, out_ids);
+      for (nb::handle h : outs) res.push_back(wrap(nb::borrow(h)));
+    } catch (nb::python_error& e) {
+      rethrow_python(e, "the task");
+    }
     return res;
   }
   void accumulate(int rank, int32_t buffer, const rt::Value& v) override {
     nb::gil_scoped_acquire gil;
     if (!acc_.is_valid() || acc_.is_none())
       throw rt::ExecutionError("no accumulate callback was given");
-    acc_(rank, buffer, unwrap(v));
+    try {
+      acc_(rank, buffer, unwrap(v));
+    } catch (nb::python_error& e) {
+      rethrow_python(e, "accumulate");
+    }
   }
   rt::Value received(int rank, int32_t buffer, rt::Value v) override {
     if (!recv_.is_valid()) return v;
     nb::gil_scoped_acquire gil;
     if (recv_.is_none()) return v;
-    return wrap(recv_(rank, buffer, unwrap(v)));
+    try {
+      return wrap(recv_(rank, buffer, unwrap(v)));
+    } catch (nb::python_error& e) {
+      rethrow_python(e, "the received callback");
+    }
   }
   rt::Payload to_payload(const rt::Value& v) override {
     nb::gil_scoped_acquire gil;
     nb::object obj = unwrap(v);
-    if (to_host_.is_valid() && !to_host_.is_none()) obj = to_host_(obj);
+    try {
+      if (to_host_.is_valid() && !to_host_.is_none()) obj = to_host_(obj);
+    } catch (nb::python_error& e) {
+      rethrow_python(e, "to_host");
+    }
     rt::Payload p;
     if (nb::isinstance<nb::list>(obj) || nb::isinstance<nb::tuple>(obj)) {
       size_t i = 0;
@@ -229,7 +283,11 @@ class PyTasks : public rt::Tasks {
     nb::list arrays;
     for (const rt::Tensor& t : p) arrays.append(to_numpy(t));
     nb::object obj = arrays;
-    if (from_host_.is_valid() && !from_host_.is_none()) obj = from_host_(arrays);
+    try {
+      if (from_host_.is_valid() && !from_host_.is_none()) obj = from_host_(arrays);
+    } catch (nb::python_error& e) {
+      rethrow_python(e, "from_host");
+    }
     return wrap(obj);
   }
 
@@ -244,7 +302,9 @@ struct PyStore {
 // Owns a transport; closing releases the GIL because transport threads may
 // need it to finish.
 struct PyTransport {
-  std::unique_ptr<rt::Transport> t;
+  // Shared with the executors built on it: a transport closed while an
+  // executor still exists goes away with the last executor.
+  std::shared_ptr<rt::Transport> t;
   PyTasks codec{nb::none(), nb::none(), nb::none(), nb::none(), nb::none()};
   rt::Transport& get() {
     if (!t) throw baton::ConfigError("the transport is closed");
@@ -273,12 +333,27 @@ void wait_request(const rt::RequestPtr& r, double timeout, rt::Transport& t) {
   r->check();
 }
 
+struct PyRequest {
+  rt::RequestPtr r;
+  PyTransport* t;
+};
+
 struct PyExecutor {
   PyExecutor(const baton::Plan& plan, int rank, PyTransport& transport, PyTasks& tasks,
              double timeout, bool record_events)
-      : ex(plan, rank, transport.get(), tasks,
-           rt::ExecutorOptions{ms(timeout), record_events}) {}
-  rt::Executor ex;
+      : keep(transport.t),
+        exp(std::make_unique<rt::Executor>(plan, rank, transport.get(), tasks,
+                                           rt::ExecutorOptions{ms(timeout), record_events})),
+        ex(*exp) {}
+  ~PyExecutor() {
+    // Waits for transfer threads that may need the GIL (Executor::~Executor).
+    nb::gil_scoped_release nogil;
+    exp.reset();
+    keep.reset();
+  }
+  std::shared_ptr<rt::Transport> keep;
+  std::unique_ptr<rt::Executor> exp;
+  rt::Executor& ex;
 };
 
 int64_t ns(rt::Clock::time_point t) {
@@ -300,6 +375,20 @@ void init_runtime(nb::module_& root) {
       out.push_back(rt::dtype_name(static_cast<rt::DType>(i)));
     return out;
   });
+
+  m.def(
+      "_host_tensors",
+      [](nb::object value) {
+        PyTasks codec{nb::none(), nb::none(), nb::none(), nb::none(), nb::none()};
+        rt::Payload p = codec.to_payload(wrap(value));
+        nb::list out;
+        for (const rt::Tensor& t : p)
+          out.append(nb::make_tuple(rt::dtype_name(t.dtype), t.shape,
+                                    reinterpret_cast<uintptr_t>(t.data), t.nbytes));
+        return out;
+      },
+      "value"_a, "How a value crosses a byte transport: (dtype, shape, data pointer, nbytes) "
+      "per array (for tests: equal pointers prove zero-copy).");
 
   nb::class_<PyStore>(m, "Store", "A rendezvous key-value store.");
   m.def("hash_store", [] { return PyStore{rt::make_hash_store()}; }, "In-process store.");
@@ -342,7 +431,7 @@ void init_runtime(nb::module_& root) {
       .def(nb::init<nb::object, nb::object, nb::object, nb::object, nb::object>(),
            "run"_a = nb::none(), "accumulate"_a = nb::none(), "received"_a = nb::none(),
            "to_host"_a = nb::none(), "from_host"_a = nb::none(),
-           "run(rank, action, input_ids, inputs) -> outputs (plan.action_outputs order);\n"
+           "run(rank, action, input_ids, inputs, output_ids) -> one value per output id;\n"
            "accumulate(rank, buffer, value); received(rank, buffer, value) -> value;\n"
            "to_host(value) -> list of arrays; from_host(list of numpy arrays) -> value.");
 
@@ -359,9 +448,27 @@ void init_runtime(nb::module_& root) {
            }, "reason"_a)
       .def("close", &PyTransport::close)
       .def(
+          "isend",
+          [](PyTransport& t, int peer, uint64_t tag, nb::object arrays) {
+            return PyRequest{t.get().isend(peer, tag, wrap(arrays), fmt::format("tag {}", tag),
+                                           &t.codec),
+                             &t};
+          },
+          "peer"_a, "tag"_a, "arrays"_a, nb::keep_alive<0, 1>(),
+          "Posts a send of a list of arrays; call flush() after the last post of a group.")
+      .def(
+          "irecv",
+          [](PyTransport& t, int peer, uint64_t tag) {
+            return PyRequest{t.get().irecv(peer, tag, fmt::format("tag {}", tag), &t.codec), &t};
+          },
+          "peer"_a, "tag"_a, nb::keep_alive<0, 1>())
+      .def("flush", [](PyTransport& t) { t.get().flush(); },
+           "Ends a communication group (NCCL issues it as one ncclGroupStart/End).")
+      .def(
           "send",
           [](PyTransport& t, int peer, uint64_t tag, nb::object arrays, double timeout) {
             auto r = t.get().isend(peer, tag, wrap(arrays), fmt::format("tag {}", tag), &t.codec);
+            t.get().flush();
             wait_request(r, timeout, t.get());
           },
           "peer"_a, "tag"_a, "arrays"_a, "timeout"_a = 60.0,
@@ -370,11 +477,13 @@ void init_runtime(nb::module_& root) {
           "recv",
           [](PyTransport& t, int peer, uint64_t tag, double timeout) {
             auto r = t.get().irecv(peer, tag, fmt::format("tag {}", tag), &t.codec);
+            t.get().flush();
             wait_request(r, timeout, t.get());
             return unwrap(r->take_value());
           },
           "peer"_a, "tag"_a, "timeout"_a = 60.0,
-          "Receives a list of numpy arrays (64-byte aligned; blocking, bounded).")
+          "Receives a list of arrays: numpy (64-byte aligned) from host transports, jax.Arrays "
+          "from NCCL (blocking, bounded).")
       .def(
           "exchange",
           [](PyTransport& t, const std::string& blob, double timeout) {
@@ -382,6 +491,17 @@ void init_runtime(nb::module_& root) {
             return t.get().exchange(blob, ms(timeout));
           },
           "blob"_a, "timeout"_a = 60.0);
+
+  nb::class_<PyRequest>(m, "Request", "A posted transfer.")
+      .def("done", [](PyRequest& r) { return r.r->done(); })
+      .def(
+          "wait",
+          [](PyRequest& r, double timeout) -> nb::object {
+            wait_request(r.r, timeout, r.t->get());
+            if (r.r->is_send) return nb::none();
+            return unwrap(r.r->take_value());
+          },
+          "timeout"_a = 60.0, "Waits (bounded); returns the received arrays, None for a send.");
 
   nb::class_<std::shared_ptr<rt::LocalHub>>(m, "LocalHub", "In-process transport hub.")
       .def("__init__",

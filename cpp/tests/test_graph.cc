@@ -2,6 +2,7 @@
 // mirror what the JAX frontend exports for a small MLP.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -236,6 +237,46 @@ TEST(Graph, ErrorsNameTheProblem) {
     } catch (const TraceError& e) {
       EXPECT_NE(std::string(e.what()).find("stage 1 has no work"), std::string::npos) << e.what();
     }
+  }
+}
+
+TEST(Graph, BackwardRecomputeMapsToItsOwnStage) {
+  // Like jax.checkpoint: stage 1's backward recomputes from its stashed input
+  // after the cut; the recompute belongs to B1, not to the last stage's B2.
+  Builder b;
+  int w = b.loop_in(ValueKind::LoopInvariant);
+  int x = b.loop_in(ValueKind::LoopMicrobatch);
+  int lit = b.val(ValueKind::Literal);
+  int a0 = b.marker(0, false, b.op("tanh", {b.op("mul", {x, w})}));
+  int a1 = b.marker(1, false, b.op("tanh", {a0}));
+  int loss = b.op("reduce_sum", {b.op("tanh", {a1})});
+  int seed = b.op("broadcast_in_dim", {lit});
+  int c1 = b.marker(1, true, b.op("mul", {seed, a1}));
+  b.marker(0, true, b.op("mul", {c1, a0}));
+  int re = b.op("remat_tanh", {a0});  // recompute of stage 1 from its input
+  int g = b.op("mul", {c1, re});
+  b.loop_out(loss, Reduce::Mean);
+  b.loop_out(g, Reduce::Mean);
+  Partition part = partition(b.p, false);
+  EXPECT_EQ(part.task(TaskKind::B, 1).ops.size(), 3u) << part.to_text(b.p);
+  EXPECT_EQ(part.task(TaskKind::B, 2).ops.size(), 2u) << part.to_text(b.p);
+  EXPECT_EQ(part.task(TaskKind::B, 1).stash_in, std::vector<int32_t>{a0});
+}
+
+TEST(Graph, BatchOnlyValueIsRecomputedPerStage) {
+  // A value computed from the batch alone (labels preprocessing) used by the
+  // first and the last stage is computed by both, not sent.
+  Builder b;
+  int x = b.loop_in(ValueKind::LoopMicrobatch);
+  int lab = b.op("one_hot", {x});
+  int a0 = b.marker(0, false, b.op("mul", {x, lab}));
+  int y = b.op("mul", {a0, lab});
+  b.loop_out(y, Reduce::Sum);
+  Partition part = partition(b.p, false);
+  int onehot_op = 0;
+  for (int s = 0; s < 2; ++s) {
+    const auto& ops = part.task(TaskKind::F, s).ops;
+    EXPECT_NE(std::find(ops.begin(), ops.end(), onehot_op), ops.end()) << "stage " << s;
   }
 }
 

@@ -372,12 +372,17 @@ TEST(Runtime, ExecutorRejectsMismatchedTransport) {
   EXPECT_THROW(Executor(a, 5, *tr[0], ta), ConfigError);
 }
 
-TEST(Runtime, NcclStubOrAvailable) {
-  if (!nccl_available()) {
-    EXPECT_THROW(make_nccl_transport(0, 1, 0, make_hash_store()), ConfigError);
-  } else {
-    SUCCEED() << "NCCL compiled in; exercised by bench/gpu_check.sh on a GPU machine";
+// Without CUDA support compiled in, or without a GPU, asking for NCCL is a
+// clear baton::Error, never a crash.
+TEST(Runtime, NcclWithoutGpuIsACleanError) {
+  try {
+    auto t = make_nccl_transport(0, 1, 0, make_hash_store());
+    EXPECT_EQ(t->kind(), "nccl");  // only on a machine with a GPU
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_TRUE(m.find("NCCL") != std::string::npos || m.find("CUDA") != std::string::npos) << m;
   }
+  EXPECT_THROW(make_nccl_transport(3, 2, 0, make_hash_store()), ConfigError);
 }
 
 }  // namespace

@@ -202,3 +202,27 @@ def test_pipeline_mesh():
     jm = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("pipe", "data"))
     m2 = baton.PipelineMesh(jm)
     assert m2.rank_devices == m.rank_devices
+
+
+def test_boundary_inside_nested_jit_is_found_and_inside_scan_is_rejected():
+    @jax.jit
+    def block(w, h):
+        return baton.stage_boundary(jnp.tanh(h @ w))
+
+    def loss_jit(w, b):
+        return jnp.mean(jnp.tanh(block(w, b) @ w))
+
+    def loss_scan(w, b):
+        h, _ = jax.lax.scan(lambda c, _: (baton.stage_boundary(jnp.tanh(c @ w)), None), b,
+                            None, length=2)
+        return jnp.mean(h)
+
+    w, b = jnp.eye(4), jnp.ones((8, 4))
+
+    def step_of(fn):
+        return lambda p, bb: baton.accumulate(jax.value_and_grad(fn), p, batch=bb)
+
+    tr = trace_step(step_of(loss_jit), (w, b), 2)
+    assert tr.num_stages == 2
+    with pytest.raises(baton.TraceError, match="inside a 'scan' equation"):
+        trace_step(step_of(loss_scan), (w, b), 2)

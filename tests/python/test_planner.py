@@ -7,6 +7,8 @@ import subprocess
 import xml.etree.ElementTree as ET
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import baton
 from baton import _core
@@ -68,6 +70,29 @@ def test_spec_builds_and_verifies(spec, ranks, microbatches):
     report = p.verify()
     assert report.ok and bool(report) and report.violations == []
     assert p.fingerprint == baton.plan(spec, ranks, microbatches).fingerprint
+
+
+@given(
+    name=st.sampled_from(sorted(_core.schedule_names())),
+    ranks=st.integers(1, 6),
+    microbatches=st.integers(1, 16),
+    virtual_stages=st.integers(1, 3),
+)
+def test_any_size_is_refused_or_verifies(name, ranks, microbatches, virtual_stages):
+    v = virtual_stages if name == "interleaved" else None
+    spec = baton.schedule_from_name(name, virtual_stages=v)
+    try:
+        p = baton.plan(spec, ranks, microbatches)
+    except baton.ScheduleError as e:
+        assert str(microbatches) in str(e) or str(ranks) in str(e), str(e)
+        return
+    assert p.verify().ok
+    assert p.num_stages == spec.stages(ranks)
+    again = baton.plan(baton.ScheduleFile(p.save()))
+    assert again.fingerprint == p.fingerprint
+    r = p.simulate()
+    assert len(r.runs) == n_actions(p.schedule)
+    assert 0.0 <= r.bubble_fraction < 1.0
 
 
 def test_spec_stage_counts():
@@ -324,7 +349,9 @@ def test_simulate_cost_inputs(tmp_path):
         p.simulate(3.5)
 
 
-@pytest.mark.parametrize("spec", [baton.ZBV(), baton.DualPipeV(), baton.Interleaved1F1B(2)], ids=repr)
+@pytest.mark.parametrize(
+    "spec", [baton.ZBV(), baton.DualPipeV(), baton.Interleaved1F1B(2)], ids=repr
+)
 def test_trace_has_one_x_event_per_action(spec, tmp_path):
     p = baton.plan(spec, 4, 8)
     path = tmp_path / "trace.json"

@@ -177,6 +177,10 @@ class Transport {
   // consecutive SEND/RECV posts). NCCL issues a group's operations as one
   // ncclGroupStart/End; other transports ignore it.
   virtual void flush() {}
+  // Returns once no transfer thread uses `tasks` any more (bounded; after a
+  // failure, aborted transfers may still be finishing a conversion). The
+  // executor calls it from its destructor.
+  virtual void release(Tasks* tasks) { (void)tasks; }
   // Every rank contributes a blob, every rank gets all blobs (start-up
   // handshake). Bounded by `timeout`.
   virtual std::vector<std::string> exchange(const std::string& mine,
@@ -277,6 +281,9 @@ class Executor {
   // `plan`, `transport` and `tasks` must outlive the executor.
   Executor(const Plan& plan, int rank, Transport& transport, Tasks& tasks,
            ExecutorOptions opts = {});
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
   // Runs this rank's program once (one training step). Throws ExecutionError.
   void run();
   // Compares plan fingerprint, Baton version, schedule and world size with

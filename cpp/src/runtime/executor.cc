@@ -40,6 +40,12 @@ Executor::Executor(const Plan& plan, int rank, Transport& transport, Tasks& task
   }
 }
 
+Executor::~Executor() {
+  slots_.clear();
+  deferred_.clear();
+  transport_.release(&tasks_);
+}
+
 uint64_t Executor::tag(int32_t buffer) const {
   return static_cast<uint64_t>(step_) * static_cast<uint64_t>(plan_.num_buffer_ids()) +
          static_cast<uint64_t>(buffer);
@@ -142,9 +148,8 @@ void Executor::exec(int index, const Instr& in) {
       std::vector<Value> outs;
       try {
         outs = tasks_.run(call);
-      } catch (const ExecutionError&) {
-        transport_.abort(fmt::format("{}: task failed", where(index)));
-        throw;
+      } catch (const ExecutionError& e) {
+        fail(index, e.what());
       } catch (const std::exception& e) {
         fail(index, fmt::format("task raised: {}", e.what()));
       }
@@ -201,9 +206,8 @@ void Executor::exec(int index, const Instr& in) {
       Value v = need(index, in.buffer);
       try {
         tasks_.accumulate(rank_, in.buffer, v);
-      } catch (const ExecutionError&) {
-        transport_.abort(fmt::format("{}: accumulate failed", where(index)));
-        throw;
+      } catch (const ExecutionError& e) {
+        fail(index, e.what());
       } catch (const std::exception& e) {
         fail(index, fmt::format("accumulate raised: {}", e.what()));
       }

@@ -174,7 +174,14 @@ struct Transfer {
   bool aborted = false;
   bool is_send = false;
   RequestPtr req;
+  Tasks* tasks = nullptr;
   std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> bufs;
+  // Memory the Gloo buffers point into; lives as long as the buffers (an
+  // aborted transfer is kept until the transport closes: Gloo may still
+  // touch a posted buffer).
+  uint64_t len = 0;
+  std::string meta;
+  Payload payload;
 
   // Registers a buffer; false when the transfer was aborted already.
   bool add(std::unique_ptr<gloo::transport::UnboundBuffer> b) {
@@ -264,7 +271,7 @@ class GlooTransport : public Transport {
                    Tasks* tasks) override {
     check_peer(peer);
     auto r = std::make_shared<Request>(true, peer, tag, what);
-    auto t = start(r);
+    auto t = start(r, tasks);
     if (!t) return r;
     spawn([this, r, t, v = std::move(v), tasks]() mutable { do_send(r, t, std::move(v), tasks); });
     return r;
@@ -273,7 +280,7 @@ class GlooTransport : public Transport {
   RequestPtr irecv(int peer, uint64_t tag, const std::string& what, Tasks* tasks) override {
     check_peer(peer);
     auto r = std::make_shared<Request>(false, peer, tag, what);
-    auto t = start(r);
+    auto t = start(r, tasks);
     if (!t) return r;
     spawn([this, r, t, tasks] { do_recv(r, t, tasks); });
     return r;
@@ -298,8 +305,11 @@ class GlooTransport : public Transport {
   }
 
   void abort(const std::string& reason, int origin) override {
-    if (!mark_failed(origin >= 0 ? origin : rank_, reason)) return;
+    // Tell the peers first, while every posted Gloo buffer is still intact,
+    // then stop our own pending transfers.
+    if (!mark_failed(origin >= 0 ? origin : rank_, reason, /*abort_transfers=*/false)) return;
     send_control(kMsgAbort, origin >= 0 ? origin : rank_, reason, std::chrono::seconds(2));
+    abort_transfers();
   }
 
   std::optional<std::pair<int, std::string>> failure() const override {
@@ -328,7 +338,7 @@ class GlooTransport : public Transport {
   }
 
   // Registers a transfer; returns null (and fails r) when already failed.
-  std::shared_ptr<Transfer> start(const RequestPtr& r) {
+  std::shared_ptr<Transfer> start(const RequestPtr& r, Tasks* tasks) {
     std::lock_guard<std::mutex> lock(mu_);
     if (failed_) {
       r->fail(failure_error_locked());
@@ -337,6 +347,7 @@ class GlooTransport : public Transport {
     auto t = std::make_shared<Transfer>();
     t->is_send = r->is_send;
     t->req = r;
+    t->tasks = tasks;
     transfers_.push_back(t);
     return t;
   }
@@ -344,7 +355,21 @@ class GlooTransport : public Transport {
   void finish(const std::shared_ptr<Transfer>& t) {
     std::lock_guard<std::mutex> lock(mu_);
     transfers_.remove(t);
+    if (!t->req->done() || failed_) graveyard_.push_back(t);  // see Transfer
+    cv_.notify_all();
   }
+
+ public:
+  void release(Tasks* tasks) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(30), [&] {
+      for (auto& t : transfers_)
+        if (t->tasks == tasks) return false;
+      return true;
+    });
+  }
+
+ private:
 
   void spawn(std::function<void()> fn) {
     join_threads(false);
@@ -390,10 +415,11 @@ class GlooTransport : public Transport {
     try {
       r->mark_started();
       if (opts_.delay.count() > 0) std::this_thread::sleep_for(opts_.delay);
-      Payload p = tasks->to_payload(v);
+      t->payload = tasks->to_payload(v);
       v.reset();
-      std::string meta = encode_meta(p);
-      uint64_t len = meta.size();
+      t->meta = encode_meta(t->payload);
+      t->len = t->meta.size();
+      const Payload& p = t->payload;
       std::vector<gloo::transport::UnboundBuffer*> bufs;
       auto post = [&](void* ptr, size_t n, uint64_t part) {
         auto b = ctx_->createUnboundBuffer(ptr, n);
@@ -403,7 +429,7 @@ class GlooTransport : public Transport {
         bufs.push_back(raw);
         return true;
       };
-      bool ok = post(&len, sizeof(len), 0) && post(meta.data(), meta.size(), 1);
+      bool ok = post(&t->len, sizeof(t->len), 0) && post(t->meta.data(), t->meta.size(), 1);
       for (size_t i = 0; ok && i < p.size(); ++i)
         if (p[i].nbytes > 0) ok = post(p[i].data, p[i].nbytes, 2 + i);
       for (auto* b : bufs)
@@ -413,7 +439,10 @@ class GlooTransport : public Transport {
       } else {
         r->complete();
       }
-    } catch (const std::exception& e) {
+    } catch (const ExecutionError& e) {  // conversion of the value
+      fail_request(r, fmt::format("send of {} to rank {} failed: {}", r->what, r->peer, e.what()));
+    } catch (const std::exception& e) {  // Gloo: the connection to the peer broke
+      peer_lost(r->peer, e.what());
       fail_request(r, fmt::format("send of {} to rank {} failed: {}", r->what, r->peer, e.what()));
     }
     finish(t);
@@ -428,14 +457,13 @@ class GlooTransport : public Transport {
         raw->recv(r->peer, slot_of(r->tag, part));
         return wait_buf(*raw, false);
       };
-      uint64_t len = 0;
-      bool ok = recv_one(&len, sizeof(len), 0);
+      bool ok = recv_one(&t->len, sizeof(t->len), 0);
       r->mark_started();
-      std::string meta(ok ? len : 0, '\0');
-      if (ok) ok = recv_one(meta.data(), meta.size(), 1);
-      Payload p;
+      if (ok) t->meta.assign(t->len, '\0');
+      if (ok) ok = recv_one(t->meta.data(), t->meta.size(), 1);
+      Payload& p = t->payload;
       if (ok) {
-        p = decode_meta(meta);
+        p = decode_meta(t->meta);
         // Post every tensor receive before waiting on any.
         std::vector<gloo::transport::UnboundBuffer*> bufs;
         for (size_t i = 0; ok && i < p.size(); ++i) {
@@ -456,16 +484,35 @@ class GlooTransport : public Transport {
         fail_request(r, fmt::format("receive of {} from rank {} was aborted", r->what, r->peer));
       } else {
         r->complete(tasks->from_payload(std::move(p)));
+        p.clear();
       }
+    } catch (const ExecutionError& e) {
+      fail_request(r,
+                   fmt::format("receive of {} from rank {} failed: {}", r->what, r->peer, e.what()));
     } catch (const std::exception& e) {
+      peer_lost(r->peer, e.what());
       fail_request(r,
                    fmt::format("receive of {} from rank {} failed: {}", r->what, r->peer, e.what()));
     }
     finish(t);
   }
 
+  void peer_lost(int peer, const std::string& error) {
+    mark_failed(peer, fmt::format("connection to rank {} was lost (did the process die?): {}", peer,
+                                  error));
+  }
+
   // Returns true when this call set the failure (first failure wins).
-  bool mark_failed(int origin, const std::string& reason) {
+  void abort_transfers() {
+    std::list<std::shared_ptr<Transfer>> transfers;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      transfers = transfers_;
+    }
+    for (auto& t : transfers) t->abort();
+  }
+
+  bool mark_failed(int origin, const std::string& reason, bool abort_gloo = true) {
     std::list<std::shared_ptr<Transfer>> transfers;
     std::exception_ptr e;
     {
@@ -478,10 +525,8 @@ class GlooTransport : public Transport {
       e = failure_error_locked();
     }
     cv_.notify_all();
-    for (auto& t : transfers) {
-      t->req->fail(e);
-      t->abort();
-    }
+    for (auto& t : transfers) t->req->fail(e);
+    if (abort_gloo) abort_transfers();
     return true;
   }
 
@@ -515,10 +560,14 @@ class GlooTransport : public Transport {
           std::this_thread::sleep_for(std::chrono::milliseconds(5));
         if (!finished.load()) raw->abortWaitSend();
       });
+      bool sent = false;
+      std::string err;
       try {
-        raw->waitSend();
-      } catch (const std::exception&) {
+        sent = raw->waitSend();
+      } catch (const std::exception& e) {
+        err = e.what();
       }
+      if (getenv("BATON_DEBUG")) fprintf(stderr, "rank %d control kind %u sent=%d err=%s\n", rank_, kind, sent, err.c_str());
       finished.store(true);
       aborter.join();
     }
@@ -544,10 +593,10 @@ class GlooTransport : public Transport {
           }
         }
         if (error.empty()) return;  // aborted
-        mark_failed(l.peer, fmt::format("connection to rank {} was lost (did the process die?): {}",
-                                        l.peer, error));
+        peer_lost(l.peer, error);
         return;
       }
+      if (getenv("BATON_DEBUG")) fprintf(stderr, "rank %d listener got msg from %d kind %u\n", rank_, l.peer, l.msg->kind);
       ControlMsg m = *l.msg;
       m.text[sizeof(m.text) - 1] = '\0';
       if (m.kind == kMsgBye) {
@@ -578,6 +627,7 @@ class GlooTransport : public Transport {
   std::string failed_reason_;
   std::vector<bool> bye_;
   std::list<std::shared_ptr<Transfer>> transfers_;
+  std::list<std::shared_ptr<Transfer>> graveyard_;
   std::mutex threads_mu_;
   std::list<Worker> threads_;
   int round_ = 0;

@@ -30,7 +30,9 @@ class PipelinedFunction:
         if not isinstance(mesh, PipelineMesh):
             mesh = PipelineMesh(mesh)
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-            raise ConfigError(f"baton.jit: microbatches must be a positive integer (got {microbatches!r})")
+            raise ConfigError(
+                f"baton.jit: microbatches must be a positive integer (got {microbatches!r})"
+            )
         self.fn = fn
         self.mesh = mesh
         self.spec = _schedule_spec(schedule)

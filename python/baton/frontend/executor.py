@@ -37,6 +37,7 @@ from .trace import Traced
 
 G = _core.graph
 REGION_PRE, REGION_POST = "pre", "post"
+_OUT_GROUPS = ("act", "grad", "stash", "wstash", "wgrad", "mb")
 
 
 @jax.jit
@@ -130,7 +131,7 @@ class CompiledStep:
                 "mb": [self.parts[i].body for i in t.mb_out],
             }
             in_ids = [v for g in groups for v in g]
-            out_ids = [v for k in ("act", "grad", "stash", "wstash", "wgrad", "mb") for v in outs[k]]
+            out_ids = [v for k in _OUT_GROUPS for v in outs[k]]
             fn = jax.jit(_make_fn(traced, list(t.ops), in_ids, out_ids))
             self.tasks[(t.kind, t.stage)] = TaskExe(
                 t.kind, t.stage, fn, groups, {k: len(v) for k, v in outs.items()},
@@ -300,8 +301,6 @@ class CompiledStep:
                 kind = "I"  # split partition: B runs I then W (see run_task)
             exe = self.tasks[(kind, s)]
             inv, mbi, act, grad, stash, wstash = exe.in_groups
-            args = [invariant(v, rank) for v in inv]
-            args += [microbatch(v, m, rank) for v in mbi]
             need = []
             if act:
                 need.append(("Act", s - 1))
@@ -311,10 +310,12 @@ class CompiledStep:
                 need.append(("Stash", s))
             if wstash:
                 need.append(("WStash", s))
-            for bk, bs in need:
-                b = buf_id(bk, bs, m)
-                if b not in bufs[rank]:
-                    return None
+            ids = [buf_id(bk, bs, m) for bk, bs in need]
+            if any(b not in bufs[rank] for b in ids):
+                return None  # not ready: look again after other ranks advanced
+            args = [invariant(v, rank) for v in inv]
+            args += [microbatch(v, m, rank) for v in mbi]
+            for b in ids:
                 args += bufs[rank][b]
             return args
 
@@ -346,8 +347,7 @@ class CompiledStep:
                 pos += n[k]
                 return r
 
-            act, grad, stash, wstash, wgrad, mbo = (take(k) for k in
-                                                    ("act", "grad", "stash", "wstash", "wgrad", "mb"))
+            act, grad, stash, wstash, wgrad, mbo = (take(k) for k in _OUT_GROUPS)
             if kind == "F":
                 if s < S - 1:
                     put_buf(rank, buf_id("Act", s, m), act)
@@ -412,7 +412,9 @@ class CompiledStep:
             if not progress:
                 blocked = [core.describe(r, pc[r]) for r in range(self.num_ranks)
                            if pc[r] < len(self.programs[r])]
-                raise ExecutionError("pipeline cannot make progress; blocked: " + "; ".join(blocked))
+                raise ExecutionError(
+                    "pipeline cannot make progress; blocked: " + "; ".join(blocked)
+                )
         for r in range(self.num_ranks):
             if bufs[r]:
                 left = ", ".join(core.describe_buffer(b) for b in bufs[r])

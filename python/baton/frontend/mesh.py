@@ -32,7 +32,9 @@ class PipelineMesh:
             arr = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), 0)
             groups = [list(arr[r].reshape(-1)) for r in range(arr.shape[0])]
             if ranks is not None and ranks != len(groups):
-                raise ConfigError(f"PipelineMesh: ranks={ranks} but the {axis!r} axis has {len(groups)}")
+                raise ConfigError(
+                    f"PipelineMesh: ranks={ranks} but the {axis!r} axis has {len(groups)}"
+                )
         else:
             devs = list(jax.devices() if devices is None else devices)
             if ranks is None:

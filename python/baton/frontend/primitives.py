@@ -117,7 +117,9 @@ def _split_batch(leaves, m):
     for x in leaves:
         shape = np.shape(x)
         if not shape:
-            raise ConfigError("accumulate: batch leaves must have a leading batch axis (got a scalar)")
+            raise ConfigError(
+                "accumulate: batch leaves must have a leading batch axis (got a scalar)"
+            )
         if shape[0] % m:
             raise ConfigError(
                 f"accumulate: batch size {shape[0]} is not divisible by microbatches={m}"
@@ -135,7 +137,8 @@ def _scan_loop(fun, invariants, mb_leaves, reduce, m):
 
     def step(carry, xs):
         outs = fun(*invariants, *xs)
-        acc = [c + o for c, (o, r) in zip(carry, [(o, r) for o, r in zip(outs, reduce) if r != "stack"])]
+        summed = [o for o, r in zip(outs, reduce) if r != "stack"]
+        acc = [c + o for c, o in zip(carry, summed)]
         stacked = [o for o, r in zip(outs, reduce) if r == "stack"]
         return acc, stacked
 
@@ -159,7 +162,9 @@ def _expand_reduce(reduce, out_tree_struct, out_leaves_n):
     try:
         full = jax.tree.broadcast(reduce, out_tree_struct, is_leaf=lambda x: isinstance(x, str))
     except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"accumulate: reduce {reduce!r} does not match the outputs: {e}") from None
+        raise ConfigError(
+            f"accumulate: reduce {reduce!r} does not match the outputs: {e}"
+        ) from None
     flat = jax.tree.leaves(full)
     for r in flat:
         if r not in REDUCTIONS:

@@ -1,0 +1,178 @@
+"""Multi-process runtime tests: `python -m baton.launch` starts real processes that talk over
+Gloo (TCP loopback). Every process-starting test has a timeout."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+WORKER = textwrap.dedent('''
+    import os, signal, sys, time
+    import numpy as np
+    import ml_dtypes
+    import baton
+    from baton import _core
+    from baton import runtime as rt
+    from baton.runtime import rendezvous
+
+    mode = sys.argv[1]
+    info = rendezvous.rank_info()
+    rank = info.rank
+    t = rendezvous.init_transport("gloo", connect_timeout=30)
+    K = _core.BufKind
+
+    def fake_tasks(plan, acc, fail_at=None):
+        core = plan.core
+        S = core.schedule.num_stages
+        runs = [0]
+        bid = lambda k, s, m: core.buffer_id(_core.BufferKey(k, s, m))
+        def run(r, a, in_ids, ins, out_ids):
+            if runs[0] == fail_at:
+                raise RuntimeError("injected task failure")
+            runs[0] += 1
+            env = {b: float(v[0].reshape(-1)[0]) for b, v in zip(in_ids, ins)}
+            act = core.schedule.rank_actions[r][a]
+            for tk in [act.first] + ([act.second] if act.is_fused else []):
+                s, m = tk.stage, tk.microbatch
+                if tk.kind == _core.TaskKind.F:
+                    x = 1.0 + m if s == 0 else env[bid(K.Act, s - 1, m)]
+                    if s < S - 1:
+                        env[bid(K.Act, s, m)] = x + 1
+                    env[bid(K.Stash, s, m)] = x
+                elif tk.kind == _core.TaskKind.W:
+                    env[bid(K.WGrad, s, m)] = env[bid(K.WStash, s, m)]
+                else:
+                    g = 1.0 if s == S - 1 else env[bid(K.Grad, s + 1, m)]
+                    if s > 0:
+                        env[bid(K.Grad, s, m)] = 2 * g
+                    out = K.WGrad if tk.kind == _core.TaskKind.B else K.WStash
+                    env[bid(out, s, m)] = env[bid(K.Stash, s, m)] * g
+            return [[np.array([env[b]], np.float64)] for b in out_ids]
+        def accumulate(r, b, v):
+            s = core.buffer_key(b).stage
+            acc[s] = acc.get(s, 0.0) + float(v[0][0])
+        return rt.make_tasks(run, accumulate, to_jax=False)
+
+    def run_plan(plan, steps=1, fail_at=None, timeout=30.0):
+        acc = {}
+        ex = rt.Executor(plan.core, rank, t, fake_tasks(plan, acc, fail_at), timeout=timeout)
+        ex.handshake(20.0)
+        for _ in range(steps):
+            ex.run()
+        return acc
+
+    try:
+        if mode == "dtypes":
+            dts = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int8, np.int32,
+                   np.int64, np.uint8, np.bool_]
+            arrays = [(np.arange(12).reshape(3, 4) % 5).astype(d) for d in dts]
+            if rank == 0:
+                t.send(1, 1, arrays, timeout=30)
+                back = t.recv(1, 2, timeout=30)
+                for a, b in zip(arrays, back):
+                    assert b.dtype == a.dtype and b.shape == a.shape, (a.dtype, b.dtype)
+                    np.testing.assert_array_equal((a.astype(np.float64) * 2).astype(a.dtype), b)
+            else:
+                got = t.recv(0, 1, timeout=30)
+                for a, b in zip(arrays, got):
+                    np.testing.assert_array_equal(a, b)
+                    assert b.ctypes.data % 64 == 0
+                t.send(0, 2, [(g.astype(np.float64) * 2).astype(g.dtype) for g in got],
+                       timeout=30)
+        elif mode == "kill":
+            if rank == 1:
+                time.sleep(0.5)
+                os.kill(os.getpid(), signal.SIGKILL)
+            t.recv(1, 5, timeout=60)  # never sent: rank 1 dies instead
+        elif mode == "executor":
+            plan = baton.plan("zbv", ranks=2, microbatches=4)
+            acc = run_plan(plan, steps=2)
+            S = plan.num_stages
+            for s, v in acc.items():
+                want = 2 * sum((1.0 + m + s) * 2.0 ** (S - 1 - s) for m in range(4))
+                assert abs(v - want) < 1e-9, (s, v, want)
+            assert len(acc) == 2
+        elif mode == "raise":
+            run_plan(baton.plan("1f1b", ranks=2, microbatches=4), fail_at=2 if rank == 1 else None)
+        elif mode == "mismatch":
+            run_plan(baton.plan("1f1b", ranks=2, microbatches=4 + 2 * rank))
+        else:
+            raise SystemExit(f"unknown mode {mode}")
+    except baton.ExecutionError as e:
+        print(f"rank {rank} ERROR: {e}", flush=True)
+        t.close()
+        sys.exit(3)
+    print(f"rank {rank} OK", flush=True)
+    t.close()
+''')
+
+
+def launch(tmp_path, mode, nprocs=2, timeout=120, grace=20):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    t0 = time.monotonic()
+    p = subprocess.run(
+        [sys.executable, "-m", "baton.launch", "--nprocs", str(nprocs), "--grace", str(grace),
+         "--timeout", str(timeout - 10), str(script), mode],
+        capture_output=True, text=True, timeout=timeout)
+    return p, time.monotonic() - t0
+
+
+def test_launch_gloo_send_recv_dtypes(tmp_path):
+    p, _ = launch(tmp_path, "dtypes")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "rank 0 OK" in p.stdout and "rank 1 OK" in p.stdout
+
+
+def test_launch_executor_across_processes(tmp_path):
+    p, _ = launch(tmp_path, "executor")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "rank 0 OK" in p.stdout and "rank 1 OK" in p.stdout
+
+
+def test_sigkill_of_one_rank_stops_the_other(tmp_path):
+    p, elapsed = launch(tmp_path, "kill")
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert "rank 0 ERROR" in out and "rank 1" in out.split("rank 0 ERROR", 1)[1], out
+    assert "lost" in out, out
+    assert elapsed < 30, f"took {elapsed:.1f} s"
+
+
+def test_task_failure_in_one_process_stops_all(tmp_path):
+    p, elapsed = launch(tmp_path, "raise")
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert "rank 1 ERROR" in out and "injected task failure" in out, out
+    line0 = [ln for ln in out.splitlines() if ln.startswith("rank 0 ERROR")]
+    assert line0 and "rank 1 failed" in line0[0], out
+    assert elapsed < 30
+
+
+def test_handshake_mismatch_stops_all(tmp_path):
+    p, _ = launch(tmp_path, "mismatch")
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    for r in (0, 1):
+        line = [ln for ln in out.splitlines() if ln.startswith(f"rank {r} ERROR")]
+        assert line and "ranks disagree" in line[0] and "microbatches=" in line[0], out
+
+
+def test_launch_reports_failing_rank_code(tmp_path):
+    script = tmp_path / "exit.py"
+    script.write_text("import os, sys\nsys.exit(7 if os.environ['BATON_RANK'] == '1' else 0)\n")
+    p = subprocess.run([sys.executable, "-m", "baton.launch", "--nprocs", "2", str(script)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 7
+    assert "rank 1 exited with code 7" in p.stderr
+
+
+@pytest.mark.parametrize("argv", [["--nprocs", "0", "x.py"]])
+def test_launch_rejects_bad_nprocs(argv):
+    p = subprocess.run([sys.executable, "-m", "baton.launch", *argv], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2
