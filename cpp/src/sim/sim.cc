@@ -42,38 +42,6 @@ struct Ids {
   int32_t mb(int32_t id) const { return id % M; }
 };
 
-const char* kind_name(BufKind k) {
-  switch (k) {
-    case BufKind::Act:
-      return "act";
-    case BufKind::Grad:
-      return "grad";
-    case BufKind::Stash:
-      return "stash";
-    case BufKind::WStash:
-      return "wstash";
-    case BufKind::WGrad:
-      return "wgrad";
-  }
-  return "?";
-}
-
-const char* op_name(OpCode op) {
-  switch (op) {
-    case OpCode::Run:
-      return "RUN";
-    case OpCode::Send:
-      return "SEND";
-    case OpCode::Recv:
-      return "RECV";
-    case OpCode::Free:
-      return "FREE";
-    case OpCode::Accumulate:
-      return "ACCUMULATE";
-  }
-  return "?";
-}
-
 void append_int(std::string& out, int v) {
   char buf[16];
   const auto res = std::to_chars(buf, buf + sizeof buf, v);
@@ -285,7 +253,7 @@ class Simulator {
 
  private:
   std::string buf_name(int32_t id) const {
-    return fmt::format("{}(s{},m{})", kind_name(ids_.kind(id)), ids_.stage(id), ids_.mb(id));
+    return fmt::format("{}(s{},m{})", buf_kind_name(ids_.kind(id)), ids_.stage(id), ids_.mb(id));
   }
   std::string describe(int rank, int index) const;
   [[noreturn, gnu::cold, gnu::noinline]] void fail(int rank, int index,
@@ -366,7 +334,7 @@ std::string Simulator::describe(int rank, int index) const {
   if (index < 0 || index >= static_cast<int>(prog.size()))
     return fmt::format("rank {} #{}", rank, index);
   const Instr& in = prog[index];
-  std::string head = fmt::format("rank {} #{} {}", rank, index, op_name(in.op));
+  std::string head = fmt::format("rank {} #{} {}", rank, index, opcode_name(in.op));
   const bool buf_ok = in.buffer >= 0 && in.buffer < ids_.count();
   switch (in.op) {
     case OpCode::Run: {
@@ -818,7 +786,7 @@ void Simulator::build_critical_path() {
       const XferState& x = xs_[idx];
       // "transfer act(s0,m1) 0->1", without fmt: paths can be long.
       std::string what = "transfer ";
-      what += kind_name(ids_.kind(e.buffer));
+      what += buf_kind_name(ids_.kind(e.buffer));
       what += "(s";
       append_int(what, ids_.stage(e.buffer));
       what += ",m";
