@@ -72,6 +72,28 @@ TEST(ScheduleFormulas, LargeConfigurationsVerify) {
   }
 }
 
+// The verifier's fifo model has one channel per buffer kind, but every
+// built-in order also keeps a single order per link across kinds: on every
+// rank pair the sequence of SENDs equals the sequence of RECVs. So a
+// transport with one channel per rank pair runs the built-in schedules too.
+TEST(ScheduleFormulas, BuiltInOrdersKeepOneOrderPerLink) {
+  for (const auto& n : schedule_names())
+    for (int p : {2, 3, 4, 7})
+      for (int m : {p, 2 * p, 3 * p + 1, 6 * p}) {
+        const int v = n == "interleaved" ? 2 : 1;
+        if ((n == "interleaved" && m % p) || (n == "dualpipev" && m < 2 * p)) continue;
+        SCOPED_TRACE(label(n, p, m, v));
+        const Plan plan = lower(make_schedule(n, p, m, v));
+        std::vector<std::vector<int32_t>> sent(p * p), received(p * p);
+        for (int r = 0; r < p; ++r)
+          for (const Instr& in : plan.programs[r]) {
+            if (in.op == OpCode::Send) sent[r * p + in.peer].push_back(in.buffer);
+            if (in.op == OpCode::Recv) received[in.peer * p + r].push_back(in.buffer);
+          }
+        EXPECT_EQ(sent, received);
+      }
+}
+
 TEST(ScheduleFormulas, GPipeAnd1F1BBubble) {
   for (const char* n : {"gpipe", "1f1b", "eager1f1b"})
     for (int p : {1, 2, 3, 4, 7})
@@ -121,15 +143,22 @@ TEST(ScheduleFormulas, ZBH2HasNoBubbleButTheFill) {
 }
 
 TEST(ScheduleFormulas, ZBVHasNoBubbleButTheFill) {
-  for (int p : {1, 2, 3, 4, 6})
-    for (int m : {p, 2 * p, 2 * p + 1, 4 * p}) {
+  for (int p : {1, 2, 3, 4, 6, 9})
+    for (int m : {p, 2 * p, 2 * p + 1, 3 * p + 2, 4 * p, 8 * p}) {
       SCOPED_TRACE(label("zbv", p, m));
       const SimResult r = run(zb_v(p, m), kHalf);
       // Work per rank: two chunks of F+I+W = 3 per microbatch; fill: p-1
-      // chunk forwards.
+      // chunk forwards. Rank k starts at k chunk forwards and every rank
+      // ends at the same time, so it idles (p-1-k) forwards in between.
       EXPECT_NEAR(r.step_time, 3.0 * m + 0.5 * (p - 1), kEps);
-      for (int k = 0; k < p; ++k) EXPECT_NEAR(r.busy[k], 3.0 * m, kEps);
+      for (int k = 0; k < p; ++k) {
+        EXPECT_NEAR(r.busy[k], 3.0 * m, kEps);
+        EXPECT_NEAR(idle_inside(r, k), 0.5 * (p - 1 - k), kEps) << "rank " << k;
+      }
     }
+  // Between p and 2p microbatches the tail is longer (measured, e.g. p = 7,
+  // m = 10: 9 chunk forwards instead of 6).
+  EXPECT_NEAR(run(zb_v(7, 10), kHalf).step_time, 3.0 * 10 + 0.5 * 9, kEps);
 }
 
 TEST(ScheduleFormulas, DualPipeVBubble) {
@@ -153,6 +182,14 @@ std::vector<int64_t> peaks(const Schedule& s, const CostModel& c) {
   return run(s, c).peak_activation;
 }
 
+// ZB-V peak stash in chunks once m >= 2p+1 (measured): rank r < p-1 holds
+// floor(3p/2) + 2 + ceil(r/2), the last rank 2p+2.
+std::vector<int64_t> zbv_stash_peaks(int p) {
+  std::vector<int64_t> v;
+  for (int r = 0; r < p; ++r) v.push_back(r == p - 1 ? 2 * p + 2 : 3 * p / 2 + 2 + (r + 1) / 2);
+  return v;
+}
+
 TEST(ScheduleFormulas, PeakActivation) {
   for (int p : {1, 2, 3, 5})
     for (int m : {1, 2, p, 2 * p, 3 * p + 1}) {
@@ -173,8 +210,10 @@ TEST(ScheduleFormulas, PeakActivation) {
         for (int r = 0; r < p; ++r) h2.push_back(2 * (p - r) - 1);
         EXPECT_EQ(peaks(zb_h2(p, m), kUnit), h2);
       }
+      if (m >= 2 * p + 1) {
+        EXPECT_EQ(peaks(zb_v(p, m), kHalf), zbv_stash_peaks(p));
+      }
       if (m >= 2 * p) {
-        EXPECT_EQ(peaks(zb_v(p, m), kHalf), std::vector<int64_t>(p, 2 * p));
         EXPECT_EQ(peaks(dualpipe_v(p, m), kHalf), std::vector<int64_t>(p, 2 * p + 1));
       }
     }
@@ -207,6 +246,25 @@ TEST(ScheduleFormulas, ZeroBubbleMemoryWithWeightStash) {
       EXPECT_EQ(peaks(zb_h1(p, m), c), std::vector<int64_t>(p, p + 1));
       EXPECT_EQ(peaks(zb_h2(p, m), c), std::vector<int64_t>(p, 2 * p));
     }
+}
+
+// ZB-V runs its W passes in the steady state, so what I keeps for W does not
+// pile up: with wstash_bytes = stash_bytes the peak per rank is the same for
+// every m from 2p+1 to 8p (rank r: floor(5p/2) + 3 + ceil(r/2) chunks), and
+// no more at m = 2p. The bubble stays the fill (ZBVHasNoBubbleButTheFill).
+TEST(ScheduleFormulas, ZBVMemoryWithWeightStashIsBounded) {
+  CostModel c = kHalf;
+  c.default_stage.wstash_bytes = 1;
+  for (int p : {1, 2, 3, 4, 5, 8}) {
+    std::vector<int64_t> want;
+    for (int r = 0; r < p; ++r) want.push_back(5 * p / 2 + 3 + (r + 1) / 2);
+    for (int m : {2 * p + 1, 3 * p, 4 * p, 6 * p + 1, 8 * p}) {
+      SCOPED_TRACE(label("zbv", p, m));
+      EXPECT_EQ(peaks(zb_v(p, m), c), want);
+    }
+    const std::vector<int64_t> at_2p = peaks(zb_v(p, 2 * p), c);
+    for (int r = 0; r < p; ++r) EXPECT_LE(at_2p[r], want[r]) << "p=" << p << " rank " << r;
+  }
 }
 
 }  // namespace

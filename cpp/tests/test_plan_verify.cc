@@ -55,9 +55,9 @@ TEST(Verify, CleanHandSchedulesPass) {
 }
 
 // Rank 0 runs F0.1 before sending act(s0,m0), and then sends act(s0,m1) and
-// act(s0,m0) in one group: fine when matched by buffer, but with one FIFO
-// channel the first message is act(s0,m1) while rank 1 first waits for
-// act(s0,m0).
+// act(s0,m0) in one group: fine when matched by buffer, but on the FIFO
+// activation channel 0->1 the first message is act(s0,m1) while rank 1 first
+// waits for act(s0,m0).
 TEST(Verify, SwappedSendsDeadlockOnlyUnderFifo) {
   Plan p = lower(hand_1f1b(2, 2));
   move_instr(p, 0, at(p, 0, "RUN F0.1"), 1);  // RUN F0.0, RUN F0.1, SEND act00, FREE act00, ...
@@ -71,11 +71,12 @@ TEST(Verify, SwappedSendsDeadlockOnlyUnderFifo) {
       << check_deadlock(p, CommModel::Blocking).to_string();
   const VerifyReport fifo = check_deadlock(p, CommModel::Fifo);
   ASSERT_FALSE(fifo.ok());
-  const Violation* hol = find_violation(fifo, "comm", "head-of-line mismatch on 0->1");
+  const Violation* hol =
+      find_violation(fifo, "comm", "head-of-line mismatch on the act channel 0->1");
   ASSERT_NE(hol, nullptr) << fifo.to_string();
   EXPECT_EQ(hol->message,
-            "comm (fifo model): head-of-line mismatch on 0->1: the 1st message is rank 0 #2 SEND "
-            "act(s0,m1)->1, but rank 1 #0 RECV act(s0,m0)<-0 expects act(s0,m0)");
+            "comm (fifo model): head-of-line mismatch on the act channel 0->1: the 1st message is "
+            "rank 0 #2 SEND act(s0,m1)->1, but rank 1 #0 RECV act(s0,m0)<-0 expects act(s0,m0)");
   EXPECT_EQ(hol->ranks, (std::vector<int>{0, 1}));
   EXPECT_EQ(hol->instrs, (std::vector<int>{2, 0}));
   EXPECT_EQ(hol->stage, 0);
@@ -93,6 +94,35 @@ TEST(Verify, SwappedSendsDeadlockOnlyUnderFifo) {
   }
   EXPECT_NE(find_violation(all, "deadlock", "(fifo model)"), nullptr);
   EXPECT_THROW(verify_or_throw(p), VerifyError);
+}
+
+// Activations and gradients travel on separate FIFO channels: rank 0 sends
+// act(s0,m1) and then grad(s3,m0) to rank 1 in one group (a fused F+I), and
+// rank 1 receives them in the other order. With one channel per rank pair the
+// first message after act(s0,m0) would be act(s0,m1) where rank 1 expects
+// grad(s3,m0); with one channel per kind both channels stay in order.
+TEST(Verify, KindsUseSeparateFifoChannels) {
+  const Schedule s =
+      make("custom", 2, {0, 1, 1, 0}, 2,
+           {{A(F(0, 0)), A(F(3, 0)), A(F(0, 1), I(3, 0)), A(I(0, 0)), A(F(3, 1)), A(I(3, 1)),
+             A(I(0, 1)), A(W(0, 0)), A(W(0, 1)), A(W(3, 0)), A(W(3, 1))},
+            {A(F(1, 0)), A(F(2, 0)), A(I(2, 0)), A(I(1, 0)), A(F(1, 1)), A(F(2, 1)), A(I(2, 1)),
+             A(I(1, 1)), A(W(1, 0)), A(W(1, 1)), A(W(2, 0)), A(W(2, 1))}});
+  const Plan p = lower(s);
+  EXPECT_LT(at(p, 0, "SEND act(s0,m1)->1"), at(p, 0, "SEND grad(s3,m0)->1"));
+  EXPECT_GT(at(p, 1, "RECV act(s0,m1)<-0"), at(p, 1, "RECV grad(s3,m0)<-0"));
+  EXPECT_TRUE(check_deadlock(p, CommModel::Fifo).ok())
+      << check_deadlock(p, CommModel::Fifo).to_string();
+  EXPECT_TRUE(verify(p).ok()) << verify(p).to_string();
+
+  // Swapping the two activation sends of rank 0 (same kind, same link) is
+  // still caught.
+  Plan q = lower(hand_1f1b(2, 3));
+  move_instr(q, 0, at(q, 0, "RUN F0.1"), 1);
+  move_instr(q, 0, at(q, 0, "FREE act(s0,m0)"), at(q, 0, "FREE act(s0,m1)"));
+  move_instr(q, 0, at(q, 0, "SEND act(s0,m0)->1"), at(q, 0, "RECV grad(s1,m0)<-1"));
+  EXPECT_NE(find_violation(check_deadlock(q, CommModel::Fifo), "comm", "act channel 0->1"),
+            nullptr);
 }
 
 TEST(Verify, RecvThatNeverGetsItsSend) {

@@ -22,9 +22,12 @@ enum class CommModel {
   // Matching is by buffer (tagged). Any async executor that posts no later
   // and waits no earlier is deadlock-free if this model is.
   Blocking,
-  // Blocking, and additionally all traffic from rank a to rank b travels in
-  // order over one channel: the k-th SEND a->b matches the k-th RECV b<-a
-  // (as NCCL point-to-point does). A different buffer there is a mismatch.
+  // Blocking, and additionally traffic from rank a to rank b travels in order
+  // over one channel PER BUFFER KIND (activations and gradients on separate
+  // channels; the runtime opens one communicator or tag class per kind): the
+  // k-th SEND a->b of kind K matches the k-th RECV b<-a of kind K (as NCCL
+  // point-to-point does within one communicator). A different buffer there is
+  // a head-of-line mismatch. Traffic of different kinds is not ordered.
   Fifo,
 };
 

@@ -44,7 +44,7 @@ std::string ordinal(int n) { return fmt::format("{}{}", n, ordinal_suffix(n)); }
 struct CommOp {
   int32_t rank = 0, instr = 0, buffer = 0, peer = 0;
   int32_t group = 0;
-  int32_t chan_k = 0;  // position among this direction's ops on channel (src, dst)
+  int32_t chan_k = 0;  // position among this direction's ops on channel (src, dst, kind)
   bool send = false;
 };
 
@@ -163,8 +163,15 @@ class Verifier {
     c.chan_k = chan_k_.empty() ? -1 : chan_k_[o];
     return c;
   }
-  bool is_wgrad(int32_t b) const {
-    return b / (s_.num_stages * s_.num_microbatches) == static_cast<int>(BufKind::WGrad);
+  int kind_of(int32_t b) const { return b / (s_.num_stages * s_.num_microbatches); }
+  bool is_wgrad(int32_t b) const { return kind_of(b) == static_cast<int>(BufKind::WGrad); }
+  const char* kind_name(int32_t b) const { return buf_kind_name(static_cast<BufKind>(kind_of(b))); }
+  // Fifo model: one ordered channel per (sender, receiver, buffer kind).
+  size_t channel(int src, int dst, int32_t b) const {
+    return (static_cast<size_t>(src) * s_.num_ranks + dst) * kNumBufKinds + kind_of(b);
+  }
+  size_t num_channels() const {
+    return static_cast<size_t>(s_.num_ranks) * s_.num_ranks * kNumBufKinds;
   }
 
   std::vector<BufState> bufs_;
@@ -479,17 +486,17 @@ void Verifier::static_pass(bool report) {
 }
 
 void Verifier::match_by_buffer(bool report) {
-  const int R = s_.num_ranks;
   const int32_t n = n_ops_;
   const OpInfo* ops = opi_.data();
-  // Channel positions for the fifo model: the k-th SEND a->b, the k-th RECV b<-a.
+  // Channel positions for the fifo model: the k-th SEND a->b of a buffer
+  // kind, the k-th RECV b<-a of that kind.
   chan_k_.resize(n);
   {
-    std::vector<int32_t> send_cnt(static_cast<size_t>(R) * R, 0), recv_cnt(send_cnt.size(), 0);
+    std::vector<int32_t> send_cnt(num_channels(), 0), recv_cnt(send_cnt.size(), 0);
     for (int32_t o = 0; o < n; ++o) {
       const OpInfo& c = ops[o];
-      chan_k_[o] = c.send ? send_cnt[static_cast<size_t>(c.rank) * R + c.peer]++
-                          : recv_cnt[static_cast<size_t>(c.peer) * R + c.rank]++;
+      chan_k_[o] = c.send ? send_cnt[channel(c.rank, c.peer, c.buffer)]++
+                          : recv_cnt[channel(c.peer, c.rank, c.buffer)]++;
     }
   }
   // bufs_[b].first_send heads the chain of SENDs of b in program order,
@@ -540,7 +547,6 @@ void Verifier::match_by_buffer(bool report) {
 }
 
 bool Verifier::fifo_pairing(bool report) {
-  const int R = s_.num_ranks;
   const int32_t n = n_ops_;
   // Every op matched by buffer at its channel position: same pairing.
   fifo_same_ = positions_agree_;
@@ -549,14 +555,14 @@ bool Verifier::fifo_pairing(bool report) {
     mismatch_fifo_.clear();  // empty: no mismatch
     return true;
   }
-  std::vector<std::vector<int32_t>> sends(static_cast<size_t>(R) * R), recvs(sends.size());
-  // Slow path: pair the k-th SEND a->b with the k-th RECV b<-a.
+  std::vector<std::vector<int32_t>> sends(num_channels()), recvs(sends.size());
+  // Slow path: pair the k-th SEND a->b with the k-th RECV b<-a of each kind.
   for (int32_t o = 0; o < n; ++o) {
     const CommOp c = op(o);
     if (c.send)
-      sends[static_cast<size_t>(c.rank) * R + c.peer].push_back(o);
+      sends[channel(c.rank, c.peer, c.buffer)].push_back(o);
     else
-      recvs[static_cast<size_t>(c.peer) * R + c.rank].push_back(o);
+      recvs[channel(c.peer, c.rank, c.buffer)].push_back(o);
   }
   partner_fifo_.assign(n, -1);
   mismatch_fifo_.assign(n, 0);
@@ -575,10 +581,10 @@ bool Verifier::fifo_pairing(bool report) {
       const CommOp r = op(ro);
       const BufferKey bk = key(r.buffer);
       add("comm",
-          fmt::format("comm (fifo model): head-of-line mismatch on {}->{}: the {} message is {}, "
-                      "but {} expects {}",
-                      s.rank, s.peer, ordinal(static_cast<int>(k) + 1), d(s.rank, s.instr),
-                      d(r.rank, r.instr), buf(r.buffer)),
+          fmt::format("comm (fifo model): head-of-line mismatch on the {} channel {}->{}: the {} "
+                      "message is {}, but {} expects {}",
+                      kind_name(s.buffer), s.rank, s.peer, ordinal(static_cast<int>(k) + 1),
+                      d(s.rank, s.instr), d(r.rank, r.instr), buf(r.buffer)),
           {s.rank, r.rank}, {s.instr, r.instr}, bk.stage, bk.microbatch);
     }
   }
@@ -752,10 +758,10 @@ void Verifier::report_deadlock(const ExecState& st, const std::vector<int32_t>& 
       const CommOp p = op(q);
       const CommOp& s = o.send ? o : p;
       add("deadlock",
-          fmt::format("deadlock ({}): {} is paired with {} as the {} message {}->{}, which is a "
-                      "different buffer (head-of-line mismatch)",
-                      label, d(o.rank, o.instr), d(p.rank, p.instr), ordinal(s.chan_k + 1), s.rank,
-                      s.peer),
+          fmt::format("deadlock ({}): {} is paired with {} as the {} {} message {}->{}, which is "
+                      "a different buffer (head-of-line mismatch)",
+                      label, d(o.rank, o.instr), d(p.rank, p.instr), ordinal(s.chan_k + 1),
+                      kind_name(s.buffer), s.rank, s.peer),
           {o.rank, p.rank}, {o.instr, p.instr}, k.stage, k.microbatch);
       continue;
     }

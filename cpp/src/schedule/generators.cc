@@ -3,10 +3,11 @@
 //
 // Every order here must be deadlock-free when lowered as plan.h describes:
 // RECVs of an action's remote inputs just before its RUN, SENDs of its outputs
-// just after, consecutive SEND/RECVs forming one blocking group, and all
-// traffic from rank a to rank b in one FIFO channel. The last rule means that
-// two neighbours must agree on the interleaving of the two kinds of traffic
-// they exchange; the orders below are built so that they do.
+// just after, consecutive SEND/RECVs forming one blocking group, and traffic
+// from rank a to rank b in one FIFO channel per buffer kind (activations and
+// gradients travel separately). Blocking groups are the binding rule: a rank
+// whose send waits for a receive its peer only posts after a send of its own
+// deadlocks, so neighbours must exchange in compatible orders.
 #include "baton/generators.h"
 
 #include <fmt/format.h>
@@ -51,11 +52,11 @@ Schedule make_base(const char* name, int p, int m, std::vector<int32_t> placemen
   return s;
 }
 
-// A small unit-time list scheduler shared by the zero-bubble generators
-// (ZB-H2, ZB-V): every task takes one tick, a task may start once its
-// producers finished, and each rank picks among its ready tasks by a fixed
-// rule. The rule, not the clock, is what the schedule keeps: the result is
-// the per-rank order. Cost O(ticks * ranks * stages per rank).
+// A small unit-time list scheduler used by the ZB-H2 generator: every task
+// takes one tick, a task may start once its producers finished, and each rank
+// picks among its ready tasks by a fixed rule. The rule, not the clock, is
+// what the schedule keeps: the result is the per-rank order.
+// Cost O(ticks * ranks * stages per rank).
 struct UnitClock {
   static constexpr int64_t kNever = std::numeric_limits<int64_t>::max() / 4;
   int S, M;
@@ -240,78 +241,97 @@ Schedule zb_h2(int p, int m) {
 
 // ----------------------------------------------------------------------- ZB-V
 
+// Checkerboard lanes. Every task takes one tick. Rank r works on "down-flow"
+// tasks (F of stage r, I of stage 2p-1-r: input from rank r-1, output to rank
+// r+1) at ticks t with t-r even and on "up-flow" tasks (F of stage 2p-1-r, I
+// of stage r: input from r+1, output to r-1) at ticks with t-r odd. A down
+// task at (r, t) therefore feeds the down slot (r+1, t+1) and an up task at
+// (r+1, t) the up slot (r, t+1): a chain started by rank 0 (F0 or I of stage
+// 2p-1) runs down the ranks one tick apart, and a chain started by rank p-1
+// (F of stage p or I of stage p-1, both fed locally at the turn of the V) runs
+// up. Every transfer is consumed the tick after it is produced, so each
+// communication group meets its peer group at the same tick: the plan is
+// deadlock-free under blocking groups whatever a rank does in the slots no
+// chain uses, in particular W passes that split a group. (FIFO holds too:
+// each stage's tasks run in microbatch order and chains keep their order.)
+//
+// Policy at the two chain-starting slots: start no chain while the rank owes
+// more than p W passes (that slot, on every rank, is then free for W); else
+// prefer a forward (rank 0: at most p+1 microbatches between F and I of stage
+// 0) over an input gradient. Every other free slot runs the rank's oldest W.
+// Measured with f = i = w (docs/SCHEDULES.md): bubble (p-1)f for m = p and
+// every m >= 2p; peak stash independent of m.
 Schedule zb_v(int p, int m) {
   check_common("zbv", p, m, 2);
   Schedule s = make_base("zbv", p, m, v_placement(p));
   const int S = 2 * p;
-  // Channel r -> r+1 carries F outputs of stage r and I outputs of stage
-  // 2p-1-r; channel r+1 -> r the other two. FIFO channels therefore need
-  // every rank to interleave "F of its down-chunk" with "I of its up-chunk"
-  // in the same pattern, and likewise for the other pair. The common
-  // patterns are: k of the first kind, then alternate, then k of the
-  // second kind, k = min(p, m).
-  const int kk = std::min(p, m);
-  auto pattern_at = [&](int pos) {  // true: first kind (F), false: second (I)
-    if (pos < kk) return true;
-    if (pos >= 2 * m - kk) return false;
-    return ((pos - kk) % 2) == 1;
-  };
-  UnitClock clk(S, m);
+  const int cap_w = p + 1;  // W passes a chain-starting rank may owe
+  const int cap_f = p + 1;  // microbatches between F and I of stage 0
+  constexpr int64_t kNever = std::numeric_limits<int64_t>::max() / 4;
+  std::vector<int64_t> f_end(static_cast<size_t>(S) * m, kNever), i_end(f_end.size(), kNever);
+  auto fe = [&](int st, int mb) -> int64_t& { return f_end[static_cast<size_t>(st) * m + mb]; };
+  auto ie = [&](int st, int mb) -> int64_t& { return i_end[static_cast<size_t>(st) * m + mb]; };
   std::vector<int> nf(S, 0), ni(S, 0), nw(S, 0);
-  std::vector<int> pos_down(p, 0), pos_up(p, 0);  // positions in the two patterns
-  std::vector<int64_t> busy(p, 0);
-  int64_t left = 3LL * S * m;
-  for (auto& row : s.rank_actions) row.reserve(6 * m);
+  // Chain started at tick t by rank 0 (down) / rank p-1 (up); stage < 0: none.
+  const Task none{TaskKind::F, -1, -1};
+  std::vector<Task> down_start, up_start;
+  const size_t ticks = static_cast<size_t>(6) * m + 4 * static_cast<size_t>(p) + 8;
+  down_start.reserve(ticks);
+  up_start.reserve(ticks);
+  for (auto& row : s.rank_actions) row.reserve(static_cast<size_t>(6) * m);
+  int64_t left = int64_t{6} * p * m;
   for (int64_t t = 0; left > 0; ++t) {
+    if (t > static_cast<int64_t>(2 * ticks))  // every task runs within ~6m + 4p ticks
+      throw ScheduleError(fmt::format(
+          "zbv generator did not finish (ranks={}, microbatches={}): internal error", p, m));
+    down_start.push_back(none);
+    up_start.push_back(none);
     for (int r = 0; r < p; ++r) {
-      if (busy[r] > t) continue;
       const int c0 = r, c1 = S - 1 - r;
-      // Pattern "down" holds F(c0) [first] and I(c1) [second]; "up" holds
-      // F(c1) [first] and I(c0) [second].
-      auto allowed = [&](TaskKind k, int st) {
-        if (k == TaskKind::W) return true;
-        const bool first = k == TaskKind::F;
-        const bool down = (k == TaskKind::F) == (st == c0);
-        return pattern_at(down ? pos_down[r] : pos_up[r]) == first;
-      };
-      // Priority F > I > W; forwards prefer the later stage, I the earlier.
-      // W therefore runs when nothing else may, in practice at the rank's end:
-      // placing W passes inside the steady state splits communication groups,
-      // and every placement tried deadlocks under blocking groups.
-      Task pick{TaskKind::F, -1, -1};
-      for (int st : {c1, c0}) {
-        if (nf[st] < m && clk.f_ready(st, nf[st], t) && allowed(TaskKind::F, st)) {
-          pick = Task{TaskKind::F, st, nf[st]};
-          break;
+      const bool down = ((t - r) & 1) == 0;
+      Task task = none;
+      // A chain passing through this slot.
+      if (down && t - r >= 0) {
+        const Task& c = down_start[static_cast<size_t>(t - r)];
+        if (c.stage >= 0) task = Task{c.kind, c.kind == TaskKind::F ? c0 : c1, c.microbatch};
+      } else if (!down && t - (p - 1 - r) >= 0) {
+        const Task& c = up_start[static_cast<size_t>(t - (p - 1 - r))];
+        if (c.stage >= 0) task = Task{c.kind, c.kind == TaskKind::F ? c1 : c0, c.microbatch};
+      }
+      // A chain starting here.
+      const bool starts = down ? r == 0 : r == p - 1;
+      if (task.stage < 0 && starts && (ni[c0] - nw[c0]) + (ni[c1] - nw[c1]) <= cap_w - 1) {
+        if (down) {
+          if (nf[0] < m && nf[0] - ni[0] < cap_f)
+            task = Task{TaskKind::F, 0, nf[0]};
+          else if (ni[S - 1] < nf[S - 1] && fe(S - 1, ni[S - 1]) <= t)
+            task = Task{TaskKind::I, S - 1, ni[S - 1]};
+          down_start.back() = task;
+        } else {
+          if (nf[p] < nf[p - 1] && fe(p - 1, nf[p]) <= t)
+            task = Task{TaskKind::F, p, nf[p]};
+          else if (ni[p - 1] < ni[p] && ie(p, ni[p - 1]) <= t)
+            task = Task{TaskKind::I, p - 1, ni[p - 1]};
+          up_start.back() = task;
         }
       }
-      if (pick.stage < 0)
+      // Otherwise the oldest W pass that is due.
+      if (task.stage < 0) {
         for (int st : {c0, c1}) {
-          if (ni[st] < nf[st] && clk.i_ready(st, ni[st], t) && allowed(TaskKind::I, st)) {
-            pick = Task{TaskKind::I, st, ni[st]};
+          if (nw[st] < ni[st] && ie(st, nw[st]) <= t) {
+            task = Task{TaskKind::W, st, nw[st]};
             break;
           }
         }
-      if (pick.stage < 0)
-        for (int st : {c0, c1}) {
-          if (nw[st] < ni[st] && clk.i(st, nw[st]) <= t) {
-            pick = Task{TaskKind::W, st, nw[st]};
-            break;
-          }
-        }
-      if (pick.stage < 0) continue;
-      const int st = pick.stage;
-      if (pick.kind == TaskKind::F) {
-        clk.f(st, nf[st]++) = t + 1;
-        ++(st == c0 ? pos_down[r] : pos_up[r]);
-      } else if (pick.kind == TaskKind::I) {
-        clk.i(st, ni[st]++) = t + 1;
-        ++(st == c1 ? pos_down[r] : pos_up[r]);
-      } else {
-        ++nw[st];
       }
-      s.rank_actions[r].push_back(Action{pick});
-      busy[r] = t + 1;
+      if (task.stage < 0) continue;
+      if (task.kind == TaskKind::F)
+        fe(task.stage, nf[task.stage]++) = t + 1;
+      else if (task.kind == TaskKind::I)
+        ie(task.stage, ni[task.stage]++) = t + 1;
+      else
+        ++nw[task.stage];
+      s.rank_actions[r].push_back(Action{task});
       --left;
     }
   }
