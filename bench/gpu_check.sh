@@ -93,7 +93,7 @@ store = rt.file_store(tempfile.mkdtemp())
 t = rt.nccl_transport(0, 1, 0, store)
 # correctness: several dtypes, one group (send and receive to self must share a group)
 xs = [jnp.arange(1000, dtype=d) for d in (jnp.float32, jnp.bfloat16, jnp.int32, jnp.float16)]
-rr = t.irecv(0, 1); rs = t.isend(0, 1, xs); t.flush()
+rr = t.irecv(0, 1, layout=xs); rs = t.isend(0, 1, xs); t.flush()
 ys = rr.wait(60); rs.wait(60)
 for x, y in zip(xs, ys):
     assert y.dtype == x.dtype and y.shape == x.shape, (x.dtype, y.dtype)
@@ -103,10 +103,10 @@ rows = []
 for mb in (1, 16, 256):
     x = jnp.ones((mb * 1024 * 1024 // 4,), jnp.float32); x.block_until_ready()
     for _ in range(2):
-        rr = t.irecv(0, 2); rs = t.isend(0, 2, [x]); t.flush(); rr.wait(60); rs.wait(60)
+        rr = t.irecv(0, 2, layout=[x]); rs = t.isend(0, 2, [x]); t.flush(); rr.wait(60); rs.wait(60)
     n = 5; t0 = time.perf_counter()
     for i in range(n):
-        rr = t.irecv(0, 3 + i); rs = t.isend(0, 3 + i, [x]); t.flush()
+        rr = t.irecv(0, 3 + i, layout=[x]); rs = t.isend(0, 3 + i, [x]); t.flush()
         y = rr.wait(60); rs.wait(60)
     y[0].block_until_ready()
     dt = (time.perf_counter() - t0) / n

@@ -112,7 +112,8 @@ if [[ "${BATON_FORCE_INSTALL:-0}" == 1 ]] || ! installed_ok; then
   log "building and installing Baton into $VENV (build dir build/py; first build takes minutes)"
   rm -f "$STAMP"
   "$VPY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
-    -Cbuild-dir=build/py "$ROOT"
+    -Cbuild-dir=build/py -Ccmake.define.BATON_BIND_PLANNER=ON \
+    -Ccmake.define.BATON_BIND_GRAPH=ON -Ccmake.define.BATON_BIND_RUNTIME=ON "$ROOT"
   echo "$HASH" >"$STAMP"
 fi
 log "ready: $VENV ($("$VPY" -V 2>&1))"

@@ -149,8 +149,8 @@ rt::Tensor to_tensor(nb::handle obj, const std::string& where) {
   if (arr.device_type() == nb::device::cuda::value)
     t.device = static_cast<int>(arr.device_id());
   else if (arr.device_type() != nb::device::cpu::value)
-    throw rt::ExecutionError(fmt::format("{}: arrays on DLPack device type {} cannot be sent", where,
-                                         arr.device_type()));
+    throw rt::ExecutionError(fmt::format("{}: arrays on DLPack device type {} cannot be sent",
+                                         where, arr.device_type()));
   for (size_t i = 0; i < arr.ndim(); ++i) t.shape.push_back(static_cast<int64_t>(arr.shape(i)));
   t.nbytes = arr.nbytes();
   t.data = const_cast<void*>(arr.data());
@@ -168,10 +168,15 @@ nb::object to_numpy(const rt::Tensor& t) {
   d.lanes = 1;
   d.bits = static_cast<uint8_t>(rt::dtype_size(t.dtype) * 8);
   switch (t.dtype) {
-    case rt::DType::F32: case rt::DType::F64: case rt::DType::F16:
+    case rt::DType::F32:
+    case rt::DType::F64:
+    case rt::DType::F16:
       d.code = static_cast<uint8_t>(C::Float);
       break;
-    case rt::DType::I8: case rt::DType::I16: case rt::DType::I32: case rt::DType::I64:
+    case rt::DType::I8:
+    case rt::DType::I16:
+    case rt::DType::I32:
+    case rt::DType::I64:
       d.code = static_cast<uint8_t>(C::Int);
       break;
     case rt::DType::Bool:
@@ -197,6 +202,29 @@ nb::object to_numpy(const rt::Tensor& t) {
   return out;
 }
 
+// A layout from Python: a list whose items are (dtype, shape) pairs or objects
+// with .dtype and .shape (arrays, jax.ShapeDtypeStruct).
+rt::Layout to_layout(nb::handle obj) {
+  rt::Layout out;
+  if (obj.is_none()) return out;
+  for (nb::handle item : obj) {
+    nb::object dt, shape;
+    if (nb::hasattr(item, "dtype") && nb::hasattr(item, "shape")) {
+      dt = item.attr("dtype");
+      shape = item.attr("shape");
+    } else {
+      dt = item[0];
+      shape = item[1];
+    }
+    nb::object np_dtype = nb::module_::import_("numpy").attr("dtype")(dt);
+    rt::TensorSpec spec;
+    spec.dtype = rt::dtype_from_name(pystr(np_dtype));
+    for (nb::handle d : shape) spec.shape.push_back(nb::cast<int64_t>(d));
+    out.push_back(std::move(spec));
+  }
+  return out;
+}
+
 // A Python exception raised by a callback, as "Type: message" (the traceback
 // stays out of the runtime's error messages).
 [[noreturn]] void rethrow_python(nb::python_error& e, const char* what) {
@@ -211,9 +239,13 @@ nb::object to_numpy(const rt::Tensor& t) {
 class PyTasks : public rt::Tasks {
  public:
   PyTasks(nb::object run, nb::object accumulate, nb::object received, nb::object to_host,
-          nb::object from_host)
-      : run_(std::move(run)), acc_(std::move(accumulate)), recv_(std::move(received)),
-        to_host_(std::move(to_host)), from_host_(std::move(from_host)) {}
+          nb::object from_host, nb::object recv_layout)
+      : run_(std::move(run)),
+        acc_(std::move(accumulate)),
+        recv_(std::move(received)),
+        to_host_(std::move(to_host)),
+        from_host_(std::move(from_host)),
+        layout_(std::move(recv_layout)) {}
   ~PyTasks() override {
     nb::gil_scoped_acquire gil;
     run_.reset();
@@ -221,6 +253,16 @@ class PyTasks : public rt::Tasks {
     recv_.reset();
     to_host_.reset();
     from_host_.reset();
+    layout_.reset();
+  }
+  rt::Layout recv_layout(int rank, int32_t buffer) override {
+    nb::gil_scoped_acquire gil;
+    if (!layout_.is_valid() || layout_.is_none()) return {};
+    try {
+      return to_layout(layout_(rank, buffer));
+    } catch (nb::python_error& e) {
+      rethrow_python(e, "recv_layout");
+    }
   }
 
   std::vector<rt::Value> run(const rt::TaskCall& c) override {
@@ -272,7 +314,8 @@ class PyTasks : public rt::Tasks {
     rt::Payload p;
     if (nb::isinstance<nb::list>(obj) || nb::isinstance<nb::tuple>(obj)) {
       size_t i = 0;
-      for (nb::handle h : obj) p.push_back(to_tensor(h, fmt::format("array {} of a transfer", i++)));
+      for (nb::handle h : obj)
+        p.push_back(to_tensor(h, fmt::format("array {} of a transfer", i++)));
     } else {
       p.push_back(to_tensor(obj, "transfer"));
     }
@@ -292,7 +335,7 @@ class PyTasks : public rt::Tasks {
   }
 
  private:
-  nb::object run_, acc_, recv_, to_host_, from_host_;
+  nb::object run_, acc_, recv_, to_host_, from_host_, layout_;
 };
 
 struct PyStore {
@@ -305,7 +348,7 @@ struct PyTransport {
   // Shared with the executors built on it: a transport closed while an
   // executor still exists goes away with the last executor.
   std::shared_ptr<rt::Transport> t;
-  PyTasks codec{nb::none(), nb::none(), nb::none(), nb::none(), nb::none()};
+  PyTasks codec{nb::none(), nb::none(), nb::none(), nb::none(), nb::none(), nb::none()};
   rt::Transport& get() {
     if (!t) throw baton::ConfigError("the transport is closed");
     return *t;
@@ -323,9 +366,9 @@ void wait_request(const rt::RequestPtr& r, double timeout, rt::Transport& t) {
   {
     nb::gil_scoped_release nogil;
     if (!r->wait_until(rt::Clock::now() + ms(timeout))) {
-      const std::string msg = fmt::format("rank {}: timed out after {:g} s waiting to {} {} {} rank {}",
-                                          t.rank(), timeout, r->is_send ? "send" : "receive",
-                                          r->what, r->is_send ? "to" : "from", r->peer);
+      const std::string msg = fmt::format(
+          "rank {}: timed out after {:g} s waiting to {} {} {} rank {}", t.rank(), timeout,
+          r->is_send ? "send" : "receive", r->what, r->is_send ? "to" : "from", r->peer);
       t.abort(msg);
       throw rt::ExecutionError(msg, -1);
     }
@@ -379,7 +422,7 @@ void init_runtime(nb::module_& root) {
   m.def(
       "_host_tensors",
       [](nb::object value) {
-        PyTasks codec{nb::none(), nb::none(), nb::none(), nb::none(), nb::none()};
+        PyTasks codec{nb::none(), nb::none(), nb::none(), nb::none(), nb::none(), nb::none()};
         rt::Payload p = codec.to_payload(wrap(value));
         nb::list out;
         for (const rt::Tensor& t : p)
@@ -387,13 +430,16 @@ void init_runtime(nb::module_& root) {
                                     reinterpret_cast<uintptr_t>(t.data), t.nbytes));
         return out;
       },
-      "value"_a, "How a value crosses a byte transport: (dtype, shape, data pointer, nbytes) "
+      "value"_a,
+      "How a value crosses a byte transport: (dtype, shape, data pointer, nbytes) "
       "per array (for tests: equal pointers prove zero-copy).");
 
   nb::class_<PyStore>(m, "Store", "A rendezvous key-value store.");
-  m.def("hash_store", [] { return PyStore{rt::make_hash_store()}; }, "In-process store.");
-  m.def("file_store", [](const std::string& dir) { return PyStore{rt::make_file_store(dir)}; },
-        "dir"_a, "Store in a directory (processes on one host).");
+  m.def(
+      "hash_store", [] { return PyStore{rt::make_hash_store()}; }, "In-process store.");
+  m.def(
+      "file_store", [](const std::string& dir) { return PyStore{rt::make_file_store(dir)}; },
+      "dir"_a, "Store in a directory (processes on one host).");
   m.def(
       "callback_store",
       [](nb::object set, nb::object get) {
@@ -428,9 +474,9 @@ void init_runtime(nb::module_& root) {
       "(e.g. jax.distributed's key-value store).");
 
   nb::class_<PyTasks>(m, "Tasks", "Python callbacks the executor calls.")
-      .def(nb::init<nb::object, nb::object, nb::object, nb::object, nb::object>(),
+      .def(nb::init<nb::object, nb::object, nb::object, nb::object, nb::object, nb::object>(),
            "run"_a = nb::none(), "accumulate"_a = nb::none(), "received"_a = nb::none(),
-           "to_host"_a = nb::none(), "from_host"_a = nb::none(),
+           "to_host"_a = nb::none(), "from_host"_a = nb::none(), "recv_layout"_a = nb::none(),
            "run(rank, action, input_ids, inputs, output_ids) -> one value per output id;\n"
            "accumulate(rank, buffer, value); received(rank, buffer, value) -> value;\n"
            "to_host(value) -> list of arrays; from_host(list of numpy arrays) -> value.");
@@ -440,30 +486,39 @@ void init_runtime(nb::module_& root) {
       .def_prop_ro("world_size", [](PyTransport& t) { return t.get().world_size(); })
       .def_prop_ro("kind", [](PyTransport& t) { return t.get().kind(); })
       .def_prop_ro("closed", [](PyTransport& t) { return !t.t; })
-      .def("failure", [](PyTransport& t) { return t.get().failure(); },
-           "(origin rank, reason) once a rank failed, else None.")
-      .def("abort", [](PyTransport& t, const std::string& reason) {
-             nb::gil_scoped_release nogil;
-             t.get().abort(reason);
-           }, "reason"_a)
+      .def(
+          "failure", [](PyTransport& t) { return t.get().failure(); },
+          "(origin rank, reason) once a rank failed, else None.")
+      .def(
+          "abort",
+          [](PyTransport& t, const std::string& reason) {
+            nb::gil_scoped_release nogil;
+            t.get().abort(reason);
+          },
+          "reason"_a)
       .def("close", &PyTransport::close)
       .def(
           "isend",
-          [](PyTransport& t, int peer, uint64_t tag, nb::object arrays) {
+          [](PyTransport& t, int peer, uint64_t tag, nb::object arrays, int channel) {
             return PyRequest{t.get().isend(peer, tag, wrap(arrays), fmt::format("tag {}", tag),
-                                           &t.codec),
+                                           &t.codec, channel),
                              &t};
           },
-          "peer"_a, "tag"_a, "arrays"_a, nb::keep_alive<0, 1>(),
+          "peer"_a, "tag"_a, "arrays"_a, "channel"_a = 0, nb::keep_alive<0, 1>(),
           "Posts a send of a list of arrays; call flush() after the last post of a group.")
       .def(
           "irecv",
-          [](PyTransport& t, int peer, uint64_t tag) {
-            return PyRequest{t.get().irecv(peer, tag, fmt::format("tag {}", tag), &t.codec), &t};
+          [](PyTransport& t, int peer, uint64_t tag, int channel, nb::object layout) {
+            return PyRequest{t.get().irecv(peer, tag, fmt::format("tag {}", tag), &t.codec, channel,
+                                           to_layout(layout)),
+                             &t};
           },
-          "peer"_a, "tag"_a, nb::keep_alive<0, 1>())
-      .def("flush", [](PyTransport& t) { t.get().flush(); },
-           "Ends a communication group (NCCL issues it as one ncclGroupStart/End).")
+          "peer"_a, "tag"_a, "channel"_a = 0, "layout"_a = nb::none(), nb::keep_alive<0, 1>(),
+          "Posts a receive. layout: [(dtype, shape), ...] or arrays/ShapeDtypeStructs "
+          "(required by NCCL).")
+      .def(
+          "flush", [](PyTransport& t) { t.get().flush(); },
+          "Ends a communication group (NCCL issues it as one ncclGroupStart/End).")
       .def(
           "send",
           [](PyTransport& t, int peer, uint64_t tag, nb::object arrays, double timeout) {
@@ -475,13 +530,14 @@ void init_runtime(nb::module_& root) {
           "Sends a list of arrays (blocking, bounded by timeout).")
       .def(
           "recv",
-          [](PyTransport& t, int peer, uint64_t tag, double timeout) {
-            auto r = t.get().irecv(peer, tag, fmt::format("tag {}", tag), &t.codec);
+          [](PyTransport& t, int peer, uint64_t tag, double timeout, nb::object layout) {
+            auto r = t.get().irecv(peer, tag, fmt::format("tag {}", tag), &t.codec, 0,
+                                   to_layout(layout));
             t.get().flush();
             wait_request(r, timeout, t.get());
             return unwrap(r->take_value());
           },
-          "peer"_a, "tag"_a, "timeout"_a = 60.0,
+          "peer"_a, "tag"_a, "timeout"_a = 60.0, "layout"_a = nb::none(),
           "Receives a list of arrays: numpy (64-byte aligned) from host transports, jax.Arrays "
           "from NCCL (blocking, bounded).")
       .def(
@@ -504,18 +560,22 @@ void init_runtime(nb::module_& root) {
           "timeout"_a = 60.0, "Waits (bounded); returns the received arrays, None for a send.");
 
   nb::class_<std::shared_ptr<rt::LocalHub>>(m, "LocalHub", "In-process transport hub.")
-      .def("__init__",
-           [](std::shared_ptr<rt::LocalHub>* self, int world, double delay) {
-             rt::TransportOptions o;
-             o.delay = ms(delay);
-             new (self) std::shared_ptr<rt::LocalHub>(rt::LocalHub::create(world, o));
-           },
-           "world_size"_a, "delay"_a = 0.0)
-      .def("transport", [](std::shared_ptr<rt::LocalHub>& h, int rank) {
-        auto* t = new PyTransport();
-        t->t = h->transport(rank);
-        return t;
-      }, "rank"_a, nb::rv_policy::take_ownership);
+      .def(
+          "__init__",
+          [](std::shared_ptr<rt::LocalHub>* self, int world, double delay) {
+            rt::TransportOptions o;
+            o.delay = ms(delay);
+            new (self) std::shared_ptr<rt::LocalHub>(rt::LocalHub::create(world, o));
+          },
+          "world_size"_a, "delay"_a = 0.0)
+      .def(
+          "transport",
+          [](std::shared_ptr<rt::LocalHub>& h, int rank) {
+            auto* t = new PyTransport();
+            t->t = h->transport(rank);
+            return t;
+          },
+          "rank"_a, nb::rv_policy::take_ownership);
 
   m.def(
       "gloo_transport",
@@ -533,51 +593,61 @@ void init_runtime(nb::module_& root) {
         }
         return t;
       },
-      "rank"_a, "world_size"_a, "store"_a, "hostname"_a = "127.0.0.1",
-      "connect_timeout"_a = 30.0, "prefix"_a = "baton", "delay"_a = 0.0,
-      nb::rv_policy::take_ownership);
+      "rank"_a, "world_size"_a, "store"_a, "hostname"_a = "127.0.0.1", "connect_timeout"_a = 30.0,
+      "prefix"_a = "baton", "delay"_a = 0.0, nb::rv_policy::take_ownership);
 
   m.def(
       "nccl_transport",
-      [](int rank, int world, int device, PyStore& store) {
+      [](int rank, int world, int device, PyStore& store, int channels) {
         auto* t = new PyTransport();
         {
           nb::gil_scoped_release nogil;
-          t->t = rt::make_nccl_transport(rank, world, device, store.store);
+          t->t = rt::make_nccl_transport(rank, world, device, store.store, {}, channels);
         }
         return t;
       },
-      "rank"_a, "world_size"_a, "device"_a, "store"_a, nb::rv_policy::take_ownership);
+      "rank"_a, "world_size"_a, "device"_a, "store"_a, "channels"_a = 2,
+      nb::rv_policy::take_ownership);
 
   nb::class_<PyExecutor>(m, "Executor", "Runs one rank's program of a Plan.")
       .def(nb::init<const baton::Plan&, int, PyTransport&, PyTasks&, double, bool>(), "plan"_a,
            "rank"_a, "transport"_a, "tasks"_a, "timeout"_a = 60.0, "record_events"_a = false,
            nb::keep_alive<1, 2>(), nb::keep_alive<1, 4>(), nb::keep_alive<1, 5>())
-      .def("run", [](PyExecutor& e) {
-             nb::gil_scoped_release nogil;
-             e.ex.run();
-           }, "Runs one step (releases the GIL; callbacks take it).")
-      .def("handshake", [](PyExecutor& e, double timeout) {
-             nb::gil_scoped_release nogil;
-             e.ex.handshake(ms(timeout));
-           }, "timeout"_a = 60.0)
+      .def(
+          "run",
+          [](PyExecutor& e) {
+            nb::gil_scoped_release nogil;
+            e.ex.run();
+          },
+          "Runs one step (releases the GIL; callbacks take it).")
+      .def(
+          "handshake",
+          [](PyExecutor& e, double timeout) {
+            nb::gil_scoped_release nogil;
+            e.ex.handshake(ms(timeout));
+          },
+          "timeout"_a = 60.0)
       .def_prop_ro("rank", [](PyExecutor& e) { return e.ex.rank(); })
       .def_prop_ro("steps_done", [](PyExecutor& e) { return e.ex.steps_done(); })
-      .def("stats", [](PyExecutor& e) {
-        const auto& s = e.ex.stats();
-        nb::dict d;
-        d["peak_live_buffers"] = s.peak_live_buffers;
-        d["peak_live_bytes"] = s.peak_live_bytes;
-        d["instructions"] = s.instructions;
-        d["wait_seconds"] = s.wait_seconds;
-        return d;
-      })
-      .def("events", [](PyExecutor& e) {
-        nb::list out;
-        for (const rt::Event& ev : e.ex.events())
-          out.append(nb::make_tuple(ev.instr, baton::opcode_name(ev.op), ev.buffer, ev.peer,
-                                    ns(ev.posted), ns(ev.started), ns(ev.completed)));
-        return out;
-      }, "(instr, op, buffer, peer, posted_ns, started_ns, completed_ns) per instruction of the "
-         "last step (time.monotonic_ns clock); empty unless record_events.");
+      .def("stats",
+           [](PyExecutor& e) {
+             const auto& s = e.ex.stats();
+             nb::dict d;
+             d["peak_live_buffers"] = s.peak_live_buffers;
+             d["peak_live_bytes"] = s.peak_live_bytes;
+             d["instructions"] = s.instructions;
+             d["wait_seconds"] = s.wait_seconds;
+             return d;
+           })
+      .def(
+          "events",
+          [](PyExecutor& e) {
+            nb::list out;
+            for (const rt::Event& ev : e.ex.events())
+              out.append(nb::make_tuple(ev.instr, baton::opcode_name(ev.op), ev.buffer, ev.peer,
+                                        ns(ev.posted), ns(ev.started), ns(ev.completed)));
+            return out;
+          },
+          "(instr, op, buffer, peer, posted_ns, started_ns, completed_ns) per instruction of the "
+          "last step (time.monotonic_ns clock); empty unless record_events.");
 }

@@ -89,7 +89,8 @@ class FakeTasks : public Tasks {
 double expected_acc(const Schedule& s, int stage) {
   double sum = 0;
   const int S = s.num_stages;
-  for (int m = 0; m < s.num_microbatches; ++m) sum += (base(m) + stage) * std::pow(2.0, S - 1 - stage);
+  for (int m = 0; m < s.num_microbatches; ++m)
+    sum += (base(m) + stage) * std::pow(2.0, S - 1 - stage);
   return sum;
 }
 
@@ -119,9 +120,11 @@ std::vector<std::string> run_ranks(const Plan& plan, std::vector<std::unique_ptr
   return errors;
 }
 
-std::vector<std::unique_ptr<FakeTasks>> make_tasks(const Plan& plan, std::chrono::milliseconds w = 0ms) {
+std::vector<std::unique_ptr<FakeTasks>> make_tasks(const Plan& plan,
+                                                   std::chrono::milliseconds w = 0ms) {
   std::vector<std::unique_ptr<FakeTasks>> t;
-  for (int r = 0; r < plan.schedule.num_ranks; ++r) t.push_back(std::make_unique<FakeTasks>(plan, w));
+  for (int r = 0; r < plan.schedule.num_ranks; ++r)
+    t.push_back(std::make_unique<FakeTasks>(plan, w));
   return t;
 }
 
@@ -191,12 +194,13 @@ TEST(RuntimeGloo, EveryScheduleBetweenThreads) {
 TEST(RuntimeGloo, TensorsOfEveryDtypeCross) {
   auto tr = gloo_transports(2);
   Payload sent;
-  const DType dtypes[] = {DType::F32, DType::BF16, DType::F16, DType::I32,
+  const DType dtypes[] = {DType::F32, DType::BF16, DType::F16,  DType::I32,
                           DType::I64, DType::U8,   DType::Bool, DType::F64};
   int k = 0;
   for (DType d : dtypes) {
     Tensor t = alloc_host_tensor(d, {3, k + 1});
-    for (size_t i = 0; i < t.nbytes; ++i) static_cast<unsigned char*>(t.data)[i] = static_cast<unsigned char>(i * 7 + k);
+    for (size_t i = 0; i < t.nbytes; ++i)
+      static_cast<unsigned char*>(t.data)[i] = static_cast<unsigned char>(i * 7 + k);
     sent.push_back(t);
     ++k;
   }

@@ -103,7 +103,7 @@ WORKER = textwrap.dedent('''
         else:
             raise SystemExit(f"unknown mode {mode}")
     except baton.ExecutionError as e:
-        print(f"rank {rank} ERROR: {e}", flush=True)
+        os.write(1, (f"rank {rank} ERROR: {e}" + chr(10)).encode())  # one write: lines never interleave
         t.close()
         sys.exit(3)
     print(f"rank {rank} OK", flush=True)

@@ -266,3 +266,115 @@ def test_rank_info_sources():
         rendezvous.rank_info({"BATON_RANK": "5", "BATON_WORLD_SIZE": "2"})
     with pytest.raises(baton.ConfigError, match="not an integer"):
         rendezvous.rank_info({"BATON_RANK": "x", "BATON_WORLD_SIZE": "2"})
+
+
+def test_posted_requests_and_groups():
+    ts = gloo_pair()
+    try:
+        a, b = np.arange(5, dtype=np.int32), np.full((2, 2), 3.5, np.float64)
+        r1 = ts[1].irecv(0, 11)
+        r2 = ts[1].irecv(0, 12)
+        s2 = ts[0].isend(1, 12, [b])  # posted out of order: matched by tag
+        s1 = ts[0].isend(1, 11, [a])
+        ts[0].flush()
+        ts[1].flush()
+        np.testing.assert_array_equal(r2.wait(10)[0], b)
+        np.testing.assert_array_equal(r1.wait(10)[0], a)
+        assert s1.wait(10) is None and s2.wait(10) is None and s1.done()
+        r3 = ts[1].irecv(0, 13)
+        with pytest.raises(baton.ExecutionError, match="timed out after 0.2 s waiting to receive"):
+            r3.wait(0.2)
+        assert ts[1].failure() is not None and ts[1].failure()[0] == 1
+        deadline = time.monotonic() + 5
+        while ts[0].failure() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ts[0].failure()[0] == 1  # the timed-out rank told its peer
+    finally:
+        close_all(ts)
+
+
+def test_layout_argument_is_checked():
+    hub = rt.LocalHub(2)
+    t0, t1 = hub.transport(0), hub.transport(1)
+    r = t1.irecv(0, 1, layout=[("bfloat16", (2, 3)), np.zeros((4,), np.int32)])
+    t0.isend(1, 1, [np.ones(2)])
+    assert r.wait(5)[0].shape == (2,)  # local transport hands the value over as is
+    with pytest.raises(baton.ConfigError, match="unsupported dtype 'complex64'"):
+        t1.irecv(0, 2, layout=[("complex64", (2,))])
+
+
+def test_nccl_without_gpu_is_a_clear_error():
+    import jax
+
+    if jax.default_backend() == "gpu":  # bench/gpu_check.sh covers NCCL on a GPU
+        t = rt.nccl_transport(0, 1, 0, rt.hash_store())
+        assert t.kind == "nccl"
+        t.close()
+        return
+    with pytest.raises(baton.BatonError, match="NCCL|CUDA"):
+        rt.nccl_transport(0, 1, 0, rt.hash_store())
+
+
+def test_local_executor_runs_jitted_tasks_on_each_ranks_device():
+    """The shape of the frontend hook: JAX computations as task callbacks, values are lists of
+    jax.Arrays, `received` moves a value onto the receiving rank's device."""
+    import jax
+    import jax.numpy as jnp
+
+    devs = jax.devices()
+    if len(devs) < 2:
+        pytest.skip("needs 2 devices (JAX_NUM_CPU_DEVICES)")
+    plan = baton.plan("zbh1", ranks=2, microbatches=4)
+    hub = rt.LocalHub(2)
+    ts = [hub.transport(r) for r in range(2)]
+    accs = [dict() for _ in range(2)]
+    seen_devices = [set(), set()]
+
+    execs = []
+    core = plan.core
+    S = core.schedule.num_stages
+
+    def bid(kind, s, m):
+        return core.buffer_id(_core.BufferKey(kind, s, m))
+
+    def tasks_for(rank):
+        def run(r, a, in_ids, ins, out_ids):
+            for v in ins:
+                seen_devices[r].update(d.id for d in v[0].devices())
+            env = {b: v[0] for b, v in zip(in_ids, ins)}
+            act = core.schedule.rank_actions[r][a]
+            for t in [act.first] + ([act.second] if act.is_fused else []):
+                s, m, kind = t.stage, t.microbatch, t.kind
+                if kind == _core.TaskKind.F:
+                    x = (jax.device_put(jnp.float32(1.0 + m), devs[r]) if s == 0
+                         else env[bid(K.Act, s - 1, m)])
+                    if s < S - 1:
+                        env[bid(K.Act, s, m)] = x + 1
+                    env[bid(K.Stash, s, m)] = x
+                elif kind == _core.TaskKind.W:
+                    env[bid(K.WGrad, s, m)] = env[bid(K.WStash, s, m)]
+                else:
+                    g = (jax.device_put(jnp.float32(1.0), devs[r]) if s == S - 1
+                         else env[bid(K.Grad, s + 1, m)])
+                    if s > 0:
+                        env[bid(K.Grad, s, m)] = 2 * g
+                    out = K.WGrad if kind == _core.TaskKind.B else K.WStash
+                    env[bid(out, s, m)] = env[bid(K.Stash, s, m)] * g
+            return [[env[b]] for b in out_ids]
+
+        def accumulate(r, b, v):
+            s = core.buffer_key(b).stage
+            accs[r][s] = accs[r].get(s, 0.0) + float(v[0])
+
+        return rt.Tasks(run=run, accumulate=accumulate,
+                        received=lambda r, b, v: [jax.device_put(x, devs[r]) for x in v])
+
+    def body(r):
+        ex = rt.Executor(core, r, ts[r], tasks_for(r), timeout=30)
+        execs.append(ex)
+        ex.run()
+
+    errors = run_threads([lambda r=r: body(r) for r in range(2)])
+    assert errors == [None, None], errors
+    check(plan, accs)
+    assert seen_devices[0] == {devs[0].id} and seen_devices[1] == {devs[1].id}

@@ -50,7 +50,19 @@ class ExecutionError : public Error {
 // ---------------------------------------------------------------- tensors
 
 enum class DType : uint8_t {
-  F32 = 0, F64, F16, BF16, I8, I16, I32, I64, U8, U16, U32, U64, Bool,
+  F32 = 0,
+  F64,
+  F16,
+  BF16,
+  I8,
+  I16,
+  I32,
+  I64,
+  U8,
+  U16,
+  U32,
+  U64,
+  Bool,
 };
 const char* dtype_name(DType d);  // "float32", "bfloat16", ...
 size_t dtype_size(DType d);
@@ -67,6 +79,15 @@ struct Tensor {
   std::shared_ptr<void> owner;
 };
 using Payload = std::vector<Tensor>;
+
+// Dtype and shape of one tensor of a value: what a receiver expects when the
+// transport carries no header (NCCL).
+struct TensorSpec {
+  DType dtype = DType::F32;
+  std::vector<int64_t> shape;
+  bool operator==(const TensorSpec&) const = default;
+};
+using Layout = std::vector<TensorSpec>;
 
 // A 64-byte aligned host allocation of `nbytes` (zero-copy friendly for XLA).
 Tensor alloc_host_tensor(DType dtype, std::vector<int64_t> shape);
@@ -94,12 +115,12 @@ class HostValue : public ValueBase {
 // What the executor passes to Tasks::run.
 struct TaskCall {
   int rank = 0;
-  int instr = 0;                  // instruction index
-  int action = 0;                 // index into schedule.rank_actions[rank]
+  int instr = 0;   // instruction index
+  int action = 0;  // index into schedule.rank_actions[rank]
   const Action* act = nullptr;
   const std::vector<int32_t>* input_ids = nullptr;   // Plan::action_inputs
   const std::vector<int32_t>* output_ids = nullptr;  // Plan::action_outputs
-  std::vector<Value> inputs;      // parallel to input_ids
+  std::vector<Value> inputs;                         // parallel to input_ids
 };
 
 // The compiled tasks of one rank (in Python: jitted functions).
@@ -117,6 +138,10 @@ class Tasks {
   // handle HostValue and throw ExecutionError for anything else.
   virtual Payload to_payload(const Value& v);
   virtual Value from_payload(Payload p);
+  // The layout of `buffer` as this rank will receive it, when known (the
+  // frontend knows every buffer's avals). Needed by NCCL, which sends no
+  // header; empty means unknown. Default: empty.
+  virtual Layout recv_layout(int rank, int32_t buffer);
 };
 
 // ---------------------------------------------------------------- transport
@@ -126,7 +151,10 @@ class Tasks {
 class Request {
  public:
   Request(bool send, int to_or_from, uint64_t tg, std::string description)
-      : is_send(send), peer(to_or_from), tag(tg), what(std::move(description)),
+      : is_send(send),
+        peer(to_or_from),
+        tag(tg),
+        what(std::move(description)),
         posted(Clock::now()) {}
   const bool is_send;
   const int peer;
@@ -169,10 +197,17 @@ class Transport {
   virtual int world_size() const = 0;
   virtual std::string kind() const = 0;  // "local", "gloo", "nccl"
   // Posts never block. `tasks` converts values for byte transports and must
-  // outlive the request.
-  virtual RequestPtr isend(int peer, uint64_t tag, Value v, const std::string& what,
-                           Tasks* tasks) = 0;
-  virtual RequestPtr irecv(int peer, uint64_t tag, const std::string& what, Tasks* tasks) = 0;
+  // outlive the request. Matching is by (peer, tag). `channel` names an
+  // ordered channel (the executor uses the buffer kind: activations and
+  // gradients travel on separate channels, see CommModel::Fifo); transports
+  // that match by tag (local, gloo) ignore it, NCCL keeps one communicator
+  // per channel.
+  virtual RequestPtr isend(int peer, uint64_t tag, Value v, const std::string& what, Tasks* tasks,
+                           int channel = 0) = 0;
+  // `layout`: the expected tensors when known (required by NCCL; Gloo sends
+  // a header and checks nothing).
+  virtual RequestPtr irecv(int peer, uint64_t tag, const std::string& what, Tasks* tasks,
+                           int channel = 0, const Layout& layout = {}) = 0;
   // Ends a communication group (the executor calls it after the last of
   // consecutive SEND/RECV posts). NCCL issues a group's operations as one
   // ncclGroupStart/End; other transports ignore it.
@@ -233,23 +268,24 @@ class Store {
   // Blocks until the key exists or the timeout passes (then throws).
   virtual std::string get(const std::string& key, std::chrono::milliseconds timeout) = 0;
 };
-std::shared_ptr<Store> make_hash_store();                       // in-process
+std::shared_ptr<Store> make_hash_store();                        // in-process
 std::shared_ptr<Store> make_file_store(const std::string& dir);  // one host
 std::shared_ptr<Store> make_callback_store(
     std::function<void(const std::string&, const std::string&)> set,
     std::function<std::string(const std::string&, std::chrono::milliseconds)> get);
 std::unique_ptr<Transport> make_gloo_transport(int rank, int world_size,
-                                               std::shared_ptr<Store> store,
-                                               GlooOptions opts = {});
+                                               std::shared_ptr<Store> store, GlooOptions opts = {});
 
 // NCCL point-to-point (compiled only when CUDA and nccl.h are found; see
 // nccl_available()). Values must convert to device tensors (Tensor::device
 // >= 0). The unique id travels through `store`. Throws ConfigError when
 // Baton was built without NCCL.
 bool nccl_available();
+// `channels` communicators are created up front, in the same order on every
+// rank (channel c carries buffer kind c: 0 act, 1 grad).
 std::unique_ptr<Transport> make_nccl_transport(int rank, int world_size, int device,
                                                std::shared_ptr<Store> store,
-                                               TransportOptions opts = {});
+                                               TransportOptions opts = {}, int channels = 2);
 
 // ---------------------------------------------------------------- executor
 

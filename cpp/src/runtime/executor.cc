@@ -27,8 +27,7 @@ Executor::Executor(const Plan& plan, int rank, Transport& transport, Tasks& task
                                   plan.programs.size()));
   if (transport.world_size() != static_cast<int>(plan.programs.size()))
     throw ConfigError(fmt::format("the {} transport has {} ranks but the plan has {}",
-                                  transport.kind(), transport.world_size(),
-                                  plan.programs.size()));
+                                  transport.kind(), transport.world_size(), plan.programs.size()));
   if (transport.rank() != rank)
     throw ConfigError(
         fmt::format("executor rank {} runs on a transport of rank {}", rank, transport.rank()));
@@ -80,21 +79,23 @@ void Executor::wait(int index, const RequestPtr& r, const char* doing) {
     if (!ok) {
       if (auto f = transport_.failure())
         fail(index, fmt::format("stopped: rank {} failed: {}", f->first, f->second), f->first);
-      fail(index, fmt::format("timed out after {:g} s waiting to {} {} {} rank {} (no progress)",
-                              seconds(opts_.timeout), doing, r->what,
-                              r->is_send ? "to" : "from", r->peer),
+      fail(index,
+           fmt::format("timed out after {:g} s waiting to {} {} {} rank {} (no progress)",
+                       seconds(opts_.timeout), doing, r->what, r->is_send ? "to" : "from", r->peer),
            -1);
     }
   }
   try {
     r->check();
   } catch (const ExecutionError& e) {
-    fail(index, fmt::format("while waiting to {} {} {} rank {}: {}", doing, r->what,
-                            r->is_send ? "to" : "from", r->peer, e.what()),
+    fail(index,
+         fmt::format("while waiting to {} {} {} rank {}: {}", doing, r->what,
+                     r->is_send ? "to" : "from", r->peer, e.what()),
          e.failed_rank);
   } catch (const std::exception& e) {
-    fail(index, fmt::format("transfer of {} {} rank {} failed: {}", r->what,
-                            r->is_send ? "to" : "from", r->peer, e.what()),
+    fail(index,
+         fmt::format("transfer of {} {} rank {} failed: {}", r->what, r->is_send ? "to" : "from",
+                     r->peer, e.what()),
          -1);
   }
 }
@@ -106,13 +107,15 @@ Value Executor::need(int index, int32_t buffer) {
     s.recv.reset();
     wait(index, r, "receive");
     Value v = r->take_value();
-    if (!v) fail(index, fmt::format("received an empty value for {}", plan_.describe_buffer(buffer)));
+    if (!v)
+      fail(index, fmt::format("received an empty value for {}", plan_.describe_buffer(buffer)));
     s.value = tasks_.received(rank_, buffer, std::move(v));
     s.present = true;
     add_live(s.value);
   }
   if (!s.present)
-    fail(index, fmt::format("buffer {} is not present on this rank", plan_.describe_buffer(buffer)));
+    fail(index,
+         fmt::format("buffer {} is not present on this rank", plan_.describe_buffer(buffer)));
   return s.value;
 }
 
@@ -158,8 +161,8 @@ void Executor::exec(int index, const Instr& in) {
                                 action_out_[a].size()));
       for (size_t i = 0; i < outs.size(); ++i) {
         const int32_t b = action_out_[a][i];
-        if (!outs[i]) fail(index, fmt::format("task returned no value for {}",
-                                              plan_.describe_buffer(b)));
+        if (!outs[i])
+          fail(index, fmt::format("task returned no value for {}", plan_.describe_buffer(b)));
         Slot& s = slots_[static_cast<size_t>(b)];
         if (s.present || s.recv)
           fail(index, fmt::format("buffer {} is written twice", plan_.describe_buffer(b)));
@@ -172,8 +175,9 @@ void Executor::exec(int index, const Instr& in) {
     case OpCode::Send: {
       Value v = need(index, in.buffer);
       Slot& s = slots_[static_cast<size_t>(in.buffer)];
-      s.send = transport_.isend(in.peer, tag(in.buffer), std::move(v),
-                                plan_.describe_buffer(in.buffer), &tasks_);
+      s.send =
+          transport_.isend(in.peer, tag(in.buffer), std::move(v), plan_.describe_buffer(in.buffer),
+                           &tasks_, static_cast<int>(plan_.buffer_key(in.buffer).kind));
       if (opts_.record_events) pending_events_.emplace_back(events_.size() - 1, s.send);
       break;
     }
@@ -182,7 +186,10 @@ void Executor::exec(int index, const Instr& in) {
       if (s.present || s.recv)
         fail(index, fmt::format("buffer {} is received while already present",
                                 plan_.describe_buffer(in.buffer)));
-      s.recv = transport_.irecv(in.peer, tag(in.buffer), plan_.describe_buffer(in.buffer), &tasks_);
+      s.recv = transport_.irecv(
+          in.peer, tag(in.buffer), plan_.describe_buffer(in.buffer), &tasks_,
+          static_cast<int>(plan_.buffer_key(in.buffer).kind),
+          transport_.kind() == "nccl" ? tasks_.recv_layout(rank_, in.buffer) : Layout{});
       if (opts_.record_events) pending_events_.emplace_back(events_.size() - 1, s.recv);
       break;
     }
@@ -190,7 +197,8 @@ void Executor::exec(int index, const Instr& in) {
       Slot& s = slots_[static_cast<size_t>(in.buffer)];
       if (s.recv) need(index, in.buffer);  // received but never used: still wait for it
       if (!s.present)
-        fail(index, fmt::format("FREE of {} which is not present", plan_.describe_buffer(in.buffer)));
+        fail(index,
+             fmt::format("FREE of {} which is not present", plan_.describe_buffer(in.buffer)));
       if (s.send && !s.send->done()) {
         deferred_.emplace_back(std::move(s.send), std::move(s.value));
       } else {
@@ -291,8 +299,8 @@ void Executor::handshake(std::chrono::milliseconds timeout) {
       const std::string a = k < my_fields.size() ? my_fields[k] : "";
       const std::string b = k < theirs.size() ? theirs[k] : "";
       if (a != b)
-        diffs += fmt::format("{}rank {} has {} but rank {} has {}", diffs.empty() ? "" : "; ", r,
-                             b, rank_, a);
+        diffs += fmt::format("{}rank {} has {} but rank {} has {}", diffs.empty() ? "" : "; ", r, b,
+                             rank_, a);
     }
   }
   if (!diffs.empty())

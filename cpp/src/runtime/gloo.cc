@@ -41,8 +41,8 @@ class HashStore : public Store {
   std::string get(const std::string& key, std::chrono::milliseconds timeout) override {
     std::unique_lock<std::mutex> lock(mu_);
     if (!cv_.wait_for(lock, timeout, [&] { return map_.count(key) > 0; }))
-      throw ExecutionError(fmt::format("store: timed out after {} ms waiting for key '{}'",
-                                       timeout.count(), key));
+      throw ExecutionError(
+          fmt::format("store: timed out after {} ms waiting for key '{}'", timeout.count(), key));
     return map_[key];
   }
 
@@ -207,8 +207,8 @@ class GlooTransport : public Transport {
   GlooTransport(int rank, int world, std::shared_ptr<Store> store, GlooOptions opts)
       : rank_(rank), world_(world), store_(std::move(store)), opts_(std::move(opts)) {
     if (world < 1 || rank < 0 || rank >= world)
-      throw ConfigError(fmt::format("gloo transport: rank {} is invalid for world size {}", rank,
-                                    world));
+      throw ConfigError(
+          fmt::format("gloo transport: rank {} is invalid for world size {}", rank, world));
     gloo::transport::tcp::attr attr;
     attr.hostname = opts_.hostname;
     try {
@@ -220,9 +220,8 @@ class GlooTransport : public Transport {
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
-      throw ExecutionError(
-          fmt::format("rank {}: gloo could not connect {} ranks (host {}): {}", rank, world,
-                      opts_.hostname, e.what()));
+      throw ExecutionError(fmt::format("rank {}: gloo could not connect {} ranks (host {}): {}",
+                                       rank, world, opts_.hostname, e.what()));
     }
     // Transfers never time out inside Gloo (see the file comment).
     ctx_->setTimeout(std::chrono::hours(24 * 365));
@@ -259,6 +258,15 @@ class GlooTransport : public Transport {
     }
     for (auto& t : transfers) t->abort();
     join_threads(true);
+    // Close every connection before freeing buffers that Gloo may still have
+    // posted (aborted transfers, listeners): after close() no pair touches them.
+    try {
+      ctx_->closeConnections();
+    } catch (const std::exception&) {
+      // already broken: nothing left to close
+    }
+    graveyard_.clear();
+    transfers_.clear();
     listeners_.clear();
     ctx_.reset();
   }
@@ -267,8 +275,8 @@ class GlooTransport : public Transport {
   int world_size() const override { return world_; }
   std::string kind() const override { return "gloo"; }
 
-  RequestPtr isend(int peer, uint64_t tag, Value v, const std::string& what,
-                   Tasks* tasks) override {
+  RequestPtr isend(int peer, uint64_t tag, Value v, const std::string& what, Tasks* tasks,
+                   int /*channel*/) override {
     check_peer(peer);
     auto r = std::make_shared<Request>(true, peer, tag, what);
     auto t = start(r, tasks);
@@ -277,7 +285,8 @@ class GlooTransport : public Transport {
     return r;
   }
 
-  RequestPtr irecv(int peer, uint64_t tag, const std::string& what, Tasks* tasks) override {
+  RequestPtr irecv(int peer, uint64_t tag, const std::string& what, Tasks* tasks, int /*channel*/,
+                   const Layout& /*layout*/) override {
     check_peer(peer);
     auto r = std::make_shared<Request>(false, peer, tag, what);
     auto t = start(r, tasks);
@@ -296,9 +305,9 @@ class GlooTransport : public Transport {
       try {
         out.push_back(r == rank_ ? mine : store_->get(base + std::to_string(r), timeout));
       } catch (const std::exception& e) {
-        throw ExecutionError(fmt::format(
-            "rank {}: start-up handshake: no answer from rank {} within {} ms ({})", rank_, r,
-            timeout.count(), e.what()));
+        throw ExecutionError(
+            fmt::format("rank {}: start-up handshake: no answer from rank {} within {} ms ({})",
+                        rank_, r, timeout.count(), e.what()));
       }
     }
     return out;
@@ -370,13 +379,16 @@ class GlooTransport : public Transport {
   }
 
  private:
-
   void spawn(std::function<void()> fn) {
     join_threads(false);
     std::lock_guard<std::mutex> lock(threads_mu_);
     auto done = std::make_shared<std::atomic<bool>>(false);
-    threads_.push_back({std::thread([fn = std::move(fn), done] {
+    // Everything the job holds (values, payloads: their release may need the
+    // Python GIL) is dropped before the thread reports done, so joining a done
+    // thread never waits on the GIL.
+    threads_.push_back({std::thread([fn = std::move(fn), done]() mutable {
                           fn();
+                          fn = nullptr;
                           done->store(true);
                         }),
                         done});
@@ -487,12 +499,12 @@ class GlooTransport : public Transport {
         p.clear();
       }
     } catch (const ExecutionError& e) {
-      fail_request(r,
-                   fmt::format("receive of {} from rank {} failed: {}", r->what, r->peer, e.what()));
+      fail_request(
+          r, fmt::format("receive of {} from rank {} failed: {}", r->what, r->peer, e.what()));
     } catch (const std::exception& e) {
       peer_lost(r->peer, e.what());
-      fail_request(r,
-                   fmt::format("receive of {} from rank {} failed: {}", r->what, r->peer, e.what()));
+      fail_request(
+          r, fmt::format("receive of {} from rank {} failed: {}", r->what, r->peer, e.what()));
     }
     finish(t);
   }
@@ -514,7 +526,6 @@ class GlooTransport : public Transport {
 
   bool mark_failed(int origin, const std::string& reason, bool abort_gloo = true) {
     std::list<std::shared_ptr<Transfer>> transfers;
-    std::exception_ptr e;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (failed_) return false;
@@ -522,10 +533,16 @@ class GlooTransport : public Transport {
       failed_origin_ = origin;
       failed_reason_ = reason;
       transfers = transfers_;
-      e = failure_error_locked();
     }
     cv_.notify_all();
-    for (auto& t : transfers) t->req->fail(e);
+    for (auto& t : transfers) {
+      std::exception_ptr e;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        e = failure_error_locked();  // one exception object per request
+      }
+      t->req->fail(e);
+    }
     if (abort_gloo) abort_transfers();
     return true;
   }
@@ -560,14 +577,11 @@ class GlooTransport : public Transport {
           std::this_thread::sleep_for(std::chrono::milliseconds(5));
         if (!finished.load()) raw->abortWaitSend();
       });
-      bool sent = false;
-      std::string err;
       try {
-        sent = raw->waitSend();
-      } catch (const std::exception& e) {
-        err = e.what();
+        raw->waitSend();
+      } catch (const std::exception&) {
+        // the peer is gone: nothing to tell it
       }
-      if (getenv("BATON_DEBUG")) fprintf(stderr, "rank %d control kind %u sent=%d err=%s\n", rank_, kind, sent, err.c_str());
       finished.store(true);
       aborter.join();
     }
@@ -596,7 +610,6 @@ class GlooTransport : public Transport {
         peer_lost(l.peer, error);
         return;
       }
-      if (getenv("BATON_DEBUG")) fprintf(stderr, "rank %d listener got msg from %d kind %u\n", rank_, l.peer, l.msg->kind);
       ControlMsg m = *l.msg;
       m.text[sizeof(m.text) - 1] = '\0';
       if (m.kind == kMsgBye) {

@@ -111,11 +111,11 @@ class LocalTransport : public Transport {
 
   void check_peer(int peer) const {
     if (peer < 0 || peer >= st_->world || peer == rank_)
-      throw ConfigError(fmt::format("rank {}: invalid peer rank {} (world size {})", rank_, peer,
-                                    st_->world));
+      throw ConfigError(
+          fmt::format("rank {}: invalid peer rank {} (world size {})", rank_, peer, st_->world));
   }
 
-  RequestPtr isend(int peer, uint64_t tag, Value v, const std::string& what, Tasks*) override {
+  RequestPtr isend(int peer, uint64_t tag, Value v, const std::string& what, Tasks*, int) override {
     check_peer(peer);
     auto r = std::make_shared<Request>(true, peer, tag, what);
     std::lock_guard<std::mutex> lock(st_->mu);
@@ -135,7 +135,8 @@ class LocalTransport : public Transport {
     return r;
   }
 
-  RequestPtr irecv(int peer, uint64_t tag, const std::string& what, Tasks*) override {
+  RequestPtr irecv(int peer, uint64_t tag, const std::string& what, Tasks*, int,
+                   const Layout&) override {
     check_peer(peer);
     auto r = std::make_shared<Request>(false, peer, tag, what);
     std::lock_guard<std::mutex> lock(st_->mu);
@@ -174,8 +175,8 @@ class LocalTransport : public Transport {
       std::string missing;
       for (size_t r = 0; r < blobs.size(); ++r)
         if (!blobs[r]) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
-      throw ExecutionError(fmt::format("rank {}: start-up handshake timed out waiting for rank(s) {}",
-                                       rank_, missing));
+      throw ExecutionError(fmt::format(
+          "rank {}: start-up handshake timed out waiting for rank(s) {}", rank_, missing));
     }
     std::vector<std::string> out;
     for (const auto& b : blobs) out.push_back(*b);
@@ -197,8 +198,7 @@ class LocalTransport : public Transport {
       st_->mailbox.clear();
     }
     st_->cv.notify_all();
-    const auto e = st_->failure_error();
-    for (auto& r : to_fail) r->fail(e);
+    for (auto& r : to_fail) r->fail(st_->failure_error());  // one exception object each
   }
 
   std::optional<std::pair<int, std::string>> failure() const override {

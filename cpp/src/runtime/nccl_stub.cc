@@ -7,7 +7,7 @@ namespace baton::runtime {
 bool nccl_available() { return false; }
 
 std::unique_ptr<Transport> make_nccl_transport(int, int, int, std::shared_ptr<Store>,
-                                               TransportOptions) {
+                                               TransportOptions, int) {
   throw ConfigError(
       "the NCCL transport is not available: Baton was built without CUDA/nccl.h "
       "(rebuild on a machine with the CUDA toolkit, or use the gloo transport)");

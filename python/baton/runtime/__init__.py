@@ -36,16 +36,19 @@ handshake_blob = _rt.handshake_blob
 dtype_names = _rt.dtype_names
 
 
-def make_tasks(run=None, accumulate=None, received=None, *, to_jax: bool = True) -> Tasks:
+def make_tasks(run=None, accumulate=None, received=None, *, to_jax: bool = True,
+               recv_layout=None) -> Tasks:
     """Tasks whose values are lists of arrays.
 
     ``run(rank, action, input_ids, inputs, output_ids) -> outputs`` (one per output id); ``accumulate(rank, buffer, value)``;
     ``received(rank, buffer, value) -> value`` (e.g. ``jax.device_put`` onto the rank's
     devices). Across byte transports a value travels as its list of arrays; with ``to_jax``
     the receiver gets ``jax.Array``s (zero-copy DLPack views of the aligned receive buffers).
+    ``recv_layout(rank, buffer) -> [(dtype, shape), ...]`` (or ShapeDtypeStructs) sizes NCCL
+    receives, which carry no header.
     """
     return Tasks(run=run, accumulate=accumulate, received=received, to_host=to_host,
-                 from_host=from_host if to_jax else None)
+                 from_host=from_host if to_jax else None, recv_layout=recv_layout)
 
 
 __all__ = [

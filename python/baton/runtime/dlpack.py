@@ -15,9 +15,14 @@ from typing import Any
 
 def to_host(value: Any) -> list:
     """A runtime value as a list of arrays (a single array becomes a one-element list)."""
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    return [value]
+    arrays = list(value) if isinstance(value, (list, tuple)) else [value]
+    for x in arrays:
+        # A jax.Array must be computed before another stream (NCCL) reads it;
+        # on CPU, DLPack export waits anyway. Runs on a transport thread.
+        ready = getattr(x, "block_until_ready", None)
+        if ready is not None:
+            ready()
+    return arrays
 
 
 def from_host(arrays: list) -> list:

@@ -5,13 +5,13 @@
 // and Baton should use that same copy rather than link a second one.
 //
 // One progress thread issues the posted operations in order, one
-// communication group (as ended by flush()) at a time, on its own stream:
-//   phase 1: ncclGroupStart; a 4 KiB header per op (dtypes, shapes);
-//            ncclGroupEnd; wait;
-//   phase 2: ncclGroupStart; every tensor; ncclGroupEnd; wait.
-// Both phases of a group run back to back, so traffic between two ranks stays
-// in order (the plan verifier checks deadlock freedom under exactly this FIFO
-// model). Waits poll the stream and the abort flag; abort() calls
+// communication group (as ended by flush()) at a time, on its own stream, as
+// one ncclGroupStart/End that is waited for: the executor's compute goes on
+// meanwhile, and the transfers progress exactly as in the verifier's blocking
+// model. NCCL sends no header: receives are sized from the buffer's layout
+// (Tasks::recv_layout), so sender and receiver must agree on it. Each channel
+// (buffer kind) has its own communicator, so traffic is FIFO per kind, as in
+// the verifier's Fifo model. Waits poll the stream and the abort flag; abort() calls
 // ncclCommAbort and writes the failure into the store, which a watcher thread
 // on every rank polls.
 #include <cuda_runtime_api.h>
@@ -87,37 +87,40 @@ void nccl_check(ncclResult_t r, const char* what) {
     throw ExecutionError(fmt::format("NCCL error in {}: {}", what, nccl_api().GetErrorString(r)));
 }
 
-constexpr size_t kHeaderBytes = 4096;
-
 struct Op {
   RequestPtr req;
   Value value;  // send
   Tasks* tasks = nullptr;
+  int channel = 0;
   bool flush = false;  // group marker
+  Layout layout;       // receive
   Payload payload;
-  void* header_dev = nullptr;
-  std::string header;
 };
 
 class NcclTransport : public Transport {
  public:
   NcclTransport(int rank, int world, int device, std::shared_ptr<Store> store,
-                TransportOptions opts)
+                TransportOptions opts, int channels)
       : rank_(rank), world_(world), device_(device), store_(std::move(store)), opts_(opts) {
     const NcclApi& api = nccl_api();
     if (!api.lib) throw ConfigError(fmt::format("cannot load NCCL: {}", api.error));
     cuda_check(cudaSetDevice(device), "cudaSetDevice");
-    ncclUniqueId id;
-    const std::string key = "baton/nccl/id";
-    if (rank == 0) {
-      nccl_check(api.GetUniqueId(&id), "ncclGetUniqueId");
-      store_->set(key, std::string(reinterpret_cast<char*>(&id), sizeof(id)));
-    } else {
-      const std::string v = store_->get(key, std::chrono::seconds(60));
-      if (v.size() != sizeof(id)) throw ExecutionError("malformed NCCL unique id in the store");
-      std::memcpy(&id, v.data(), sizeof(id));
+    // One communicator per channel, created in the same order on every rank.
+    for (int c = 0; c < channels; ++c) {
+      ncclUniqueId id;
+      const std::string key = fmt::format("baton/nccl/id/{}", c);
+      if (rank == 0) {
+        nccl_check(api.GetUniqueId(&id), "ncclGetUniqueId");
+        store_->set(key, std::string(reinterpret_cast<char*>(&id), sizeof(id)));
+      } else {
+        const std::string v = store_->get(key, std::chrono::seconds(60));
+        if (v.size() != sizeof(id)) throw ExecutionError("malformed NCCL unique id in the store");
+        std::memcpy(&id, v.data(), sizeof(id));
+      }
+      ncclComm_t comm = nullptr;
+      nccl_check(api.CommInitRank(&comm, world, id, rank), "ncclCommInitRank");
+      comms_.push_back(comm);
     }
-    nccl_check(api.CommInitRank(&comm_, world, id, rank), "ncclCommInitRank");
     cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     worker_ = std::thread([this] { loop(); });
     watcher_ = std::thread([this] { watch(); });
@@ -131,10 +134,12 @@ class NcclTransport : public Transport {
     cv_.notify_all();
     worker_.join();
     watcher_.join();
-    if (failed_)
-      nccl_api().CommAbort(comm_);
-    else
-      nccl_api().CommDestroy(comm_);
+    for (ncclComm_t c : comms_) {
+      if (failed_)
+        nccl_api().CommAbort(c);
+      else
+        nccl_api().CommDestroy(c);
+    }
     cudaStreamDestroy(stream_);
   }
 
@@ -142,15 +147,25 @@ class NcclTransport : public Transport {
   int world_size() const override { return world_; }
   std::string kind() const override { return "nccl"; }
 
-  RequestPtr isend(int peer, uint64_t tag, Value v, const std::string& what,
-                   Tasks* tasks) override {
+  RequestPtr isend(int peer, uint64_t tag, Value v, const std::string& what, Tasks* tasks,
+                   int channel) override {
     auto r = std::make_shared<Request>(true, peer, tag, what);
-    enqueue(Op{r, std::move(v), tasks});
+    enqueue(Op{r, std::move(v), tasks, channel});
     return r;
   }
-  RequestPtr irecv(int peer, uint64_t tag, const std::string& what, Tasks* tasks) override {
+  RequestPtr irecv(int peer, uint64_t tag, const std::string& what, Tasks* tasks, int channel,
+                   const Layout& layout) override {
     auto r = std::make_shared<Request>(false, peer, tag, what);
-    enqueue(Op{r, nullptr, tasks});
+    if (layout.empty()) {
+      r->fail(std::make_exception_ptr(ConfigError(fmt::format(
+          "rank {}: the NCCL receive of {} from rank {} needs the buffer's layout (dtypes and "
+          "shapes: Tasks::recv_layout, or layout= in Python); NCCL carries no header",
+          rank_, what, peer))));
+      return r;
+    }
+    Op op{r, nullptr, tasks, channel};
+    op.layout = layout;
+    enqueue(std::move(op));
     return r;
   }
   void flush() override {
@@ -167,7 +182,8 @@ class NcclTransport : public Transport {
     const std::string base = fmt::format("baton/nccl/exchange/{}/", round);
     store_->set(base + std::to_string(rank_), mine);
     std::vector<std::string> out;
-    for (int r = 0; r < world_; ++r) out.push_back(r == rank_ ? mine : store_->get(base + std::to_string(r), timeout));
+    for (int r = 0; r < world_; ++r)
+      out.push_back(r == rank_ ? mine : store_->get(base + std::to_string(r), timeout));
     return out;
   }
 
@@ -190,7 +206,14 @@ class NcclTransport : public Transport {
   void enqueue(Op op) {
     std::lock_guard<std::mutex> lock(mu_);
     if (op.req->peer < 0 || op.req->peer >= world_) {
-      op.req->fail(std::make_exception_ptr(ConfigError(fmt::format("invalid peer {}", op.req->peer))));
+      op.req->fail(
+          std::make_exception_ptr(ConfigError(fmt::format("invalid peer {}", op.req->peer))));
+      return;
+    }
+    if (op.channel < 0 || op.channel >= static_cast<int>(comms_.size())) {
+      op.req->fail(std::make_exception_ptr(ConfigError(fmt::format(
+          "{}: channel {} but the NCCL transport opened {} (one per transferred buffer kind)",
+          op.req->what, op.channel, comms_.size()))));
       return;
     }
     if (failed_) {
@@ -219,14 +242,16 @@ class NcclTransport : public Transport {
       for (auto& r : in_flight_) pending.push_back(r);
     }
     cv_.notify_all();
-    nccl_api().CommAbort(comm_);
     aborted_comm_ = true;
-    std::exception_ptr e;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      e = error_locked();
+    for (ncclComm_t c : comms_) nccl_api().CommAbort(c);
+    for (auto& r : pending) {
+      std::exception_ptr e;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        e = error_locked();  // one exception object per request
+      }
+      r->fail(e);
     }
-    for (auto& r : pending) r->fail(e);
     return true;
   }
 
@@ -236,9 +261,11 @@ class NcclTransport : public Transport {
       const cudaError_t q = cudaStreamQuery(stream_);
       if (q == cudaSuccess) return true;
       if (q != cudaErrorNotReady) cuda_check(q, "cudaStreamQuery");
-      ncclResult_t async = ncclSuccess;
-      if (!aborted_comm_) nccl_api().CommGetAsyncError(comm_, &async);
-      nccl_check(async, "NCCL (asynchronous)");
+      for (ncclComm_t c : comms_) {
+        ncclResult_t async = ncclSuccess;
+        if (!aborted_comm_) nccl_api().CommGetAsyncError(c, &async);
+        nccl_check(async, "NCCL (asynchronous)");
+      }
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (failed_) return false;
@@ -247,84 +274,49 @@ class NcclTransport : public Transport {
     }
   }
 
+  // One communication group: every operation is issued inside one
+  // ncclGroupStart/End, exactly the blocking model the verifier checks.
   void run_group(std::vector<Op>& ops) {
     const NcclApi& api = nccl_api();
     for (auto& op : ops) {
       op.req->mark_started();
-      cuda_check(cudaMallocAsync(&op.header_dev, kHeaderBytes, stream_), "cudaMallocAsync");
       if (op.req->is_send) {
         op.payload = op.tasks->to_payload(op.value);
         op.value.reset();
-        std::string h = fmt::format("{}\n", op.payload.size());
-        for (const Tensor& t : op.payload) {
+        for (const Tensor& t : op.payload)
           if (t.device != device_)
-            throw ExecutionError(fmt::format("NCCL send of {}: tensor is on device {}, not {}",
+            throw ExecutionError(fmt::format("NCCL send of {}: a tensor is on device {}, not {}",
                                              op.req->what, t.device, device_));
-          h += fmt::format("{} {}", static_cast<int>(t.dtype), t.shape.size());
-          for (int64_t d : t.shape) h += fmt::format(" {}", d);
-          h += "\n";
+      } else {
+        for (const TensorSpec& spec : op.layout) {
+          Tensor t;
+          t.dtype = spec.dtype;
+          t.shape = spec.shape;
+          t.nbytes = static_cast<size_t>(num_elements(t.shape)) * dtype_size(t.dtype);
+          t.device = device_;
+          void* p = nullptr;
+          if (t.nbytes) cuda_check(cudaMallocAsync(&p, t.nbytes, stream_), "cudaMallocAsync");
+          t.data = p;
+          t.owner = std::shared_ptr<void>(p, [](void* q) {
+            if (q) cudaFree(q);
+          });
+          op.payload.push_back(std::move(t));
         }
-        if (h.size() >= kHeaderBytes)
-          throw ExecutionError(fmt::format("NCCL send of {}: too many tensors", op.req->what));
-        op.header = h;
-        op.header.resize(kHeaderBytes, '\0');
-        cuda_check(cudaMemcpyAsync(op.header_dev, op.header.data(), kHeaderBytes,
-                                   cudaMemcpyHostToDevice, stream_),
-                   "cudaMemcpyAsync");
       }
     }
     nccl_check(api.GroupStart(), "ncclGroupStart");
     for (auto& op : ops) {
-      if (op.req->is_send)
-        nccl_check(api.Send(op.header_dev, kHeaderBytes, ncclUint8, op.req->peer, comm_, stream_),
-                   "ncclSend");
-      else
-        nccl_check(api.Recv(op.header_dev, kHeaderBytes, ncclUint8, op.req->peer, comm_, stream_),
-                   "ncclRecv");
-    }
-    nccl_check(api.GroupEnd(), "ncclGroupEnd");
-    for (auto& op : ops) {
-      if (op.req->is_send) continue;
-      op.header.assign(kHeaderBytes, '\0');
-      cuda_check(cudaMemcpyAsync(op.header.data(), op.header_dev, kHeaderBytes,
-                                 cudaMemcpyDeviceToHost, stream_),
-                 "cudaMemcpyAsync");
-    }
-    if (!sync()) return;
-    for (auto& op : ops) {
-      cudaFreeAsync(op.header_dev, stream_);
-      if (op.req->is_send) continue;
-      std::istringstream in(op.header.c_str());
-      size_t n = 0;
-      in >> n;
-      for (size_t i = 0; i < n; ++i) {
-        int code = 0;
-        size_t nd = 0;
-        in >> code >> nd;
-        Tensor t;
-        t.dtype = static_cast<DType>(code);
-        t.shape.resize(nd);
-        for (auto& d : t.shape) in >> d;
-        t.nbytes = static_cast<size_t>(num_elements(t.shape)) * dtype_size(t.dtype);
-        t.device = device_;
-        void* p = nullptr;
-        if (t.nbytes) cuda_check(cudaMallocAsync(&p, t.nbytes, stream_), "cudaMallocAsync");
-        t.data = p;
-        t.owner = std::shared_ptr<void>(p, [](void* q) {
-          if (q) cudaFree(q);
-        });
-        op.payload.push_back(std::move(t));
-      }
-    }
-    nccl_check(api.GroupStart(), "ncclGroupStart");
-    for (auto& op : ops)
+      ncclComm_t comm = comms_[static_cast<size_t>(op.channel)];
       for (Tensor& t : op.payload) {
         if (t.nbytes == 0) continue;
         if (op.req->is_send)
-          nccl_check(api.Send(t.data, t.nbytes, ncclUint8, op.req->peer, comm_, stream_), "ncclSend");
+          nccl_check(api.Send(t.data, t.nbytes, ncclUint8, op.req->peer, comm, stream_),
+                     "ncclSend");
         else
-          nccl_check(api.Recv(t.data, t.nbytes, ncclUint8, op.req->peer, comm_, stream_), "ncclRecv");
+          nccl_check(api.Recv(t.data, t.nbytes, ncclUint8, op.req->peer, comm, stream_),
+                     "ncclRecv");
       }
+    }
     nccl_check(api.GroupEnd(), "ncclGroupEnd");
     if (!sync()) return;
     for (auto& op : ops) {
@@ -386,7 +378,7 @@ class NcclTransport : public Transport {
   int rank_, world_, device_;
   std::shared_ptr<Store> store_;
   TransportOptions opts_;
-  ncclComm_t comm_ = nullptr;
+  std::vector<ncclComm_t> comms_;
   cudaStream_t stream_ = nullptr;
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -405,13 +397,15 @@ class NcclTransport : public Transport {
 bool nccl_available() { return nccl_api().lib != nullptr; }
 
 std::unique_ptr<Transport> make_nccl_transport(int rank, int world_size, int device,
-                                               std::shared_ptr<Store> store,
-                                               TransportOptions opts) {
+                                               std::shared_ptr<Store> store, TransportOptions opts,
+                                               int channels) {
   if (!store) throw ConfigError("nccl transport: a rendezvous store is required");
   if (world_size < 1 || rank < 0 || rank >= world_size)
-    throw ConfigError(fmt::format("nccl transport: rank {} is invalid for world size {}", rank,
-                                  world_size));
-  return std::make_unique<NcclTransport>(rank, world_size, device, std::move(store), opts);
+    throw ConfigError(
+        fmt::format("nccl transport: rank {} is invalid for world size {}", rank, world_size));
+  if (channels < 1) throw ConfigError(fmt::format("nccl transport: {} channels", channels));
+  return std::make_unique<NcclTransport>(rank, world_size, device, std::move(store), opts,
+                                         channels);
 }
 
 }  // namespace baton::runtime
