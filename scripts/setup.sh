@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything Baton needs, idempotently and quickly when nothing changed:
-#   1. Debian packages (compiler, CMake, C++ libraries), installed only if missing;
+#   1. Debian packages (compiler, CMake, C++ libraries; iproute2 for the two-host test over
+#      network namespaces), installed only if missing;
 #   2. the virtual environment .venv (Python 3.12) with Baton's Python dependencies;
 #   3. Baton itself (C++ core, bindings, baton-plan) pip-installed into .venv, rebuilt
 #      only when the sources changed since the last install.
@@ -18,7 +19,7 @@ die() { echo "[setup] error: $*" >&2; exit 1; }
 
 # --- 1. system packages --------------------------------------------------------
 APT_PACKAGES=(cmake ninja-build g++ make git libgtest-dev libbenchmark-dev nlohmann-json3-dev
-              libcli11-dev libfmt-dev libgloo-dev)
+              libcli11-dev libfmt-dev libgloo-dev iproute2)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg -s "$pkg" 2>/dev/null | grep '^Status: install ok installed' >/dev/null || missing+=("$pkg")

@@ -6,6 +6,7 @@ jaxpr data structures changed between the JAX versions Baton supports (0.11:
 consts). The rest of Baton only calls the small functions below, which read
 jaxprs through the attributes both versions share (``.jaxpr.eqns``,
 ``.jaxpr.invars``, ``.jaxpr.constvars``, ``.jaxpr.outvars``, ``.consts``).
+The runtime's rendezvous uses :func:`distributed_client` (``jax._src.distributed``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "is_drop_var",
     "instantiate_zeros",
     "jax_version",
+    "distributed_client",
 ]
 
 jax_version = tuple(int(x) for x in jax.__version__.split(".")[:2])
@@ -130,3 +132,14 @@ def eval_eqn(prim: Primitive, params: dict, ctx: Any, vals: list) -> list:
     else:
         out = prim.bind(*args, **bp)
     return list(out) if prim.multiple_results else [out]
+
+
+def distributed_client():
+    """The key-value client of ``jax.distributed`` (None before ``jax.distributed.initialize``).
+
+    Private API (``jax._src.distributed.global_state.client``); it offers
+    ``key_value_set_bytes(key, value)`` and ``blocking_key_value_get_bytes(key, timeout_ms)``.
+    """
+    from jax._src import distributed
+
+    return getattr(distributed.global_state, "client", None)

@@ -68,10 +68,10 @@ def rank_info(env=None) -> RankInfo:
 
 
 def _jax_kv_client():
-    # The key-value client of jax.distributed (private API: keep every use here).
-    from jax._src import distributed
+    # The key-value client of jax.distributed (private API: lives in baton._jax_compat).
+    from .._jax_compat import distributed_client
 
-    client = distributed.global_state.client
+    client = distributed_client()
     if client is None:
         raise ConfigError("BATON_STORE=jax needs jax.distributed.initialize() to be called first")
     return client
