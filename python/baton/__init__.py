@@ -50,6 +50,7 @@ from .schedules import (  # noqa: F401,E402
 from .frontend import (  # noqa: F401,E402
     PipelinedFunction,
     PipelineMesh,
+    Remote,
     accumulate,
     jit,
     stage_boundary,

@@ -6,8 +6,9 @@ tasks (C++ passes in ``baton._core.graph``), plans a schedule and runs it.
 """
 
 from .api import PipelinedFunction, cost_model_of, jit
+from .distributed import Remote
 from .mesh import PipelineMesh
 from .primitives import accumulate, stage_boundary
 
-__all__ = ["PipelinedFunction", "PipelineMesh", "accumulate", "cost_model_of", "jit",
+__all__ = ["PipelinedFunction", "PipelineMesh", "Remote", "accumulate", "cost_model_of", "jit",
            "stage_boundary"]

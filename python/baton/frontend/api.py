@@ -10,6 +10,8 @@ import numpy as np
 
 from .. import _core
 from ..errors import ConfigError, TraceError
+from .distributed import Remote, gather, launched_world_size, local_devices, process_group
+from .distributed import process_mesh
 from .executor import CompiledStep
 from .mesh import PipelineMesh
 from .trace import trace_step
@@ -26,13 +28,28 @@ def _schedule_spec(schedule: Any):
 class PipelinedFunction:
     """The result of ``baton.jit``. Call it like the step; inspect ``.plan``, ``.summary()``."""
 
-    def __init__(self, fn: Callable, mesh: PipelineMesh, schedule: Any, microbatches: int):
-        if not isinstance(mesh, PipelineMesh):
-            mesh = PipelineMesh(mesh)
+    def __init__(self, fn: Callable, mesh: Any, schedule: Any, microbatches: int,
+                 transport: str | None = None, timeout: float = 120.0):
+        if transport not in (None, "local", "gloo"):
+            raise ConfigError(
+                f"baton.jit: transport must be None (automatic), 'local' or 'gloo' "
+                f"(got {transport!r})")
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ConfigError(
                 f"baton.jit: microbatches must be a positive integer (got {microbatches!r})"
             )
+        if transport is None:
+            transport = "gloo" if launched_world_size() > 1 else "local"
+        self.transport = transport
+        self.timeout = float(timeout)
+        self.group = None  # ProcessGroup, connected at the first call (multi-process mode)
+        if transport == "local":
+            if mesh is None:
+                raise ConfigError("baton.jit: pass mesh=baton.PipelineMesh(devices, ranks=R)")
+            if not isinstance(mesh, PipelineMesh):
+                mesh = PipelineMesh(mesh)
+        else:
+            mesh = local_devices(mesh)  # this process's rank; made a mesh at the first call
         self.fn = fn
         self.mesh = mesh
         self.spec = _schedule_spec(schedule)
@@ -43,9 +60,16 @@ class PipelinedFunction:
         functools.update_wrapper(self, fn)
 
     def _key(self, flat, tree):
-        return (tree, tuple((np.shape(x), str(jax.numpy.result_type(x))) for x in flat))
+        return (tree, tuple((np.shape(x), _dtype_name(x)) for x in flat))
+
+    def _connect(self):
+        if self.transport == "gloo" and self.group is None:
+            self.group = process_group("gloo")
+            self.mesh = process_mesh(self.mesh, self.group.world_size)
+        return self.group
 
     def compile(self, *args) -> CompiledStep:
+        self._connect()
         flat, tree = jax.tree.flatten(args)
         if self._tree is not None and tree != self._tree:
             raise TraceError(
@@ -64,6 +88,9 @@ class PipelinedFunction:
     def _build(self, args) -> CompiledStep:
         from ..planning import plan as make_plan
 
+        # Remote placeholders (multi-process mode) trace as their shape and dtype.
+        args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+                            if isinstance(x, Remote) else x, args)
         traced = trace_step(self.fn, args, self.microbatches)
         ranks = self.mesh.num_ranks
         want = self.spec.stages(ranks)
@@ -88,8 +115,22 @@ class PipelinedFunction:
         step = self.compile(*args)
         self.last = step
         flat = jax.tree.leaves(args)
-        outs = step.run(flat)
+        outs = step.run(flat, self.group, self.timeout)
         return jax.tree.unflatten(step.traced.out_tree, outs)
+
+    @property
+    def rank(self) -> int | None:
+        """This process's pipeline rank in multi-process mode (None in single-process mode)."""
+        return self._connect().rank if self.transport == "gloo" else None
+
+    def gather(self, tree: Any) -> Any:
+        """Full values of ``tree`` as numpy arrays, e.g. parameters for checking or
+        checkpointing. Multi-process mode: a collective (call it in every process); each
+        ``Remote`` leaf is fetched from the process that holds it. Single-process mode:
+        ``jax.device_get(tree)``."""
+        if self.transport != "gloo":
+            return jax.device_get(tree)
+        return gather(self._connect(), tree, self.timeout)
 
     # -- inspection ----------------------------------------------------------------
     def cost_model(self, *args) -> Any:
@@ -107,6 +148,12 @@ class PipelinedFunction:
     def simulate(self, *args):
         step = self.compile(*args) if args else self.last
         return step.plan.simulate(cost_model_of(step))
+
+
+def _dtype_name(x) -> str:
+    if isinstance(x, (Remote, jax.ShapeDtypeStruct)):
+        return str(np.dtype(x.dtype))
+    return str(jax.numpy.result_type(x))
 
 
 def cost_model_of(step: CompiledStep):
@@ -141,16 +188,26 @@ def jit(
     mesh: Any = None,
     schedule: Any = "1f1b",
     microbatches: int = 1,
+    transport: str | None = None,
+    timeout: float = 120.0,
 ):
     """Pipelines ``fn`` (a training step containing one ``baton.accumulate``).
 
     Usable as ``baton.jit(step, mesh=..., schedule=..., microbatches=...)`` or
     as a decorator ``@baton.jit(mesh=..., ...)``.
+
+    ``transport``: ``"local"`` runs every rank in this process (one executor thread per
+    rank over the in-process transport; ``mesh`` is a ``PipelineMesh``); ``"gloo"`` makes
+    this process one rank of a multi-process pipeline (``mesh``: this rank's devices, default
+    ``jax.local_devices()``); ``None`` picks ``"gloo"`` when the process was started by
+    ``python -m baton.launch`` (or SLURM, Open MPI, ``jax.distributed``) with more than one
+    process, else ``"local"``. ``timeout``: seconds one instruction may wait for a transfer.
     """
-    if mesh is None:
+    if mesh is None and (transport == "local" or
+                         (transport is None and launched_world_size() <= 1)):
         raise ConfigError("baton.jit: pass mesh=baton.PipelineMesh(devices, ranks=R)")
 
     def wrap(f):
-        return PipelinedFunction(f, mesh, schedule, microbatches)
+        return PipelinedFunction(f, mesh, schedule, microbatches, transport, timeout)
 
     return wrap if fn is None else wrap(fn)

@@ -3,26 +3,28 @@
 ``CompiledStep`` holds, for one traced step (one set of shapes): the C++
 partition, the plan, one jitted callable per task (task kind x stage; reused for
 every microbatch), jitted segments for the code before and after the loop, and
-the cost model the simulator uses. ``CompiledStep.run`` interprets the plan's
-per-rank instruction streams in one process:
+the cost model the simulator uses. ``CompiledStep.run`` executes the plan's
+per-rank instruction streams on the C++ executor (``baton._core.runtime``),
+with the task jits as its ``Tasks`` callbacks:
 
-* RUN    calls the jitted task on the rank's devices;
-* SEND   posts the buffer on the (src, dst) channel; RECV takes it and
-         ``jax.device_put``s it to the receiving rank's sharding;
-* FREE   drops the reference; ACCUMULATE adds a WGrad into the stage's
-         accumulator.
+* run          calls the action's jitted task(s) on the rank's devices;
+* received     ``jax.device_put``s a received value to the consuming rank's sharding;
+* accumulate   adds a WGrad into the stage's accumulator.
 
-Ranks advance round-robin, each until it blocks (a RUN whose inputs are absent,
-a RECV whose SEND has not been posted). If no rank can advance the executor
-raises ``ExecutionError`` naming every blocked rank and instruction (it never
-hangs). It counts live plan buffers per rank (bytes and count) and keeps the
-peaks in ``last_stats``.
+Single process (``group`` None): one executor per rank over an in-process
+transport, each in its own thread; a task that raises stops every rank and the
+call raises the failing rank's ``ExecutionError`` (never hangs: every wait is
+bounded). One process per rank (``group``: a ``distributed.ProcessGroup``): this
+process's executor over Gloo, plus point-to-point transfers of the values that
+cross ranks outside the loop (see ``_run_group``). The executors' measured peak
+live bytes per rank are kept in ``last_stats``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from typing import Any
 
 import jax
@@ -83,6 +85,97 @@ def _make_fn(traced: Traced, op_ids: list[int], in_ids: list[int], out_ids: list
     return fn
 
 
+class _StepState:
+    """What the task callbacks of one step share: step values, placed loop inputs,
+    accumulators (part index -> running sum), stacks, and the first Python exception
+    raised per rank (the cause of the ExecutionError)."""
+
+    def __init__(self, vals):
+        self.vals = vals
+        self.inv_cache: dict = {}
+        self.split_cache: dict = {}
+        self.acc: dict = {}
+        self.stack: dict = {}
+        self.errors: dict = {}
+
+
+def _to_host(value):
+    """A value (list of jax.Arrays) as host-transferable arrays: one-device arrays cross as
+    DLPack views, arrays sharded over several devices are gathered with numpy."""
+    from ..runtime import to_host
+
+    out = []
+    for x in value:
+        sh = getattr(x, "sharding", None)
+        if sh is not None and len(sh.device_set) > 1:
+            x = np.asarray(x)
+        out.append(x)
+    return to_host(out)
+
+
+def _raise_first(errors, st):
+    """Raises the error of the rank where the failure started (its Python exception as the
+    cause); the other ranks' errors only say that rank failed."""
+    errs = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not errs:
+        return
+    origin = None
+    for _, e in errs:
+        fr = getattr(e, "failed_rank", -1)
+        if isinstance(fr, int) and fr >= 0:
+            origin = fr
+            break
+    chosen = next((e for r, e in errs if r == origin), errs[0][1])
+    cause = st.errors.get(origin if origin is not None else errs[0][0]) if st else None
+    if cause is not None and cause is not chosen:
+        raise chosen from cause
+    raise chosen
+
+
+def _dry_run(step):
+    """Walks the (edited) programs without computing: raises ExecutionError naming every
+    blocked rank and instruction when no rank can advance."""
+    core = step.core_plan
+    R = step.num_ranks
+    have = [set() for _ in range(R)]
+    chan = set()
+    pc = [0] * R
+    progress = True
+    while progress:
+        progress = False
+        for r in range(R):
+            prog = step.programs[r]
+            while pc[r] < len(prog):
+                op, a, b, peer = prog[pc[r]]
+                if op == "RUN":
+                    act = step.rank_actions[r][a]
+                    produced: set = set()
+                    ok = True
+                    for t in [act.first] + ([act.second] if act.is_fused else []):
+                        if any(x not in have[r] and x not in produced
+                               for x in core.task_inputs(t)):
+                            ok = False
+                            break
+                        produced.update(core.task_outputs(t))
+                    if not ok:
+                        break
+                    have[r] |= produced
+                elif op == "SEND":
+                    chan.add((r, peer, b))
+                elif op == "RECV":
+                    if (peer, r, b) not in chan:
+                        break
+                    chan.discard((peer, r, b))
+                    have[r].add(b)
+                elif op == "FREE":
+                    have[r].discard(b)
+                pc[r] += 1
+                progress = True
+    blocked = [core.describe(r, pc[r]) for r in range(R) if pc[r] < len(step.programs[r])]
+    if blocked:
+        raise ExecutionError("pipeline cannot make progress; blocked: " + "; ".join(blocked))
+
+
 @dataclasses.dataclass
 class TaskExe:
     kind: str
@@ -139,6 +232,27 @@ class CompiledStep:
         self.op_stage = list(self.partition.op_stage)
         self._build_segments()
         self.last_stats: dict[str, Any] = {}
+        # The executor runs the C++ plan; ``programs`` is a readable copy (see _check_programs).
+        self._plan_programs = [list(p) for p in self.programs]
+        self._key_cache: dict[int, tuple] = {}
+        self._bid_cache: dict[tuple, int] = {}
+        self._action_cache: dict[tuple, list] = {}
+        self._loop_src = {b: (o, mb) for b, o, mb in traced.loop_inputs}
+        self._by_outer: dict[int, list[int]] = {}
+        for i, part in enumerate(self.parts):
+            self._by_outer.setdefault(part.outer, []).append(i)
+        # Loop inputs (outer values) each rank's tasks read; outputs every process receives
+        # in multi-process mode (per-microbatch outputs: the loss, aux values).
+        self._loop_needs: list[list[int]] = []
+        for r in range(self.num_ranks):
+            need = set()
+            for (kind, s), exe in self.tasks.items():
+                if self.stage_rank[s] == r:
+                    need.update(self._loop_src[v][0] for v in exe.in_groups[0] + exe.in_groups[1])
+            self._loop_needs.append(sorted(need))
+        self._broadcast = {self.parts[i].outer for t in self.partition.tasks for i in t.mb_out}
+        self._state: _StepState | None = None
+        self._group_exec = None  # (ProcessGroup, Executor) in multi-process mode
 
     # -- code outside the loop ------------------------------------------------
     def _build_segments(self):
@@ -209,248 +323,339 @@ class CompiledStep:
                 vals[v] = x
 
     # -- one step --------------------------------------------------------------
-    def run(self, flat_args: list[Any]) -> list[Any]:
-        tr = self.traced
-        vals: dict[int, Any] = dict(zip(tr.step_inputs, flat_args))
-        self._run_segments(self.pre_segments, vals)
-        M, S = self.M, self.num_stages
-        # Loop inputs: invariants placed once per rank, microbatches split.
-        loop_src = {b: (o, mb) for b, o, mb in tr.loop_inputs}
-        inv_cache: dict[tuple[int, int], Any] = {}
-        split_cache: dict[int, Any] = {}
+    def run(self, flat_args: list[Any], group: Any = None, timeout: float = 120.0) -> list[Any]:
+        """One step. ``group`` None: every rank in this process (threads over the in-process
+        transport); a :class:`~baton.frontend.distributed.ProcessGroup`: this process's rank
+        only, over its transport (see ``_run_group``)."""
+        if group is None:
+            return self._run_local(flat_args, timeout)
+        return self._run_group(flat_args, group, timeout)
 
-        def invariant(v, rank):
-            key = (v, rank)
-            if key not in inv_cache:
-                o, _ = loop_src[v]
-                x = vals[o] if o in vals else tr.literals[o]
-                inv_cache[key] = self._put(x, rank)
-            return inv_cache[key]
+    # per-buffer helpers (cached: called for every task)
+    def _bkey(self, b):
+        k = self._key_cache.get(b)
+        if k is None:
+            bk = self.core_plan.buffer_key(b)
+            k = self._key_cache[b] = (str(bk.kind).split(".")[-1], bk.stage, bk.microbatch)
+        return k
 
-        def microbatch(v, m, rank):
-            if v not in split_cache:
-                o, _ = loop_src[v]
-                x = vals[o] if o in vals else tr.literals[o]
-                split_cache[v] = _split(x, M)
-            return self._put(split_cache[v][m], rank, batch=True)
+    def _buf_id(self, kind, stage, m):
+        key = (kind, stage, m)
+        b = self._bid_cache.get(key)
+        if b is None:
+            b = self._bid_cache[key] = self.core_plan.buffer_id(
+                _core.BufferKey(getattr(_core.BufKind, kind), stage, m))
+        return b
 
-        bufs: list[dict[int, list]] = [dict() for _ in range(self.num_ranks)]
-        chan: dict[tuple[int, int, int], list] = {}
-        acc: dict[int, Any] = {}        # part index -> running sum on its rank
-        stack: dict[int, list] = {}     # part index -> per-microbatch values
-        core = self.core_plan
-        key_cache: dict[int, tuple] = {}
+    def _tasks_of(self, rank, a):
+        key = (rank, a)
+        ts = self._action_cache.get(key)
+        if ts is None:
+            act = self.rank_actions[rank][a]
+            raw = [act.first] + ([act.second] if act.is_fused else [])
+            ts = self._action_cache[key] = [(str(t.kind).split(".")[-1], t.stage, t.microbatch)
+                                            for t in raw]
+        return ts
 
-        def bkey(b):
-            if b not in key_cache:
-                k = core.buffer_key(b)
-                key_cache[b] = (str(k.kind).split(".")[-1], k.stage, k.microbatch)
-            return key_cache[b]
+    # -- the Tasks callbacks (called by the C++ executor, one thread per rank) --
+    def _invariant(self, v, rank):
+        st = self._state
+        key = (v, rank)
+        if key not in st.inv_cache:
+            o, _ = self._loop_src[v]
+            x = st.vals[o] if o in st.vals else self.traced.literals[o]
+            st.inv_cache[key] = self._put(x, rank)
+        return st.inv_cache[key]
 
-        def bid(kind, stage, m):
-            return core.buffer_id(_core.BufferKey(getattr(_core.BufKind, kind), stage, m))
+    def _microbatch(self, v, m, rank):
+        st = self._state
+        if v not in st.split_cache:
+            o, _ = self._loop_src[v]
+            x = st.vals[o] if o in st.vals else self.traced.literals[o]
+            st.split_cache[v] = _split(x, self.M)
+        return self._put(st.split_cache[v][m], rank, batch=True)
 
-        bid_cache: dict[tuple, int] = {}
+    def _add_parts(self, idx, xs, m):
+        st = self._state
+        summed = [(i, x) for i, x in zip(idx, xs) if self.parts[i].reduce != G.Reduce.Stack]
+        for i, x in zip(idx, xs):
+            if self.parts[i].reduce == G.Reduce.Stack:
+                st.stack.setdefault(i, [None] * self.M)[m] = x
+        if not summed:
+            return
+        if summed[0][0] not in st.acc:
+            for i, x in summed:
+                st.acc[i] = x
+        else:
+            new = _add_lists([st.acc[i] for i, _ in summed], [x for _, x in summed])
+            for (i, _), x in zip(summed, new):
+                st.acc[i] = x
 
-        def buf_id(kind, stage, m):
-            k = (kind, stage, m)
-            if k not in bid_cache:
-                bid_cache[k] = bid(kind, stage, m)
-            return bid_cache[k]
+    def _task_args(self, exe, s, m, rank, env):
+        inv, mbi, act, grad, stash, wstash = exe.in_groups
+        args = [self._invariant(v, rank) for v in inv]
+        args += [self._microbatch(v, m, rank) for v in mbi]
+        for present, kind, bs in ((act, "Act", s - 1), (grad, "Grad", s + 1),
+                                  (stash, "Stash", s), (wstash, "WStash", s)):
+            if present:
+                args += env[self._buf_id(kind, bs, m)]
+        return args
 
-        live = [0] * self.num_ranks
-        live_n = [0] * self.num_ranks
-        peak = [0] * self.num_ranks
-        peak_n = [0] * self.num_ranks
+    def _run_task(self, kind, s, m, rank, env):
+        S = self.num_stages
+        if kind == "B" and ("B", s) not in self.tasks:
+            # The schedule mixes B with I/W: run I, feed its WStash straight to W.
+            ie, we = self.tasks[("I", s)], self.tasks[("W", s)]
+            outs = ie.fn(*self._task_args(ie, s, m, rank, env))
+            k = ie.n_out
+            grad = outs[k["act"]:k["act"] + k["grad"]]
+            off = k["act"] + k["grad"] + k["stash"]
+            wst = outs[off:off + k["wstash"]]
+            inv, mbi = we.in_groups[0], we.in_groups[1]
+            wargs = [self._invariant(v, rank) for v in inv]
+            wargs += [self._microbatch(v, m, rank) for v in mbi]
+            wouts = we.fn(*wargs, *wst)
+            if s > 0:
+                env[self._buf_id("Grad", s, m)] = list(grad)
+            env[self._buf_id("WGrad", s, m)] = list(wouts[:we.n_out["wgrad"]])
+            return
+        exe = self.tasks[(kind, s)]
+        outs = exe.fn(*self._task_args(exe, s, m, rank, env))
+        pos = 0
+        n = exe.n_out
 
-        def nbytes(arrs):
-            return sum(int(a.size) * a.dtype.itemsize for a in arrs)
+        def take(k):
+            nonlocal pos
+            r = list(outs[pos:pos + n[k]])
+            pos += n[k]
+            return r
 
-        def put_buf(rank, b, arrs):
-            if b in bufs[rank]:
-                raise ExecutionError(f"rank {rank}: buffer {core.describe_buffer(b)} written twice")
-            bufs[rank][b] = arrs
-            live[rank] += nbytes(arrs)
-            live_n[rank] += 1
-            peak[rank] = max(peak[rank], live[rank])
-            peak_n[rank] = max(peak_n[rank], live_n[rank])
-
-        def drop_buf(rank, b):
-            arrs = bufs[rank].pop(b)
-            live[rank] -= nbytes(arrs)
-            live_n[rank] -= 1
-
-        def add_parts(idx, xs, m):
-            summed = [(i, x) for i, x in zip(idx, xs) if self.parts[i].reduce != G.Reduce.Stack]
-            for i, x in zip(idx, xs):
-                if self.parts[i].reduce == G.Reduce.Stack:
-                    stack.setdefault(i, [None] * M)[m] = x
-            if not summed:
-                return
-            if summed[0][0] not in acc:
-                for i, x in summed:
-                    acc[i] = x
+        act, grad, stash, wstash, wgrad, mbo = (take(k) for k in _OUT_GROUPS)
+        if kind == "F":
+            if s < S - 1:
+                env[self._buf_id("Act", s, m)] = act
+            env[self._buf_id("Stash", s, m)] = stash
+        elif kind in ("B", "I"):
+            if s > 0:
+                env[self._buf_id("Grad", s, m)] = grad
+            if kind == "B":
+                env[self._buf_id("WGrad", s, m)] = wgrad
             else:
-                new = _add_lists([acc[i] for i, _ in summed], [x for _, x in summed])
-                for (i, _), x in zip(summed, new):
-                    acc[i] = x
+                env[self._buf_id("WStash", s, m)] = wstash
+        else:  # W
+            env[self._buf_id("WGrad", s, m)] = wgrad
+        self._add_parts(exe.body[1], mbo, m)
 
-        def task_inputs(task, rank):
-            kind, s, m = task
-            if kind == "B" and ("B", s) not in self.tasks:
-                kind = "I"  # split partition: B runs I then W (see run_task)
-            exe = self.tasks[(kind, s)]
-            inv, mbi, act, grad, stash, wstash = exe.in_groups
-            need = []
-            if act:
-                need.append(("Act", s - 1))
-            if grad:
-                need.append(("Grad", s + 1))
-            if stash:
-                need.append(("Stash", s))
-            if wstash:
-                need.append(("WStash", s))
-            ids = [buf_id(bk, bs, m) for bk, bs in need]
-            if any(b not in bufs[rank] for b in ids):
-                return None  # not ready: look again after other ranks advanced
-            args = [invariant(v, rank) for v in inv]
-            args += [microbatch(v, m, rank) for v in mbi]
-            for b in ids:
-                args += bufs[rank][b]
-            return args
+    def _cb_run(self, rank, action, in_ids, ins, out_ids):
+        try:
+            env = dict(zip(in_ids, ins))
+            for kind, s, m in self._tasks_of(rank, action):
+                self._run_task(kind, s, m, rank, env)
+            return [env[b] for b in out_ids]
+        except BaseException as e:
+            self._state.errors.setdefault(rank, e)
+            raise
 
-        def run_task(task, rank, args):
-            kind, s, m = task
-            if kind == "B" and ("B", s) not in self.tasks:
-                # The schedule mixes B with I/W: run I, feed its WStash straight to W.
-                ie, we = self.tasks[("I", s)], self.tasks[("W", s)]
-                outs = ie.fn(*args)
-                k = ie.n_out
-                grad = outs[k["act"]:k["act"] + k["grad"]]
-                off = k["act"] + k["grad"] + k["stash"]
-                wst = outs[off:off + k["wstash"]]
-                inv, mbi = we.in_groups[0], we.in_groups[1]
-                wargs = [invariant(v, rank) for v in inv] + [microbatch(v, m, rank) for v in mbi]
-                wouts = we.fn(*wargs, *wst)
-                if s > 0:
-                    put_buf(rank, buf_id("Grad", s, m), list(grad))
-                put_buf(rank, buf_id("WGrad", s, m), list(wouts[:we.n_out["wgrad"]]))
-                return
-            exe = self.tasks[(kind, s)]
-            outs = exe.fn(*args)
-            pos = 0
-            n = exe.n_out
+    def _cb_accumulate(self, rank, b, value):
+        try:
+            _, s, m = self._bkey(b)
+            exe = self.tasks[("W" if self.partition.split_backward else "B", s)]
+            self._add_parts(exe.body[0], value, m)
+        except BaseException as e:
+            self._state.errors.setdefault(rank, e)
+            raise
 
-            def take(k):
-                nonlocal pos
-                r = outs[pos:pos + n[k]]
-                pos += n[k]
-                return r
+    def _cb_received(self, rank, b, value):
+        return [jax.device_put(x, self.mesh.like(rank, x)) for x in value]
 
-            act, grad, stash, wstash, wgrad, mbo = (take(k) for k in _OUT_GROUPS)
-            if kind == "F":
-                if s < S - 1:
-                    put_buf(rank, buf_id("Act", s, m), act)
-                put_buf(rank, buf_id("Stash", s, m), stash)
-            elif kind in ("B", "I"):
-                if s > 0:
-                    put_buf(rank, buf_id("Grad", s, m), grad)
-                if kind == "B":
-                    put_buf(rank, buf_id("WGrad", s, m), wgrad)
-                else:
-                    put_buf(rank, buf_id("WStash", s, m), wstash)
-            else:  # W
-                put_buf(rank, buf_id("WGrad", s, m), wgrad)
-            add_parts(exe.body[1], mbo, m)
+    def _make_tasks(self):
+        from .. import runtime as rt
 
-        def tasks_of(action):
-            ts = [action.first]
-            if action.is_fused:
-                ts.append(action.second)
-            return [(str(t.kind).split(".")[-1], t.stage, t.microbatch) for t in ts]
+        return rt.Tasks(run=self._cb_run, accumulate=self._cb_accumulate,
+                        received=self._cb_received, to_host=_to_host,
+                        from_host=rt.from_host)
 
-        pc = [0] * self.num_ranks
-        actions = self.rank_actions
-        n_instr = sum(len(p) for p in self.programs)
-        done = 0
-        while done < n_instr:
-            progress = False
-            for r in range(self.num_ranks):
-                prog = self.programs[r]
-                while pc[r] < len(prog):
-                    op, a, b, peer = prog[pc[r]]
-                    if op == "RUN":
-                        ready = []
-                        for task in tasks_of(actions[r][a]):
-                            args = task_inputs(task, r)
-                            if args is None:
-                                ready = None
-                                break
-                            ready.append((task, args))
-                        if ready is None:
-                            break
-                        for task, args in ready:
-                            run_task(task, r, args)
-                    elif op == "SEND":
-                        chan[(r, peer, b)] = bufs[r][b]
-                    elif op == "RECV":
-                        src = chan.pop((peer, r, b), None)
-                        if src is None:
-                            break
-                        put_buf(r, b, [jax.device_put(x, self.mesh.like(r, x)) for x in src])
-                    elif op == "FREE":
-                        drop_buf(r, b)
-                    elif op == "ACCUMULATE":
-                        kind, s, m = bkey(b)
-                        exe = self.tasks[("W" if self.partition.split_backward else "B", s)]
-                        add_parts(exe.body[0], bufs[r][b], m)
-                    else:
-                        raise ExecutionError(f"rank {r}: unknown instruction {op}")
-                    pc[r] += 1
-                    done += 1
-                    progress = True
-            if not progress:
-                blocked = [core.describe(r, pc[r]) for r in range(self.num_ranks)
-                           if pc[r] < len(self.programs[r])]
-                raise ExecutionError(
-                    "pipeline cannot make progress; blocked: " + "; ".join(blocked)
-                )
-        for r in range(self.num_ranks):
-            if bufs[r]:
-                left = ", ".join(core.describe_buffer(b) for b in bufs[r])
-                raise ExecutionError(f"rank {r}: buffers left after the step: {left}")
-        self.last_stats = {"peak_bytes": peak, "peak_buffers": peak_n}
+    # -- single process: one executor thread per rank over the in-process hub ---
+    def _check_programs(self):
+        """The executor runs the C++ plan; a hand-edited ``programs`` list (tests) is checked
+        by a dry run instead, which names every blocked rank."""
+        if self.programs == self._plan_programs:
+            return
+        _dry_run(self)
+        raise ExecutionError("the programs were edited; the executor runs the plan's programs")
 
-        # Loop outputs: reduce, combine partial sums on the smallest stage.
-        by_outer: dict[int, list[int]] = {}
-        for i, part in enumerate(self.parts):
-            by_outer.setdefault(part.outer, []).append(i)
-        # Scale means (one jitted call per stage), then sum partials per outer value.
-        per_stage: dict[int, list[int]] = {}
-        for i, part in enumerate(self.parts):
-            if part.reduce == G.Reduce.Mean:
-                per_stage.setdefault(part.stage, []).append(i)
-        final: dict[int, Any] = {}
-        for s_, idx in per_stage.items():
-            for i, x in zip(idx, _scale_list([acc[i] for i in idx], float(M))):
-                final[i] = x
-        for i, part in enumerate(self.parts):
-            if part.reduce == G.Reduce.Stack:
-                final[i] = _stack(stack[i])
-            elif part.reduce == G.Reduce.Sum:
-                final[i] = acc[i]
-        for outer, idx in by_outer.items():
-            first = min(idx, key=lambda i: self.parts[i].stage)
-            rank = self.stage_rank[self.parts[first].stage]
-            total = None
-            for i in idx:
-                x = final[i]
-                if len(idx) > 1:
-                    x = jax.device_put(x, self.mesh.replicated(rank))
-                total = x if total is None else total + x
-            vals[outer] = total
+    def _run_local(self, flat_args, timeout):
+        from .. import runtime as rt
+
+        self._check_programs()
+        tr = self.traced
+        vals: dict[Any, Any] = dict(zip(tr.step_inputs, flat_args))
+        self._run_segments(self.pre_segments, vals)
+        st = self._state = _StepState(vals)
+        R = self.num_ranks
+        hub = rt.LocalHub(R)
+        transports = [hub.transport(r) for r in range(R)]
+        tasks = self._make_tasks()
+        exes = [rt.Executor(self.core_plan, r, transports[r], tasks, timeout=timeout)
+                for r in range(R)]
+        errors: list[BaseException | None] = [None] * R
+
+        def go(r):
+            try:
+                exes[r].run()
+            except BaseException as e:  # noqa: BLE001  (re-raised below)
+                errors[r] = e
+
+        threads = [threading.Thread(target=go, args=(r,), name=f"baton-rank-{r}", daemon=True)
+                   for r in range(R)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = [e.stats() for e in exes]
+        del exes
+        for t in transports:
+            t.close()
+        self._state = None  # (its exceptions would tie this step to their tracebacks)
+        _raise_first(errors, st)
+        self.last_stats = {"peak_bytes": [s["peak_live_bytes"] for s in stats],
+                           "peak_buffers": [s["peak_live_buffers"] for s in stats]}
+        final = self._reduce_parts(st, range(len(self.parts)))
+        for outer, idx in self._by_outer.items():
+            vals[outer] = self._combine(idx, final)
         self._run_segments(self.post_segments, vals)
         return [vals[v] if v in vals else tr.literals[v] for v in tr.step_outputs]
+
+    # -- after the loop ------------------------------------------------------------
+    def _reduce_parts(self, st, idx):
+        """Final value of each loop-output part in ``idx``: mean, sum or stack."""
+        per_stage: dict[int, list[int]] = {}
+        final: dict[int, Any] = {}
+        for i in idx:
+            part = self.parts[i]
+            if part.reduce == G.Reduce.Mean:
+                per_stage.setdefault(part.stage, []).append(i)
+            elif part.reduce == G.Reduce.Stack:
+                final[i] = _stack(st.stack[i])
+            else:
+                final[i] = st.acc[i]
+        for ids in per_stage.values():  # one jitted call per stage
+            for i, x in zip(ids, _scale_list([st.acc[i] for i in ids], float(self.M))):
+                final[i] = x
+        return final
+
+    def _home(self, idx):
+        """The rank that holds a loop output made of parts ``idx`` (its smallest stage)."""
+        return self.stage_rank[self.parts[min(idx, key=lambda i: self.parts[i].stage)].stage]
+
+    def _combine(self, idx, final):
+        rank = self._home(idx)
+        total = None
+        for i in idx:
+            x = final[i]
+            if len(idx) > 1:
+                x = jax.device_put(x, self.mesh.replicated(rank))
+            total = x if total is None else total + x
+        return total
+
+    # -- one process per rank -------------------------------------------------------
+    def _run_group(self, flat_args, group, timeout):
+        try:
+            return self._run_group_body(flat_args, group, timeout)
+        except ExecutionError:
+            raise
+        except BaseException as e:
+            # e.g. code outside the loop raised: tell the other ranks instead of letting them
+            # wait out the timeout.
+            if not group.transport.closed:
+                group.transport.abort(f"rank {group.rank}: {type(e).__name__}: {e}")
+            raise
+
+    def _run_group_body(self, flat_args, group, timeout):
+        """This process runs rank ``group.rank``: the code outside the loop of its stages,
+        its instruction stream over ``group.transport``, and the transfers of values that
+        cross ranks outside the loop (inputs another rank holds, partial sums of a value
+        shared by stages on several ranks, per-microbatch outputs sent to every process).
+        Every process walks the same sequence of transfers, so they pair up."""
+        from .. import runtime as rt
+        from .distributed import Remote, Router
+
+        self._check_programs()
+        tr = self.traced
+        lits = tr.literals
+        me, R = group.rank, self.num_ranks
+        router = Router(group, timeout)
+        vals: dict[Any, Any] = {}
+        where = router.holders(tr.step_inputs, flat_args, vals)
+        self._group_segments(self.pre_segments, vals, where, router, me)
+        for r in range(R):
+            router.need([o for o in self._loop_needs[r] if o not in lits], r, vals, where)
+        st = self._state = _StepState(vals)
+        if self._group_exec is None or self._group_exec[0] is not group:
+            ex = rt.Executor(self.core_plan, me, group.transport, self._make_tasks(),
+                             timeout=timeout)
+            try:
+                ex.handshake(timeout)
+            except BaseException:
+                del ex
+                raise
+            self._group_exec = (group, ex)
+            group.steps.append(self)
+        ex = self._group_exec[1]
+        errors: list[BaseException | None] = [None] * R
+        try:
+            ex.run()
+        except BaseException as e:  # noqa: BLE001
+            errors[me] = e
+        self._state = None
+        _raise_first(errors, st)
+        s = ex.stats()
+        peaks = group.transport.exchange(f"{s['peak_live_bytes']} {s['peak_live_buffers']}",
+                                         timeout)
+        self.last_stats = {"peak_bytes": [int(p.split()[0]) for p in peaks],
+                           "peak_buffers": [int(p.split()[1]) for p in peaks]}
+        mine = [i for i, p in enumerate(self.parts) if self.stage_rank[p.stage] == me]
+        final = self._reduce_parts(st, mine)
+        for i, p in enumerate(self.parts):
+            where[("part", i)] = {self.stage_rank[p.stage]}
+            if i in final:
+                vals[("part", i)] = final[i]
+        for outer, idx in self._by_outer.items():
+            home = self._home(idx)
+            if len(idx) > 1:
+                router.need([("part", i) for i in idx], home, vals, where)
+            if me == home:
+                vals[outer] = self._combine(idx, {i: vals[("part", i)] for i in idx})
+            where[outer] = {home}
+        self._group_segments(self.post_segments, vals, where, router, me)
+        seen = set()
+        for v in tr.step_outputs:
+            if v in self._broadcast and v not in seen:
+                seen.add(v)
+                for q in range(R):
+                    router.need([v], q, vals, where)
+        outs = []
+        for v in tr.step_outputs:
+            if v in lits:
+                outs.append(lits[v])
+            elif me in where[v]:
+                outs.append(vals[v])
+            else:
+                aval = tr.avals[v]
+                outs.append(Remote(tuple(aval.shape), np.dtype(aval.dtype), min(where[v])))
+        router.finish()
+        return outs
+
+    def _group_segments(self, segs, vals, where, router, me):
+        lits = self.traced.literals
+        for seg in segs:
+            r = self.stage_rank[seg.stage]
+            router.need([v for v in seg.inputs if v not in lits], r, vals, where)
+            if r == me:
+                self._run_segments([seg], vals)
+            for v in seg.outputs:
+                where[v] = {r}
+
 
     # -- planning data -----------------------------------------------------------
     def stage_costs(self) -> list[dict]:
