@@ -257,6 +257,9 @@ class LocalHub : public std::enable_shared_from_this<LocalHub> {
 // and the shutdown handshake; a lost connection marks the peer failed.
 struct GlooOptions : TransportOptions {
   std::string hostname = "127.0.0.1";
+  // Bounds this rank's whole start-up (rendezvous and connect; every rank must
+  // start within it); on expiry an ExecutionError names the missing or
+  // unreachable rank(s). Transfers after start-up are not bounded by it.
   std::chrono::milliseconds connect_timeout{30000};
   std::string prefix = "baton";  // store key prefix
 };

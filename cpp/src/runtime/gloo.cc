@@ -7,14 +7,23 @@
 // never given a timeout (a Gloo timeout poisons the whole context): the
 // executor bounds its own waits and calls abort(), which aborts every pending
 // Gloo wait and tells every peer over the control slot. A lost connection on
-// the control slot marks that peer failed.
+// the control slot marks that peer failed. Start-up (rendezvous and connect)
+// is bounded as a whole by GlooOptions::connect_timeout (see MeshContext).
+#include <arpa/inet.h>
 #include <fmt/format.h>
-#include <gloo/rendezvous/context.h>
+#include <fmt/ranges.h>
+#include <gloo/context.h>
 #include <gloo/rendezvous/file_store.h>
-#include <gloo/rendezvous/store.h>
+#include <gloo/transport/context.h>
+#include <gloo/transport/device.h>
+#include <gloo/transport/pair.h>
+#include <gloo/transport/tcp/address.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
+#include <algorithm>
 #include <cstring>
 #include <list>
 #include <map>
@@ -86,31 +95,6 @@ class CallbackStore : public Store {
  private:
   std::function<void(const std::string&, const std::string&)> set_;
   std::function<std::string(const std::string&, std::chrono::milliseconds)> get_;
-};
-
-// Presents a baton Store (with a key prefix) as a gloo Store.
-class GlooStoreAdapter : public gloo::rendezvous::Store {
- public:
-  GlooStoreAdapter(std::shared_ptr<runtime::Store> s, std::string prefix,
-                   std::chrono::milliseconds timeout)
-      : s_(std::move(s)), prefix_(std::move(prefix)), timeout_(timeout) {}
-  void set(const std::string& key, const std::vector<char>& data) override {
-    s_->set(prefix_ + key, std::string(data.begin(), data.end()));
-  }
-  std::vector<char> get(const std::string& key) override {
-    auto v = s_->get(prefix_ + key, timeout_);
-    return std::vector<char>(v.begin(), v.end());
-  }
-  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
-  void wait(const std::vector<std::string>& keys,
-            const std::chrono::milliseconds& timeout) override {
-    for (const auto& k : keys) s_->get(prefix_ + k, timeout);
-  }
-
- private:
-  std::shared_ptr<runtime::Store> s_;
-  std::string prefix_;
-  std::chrono::milliseconds timeout_;
 };
 
 }  // namespace
@@ -202,6 +186,181 @@ struct Transfer {
   }
 };
 
+// The full mesh of one rank's Gloo pairs, connected by Baton itself rather
+// than by gloo::rendezvous::Context::connectFullMesh, whose waits are not
+// bounded by the timeout it is given: a pair on the listening side of a
+// connection waits five times the context timeout for its peer, and the pairs
+// connect one after the other, so one unreachable peer kept a rank waiting for
+// minutes. Here the whole start-up, rendezvous and connect, ends by one
+// deadline (GlooOptions::connect_timeout from the start of the call):
+//   1. join:    every rank sets <prefix>/mesh/join/<rank> and waits (until the
+//               deadline) for every other rank's key; ranks that never come are
+//               named together.
+//   2. address: only now the pairs are created (each pair's connect wait is
+//               fixed when it is created, as five times the context timeout,
+//               so that timeout is set to a fifth of what is left), and the
+//               rank publishes <prefix>/mesh/addr/<rank>: for each peer in rank
+//               order, a 4-byte little-endian length and the tcp::Address bytes
+//               of its pair for that peer.
+//   3. connect: every pair connects on its own thread (no chain of waits
+//               between ranks); a pair that fails or times out names its peer.
+// Afterwards the transport context timeout is lifted: Gloo uses it as the
+// default wait of every unbound buffer, and transfer waits are bounded by the
+// executor instead (see the file comment).
+class MeshContext : public gloo::Context {
+ public:
+  MeshContext(int r, int n) : gloo::Context(r, n) {}
+
+  void connect(Store& store, const std::string& prefix,
+               const std::shared_ptr<gloo::transport::Device>& dev,
+               std::chrono::milliseconds timeout, const std::string& host) {
+    using std::chrono::milliseconds;
+    const auto deadline = Clock::now() + timeout;
+    auto left = [&] {
+      // At least 1 ms, so that keys already present are still seen after the
+      // deadline and every missing rank is named, not only the first.
+      return std::max(milliseconds(1),
+                      std::chrono::duration_cast<milliseconds>(deadline - Clock::now()));
+    };
+    const std::string keys = prefix + "/mesh/";
+    auto gather = [&](const std::string& what, const std::string& step) {
+      std::vector<std::string> got(static_cast<size_t>(size));
+      std::vector<int> missing;
+      std::string first_error;
+      for (int p = 0; p < size; ++p) {
+        if (p == rank) continue;
+        try {
+          got[static_cast<size_t>(p)] = store.get(keys + what + std::to_string(p), left());
+        } catch (const std::exception& e) {
+          missing.push_back(p);
+          if (first_error.empty()) first_error = e.what();
+        }
+      }
+      if (!missing.empty())
+        throw ExecutionError(
+            fmt::format("rank {}: gloo start-up timed out after {} ms: rank(s) {} {} (store keys "
+                        "'{}{}<rank>'; did every rank start, with world size {} and the same "
+                        "store?); first store error: {}",
+                        rank, timeout.count(), fmt::join(missing, ", "), step, keys, what, size,
+                        first_error),
+            missing.front());
+      return got;
+    };
+
+    // 1. join
+    store.set(keys + "join/" + std::to_string(rank), "1");
+    gather("join/", "never joined");
+
+    // 2. address
+    auto tctx = dev->createContext(rank, size);
+    tctx->setTimeout(std::max(milliseconds(1), (left() + milliseconds(4)) / 5));
+    std::string mine;
+    for (int p = 0; p < size; ++p) {
+      if (p == rank) continue;
+      const auto bytes = tctx->createPair(p)->address().bytes();
+      const auto n = static_cast<uint32_t>(bytes.size());
+      const char len[4] = {static_cast<char>(n & 0xff), static_cast<char>((n >> 8) & 0xff),
+                           static_cast<char>((n >> 16) & 0xff), static_cast<char>(n >> 24)};
+      mine.append(len, 4);
+      mine.append(bytes.begin(), bytes.end());
+    }
+    store.set(keys + "addr/" + std::to_string(rank), mine);
+    const auto blobs = gather("addr/", "joined but published no address");
+    std::vector<std::vector<char>> peer_addr(static_cast<size_t>(size));
+    for (int p = 0; p < size; ++p) {
+      if (p != rank)
+        peer_addr[static_cast<size_t>(p)] = address_for_me(blobs[static_cast<size_t>(p)], p);
+    }
+
+    // 3. connect
+    std::vector<std::string> errors(static_cast<size_t>(size));
+    std::vector<std::thread> threads;
+    for (int p = 0; p < size; ++p) {
+      if (p == rank) continue;
+      threads.emplace_back([&, p] {
+        const auto i = static_cast<size_t>(p);
+        try {
+          tctx->getPair(p)->connect(peer_addr[i]);
+        } catch (const std::exception& e) {
+          errors[i] = e.what();
+          if (errors[i].empty()) errors[i] = "unknown error";
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    std::vector<int> failed;
+    std::string details;
+    for (int p = 0; p < size; ++p) {
+      const auto i = static_cast<size_t>(p);
+      if (errors[i].empty()) continue;
+      failed.push_back(p);
+      details += fmt::format("; rank {} (at {}): {}", p, describe(peer_addr[i]), errors[i]);
+    }
+    if (!failed.empty())
+      throw ExecutionError(
+          fmt::format("rank {}: gloo could not connect to rank(s) {} within {} ms (this rank "
+                      "advertises host {}; is that address reachable from the other ranks? set "
+                      "BATON_HOSTNAME / hostname to an address they can reach){}",
+                      rank, fmt::join(failed, ", "), timeout.count(), host, details),
+          failed.front());
+
+    tctx->setTimeout(kNoWaitLimit);
+    setTimeout(kNoWaitLimit);
+    device_ = dev;
+    transportContext_ = std::move(tctx);
+  }
+
+  // Longer than any run; transfers never time out inside Gloo.
+  static constexpr std::chrono::milliseconds kNoWaitLimit = std::chrono::hours(24 * 365);
+
+ private:
+  // "host:port" of a tcp::Address (its own str() prints the port bytes
+  // swapped).
+  static std::string describe(const std::vector<char>& bytes) {
+    try {
+      const gloo::transport::tcp::Address addr(bytes);
+      sockaddr_storage ss{};
+      std::memcpy(&ss, &addr.getSockaddr(), sizeof(ss));
+      char host[INET6_ADDRSTRLEN] = {};
+      if (ss.ss_family == AF_INET) {
+        const auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
+        inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+        return fmt::format("{}:{}", host, ntohs(a->sin_port));
+      }
+      if (ss.ss_family == AF_INET6) {
+        const auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
+        inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
+        return fmt::format("[{}]:{}", host, ntohs(a->sin6_port));
+      }
+    } catch (const std::exception&) {
+      // fall through
+    }
+    return "an unreadable address";
+  }
+
+  // The address of p's pair for this rank, from p's address blob.
+  std::vector<char> address_for_me(const std::string& blob, int p) const {
+    size_t at = 0;
+    for (int q = 0; q < size; ++q) {
+      if (q == p) continue;
+      if (at + 4 > blob.size()) break;
+      const auto* u = reinterpret_cast<const unsigned char*>(blob.data() + at);
+      const size_t n = u[0] | (u[1] << 8) | (u[2] << 16) | (size_t{u[3]} << 24);
+      at += 4;
+      if (at + n > blob.size()) break;
+      if (q == rank)
+        return std::vector<char>(blob.begin() + static_cast<std::ptrdiff_t>(at),
+                                 blob.begin() + static_cast<std::ptrdiff_t>(at + n));
+      at += n;
+    }
+    throw ExecutionError(
+        fmt::format("rank {}: gloo start-up: the address published by rank {} is malformed "
+                    "({} bytes; do both ranks use the same world size and store prefix?)",
+                    rank, p, blob.size()),
+        p);
+  }
+};
+
 class GlooTransport : public Transport {
  public:
   GlooTransport(int rank, int world, std::shared_ptr<Store> store, GlooOptions opts)
@@ -213,18 +372,15 @@ class GlooTransport : public Transport {
     attr.hostname = opts_.hostname;
     try {
       dev_ = gloo::transport::tcp::CreateDevice(attr);
-      ctx_ = std::make_shared<gloo::rendezvous::Context>(rank, world);
-      ctx_->setTimeout(opts_.connect_timeout);
-      GlooStoreAdapter adapter(store_, opts_.prefix + "/mesh/", opts_.connect_timeout);
-      ctx_->connectFullMesh(adapter, dev_);
+      auto ctx = std::make_shared<MeshContext>(rank, world);
+      ctx->connect(*store_, opts_.prefix, dev_, opts_.connect_timeout, opts_.hostname);
+      ctx_ = std::move(ctx);
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
       throw ExecutionError(fmt::format("rank {}: gloo could not connect {} ranks (host {}): {}",
                                        rank, world, opts_.hostname, e.what()));
     }
-    // Transfers never time out inside Gloo (see the file comment).
-    ctx_->setTimeout(std::chrono::hours(24 * 365));
     bye_.assign(static_cast<size_t>(world), false);
     bye_[static_cast<size_t>(rank)] = true;
     for (int p = 0; p < world; ++p) {
@@ -631,7 +787,7 @@ class GlooTransport : public Transport {
   std::shared_ptr<Store> store_;
   GlooOptions opts_;
   std::shared_ptr<gloo::transport::Device> dev_;
-  std::shared_ptr<gloo::rendezvous::Context> ctx_;
+  std::shared_ptr<gloo::Context> ctx_;
   std::list<Listener> listeners_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
