@@ -276,19 +276,36 @@ def test_gradients_bit_identical_to_scan(schedule):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_executor_reports_a_stuck_plan_instead_of_hanging():
+def test_a_stalled_rank_is_reported_instead_of_hanging():
+    """Rank 1's forward stalls (a host callback that sleeps past the executor's timeout):
+    rank 0, waiting for rank 1's gradient, stops with an error naming what it waited on,
+    and the call returns instead of hanging."""
+    import time
+
+    def sleep_then_identity(v):
+        time.sleep(3.0)
+        return v
+
+    @jax.custom_jvp
+    def stall(x):
+        return jax.pure_callback(sleep_then_identity, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    @stall.defjvp
+    def _stall_jvp(primals, tangents):
+        return stall(primals[0]), tangents[0]
+
+    def loss(p, b):
+        h = jnp.tanh(b["x"] @ p["w0"])
+        h = baton.stage_boundary(h)
+        h = stall(h) @ p["w1"]
+        return jnp.mean((h - b["y"]) ** 2)
+
     key = jax.random.PRNGKey(5)
-    params = mlp.init_params(key, 2)
-    batch = mlp.synthetic_batch(key, 8)
-    vg = jax.value_and_grad(mlp.make_loss())
-    ps = baton.jit(lambda p, b: baton.accumulate(vg, p, batch=b), mesh=mesh(2),
-                   schedule=baton.GPipe(), microbatches=2)
-    ps(params, batch)
-    step = ps.last
-    # Drop rank 0's first SEND: rank 1 waits for an activation that never comes.
-    i = next(k for k, ins in enumerate(step.programs[0]) if ins[0] == "SEND")
-    del step.programs[0][i]
-    with pytest.raises(baton.ExecutionError, match="cannot make progress.*rank 1"):
+    params = {"w0": jax.random.normal(key, (4, 4)), "w1": jax.random.normal(key, (4, 2))}
+    batch = {"x": jnp.ones((4, 4)), "y": jnp.zeros((4, 2))}
+    ps = baton.jit(lambda p, b: baton.accumulate(jax.value_and_grad(loss), p, batch=b),
+                   mesh=mesh(2), schedule=baton.GPipe(), microbatches=2, timeout=1.0)
+    with pytest.raises(baton.ExecutionError, match=r"rank 0 .*grad\(s1,m0\).*rank 1"):
         ps(params, batch)
 
 

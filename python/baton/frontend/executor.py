@@ -132,50 +132,6 @@ def _raise_first(errors, st):
     raise chosen
 
 
-def _dry_run(step):
-    """Walks the (edited) programs without computing: raises ExecutionError naming every
-    blocked rank and instruction when no rank can advance."""
-    core = step.core_plan
-    R = step.num_ranks
-    have = [set() for _ in range(R)]
-    chan = set()
-    pc = [0] * R
-    progress = True
-    while progress:
-        progress = False
-        for r in range(R):
-            prog = step.programs[r]
-            while pc[r] < len(prog):
-                op, a, b, peer = prog[pc[r]]
-                if op == "RUN":
-                    act = step.rank_actions[r][a]
-                    produced: set = set()
-                    ok = True
-                    for t in [act.first] + ([act.second] if act.is_fused else []):
-                        if any(x not in have[r] and x not in produced
-                               for x in core.task_inputs(t)):
-                            ok = False
-                            break
-                        produced.update(core.task_outputs(t))
-                    if not ok:
-                        break
-                    have[r] |= produced
-                elif op == "SEND":
-                    chan.add((r, peer, b))
-                elif op == "RECV":
-                    if (peer, r, b) not in chan:
-                        break
-                    chan.discard((peer, r, b))
-                    have[r].add(b)
-                elif op == "FREE":
-                    have[r].discard(b)
-                pc[r] += 1
-                progress = True
-    blocked = [core.describe(r, pc[r]) for r in range(R) if pc[r] < len(step.programs[r])]
-    if blocked:
-        raise ExecutionError("pipeline cannot make progress; blocked: " + "; ".join(blocked))
-
-
 @dataclasses.dataclass
 class TaskExe:
     kind: str
@@ -208,8 +164,9 @@ class CompiledStep:
         self.M = sched.num_microbatches
         self.stage_rank = list(sched.stage_rank)
         self.rank_actions = [list(a) for a in sched.rank_actions]
-        self.programs = [[(str(i.opcode), i.action, i.buffer, i.peer) for i in prog]
-                         for prog in core.programs]
+        # A readable, immutable copy of the per-rank programs the executor runs.
+        self.programs = tuple(tuple((str(i.opcode), i.action, i.buffer, i.peer) for i in prog)
+                              for prog in core.programs)
         self.parts = list(self.partition.parts)
         self.tasks: dict[tuple[str, int], TaskExe] = {}
         for t in self.partition.tasks:
@@ -232,8 +189,6 @@ class CompiledStep:
         self.op_stage = list(self.partition.op_stage)
         self._build_segments()
         self.last_stats: dict[str, Any] = {}
-        # The executor runs the C++ plan; ``programs`` is a readable copy (see _check_programs).
-        self._plan_programs = [list(p) for p in self.programs]
         self._key_cache: dict[int, tuple] = {}
         self._bid_cache: dict[tuple, int] = {}
         self._action_cache: dict[tuple, list] = {}
@@ -252,7 +207,16 @@ class CompiledStep:
             self._loop_needs.append(sorted(need))
         self._broadcast = {self.parts[i].outer for t in self.partition.tasks for i in t.mb_out}
         self._state: _StepState | None = None
-        self._group_exec = None  # (ProcessGroup, Executor) in multi-process mode
+        self._group_exec = None  # (ProcessGroup, Executor, record) in multi-process mode
+        # Measurement (tracing.py, profile.py): ``record`` makes the executors record
+        # per-instruction events (``last_events``: per rank, ``last_offsets``: clock offsets
+        # to rank 0 in ns); ``block`` makes every task wait for its outputs, so a RUN spans
+        # its compute; ``capture`` (a dict) keeps each task's first arguments.
+        self.record = False
+        self.block = False
+        self.capture: dict | None = None
+        self.last_events: list | None = None
+        self.last_offsets: list | None = None
 
     # -- code outside the loop ------------------------------------------------
     def _build_segments(self):
@@ -406,7 +370,7 @@ class CompiledStep:
         if kind == "B" and ("B", s) not in self.tasks:
             # The schedule mixes B with I/W: run I, feed its WStash straight to W.
             ie, we = self.tasks[("I", s)], self.tasks[("W", s)]
-            outs = ie.fn(*self._task_args(ie, s, m, rank, env))
+            outs = self._call(ie, self._task_args(ie, s, m, rank, env))
             k = ie.n_out
             grad = outs[k["act"]:k["act"] + k["grad"]]
             off = k["act"] + k["grad"] + k["stash"]
@@ -414,13 +378,13 @@ class CompiledStep:
             inv, mbi = we.in_groups[0], we.in_groups[1]
             wargs = [self._invariant(v, rank) for v in inv]
             wargs += [self._microbatch(v, m, rank) for v in mbi]
-            wouts = we.fn(*wargs, *wst)
+            wouts = self._call(we, wargs + list(wst))
             if s > 0:
                 env[self._buf_id("Grad", s, m)] = list(grad)
             env[self._buf_id("WGrad", s, m)] = list(wouts[:we.n_out["wgrad"]])
             return
         exe = self.tasks[(kind, s)]
-        outs = exe.fn(*self._task_args(exe, s, m, rank, env))
+        outs = self._call(exe, self._task_args(exe, s, m, rank, env))
         pos = 0
         n = exe.n_out
 
@@ -446,12 +410,20 @@ class CompiledStep:
             env[self._buf_id("WGrad", s, m)] = wgrad
         self._add_parts(exe.body[1], mbo, m)
 
+    def _call(self, exe, args):
+        if self.capture is not None:
+            self.capture.setdefault((exe.kind, exe.stage), args)
+        return exe.fn(*args)
+
     def _cb_run(self, rank, action, in_ids, ins, out_ids):
         try:
             env = dict(zip(in_ids, ins))
             for kind, s, m in self._tasks_of(rank, action):
                 self._run_task(kind, s, m, rank, env)
-            return [env[b] for b in out_ids]
+            outs = [env[b] for b in out_ids]
+            if self.block:
+                jax.block_until_ready(outs)
+            return outs
         except BaseException as e:
             self._state.errors.setdefault(rank, e)
             raise
@@ -476,18 +448,9 @@ class CompiledStep:
                         from_host=rt.from_host)
 
     # -- single process: one executor thread per rank over the in-process hub ---
-    def _check_programs(self):
-        """The executor runs the C++ plan; a hand-edited ``programs`` list (tests) is checked
-        by a dry run instead, which names every blocked rank."""
-        if self.programs == self._plan_programs:
-            return
-        _dry_run(self)
-        raise ExecutionError("the programs were edited; the executor runs the plan's programs")
-
     def _run_local(self, flat_args, timeout):
         from .. import runtime as rt
 
-        self._check_programs()
         tr = self.traced
         vals: dict[Any, Any] = dict(zip(tr.step_inputs, flat_args))
         self._run_segments(self.pre_segments, vals)
@@ -496,7 +459,8 @@ class CompiledStep:
         hub = rt.LocalHub(R)
         transports = [hub.transport(r) for r in range(R)]
         tasks = self._make_tasks()
-        exes = [rt.Executor(self.core_plan, r, transports[r], tasks, timeout=timeout)
+        exes = [rt.Executor(self.core_plan, r, transports[r], tasks, timeout=timeout,
+                            record_events=self.record)
                 for r in range(R)]
         errors: list[BaseException | None] = [None] * R
 
@@ -513,6 +477,8 @@ class CompiledStep:
         for t in threads:
             t.join()
         stats = [e.stats() for e in exes]
+        self.last_events = [e.events() for e in exes] if self.record else None
+        self.last_offsets = [0] * R
         del exes
         for t in transports:
             t.close()
@@ -580,7 +546,6 @@ class CompiledStep:
         from .. import runtime as rt
         from .distributed import Remote, Router
 
-        self._check_programs()
         tr = self.traced
         lits = tr.literals
         me, R = group.rank, self.num_ranks
@@ -591,16 +556,19 @@ class CompiledStep:
         for r in range(R):
             router.need([o for o in self._loop_needs[r] if o not in lits], r, vals, where)
         st = self._state = _StepState(vals)
-        if self._group_exec is None or self._group_exec[0] is not group:
+        if (self._group_exec is None or self._group_exec[0] is not group
+                or self._group_exec[2] != self.record):
+            self._group_exec = None
             ex = rt.Executor(self.core_plan, me, group.transport, self._make_tasks(),
-                             timeout=timeout)
+                             timeout=timeout, record_events=self.record)
             try:
                 ex.handshake(timeout)
             except BaseException:
                 del ex
                 raise
-            self._group_exec = (group, ex)
-            group.steps.append(self)
+            self._group_exec = (group, ex, self.record)
+            if self not in group.steps:
+                group.steps.append(self)
         ex = self._group_exec[1]
         errors: list[BaseException | None] = [None] * R
         try:
@@ -614,6 +582,10 @@ class CompiledStep:
                                          timeout)
         self.last_stats = {"peak_bytes": [int(p.split()[0]) for p in peaks],
                            "peak_buffers": [int(p.split()[1]) for p in peaks]}
+        if self.record:
+            from .tracing import gather_events
+
+            self.last_events, self.last_offsets = gather_events(group, ex.events(), timeout)
         mine = [i for i, p in enumerate(self.parts) if self.stage_rank[p.stage] == me]
         final = self._reduce_parts(st, mine)
         for i, p in enumerate(self.parts):
