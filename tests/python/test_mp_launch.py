@@ -100,6 +100,8 @@ WORKER = textwrap.dedent('''
             run_plan(baton.plan("1f1b", ranks=2, microbatches=4), fail_at=2 if rank == 1 else None)
         elif mode == "mismatch":
             run_plan(baton.plan("1f1b", ranks=2, microbatches=4 + 2 * rank))
+        elif mode == "other_schedule":
+            run_plan(baton.plan("gpipe" if rank == 1 else "1f1b", ranks=2, microbatches=4))
         else:
             raise SystemExit(f"unknown mode {mode}")
     except baton.ExecutionError as e:
@@ -153,13 +155,15 @@ def test_task_failure_in_one_process_stops_all(tmp_path):
     assert elapsed < 30
 
 
-def test_handshake_mismatch_stops_all(tmp_path):
-    p, _ = launch(tmp_path, "mismatch")
+@pytest.mark.parametrize("mode,differs", [("mismatch", "microbatches="),
+                                           ("other_schedule", "gpipe")])
+def test_handshake_mismatch_stops_all(tmp_path, mode, differs):
+    p, _ = launch(tmp_path, mode)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out
     for r in (0, 1):
         line = [ln for ln in out.splitlines() if ln.startswith(f"rank {r} ERROR")]
-        assert line and "ranks disagree" in line[0] and "microbatches=" in line[0], out
+        assert line and "ranks disagree" in line[0] and differs in line[0], out
 
 
 def test_launch_reports_failing_rank_code(tmp_path):
