@@ -56,4 +56,8 @@ from .frontend import (  # noqa: F401,E402
     stage_boundary,
 )
 
+# --- measurement (traces of real steps, profile-driven costs) ---
+from .frontend.profile import Profile, profile  # noqa: F401,E402
+from .frontend.tracing import Trace, trace  # noqa: F401,E402
+
 __version__ = "0.1.0"

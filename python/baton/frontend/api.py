@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Callable
 
 import jax
@@ -29,7 +30,7 @@ class PipelinedFunction:
     """The result of ``baton.jit``. Call it like the step; inspect ``.plan``, ``.summary()``."""
 
     def __init__(self, fn: Callable, mesh: Any, schedule: Any, microbatches: int,
-                 transport: str | None = None, timeout: float = 120.0):
+                 transport: str | None = None, timeout: float = 120.0, trace: bool = False):
         if transport not in (None, "local", "gloo"):
             raise ConfigError(
                 f"baton.jit: transport must be None (automatic), 'local' or 'gloo' "
@@ -57,6 +58,8 @@ class PipelinedFunction:
         self._cache: dict[Any, CompiledStep] = {}
         self._tree = None
         self.last: CompiledStep | None = None
+        self.trace = bool(trace)  # record a Trace of every call (tracing.py)
+        self.last_trace = None
         functools.update_wrapper(self, fn)
 
     def _key(self, flat, tree):
@@ -112,11 +115,35 @@ class PipelinedFunction:
         return CompiledStep(traced, plan, self.mesh, bool(sched.split_backward()))
 
     def __call__(self, *args):
+        return self._call(args, self.trace)
+
+    def _call(self, args, record: bool = False):
         step = self.compile(*args)
         self.last = step
         flat = jax.tree.leaves(args)
-        outs = step.run(flat, self.group, self.timeout)
+        step.record = step.block = bool(record)
+        try:
+            outs = step.run(flat, self.group, self.timeout)
+        finally:
+            step.record = step.block = False
+        if record:
+            from .tracing import buffer_bytes, build_trace
+
+            self.last_trace = build_trace(step.core_plan, step.last_events,
+                                          buffer_bytes(step.core_plan, cost_model_of(step)),
+                                          step.last_offsets)
+            logging.getLogger("baton").info(
+                "traced step %s: %.3f ms, bubble per rank %s", step.plan.schedule.name,
+                self.last_trace.step_time * 1e3,
+                " ".join(f"{b:.1%}" for b in self.last_trace.bubble))
         return jax.tree.unflatten(step.traced.out_tree, outs)
+
+    def write_trace(self, path) -> str:
+        """Writes the last traced call's Chrome/Perfetto trace (``baton.jit(..., trace=True)``
+        or ``baton.trace``) to ``path``; returns the JSON text."""
+        if self.last_trace is None:
+            raise ConfigError("no traced call yet: use baton.jit(..., trace=True) or baton.trace")
+        return self.last_trace.write(path)
 
     @property
     def rank(self) -> int | None:
@@ -143,7 +170,9 @@ class PipelinedFunction:
         step = self.compile(*args) if args else self.last
         if step is None:
             raise ConfigError("call the step (or pass example arguments) first")
-        return step.plan.summary(cost_model_of(step))
+        text = step.plan.summary(cost_model_of(step))
+        prof = getattr(step, "profiled", None)
+        return text if prof is None else text + "\n" + prof.summary()
 
     def simulate(self, *args):
         step = self.compile(*args) if args else self.last
@@ -157,7 +186,11 @@ def _dtype_name(x) -> str:
 
 
 def cost_model_of(step: CompiledStep):
-    """Simulator costs from the traced task costs (flops, normalized) and real byte sizes."""
+    """Simulator costs: the profiled ones after ``baton.profile`` (seconds), else the traced
+    task costs (flops, normalized) with real byte sizes."""
+    prof = getattr(step, "profiled", None)
+    if prof is not None:
+        return prof.cost_model
     costs = step.stage_costs()
     scale = max(max(c["f"] for c in costs), 1.0)
     cm = _core.CostModel()
@@ -190,6 +223,7 @@ def jit(
     microbatches: int = 1,
     transport: str | None = None,
     timeout: float = 120.0,
+    trace: bool = False,
 ):
     """Pipelines ``fn`` (a training step containing one ``baton.accumulate``).
 
@@ -202,12 +236,13 @@ def jit(
     ``jax.local_devices()``); ``None`` picks ``"gloo"`` when the process was started by
     ``python -m baton.launch`` (or SLURM, Open MPI, ``jax.distributed``) with more than one
     process, else ``"local"``. ``timeout``: seconds one instruction may wait for a transfer.
+    ``trace``: record every call (``.last_trace``, ``.write_trace(path)``; see ``baton.trace``).
     """
     if mesh is None and (transport == "local" or
                          (transport is None and launched_world_size() <= 1)):
         raise ConfigError("baton.jit: pass mesh=baton.PipelineMesh(devices, ranks=R)")
 
     def wrap(f):
-        return PipelinedFunction(f, mesh, schedule, microbatches, transport, timeout)
+        return PipelinedFunction(f, mesh, schedule, microbatches, transport, timeout, trace)
 
     return wrap if fn is None else wrap(fn)

@@ -1,0 +1,239 @@
+"""Profile-driven costs: measure a pipelined step's tasks and transfers, get a CostModel.
+
+    prof = baton.profile(step, params, opt_state, batch, runs=5)
+    prof.cost_model           # seconds per task (median), real buffer bytes, measured link
+    print(prof.summary())     # predicted (simulated with those costs) vs measured, per rank
+    print(step.summary())     # the plan summary now uses the profiled costs and adds the table
+
+How: one traced call captures every task's first arguments (on its rank's devices); then
+each task's jit is timed alone, blocking on its outputs, ``runs`` times after ``warmup``
+calls, and the median kept (per kind and stage: F, B or I and W). A transfer is timed on a
+small and on the largest activation/gradient buffer (in one process: ``jax.device_put`` to
+the next rank's devices; over Gloo: half a ping-pong round trip); latency = small time,
+bandwidth from the difference. Then ``runs`` traced calls of the whole step give the
+measured step time (median), each rank's bubble and the peak live buffers, which
+``summary()`` puts next to the simulator's prediction with the profiled costs. XLA's memory
+analysis of each task (``compiled.memory_analysis()``) is kept where JAX provides it.
+Multi-process mode: collective; each process times its own stages' tasks and the results are
+exchanged, so every process gets the same cost model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import _core
+from ..errors import ConfigError
+from .tracing import Trace, span_bubbles
+
+__all__ = ["Profile", "profile"]
+
+_TINY = 1e-9  # seconds: every task keeps a positive duration (see api.cost_model_of)
+_TAG_PROFILE = (1 << 45) + (1 << 20)  # see tracing._TAG_CLOCK
+
+
+@dataclasses.dataclass
+class Profile:
+    cost_model: Any  # baton.CostModel, times in seconds
+    task_times: dict  # "F0", "B1", "I2", "W2" -> median seconds
+    task_samples: dict  # same keys -> list of seconds
+    link: dict  # latency (s), bandwidth (bytes/s; 0 = infinite), sizes measured
+    xla_memory: dict  # task name -> memory analysis fields (bytes), where JAX exposes it
+    measured: dict  # step_time (median s), step_times, bubble, peak_bytes, peak_activation
+    predicted: dict  # step_time, bubble, peak_total, peak_activation (simulator)
+    trace: Trace | None = None  # the last measured step
+
+    def summary(self) -> str:
+        m, p = self.measured, self.predicted
+        ratio = p["step_time"] / m["step_time"] if m["step_time"] > 0 else float("nan")
+        lines = [
+            f"profiled: step predicted {p['step_time'] * 1e3:.3f} ms, measured "
+            f"{m['step_time'] * 1e3:.3f} ms (median of {len(m['step_times'])}; "
+            f"predicted/measured {ratio:.2f})",
+            "rank  bubble pred  bubble meas  peak total plan  peak total meas  peak act plan"
+            "  peak act meas",
+        ]
+        for r in range(len(p["bubble"])):
+            lines.append(
+                f"{r:4d} {p['bubble'][r] * 100:11.1f}% {m['bubble'][r] * 100:11.1f}% "
+                f"{p['peak_total'][r]:16d} {m['peak_bytes'][r]:16d} "
+                f"{p['peak_activation'][r]:14d} {m['peak_activation'][r]:14d}")
+        tasks = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in sorted(self.task_times.items()))
+        lines.append(f"task medians (ms): {tasks}")
+        lat, bw = self.link["latency"], self.link["bandwidth"]
+        lines.append(f"link: latency {lat * 1e6:.1f} us, bandwidth "
+                     + (f"{bw / 2**30:.2f} GiB/s" if bw > 0 else "infinite"))
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        d = {k: getattr(self, k) for k in ("task_times", "task_samples", "link", "xla_memory",
+                                           "measured", "predicted")}
+        d["cost_model"] = json.loads(self.cost_model.to_json())
+        return json.dumps(d)
+
+
+def _median_time(fn, args, runs: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    out = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _xla_memory(fn, args) -> dict | None:
+    try:
+        ma = fn.lower(*args).compile().memory_analysis()
+    except Exception:  # noqa: BLE001  (not every backend / JAX version exposes it)
+        return None
+    if ma is None:
+        return None
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+              "alias_size_in_bytes", "generated_code_size_in_bytes")
+    return {f: int(getattr(ma, f)) for f in fields if hasattr(ma, f)}
+
+
+def _fit_link(small: tuple[int, float], big: tuple[int, float]) -> dict:
+    (n0, t0), (n1, t1) = small, big
+    bw = (n1 - n0) / (t1 - t0) if n1 > n0 and t1 > t0 else 0.0
+    return {"latency": max(t0, 0.0), "bandwidth": bw, "sizes": [n0, n1], "times": [t0, t1]}
+
+
+def _local_link(step, nbytes: int, runs: int) -> dict:
+    """One process: ``jax.device_put`` from rank 0's devices to rank 1's (blocking)."""
+    if step.num_ranks < 2:
+        return {"latency": 0.0, "bandwidth": 0.0, "sizes": [], "times": []}
+    pts = []
+    for n in (4, max(nbytes, 8)):
+        x = jax.device_put(np.zeros(n // 4, np.float32), step.mesh.replicated(0))
+        dst = step.mesh.replicated(1)
+        ts = _median_time(lambda a: jax.device_put(a, dst), [x], runs, 1)
+        pts.append((n, statistics.median(ts)))
+    return _fit_link(*pts)
+
+
+def _group_link(group, nbytes: int, runs: int, timeout: float) -> dict:
+    """Multi-process: half the round trip of a ping-pong between ranks 0 and 1."""
+    t, me = group.transport, group.rank
+    res = None
+    if group.world_size >= 2 and me in (0, 1):
+        pts = []
+        tag = _TAG_PROFILE
+        for n in (4, max(nbytes, 8)):
+            x = np.zeros(n // 4, np.float32)
+            ts = []
+            for k in range(runs + 1):
+                if me == 0:
+                    t0 = time.perf_counter()
+                    t.isend(1, tag, [x]).wait(timeout)
+                    t.irecv(1, tag + 1).wait(timeout)
+                    ts.append((time.perf_counter() - t0) / 2)
+                else:
+                    y = t.irecv(0, tag).wait(timeout)
+                    t.isend(0, tag + 1, [np.asarray(y[0])]).wait(timeout)
+                tag += 2
+            if me == 0:
+                pts.append((n, statistics.median(ts[1:])))
+        if me == 0:
+            res = _fit_link(*pts)
+    blobs = t.exchange(json.dumps(res), timeout)
+    got = json.loads(blobs[0])
+    return got or {"latency": 0.0, "bandwidth": 0.0, "sizes": [], "times": []}
+
+
+def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = None) -> Profile:
+    """Measures ``fn`` (a ``baton.jit`` function) on ``args`` and returns a :class:`Profile`
+    whose ``cost_model`` (seconds) the planner and simulator use; ``fn.summary()`` and
+    ``fn.simulate()`` use it from then on. ``runs``: timed calls per task; ``steps``: traced
+    whole steps for the measured step time (default ``runs``)."""
+    from .api import cost_model_of
+
+    if not isinstance(runs, int) or runs < 1 or warmup < 0:
+        raise ConfigError(f"baton.profile: runs must be >= 1 and warmup >= 0 "
+                          f"(got runs={runs!r}, warmup={warmup!r})")
+    steps = runs if steps is None else steps
+    step = fn.compile(*args)
+    step.profiled = None  # flop-based costs while measuring (buffer sizes)
+    flop_costs = cost_model_of(step)
+    # 1. capture each task's arguments during one (blocking) step
+    step.capture = {}
+    try:
+        fn._call(args, record=True)
+        captured = step.capture
+    finally:
+        step.capture = None
+    # 2. time each task alone
+    samples: dict[str, list[float]] = {}
+    xla: dict[str, dict] = {}
+    for (kind, s), a in sorted(captured.items()):
+        exe = step.tasks[(kind, s)]
+        name = f"{kind}{s}"
+        samples[name] = _median_time(exe.fn, a, runs, warmup)
+        mem = _xla_memory(exe.fn, a)
+        if mem is not None:
+            xla[name] = mem
+    if fn.group is not None:  # every process gets every rank's tasks
+        blobs = fn.group.transport.exchange(json.dumps([samples, xla]), fn.timeout)
+        for b in blobs:
+            smp, xm = json.loads(b)
+            samples.update(smp)
+            xla.update(xm)
+    times = {k: statistics.median(v) for k, v in samples.items()}
+    # 3. transfers
+    big = max([int(c.act_bytes) for c in flop_costs.stages]
+              + [int(c.grad_bytes) for c in flop_costs.stages] + [8])
+    if fn.group is None:
+        link = _local_link(step, big, runs)
+    else:
+        link = _group_link(fn.group, big, runs, fn.timeout)
+    # 4. the cost model
+    cm = _core.CostModel()
+    stages = []
+    for s, fc in enumerate(flop_costs.stages):
+        sc = _core.StageCost()
+        for f in ("act_bytes", "stash_bytes", "grad_bytes", "wstash_bytes", "wgrad_bytes"):
+            setattr(sc, f, getattr(fc, f))
+        sc.f = max(times.get(f"F{s}", 0.0), _TINY)
+        if f"B{s}" in times:
+            sc.b = max(times[f"B{s}"], _TINY)
+            sc.i = sc.w = sc.b / 2
+        else:
+            sc.i = max(times.get(f"I{s}", 0.0), _TINY)
+            sc.w = max(times.get(f"W{s}", 0.0), _TINY)
+            sc.b = sc.i + sc.w
+        stages.append(sc)
+    cm.stages = stages
+    lc = _core.LinkCost()
+    lc.latency = float(link["latency"])
+    lc.bandwidth = float(link["bandwidth"])
+    cm.link = lc
+    cm.validate()
+    # 5. measured steps vs the simulator's prediction
+    traces = []
+    for _ in range(max(steps, 1)):
+        fn._call(args, record=True)
+        traces.append(fn.last_trace)
+    order = sorted(range(len(traces)), key=lambda i: traces[i].step_time)
+    med = traces[order[len(order) // 2]]
+    sim = step.plan.simulate(cm)
+    R = step.num_ranks
+    measured = {"step_time": med.step_time, "step_times": [t.step_time for t in traces],
+                "bubble": med.bubble, "peak_bytes": list(step.last_stats["peak_bytes"]),
+                "peak_activation": [max(t.peak_activation[r] for t in traces) for r in range(R)]}
+    runs_ = list(sim.runs)
+    predicted = {"step_time": (max(r.end for r in runs_) - min(r.start for r in runs_))
+                 if runs_ else 0.0,
+                 "bubble": span_bubbles(runs_, R), "peak_total": list(sim.peak_total),
+                 "peak_activation": list(sim.peak_activation)}
+    prof = Profile(cm, times, samples, link, xla, measured, predicted, med)
+    step.profiled = prof
+    return prof
