@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import pytest
+from scalar_pipeline import worker_prelude
 
 WORKER = textwrap.dedent('''
     import os, signal, sys, time
@@ -18,6 +19,7 @@ WORKER = textwrap.dedent('''
     from baton import _core
     from baton import runtime as rt
     from baton.runtime import rendezvous
+    from scalar_pipeline import apply_action, expected_accumulator
 
     mode = sys.argv[1]
     info = rendezvous.rank_info()
@@ -27,30 +29,13 @@ WORKER = textwrap.dedent('''
 
     def fake_tasks(plan, acc, fail_at=None):
         core = plan.core
-        S = core.schedule.num_stages
         runs = [0]
-        bid = lambda k, s, m: core.buffer_id(_core.BufferKey(k, s, m))
         def run(r, a, in_ids, ins, out_ids):
             if runs[0] == fail_at:
                 raise RuntimeError("injected task failure")
             runs[0] += 1
             env = {b: float(v[0].reshape(-1)[0]) for b, v in zip(in_ids, ins)}
-            act = core.schedule.rank_actions[r][a]
-            for tk in [act.first] + ([act.second] if act.is_fused else []):
-                s, m = tk.stage, tk.microbatch
-                if tk.kind == _core.TaskKind.F:
-                    x = 1.0 + m if s == 0 else env[bid(K.Act, s - 1, m)]
-                    if s < S - 1:
-                        env[bid(K.Act, s, m)] = x + 1
-                    env[bid(K.Stash, s, m)] = x
-                elif tk.kind == _core.TaskKind.W:
-                    env[bid(K.WGrad, s, m)] = env[bid(K.WStash, s, m)]
-                else:
-                    g = 1.0 if s == S - 1 else env[bid(K.Grad, s + 1, m)]
-                    if s > 0:
-                        env[bid(K.Grad, s, m)] = 2 * g
-                    out = K.WGrad if tk.kind == _core.TaskKind.B else K.WStash
-                    env[bid(out, s, m)] = env[bid(K.Stash, s, m)] * g
+            apply_action(core, r, a, env)
             return [[np.array([env[b]], np.float64)] for b in out_ids]
         def accumulate(r, b, v):
             s = core.buffer_key(b).stage
@@ -91,9 +76,8 @@ WORKER = textwrap.dedent('''
         elif mode == "executor":
             plan = baton.plan("zbv", ranks=2, microbatches=4)
             acc = run_plan(plan, steps=2)
-            S = plan.num_stages
             for s, v in acc.items():
-                want = 2 * sum((1.0 + m + s) * 2.0 ** (S - 1 - s) for m in range(4))
+                want = expected_accumulator(plan.num_stages, 4, s, steps=2)
                 assert abs(v - want) < 1e-9, (s, v, want)
             assert len(acc) == 2
         elif mode == "raise":
@@ -115,7 +99,7 @@ WORKER = textwrap.dedent('''
 
 def launch(tmp_path, mode, nprocs=2, timeout=120, grace=20):
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(worker_prelude() + WORKER)
     t0 = time.monotonic()
     p = subprocess.run(
         [sys.executable, "-m", "baton.launch", "--nprocs", str(nprocs), "--grace", str(grace),

@@ -15,7 +15,7 @@ from baton import _core
 from baton import runtime as rt
 from baton.runtime import rendezvous
 
-K = _core.BufKind
+from scalar_pipeline import apply_action, expected_accumulator  # noqa: E402
 
 
 def fake_tasks(plan, rank, acc, *, make=np.asarray, fail_at=None, to_jax=False):
@@ -23,11 +23,7 @@ def fake_tasks(plan, rank, acc, *, make=np.asarray, fail_at=None, to_jax=False):
     wgrad|wstash = stash * g; W: wgrad = wstash; ACCUMULATE sums wgrad per stage.
     A value is a one-element list holding an array."""
     core = plan.core
-    S = core.schedule.num_stages
     runs = [0]
-
-    def bid(kind, s, m):
-        return core.buffer_id(_core.BufferKey(kind, s, m))
 
     def run(r, a, in_ids, ins, out_ids):
         assert r == rank
@@ -35,22 +31,7 @@ def fake_tasks(plan, rank, acc, *, make=np.asarray, fail_at=None, to_jax=False):
             raise ValueError("boom from the task")
         runs[0] += 1
         env = {b: float(np.asarray(v[0]).reshape(-1)[0]) for b, v in zip(in_ids, ins)}
-        act = core.schedule.rank_actions[r][a]
-        for t in [act.first] + ([act.second] if act.is_fused else []):
-            s, m, kind = t.stage, t.microbatch, t.kind
-            if kind == _core.TaskKind.F:
-                x = 1.0 + m if s == 0 else env[bid(K.Act, s - 1, m)]
-                if s < S - 1:
-                    env[bid(K.Act, s, m)] = x + 1
-                env[bid(K.Stash, s, m)] = x
-            elif kind == _core.TaskKind.W:
-                env[bid(K.WGrad, s, m)] = env[bid(K.WStash, s, m)]
-            else:
-                g = 1.0 if s == S - 1 else env[bid(K.Grad, s + 1, m)]
-                if s > 0:
-                    env[bid(K.Grad, s, m)] = 2 * g
-                out = K.WGrad if kind == _core.TaskKind.B else K.WStash
-                env[bid(out, s, m)] = env[bid(K.Stash, s, m)] * g
+        apply_action(core, r, a, env)
         return [[make(np.array([env[b]], dtype=np.float32))] for b in out_ids]
 
     def accumulate(r, b, v):
@@ -62,8 +43,7 @@ def fake_tasks(plan, rank, acc, *, make=np.asarray, fail_at=None, to_jax=False):
 
 def expected(plan, stage):
     sch = plan.core.schedule
-    S = sch.num_stages
-    return sum((1.0 + m + stage) * 2.0 ** (S - 1 - stage) for m in range(sch.num_microbatches))
+    return expected_accumulator(sch.num_stages, sch.num_microbatches, stage)
 
 
 def run_threads(fns):
@@ -332,34 +312,14 @@ def test_local_executor_runs_jitted_tasks_on_each_ranks_device():
 
     execs = []
     core = plan.core
-    S = core.schedule.num_stages
-
-    def bid(kind, s, m):
-        return core.buffer_id(_core.BufferKey(kind, s, m))
 
     def tasks_for(rank):
         def run(r, a, in_ids, ins, out_ids):
             for v in ins:
                 seen_devices[r].update(d.id for d in v[0].devices())
             env = {b: v[0] for b, v in zip(in_ids, ins)}
-            act = core.schedule.rank_actions[r][a]
-            for t in [act.first] + ([act.second] if act.is_fused else []):
-                s, m, kind = t.stage, t.microbatch, t.kind
-                if kind == _core.TaskKind.F:
-                    x = (jax.device_put(jnp.float32(1.0 + m), devs[r]) if s == 0
-                         else env[bid(K.Act, s - 1, m)])
-                    if s < S - 1:
-                        env[bid(K.Act, s, m)] = x + 1
-                    env[bid(K.Stash, s, m)] = x
-                elif kind == _core.TaskKind.W:
-                    env[bid(K.WGrad, s, m)] = env[bid(K.WStash, s, m)]
-                else:
-                    g = (jax.device_put(jnp.float32(1.0), devs[r]) if s == S - 1
-                         else env[bid(K.Grad, s + 1, m)])
-                    if s > 0:
-                        env[bid(K.Grad, s, m)] = 2 * g
-                    out = K.WGrad if kind == _core.TaskKind.B else K.WStash
-                    env[bid(out, s, m)] = env[bid(K.Stash, s, m)] * g
+            apply_action(core, r, a, env,
+                         const=lambda c: jax.device_put(jnp.float32(c), devs[r]))
             return [[env[b]] for b in out_ids]
 
         def accumulate(r, b, v):

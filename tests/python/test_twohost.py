@@ -22,6 +22,7 @@ import textwrap
 import time
 
 import pytest
+from scalar_pipeline import worker_prelude
 
 ADDRS = ("10.231.7.1", "10.231.7.2")  # a private /30 that exists only inside the two namespaces
 
@@ -33,6 +34,7 @@ WORKER = textwrap.dedent('''
     from baton import _core
     from baton import runtime as rt
     from baton.runtime import rendezvous
+    from scalar_pipeline import apply_action, expected_accumulator
 
     mode = sys.argv[1]
     if mode == "jaxdist":
@@ -54,8 +56,6 @@ WORKER = textwrap.dedent('''
     def tasks_for(plan, acc, die_after=None):
         """Fake tasks with a closed-form result: F adds 1 per stage, B/I double the gradient."""
         core = plan.core
-        S = core.schedule.num_stages
-        bid = lambda k, s, m: core.buffer_id(_core.BufferKey(k, s, m))
         runs = [0]
 
         def scalar(b, v):
@@ -69,22 +69,7 @@ WORKER = textwrap.dedent('''
                 os.kill(os.getpid(), signal.SIGKILL)
             runs[0] += 1
             env = {b: scalar(b, v) for b, v in zip(in_ids, ins)}
-            act = core.schedule.rank_actions[r][ai]
-            for tk in [act.first] + ([act.second] if act.is_fused else []):
-                s, m = tk.stage, tk.microbatch
-                if tk.kind == _core.TaskKind.F:
-                    x = 1.0 + m if s == 0 else env[bid(K.Act, s - 1, m)]
-                    if s < S - 1:
-                        env[bid(K.Act, s, m)] = x + 1
-                    env[bid(K.Stash, s, m)] = x
-                elif tk.kind == _core.TaskKind.W:
-                    env[bid(K.WGrad, s, m)] = env[bid(K.WStash, s, m)]
-                else:
-                    g = 1.0 if s == S - 1 else env[bid(K.Grad, s + 1, m)]
-                    if s > 0:
-                        env[bid(K.Grad, s, m)] = 2 * g
-                    out = K.WGrad if tk.kind == _core.TaskKind.B else K.WStash
-                    env[bid(out, s, m)] = env[bid(K.Stash, s, m)] * g
+            apply_action(core, r, ai, env)
             return [[np.full(N, env[b], np.float64)] for b in out_ids]
 
         def accumulate(r, b, v):
@@ -101,11 +86,10 @@ WORKER = textwrap.dedent('''
             ex.handshake(20.0)
             for _ in range(steps):
                 ex.run()
-            S = plan.num_stages
             mine = {a.first.stage for a in plan.core.schedule.rank_actions[rank]}
             assert set(acc) == mine, (name, sorted(acc), sorted(mine))
             for s, v in acc.items():
-                want = steps * sum((1.0 + m + s) * 2.0 ** (S - 1 - s) for m in range(M))
+                want = expected_accumulator(plan.num_stages, M, s, steps=steps)
                 assert abs(v - want) < 1e-9, (name, s, v, want)
             print(f"rank {rank} {name} ok stages={sorted(mine)}", flush=True)
 
@@ -195,7 +179,7 @@ def netns_pair():
 def run_two(netns_pair, tmp_path, *args, timeout=120, worker=WORKER, devices=None):
     """Runs the worker as rank 0 and rank 1, one per namespace; returns (codes, output, seconds)."""
     script = tmp_path / "worker.py"
-    script.write_text(worker)
+    script.write_text(worker_prelude() + worker)
     store = tmp_path / "store"
     store.mkdir()
     procs = []
