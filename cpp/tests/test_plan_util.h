@@ -1,5 +1,8 @@
-// Hand-built schedules for the plan tests (independent of the generators).
+// Helpers shared by the C++ tests: hand-built schedules (independent of the
+// generators), instruction look-up, and exception-message capture.
 #pragma once
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -73,6 +76,18 @@ inline int find_instr(const Plan& plan, int rank, const std::string& text) {
     if (d.substr(prefix.size()) == text) return i;
   }
   return -1;
+}
+
+// Runs `fn`, expects exception E, returns its message.
+template <typename E, typename Fn>
+std::string error_of(Fn fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected exception was not thrown";
+  return "";
 }
 
 }  // namespace baton::testing

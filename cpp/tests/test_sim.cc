@@ -8,34 +8,17 @@
 #include "baton/error.h"
 #include "baton/plan.h"
 #include "baton/sim.h"
+#include "test_plan_util.h"
 
 namespace baton {
 namespace {
 
+using testing::error_of;
+using testing::hand_1f1b;
+
 Task T(TaskKind k, int s, int m) { return Task{k, s, m}; }
 Action A(TaskKind k, int s, int m) { return Action{T(k, s, m)}; }
 
-// 1F1B on contiguous stages (Megatron order: p-r-1 warm-up forwards).
-Schedule hand_1f1b(int p, int m) {
-  Schedule s;
-  s.name = "1f1b";
-  s.num_ranks = p;
-  s.num_stages = p;
-  s.num_microbatches = m;
-  s.stage_rank = contiguous_placement(p);
-  s.rank_actions.resize(p);
-  for (int r = 0; r < p; ++r) {
-    auto& row = s.rank_actions[r];
-    int f = 0, b = 0;
-    for (int k = 0; k < std::min(p - r - 1, m); ++k) row.push_back(A(TaskKind::F, r, f++));
-    while (f < m) {
-      row.push_back(A(TaskKind::F, r, f++));
-      row.push_back(A(TaskKind::B, r, b++));
-    }
-    while (b < m) row.push_back(A(TaskKind::B, r, b++));
-  }
-  return s;
-}
 
 // Builds a Plan instruction by instruction (the simulator does not need the
 // plan to come from lower()).
@@ -79,16 +62,6 @@ struct Builder {
   }
 };
 
-template <typename E, typename Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected exception was not thrown";
-  return "";
-}
 
 bool contains(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;

@@ -6,21 +6,13 @@
 
 #include "baton/cost.h"
 #include "baton/error.h"
+#include "test_plan_util.h"
 
 namespace baton {
 namespace {
 
-// Runs `fn`, expects exception E, returns its message.
-template <typename E, typename Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected exception was not thrown";
-  return "";
-}
+using testing::error_of;
+
 
 TEST(SimCost, StageFallsBackToDefault) {
   CostModel c = CostModel::uniform(1, 2, 3, 4);

@@ -13,32 +13,15 @@
 #include "baton/render.h"
 #include "baton/sim.h"
 #include "baton/verify.h"
+#include "test_plan_util.h"
 
 namespace baton {
 namespace {
 
+using testing::hand_1f1b;
+
 Action A(TaskKind k, int s, int m) { return Action{Task{k, s, m}}; }
 
-Schedule hand_1f1b(int p, int m) {
-  Schedule s;
-  s.name = "1f1b";
-  s.num_ranks = p;
-  s.num_stages = p;
-  s.num_microbatches = m;
-  s.stage_rank = contiguous_placement(p);
-  s.rank_actions.resize(p);
-  for (int r = 0; r < p; ++r) {
-    auto& row = s.rank_actions[r];
-    int f = 0, b = 0;
-    for (int k = 0; k < std::min(p - r - 1, m); ++k) row.push_back(A(TaskKind::F, r, f++));
-    while (f < m) {
-      row.push_back(A(TaskKind::F, r, f++));
-      row.push_back(A(TaskKind::B, r, b++));
-    }
-    while (b < m) row.push_back(A(TaskKind::B, r, b++));
-  }
-  return s;
-}
 
 // One rank holding two stages (local hand-off), with I/W split and a fused
 // action, so that every category shows up.
