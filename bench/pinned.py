@@ -1,15 +1,19 @@
-"""Throughput of a 2-rank pipeline run as 2 processes pinned to separate cores, against the
-non-pipelined baseline run as one process pinned to one core (issue 5's headline measurement).
+"""Pipelines run as processes pinned to separate cores, against the non-pipelined baseline
+pinned to one core (issue 5's measurements), with the simulator's prediction for every run.
 
-    python bench/pinned.py [--schedule 1f1b] [--microbatches 8] [--steps 5] [--dim 256]
-                           [--md bench/results/pinned.md]
+    python bench/pinned.py [--schedules gpipe,1f1b,...] [--one-rank gpipe,1f1b,zbh1]
+                           [--microbatches 8] [--steps 5] [--dim 256] [--md bench/results/pinned.md]
 
 * baseline: one process pinned to core 0, XLA with one thread; ``jax.jit`` of the training step
   with ``accumulate`` as a ``lax.scan`` over the microbatches (no Baton at run time).
-* baton: ``python -m baton.launch --nprocs 2``; rank r pinned to core r, one XLA thread and one CPU
-  device each, talking Gloo; the same GPT cut into 2 stages, one per process.
-Each prints the median wall time of ``--steps`` steps after 2 warm-up steps. The ideal speed-up of
-1F1B with p = 2 and m microbatches is m(F+B) / ((m+p-1)(F+B)) * p = 2m/(m+1) (16/9 = 1.78 for m = 8).
+* 2 ranks: ``python -m baton.launch --nprocs 2``; rank r pinned to core r, one XLA thread and one
+  CPU device each, talking Gloo; the same GPT cut into ``schedule.stages(2)`` stages.
+* 1 rank: Baton in one process pinned to core 0 (the model without stage boundaries).
+Every run prints the median wall time of ``--steps`` whole steps after 2 warm-up steps (the
+step's outputs ready), then ``baton.profile`` measures each task alone, the link, and
+``--steps`` traced steps: the microbatch loop's measured span (first task start to last task
+end) next to the simulator's prediction from those profiled costs.
+The ideal speed-up of 1F1B with p = 2 and m microbatches is 2m/(m+1) (16/9 = 1.78 for m = 8).
 A benchmark, not a test: it never fails on timing.
 """
 
@@ -27,6 +31,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved 1F1B (v=2)",
+         "zbh1": "ZB-H1", "zbh2": "ZB-H2", "zbv": "ZB-V", "dualpipev": "DualPipeV"}
 
 
 def _setup(core: int):
@@ -80,31 +86,44 @@ def baseline(args):
 
 
 def worker(args):
-    rank = int(os.environ["BATON_RANK"])
+    """One rank of the pipeline (``--role worker`` under baton.launch), or the whole pipeline
+    on 1 rank (``--role single``)."""
+    single = args.role == "single"
+    rank = 0 if single else int(os.environ["BATON_RANK"])
     _setup(rank)
     import jax
 
     import baton
     import gpt
 
-    cfg = _cfg(args, 2)
+    sched = baton.schedule_from_name(args.schedule)
+    ranks = 1 if single else 2
+    cfg = _cfg(args, sched.stages(ranks))
     _, params, _, opt_state, train_step, _ = gpt.make(cfg)
     batch = gpt.synthetic_batch(cfg, args.mb_size * args.microbatches)
-    sched = baton.schedule_from_name(args.schedule)
-    step = baton.jit(train_step, schedule=sched, microbatches=args.microbatches)
+    kw = {"mesh": baton.PipelineMesh(jax.devices()[:1], ranks=1)} if single else {}
+    step = baton.jit(train_step, schedule=sched, microbatches=args.microbatches, **kw)
     state = {"p": params, "o": opt_state}
 
     def call():
         state["p"], state["o"], loss = step(state["p"], state["o"], batch)
         return loss
 
-    t = _timed(call, args.steps)
+    res = {"step": _timed(call, args.steps)}
+    prof = baton.profile(step, state["p"], state["o"], batch, runs=args.steps)
+    res["measured"] = prof.measured
+    res["predicted"] = prof.predicted
+    res["tasks"] = prof.task_times
+    res["link"] = {k: prof.link[k] for k in ("latency", "bandwidth")}
+    res["summary"] = prof.summary()
+    if args.trace and rank == 0:
+        prof.trace.write(args.trace)
     if rank == 0:
-        print("RESULT " + json.dumps({"step": t}), flush=True)
+        print("RESULT " + json.dumps(res), flush=True)
 
 
-def _result(cmd, env=None, timeout=900):
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+def _result(cmd, timeout=900):
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -112,52 +131,83 @@ def _result(cmd, env=None, timeout=900):
                      f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
 
 
+def _pct(xs):
+    return "/".join(f"{100 * x:.0f}" for x in xs)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved,zbh1,zbv,dualpipev",
+                    help="schedules run on 2 ranks (comma-separated)")
+    ap.add_argument("--one-rank", default="gpipe,1f1b,zbh1",
+                    help="schedules run on 1 rank (comma-separated; empty: none)")
+    ap.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--mb-size", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--md")
-    ap.add_argument("--role", choices=["main", "baseline", "worker"], default="main")
+    ap.add_argument("--trace", help="write rank 0's last profiled step trace here (workers)")
+    ap.add_argument("--role", choices=["main", "baseline", "worker", "single"], default="main")
     args = ap.parse_args()
     if args.role == "baseline":
         return baseline(args)
-    if args.role == "worker":
+    if args.role in ("worker", "single"):
         return worker(args)
 
-    common = ["--schedule", args.schedule, "--microbatches", str(args.microbatches),
-              "--mb-size", str(args.mb_size), "--seq", str(args.seq), "--dim", str(args.dim),
-              "--steps", str(args.steps)]
+    common = ["--microbatches", str(args.microbatches), "--mb-size", str(args.mb_size),
+              "--seq", str(args.seq), "--dim", str(args.dim), "--steps", str(args.steps)]
     me = os.path.abspath(__file__)
     base = _result([sys.executable, me, "--role", "baseline", *common])
-    pipe = _result([sys.executable, "-m", "baton.launch", "--nprocs", "2", me, "--role",
-                    "worker", *common])
     tokens = args.mb_size * args.microbatches * args.seq
     m = args.microbatches
     rows = [
-        "| run | processes | step ms | tokens/s | speed-up |",
-        "|---|---|---|---|---|",
-        f"| jax.jit + lax.scan, 1 process on core 0, 1 XLA thread | 1 | {1e3 * base['step']:.1f} "
-        f"| {tokens / base['step']:.0f} | 1.00 |",
-        f"| Baton {args.schedule}, 2 ranks = 2 processes on cores 0 and 1, 1 XLA thread each | 2 "
-        f"| {1e3 * pipe['step']:.1f} | {tokens / pipe['step']:.0f} "
-        f"| {base['step'] / pipe['step']:.2f} (ideal {2 * m / (m + 1):.2f}) |",
+        "| run | step ms | tokens/s | speed-up | loop meas ms | loop pred ms | pred/meas "
+        "| bubble meas % | bubble pred % | peak act meas MiB | peak act plan MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| jax.jit + lax.scan, 1 process on core 0 | {1e3 * base['step']:.1f} "
+        f"| {tokens / base['step']:.0f} | 1.00 | | | | | | | |",
     ]
+    runs = [(s, "single") for s in args.one_rank.split(",") if s]
+    runs += [(s, "worker") for s in args.schedules.split(",") if s]
+    details = []
+    for sched, role in runs:
+        cmd = [me, "--role", role, "--schedule", sched, *common]
+        if role == "worker":
+            cmd = ["-m", "baton.launch", "--nprocs", "2", *cmd]
+        r = _result([sys.executable, *cmd])
+        meas, pred = r["measured"], r["predicted"]
+        where = "1 rank, 1 process on core 0" if role == "single" else \
+            "2 ranks, 2 processes on cores 0 and 1"
+        ideal = f" (ideal {2 * m / (m + 1):.2f})" if (role, sched) == ("worker", "1f1b") else ""
+        mib = 2.0 ** 20
+        rows.append(
+            f"| Baton {NAMES.get(sched, sched)}, {where} | {1e3 * r['step']:.1f} "
+            f"| {tokens / r['step']:.0f} | {base['step'] / r['step']:.2f}{ideal} "
+            f"| {1e3 * meas['step_time']:.1f} | {1e3 * pred['step_time']:.1f} "
+            f"| {pred['step_time'] / meas['step_time']:.2f} | {_pct(meas['bubble'])} "
+            f"| {_pct(pred['bubble'])} | {'/'.join(f'{x / mib:.1f}' for x in meas['peak_activation'])} "
+            f"| {'/'.join(f'{x / mib:.1f}' for x in pred['peak_activation'])} |")
+        details.append(f"- {sched}, {role}: task medians (ms) " + ", ".join(
+            f"{k} {1e3 * v:.2f}" for k, v in sorted(r["tasks"].items()))
+            + f"; link latency {1e6 * r['link']['latency']:.0f} us")
+        print(rows[-1], flush=True)
     head = [
-        "# Pinned 2-process pipeline vs 1-process baseline",
+        "# Pinned pipelines vs the 1-process baseline",
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- machine: {platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}",
         f"- model: examples/gpt.py, 8 blocks, dim {args.dim}, seq {args.seq}; {m} microbatches "
-        f"of {args.mb_size}; AdamW",
+        f"of {args.mb_size}; AdamW; one XLA thread per process",
         "- command: `python bench/pinned.py " + " ".join(sys.argv[1:]) + "`",
+        "- step ms: median wall time of a whole step (loop, optimizer, outputs ready); loop "
+        "meas/pred: the microbatch loop's span, measured in traced steps (median) and simulated "
+        "with the profiled task and link costs; bubble and peak activation per rank (r0/r1).",
         "",
     ]
-    text = "\n".join(head + rows) + "\n"
+    text = "\n".join(head + rows + ["", "Profiled costs:", ""] + details) + "\n"
     print(text)
     if args.md:
         with open(args.md, "w") as f:

@@ -132,7 +132,7 @@ void init_graph(nb::module_& m) {
       .def_ro("op_stage", &baton::Partition::op_stage)
       .def("to_text", &baton::Partition::to_text, "program"_a);
 
-  g.def("partition", &baton::partition, "program"_a, "split_backward"_a);
+  g.def("partition", &baton::partition, "program"_a, "split_backward"_a, "remat"_a = true);
   g.def("count_stages", &baton::count_stages, "program"_a);
   nb::register_exception_translator(&translate_trace_error);
 }

@@ -123,7 +123,8 @@ TEST(Graph, ValidateRejectsUseBeforeDef) {
 
 TEST(Graph, ThreeStagesFullBackward) {
   Mlp m;
-  Partition part = partition(m.b.p, false);
+  // Without rematerialization: the stash is exactly what B reads (see test_graph_remat.cc).
+  Partition part = partition(m.b.p, false, false);
   ASSERT_EQ(part.num_stages, 3);
   ASSERT_EQ(part.tasks.size(), 6u);
   const TaskBody& f0 = part.task(TaskKind::F, 0);
@@ -148,13 +149,13 @@ TEST(Graph, ThreeStagesFullBackward) {
   EXPECT_EQ(b0.grad_in.size(), 1u);
   // B0 reads x directly and the tanh residual from the stash.
   EXPECT_EQ(b0.microbatch_in, std::vector<int32_t>{m.x});
-  EXPECT_EQ(b0.stash_in.size(), 1u);
+  EXPECT_EQ(b0.stash_in.size(), 1u) << part.to_text(m.b.p);
   for (const TaskBody& t : part.tasks) EXPECT_FALSE(t.ops.empty()) << part.to_text(m.b.p);
 }
 
 TEST(Graph, SplitBackwardFormsIandW) {
   Mlp m;
-  Partition part = partition(m.b.p, true);
+  Partition part = partition(m.b.p, true, false);
   ASSERT_EQ(part.tasks.size(), 9u);
   const TaskBody& i1 = part.task(TaskKind::I, 1);
   const TaskBody& w1 = part.task(TaskKind::W, 1);
@@ -168,7 +169,7 @@ TEST(Graph, SplitBackwardFormsIandW) {
   EXPECT_TRUE(part.task(TaskKind::I, 0).ops.empty());
   EXPECT_FALSE(part.task(TaskKind::W, 0).ops.empty());
   // Cost is conserved: I + W == B.
-  Partition full = partition(m.b.p, false);
+  Partition full = partition(m.b.p, false, false);
   for (int s = 0; s < 3; ++s) {
     EXPECT_DOUBLE_EQ(part.task(TaskKind::I, s).cost + part.task(TaskKind::W, s).cost,
                      full.task(TaskKind::B, s).cost);
@@ -190,18 +191,99 @@ TEST(Graph, TiedWeightGradientIsSplitAcrossStages) {
   EXPECT_NE(stages[0], stages[1]);
 }
 
+// loss = sum(tanh(x*w0) * w1) with no stage_boundary: a one-stage pipeline.
+struct OneStage {
+  Builder b;
+  int w0, w1, x, h0, r0, loss, seed, ct_h0, g0, g1;
+  OneStage() {
+    w0 = b.loop_in(ValueKind::LoopInvariant);
+    w1 = b.loop_in(ValueKind::LoopInvariant);
+    x = b.loop_in(ValueKind::LoopMicrobatch);
+    int lit = b.val(ValueKind::Literal);
+    h0 = b.op("tanh", {b.op("mul", {x, w0})});
+    r0 = b.op("one_minus_square", {h0});
+    loss = b.op("reduce_sum", {b.op("mul", {h0, w1})});
+    // backward
+    seed = b.op("broadcast_in_dim", {lit});
+    g1 = b.op("mul", {seed, h0});
+    ct_h0 = b.op("mul", {seed, w1});  // invariants and literals only: unstaged
+    int d0 = b.op("mul", {ct_h0, r0});
+    g0 = b.op("mul", {d0, x});
+    b.loop_out(loss, Reduce::Mean);
+    b.loop_out(g0, Reduce::Mean);
+    b.loop_out(g1, Reduce::Mean);
+  }
+};
+
+TEST(Graph, NoBoundaryIsOneStage) {
+  OneStage m;
+  EXPECT_EQ(count_stages(m.b.p), 1);
+  // Without rematerialization, so that the stash is exactly the residuals.
+  Partition part = partition(m.b.p, false, false);
+  ASSERT_EQ(part.num_stages, 1) << part.to_text(m.b.p);
+  ASSERT_EQ(part.tasks.size(), 2u);
+  const TaskBody& f0 = part.task(TaskKind::F, 0);
+  const TaskBody& b0 = part.task(TaskKind::B, 0);
+  // F0: the forward (5 ops), ending in the loss; B0: the backward (5 ops).
+  EXPECT_EQ(f0.ops.size(), 5u) << part.to_text(m.b.p);
+  EXPECT_EQ(b0.ops.size(), 5u) << part.to_text(m.b.p);
+  ASSERT_EQ(f0.mb_out.size(), 1u);
+  EXPECT_EQ(part.parts[f0.mb_out[0]].body, m.loss);
+  ASSERT_EQ(b0.wgrad_out.size(), 2u);
+  EXPECT_EQ(part.parts[b0.wgrad_out[0]].body, m.g0);
+  EXPECT_EQ(part.parts[b0.wgrad_out[1]].body, m.g1);
+  // Residuals travel F0 -> B0 in the stash; no activation or gradient buffers.
+  EXPECT_EQ(b0.stash_in, (std::vector<int32_t>{m.h0, m.r0}));
+  EXPECT_EQ(f0.stash_out, b0.stash_in);
+  for (const TaskBody& t : part.tasks) {
+    EXPECT_TRUE(t.act_in.empty() && t.act_out.empty() && t.grad_in.empty() && t.grad_out.empty());
+  }
+  EXPECT_EQ(f0.microbatch_in, std::vector<int32_t>{m.x});
+  EXPECT_EQ(f0.invariant_in, (std::vector<int32_t>{m.w0, m.w1}));
+  EXPECT_EQ(b0.microbatch_in, std::vector<int32_t>{m.x});
+  EXPECT_EQ(b0.invariant_in, std::vector<int32_t>{m.w1});
+  EXPECT_DOUBLE_EQ(f0.cost + b0.cost, 10.0);
+
+  Partition split = partition(m.b.p, true, false);
+  ASSERT_EQ(split.num_stages, 1);
+  ASSERT_EQ(split.tasks.size(), 3u);
+  const TaskBody& i0 = split.task(TaskKind::I, 0);
+  const TaskBody& w0 = split.task(TaskKind::W, 0);
+  // No upstream stage: I0 computes nothing, W0 all of the backward.
+  EXPECT_TRUE(i0.ops.empty());
+  EXPECT_TRUE(i0.grad_out.empty());
+  EXPECT_EQ(w0.ops.size(), 5u);
+  EXPECT_EQ(w0.wgrad_out.size(), 2u);
+  EXPECT_FALSE(split.task(TaskKind::F, 0).stash_out.empty());
+  EXPECT_EQ(i0.wstash_out, w0.wstash_in);
+  EXPECT_DOUBLE_EQ(i0.cost + w0.cost, b0.cost);
+
+  // With rematerialization (the default) the shape is the same: F0 and B0,
+  // the loss from F0, the gradients from B0, and a consistent stash.
+  for (bool split_backward : {false, true}) {
+    Partition r = partition(m.b.p, split_backward);
+    ASSERT_EQ(r.num_stages, 1);
+    ASSERT_EQ(r.tasks.size(), split_backward ? 3u : 2u);
+    const TaskBody& rf = r.task(TaskKind::F, 0);
+    const TaskBody& rb = r.task(split_backward ? TaskKind::I : TaskKind::B, 0);
+    ASSERT_EQ(rf.mb_out.size(), 1u);
+    EXPECT_EQ(r.parts[rf.mb_out[0]].body, m.loss);
+    EXPECT_EQ(rf.stash_out, rb.stash_in);
+    EXPECT_FALSE(rf.stash_out.empty()) << r.to_text(m.b.p);
+  }
+}
+
 TEST(Graph, ErrorsNameTheProblem) {
   {
+    // No stage_boundary is not an error: one stage, forward only here.
     Builder b;
     int x = b.loop_in(ValueKind::LoopMicrobatch);
     int y = b.op("tanh", {x});
     b.loop_out(y, Reduce::Sum);
-    try {
-      partition(b.p, false);
-      FAIL();
-    } catch (const TraceError& e) {
-      EXPECT_NE(std::string(e.what()).find("no stage_boundary"), std::string::npos);
-    }
+    Partition part = partition(b.p, false);
+    EXPECT_EQ(part.num_stages, 1);
+    EXPECT_EQ(part.task(TaskKind::F, 0).ops.size(), 1u);
+    EXPECT_TRUE(part.task(TaskKind::B, 0).ops.empty());
   }
   {
     // Skip connection: stage 1's value used in stage 2. (A value computed from

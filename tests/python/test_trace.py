@@ -147,9 +147,12 @@ def test_jit_trace_option_and_memory(caplog):
     step = ps.last
     tr = ps.last_trace
     assert tr is not None and tr.num_ranks == 4
-    # replayed from the events with the plan's buffer sizes: equals the executor's own peak,
-    # and never exceeds the planner's prediction
-    assert tr.peak_total == step.last_stats["peak_bytes"]
+    # replayed from the events with the plan's buffer sizes, counted as the simulator counts
+    # (a receive from its post, a sent buffer until its send completes): at least the
+    # executor's own peak (which counts a receive from its completion), and never more than
+    # the planner's prediction
+    assert all(t >= e for t, e in zip(tr.peak_total, step.last_stats["peak_bytes"]))
+    assert sum(step.last_stats["peak_bytes"]) > 0
     sim = ps.simulate()
     assert all(m <= p for m, p in zip(tr.peak_total, sim.peak_total))
     assert all(m <= p for m, p in zip(tr.peak_activation, sim.peak_activation))

@@ -20,7 +20,8 @@
 //  2. stage inference: a staged op's position in the chain
 //     F0 < F1 < ... < F(S-1) < B(S-1) < ... < B0 is the max over its inputs;
 //     ops that come after the last primal loop output in program order
-//     (the backward pass of the last stage) are at least B(S-1);
+//     (the backward pass of the last stage) are at least B(S-1); with no
+//     markers (one stage) the per-microbatch inputs seed F0;
 //  3. split tied sums: a summed loop output computed as add_any of
 //     contributions from different stages becomes one partial output per
 //     stage, summed after the loop (linearity);
@@ -31,7 +32,8 @@
 //     upstream, W = the rest of B); each task's inputs and outputs are
 //     classified as the plan's buffers (Act, Grad, Stash, WStash, WGrad),
 //     loop-invariant and per-microbatch inputs, and per-microbatch outputs;
-//     DCE keeps only ops that feed a task output;
+//     DCE keeps only ops that feed a task output; with `remat` the stash is
+//     shrunk by min_stash (below);
 //  6. pre/post placement: post ops go to the smallest stage among their
 //     staged inputs (else their first consumer, else stage 0); pre ops to
 //     their first consumer.
@@ -39,6 +41,7 @@
 // and value.
 #pragma once
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -161,8 +164,27 @@ struct Partition {
   std::string to_text(const Program& p) const;
 };
 
-// Runs all passes. `split_backward`: form I/W instead of B.
-Partition partition(const Program& program, bool split_backward);
+// Runs all passes. `split_backward`: form I/W instead of B. `remat`: shrink
+// each stage's stash with min_stash() (the backward task recomputes cheap ops).
+Partition partition(const Program& program, bool split_backward, bool remat = true);
+
+// Stash rematerialization (run inside task formation when `remat` is on).
+// The backward task of a stage needs `needed`, values the forward task
+// computes. Instead of stashing all of them it may recompute the cheap ones
+// (is_recomputable: one-output elementwise, comparison, select, cast, shape
+// ops) from other stashed values and free inputs (literals, loop inputs).
+// min_stash chooses the values to stash with the fewest bytes: a minimum s-t
+// cut where each value costs its bytes, values from other ops or from
+// outside `forward_ops` must be stashed if needed, and a recomputed value
+// needs its inputs; among minimum cuts it takes the one closest to the
+// needed values (fewest recomputed ops). `producer`: value -> op or -1.
+struct Remat {
+  std::vector<int32_t> stash;      // values to stash (sorted)
+  std::vector<int32_t> recompute;  // forward ops the backward task reruns (program order)
+};
+bool is_recomputable(const Op& op);
+Remat min_stash(const Program& p, const std::vector<int32_t>& producer,
+                const std::set<int32_t>& forward_ops, const std::set<int32_t>& needed);
 
 // Number of stages the program defines (forward markers + 1); 0 if no loop.
 int32_t count_stages(const Program& program);

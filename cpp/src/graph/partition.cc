@@ -23,6 +23,7 @@ struct Ctx {
   const Program& p;
   int S = 0;  // stages
   bool split = false;
+  bool remat = true;
   std::vector<int> producer;                // value -> op or -1
   std::vector<std::vector<int>> consumers;  // value -> ops
   std::vector<int> pos;                     // staged value -> chain position
@@ -48,7 +49,6 @@ struct Ctx {
   }
 };
 
-
 // Steps 1 and 2: which body ops are staged, and their chain positions.
 void infer_stages(Ctx& c) {
   const Program& p = c.p;
@@ -72,6 +72,16 @@ void infer_stages(Ctx& c) {
   }
   c.pos.assign(p.values.size(), kUnplaced);
   c.staged_op.assign(nops, false);
+  if (c.S == 1) {
+    // One stage (no stage_boundary): nothing seeds the chain, so the
+    // per-microbatch inputs do. Whatever depends on them is F0 before the cut
+    // and B0 after it; ops reading only invariants and literals stay unstaged
+    // as usual. (With several stages batch-only values stay unstaged so that
+    // each stage recomputes them instead of receiving them.)
+    for (const LoopInput& in : p.loop_inputs) {
+      if (p.values[in.body].kind == ValueKind::LoopMicrobatch) c.pos[in.body] = c.f_pos(0);
+    }
+  }
   for (int i = 0; i < nops; ++i) {
     const Op& op = p.ops[i];
     if (op.region != Region::Loop) continue;
@@ -386,6 +396,23 @@ std::vector<TaskBody> form_tasks(Ctx& c, const std::vector<OutputPart>& parts) {
       std::set<int> bi;
       classify(B, s, 1, b_ins, f_ops_all, {}, from_f, bi);
     }
+    if (c.remat && !from_f.empty()) {
+      // Stash less: the backward task (B, or I) recomputes cheap forward ops.
+      Remat r = min_stash(p, c.producer, f_ops_all, from_f);
+      if (!r.recompute.empty()) {
+        std::set<int> ops(B.body.ops.begin(), B.body.ops.end());
+        ops.insert(r.recompute.begin(), r.recompute.end());
+        B.body.ops.assign(ops.begin(), ops.end());
+        for (int o : r.recompute) {
+          for (int32_t v : p.ops[o].inputs) {
+            ValueKind k = p.values[v].kind;
+            if (k == ValueKind::LoopInvariant) B.body.invariant_in.push_back(v);
+            if (k == ValueKind::LoopMicrobatch) B.body.microbatch_in.push_back(v);
+          }
+        }
+        from_f = std::set<int>(r.stash.begin(), r.stash.end());
+      }
+    }
     B.body.stash_in.assign(from_f.begin(), from_f.end());
     // F: act_out + stash + per-microbatch outputs.
     std::vector<int> f_outs = F.body.act_out;
@@ -407,8 +434,10 @@ std::vector<TaskBody> form_tasks(Ctx& c, const std::vector<OutputPart>& parts) {
     }
     for (auto* w : {&F, &B, &W}) {
       if (w == &W && !c.split) continue;
-      std::sort(w->body.invariant_in.begin(), w->body.invariant_in.end());
-      std::sort(w->body.microbatch_in.begin(), w->body.microbatch_in.end());
+      for (auto* in : {&w->body.invariant_in, &w->body.microbatch_in}) {
+        std::sort(in->begin(), in->end());
+        in->erase(std::unique(in->begin(), in->end()), in->end());
+      }
       double cost = 0;
       for (int o : w->body.ops) cost += p.ops[o].cost;
       w->body.cost = cost;
@@ -519,10 +548,11 @@ std::string Partition::to_text(const Program& p) const {
   return out;
 }
 
-Partition partition(const Program& program, bool split_backward) {
+Partition partition(const Program& program, bool split_backward, bool remat) {
   program.validate();
   Ctx c(program);
   c.split = split_backward;
+  c.remat = remat;
   const int nv = static_cast<int>(program.values.size());
   const int nops = static_cast<int>(program.ops.size());
   c.producer.assign(nv, -1);
@@ -539,11 +569,9 @@ Partition partition(const Program& program, bool split_backward) {
   if (!any_loop) {
     throw TraceError("the step has no microbatch loop: call baton.accumulate inside the step");
   }
-  if (n_markers == 0) {
-    throw TraceError(
-        "no stage_boundary inside the microbatch loop: mark where each stage ends with "
-        "baton.stage_boundary(x)");
-  }
+  // No stage_boundary: a one-stage pipeline (F0 = forward, B0 = backward).
+  // Whether the schedule can run it is checked against schedule.stages(ranks)
+  // by the caller.
   c.S = n_markers + 1;
   c.fwd_marker.assign(n_markers, -1);
   c.bwd_marker.assign(n_markers, -1);

@@ -30,7 +30,8 @@ class PipelinedFunction:
     """The result of ``baton.jit``. Call it like the step; inspect ``.plan``, ``.summary()``."""
 
     def __init__(self, fn: Callable, mesh: Any, schedule: Any, microbatches: int,
-                 transport: str | None = None, timeout: float = 120.0, trace: bool = False):
+                 transport: str | None = None, timeout: float = 120.0, trace: bool = False,
+                 remat: bool = True):
         if transport not in (None, "local", "gloo"):
             raise ConfigError(
                 f"baton.jit: transport must be None (automatic), 'local' or 'gloo' "
@@ -55,6 +56,7 @@ class PipelinedFunction:
         self.mesh = mesh
         self.spec = _schedule_spec(schedule)
         self.microbatches = microbatches
+        self.remat = bool(remat)
         self._cache: dict[Any, CompiledStep] = {}
         self._tree = None
         self.last: CompiledStep | None = None
@@ -97,6 +99,13 @@ class PipelinedFunction:
         traced = trace_step(self.fn, args, self.microbatches)
         ranks = self.mesh.num_ranks
         want = self.spec.stages(ranks)
+        if traced.num_stages == 1 and want != 1:
+            raise TraceError(
+                f"the model has no stage_boundary (one stage) but schedule "
+                f"{type(self.spec).__name__} on {ranks} ranks needs {want} stages: mark where "
+                f"each stage ends with baton.stage_boundary(x) ({want - 1} boundaries "
+                f"inside baton.accumulate)"
+            )
         if traced.num_stages != want:
             raise TraceError(
                 f"the model has {traced.num_stages} stages ({traced.num_stages - 1} "
@@ -112,7 +121,8 @@ class PipelinedFunction:
                 f"microbatches={self.microbatches}"
             )
         plan.verify()  # raises baton.VerifyError with the report
-        return CompiledStep(traced, plan, self.mesh, bool(sched.split_backward()))
+        return CompiledStep(traced, plan, self.mesh, bool(sched.split_backward()),
+                            remat=self.remat)
 
     def __call__(self, *args):
         return self._call(args, self.trace)
@@ -121,7 +131,11 @@ class PipelinedFunction:
         step = self.compile(*args)
         self.last = step
         flat = jax.tree.leaves(args)
-        step.record = step.block = bool(record)
+        step.record = bool(record)
+        # In one process every task waits for its outputs (XLA's queue never runs ahead of
+        # the instruction stream: measured faster, and traced and untraced steps then run
+        # alike); across processes a SEND already waits for its value.
+        step.block = bool(record) or self.transport == "local"
         try:
             outs = step.run(flat, self.group, self.timeout)
         finally:
@@ -180,9 +194,10 @@ class PipelinedFunction:
 
 
 def _dtype_name(x) -> str:
-    if isinstance(x, (Remote, jax.ShapeDtypeStruct)):
-        return str(np.dtype(x.dtype))
-    return str(jax.numpy.result_type(x))
+    dt = getattr(x, "dtype", None)  # arrays, Remote, ShapeDtypeStruct: no dispatch
+    if dt is not None and not isinstance(x, (int, float, complex, bool)):
+        return str(np.dtype(dt))
+    return str(jax.numpy.result_type(x))  # Python scalars: JAX's weak type rules
 
 
 def cost_model_of(step: CompiledStep):
@@ -224,6 +239,7 @@ def jit(
     transport: str | None = None,
     timeout: float = 120.0,
     trace: bool = False,
+    remat: bool = True,
 ):
     """Pipelines ``fn`` (a training step containing one ``baton.accumulate``).
 
@@ -237,12 +253,16 @@ def jit(
     ``python -m baton.launch`` (or SLURM, Open MPI, ``jax.distributed``) with more than one
     process, else ``"local"``. ``timeout``: seconds one instruction may wait for a transfer.
     ``trace``: record every call (``.last_trace``, ``.write_trace(path)``; see ``baton.trace``).
+    ``remat``: shrink each stage's stash by recomputing cheap forward ops (elementwise, casts,
+    reshapes) in the backward task instead of keeping their outputs (a minimum cut over the
+    stash bytes; see docs/ARCHITECTURE.md); ``False`` stashes every residual JAX keeps.
     """
     if mesh is None and (transport == "local" or
                          (transport is None and launched_world_size() <= 1)):
         raise ConfigError("baton.jit: pass mesh=baton.PipelineMesh(devices, ranks=R)")
 
     def wrap(f):
-        return PipelinedFunction(f, mesh, schedule, microbatches, transport, timeout, trace)
+        return PipelinedFunction(f, mesh, schedule, microbatches, transport, timeout, trace,
+                                 remat)
 
     return wrap if fn is None else wrap(fn)

@@ -85,6 +85,20 @@ def _make_fn(traced: Traced, op_ids: list[int], in_ids: list[int], out_ids: list
     return fn
 
 
+def _with_acc(fn, pos: list[int]):
+    """``fn`` with the running sums fused in: ``g(acc, *args)`` returns ``fn(*args)`` with
+    output ``pos[k]`` replaced by ``acc[k] + output``. Jitted with ``acc`` donated, the sum is
+    written in place instead of into a fresh buffer per microbatch (as ``lax.scan`` does)."""
+
+    def g(acc, *args):
+        outs = list(fn(*args))
+        for k, j in enumerate(pos):
+            outs[j] = acc[k] + outs[j]
+        return outs
+
+    return g
+
+
 class _StepState:
     """What the task callbacks of one step share: step values, placed loop inputs,
     accumulators (part index -> running sum), stacks, and the first Python exception
@@ -140,6 +154,13 @@ class TaskExe:
     in_groups: tuple  # (invariant, microbatch, act, grad, stash, wstash) value ids
     n_out: dict  # group name -> count
     body: Any
+    # Tasks that output weight gradients: the positions (in the outputs) of the summed ones,
+    # their part indices, and the task with the running sums fused in (see _with_acc):
+    # ``fn_acc`` donates the sums, ``acc_body`` is the plain function (profiling).
+    acc_pos: list = dataclasses.field(default_factory=list)
+    acc_parts: list = dataclasses.field(default_factory=list)
+    fn_acc: Any = None
+    acc_body: Any = None
 
 
 @dataclasses.dataclass
@@ -151,13 +172,14 @@ class Segment:
 
 
 class CompiledStep:
-    def __init__(self, traced: Traced, plan: Any, mesh: PipelineMesh, split_backward: bool):
+    def __init__(self, traced: Traced, plan: Any, mesh: PipelineMesh, split_backward: bool,
+                 remat: bool = True):
         self.traced = traced
         self.mesh = mesh
         self.plan = plan  # baton.Plan (python wrapper)
         core = plan.core if hasattr(plan, "core") else plan
         self.core_plan = core
-        self.partition = G.partition(traced.program, split_backward)
+        self.partition = G.partition(traced.program, split_backward, remat)
         sched = core.schedule
         self.num_stages = sched.num_stages
         self.num_ranks = sched.num_ranks
@@ -182,10 +204,19 @@ class CompiledStep:
             }
             in_ids = [v for g in groups for v in g]
             out_ids = [v for k in _OUT_GROUPS for v in outs[k]]
-            fn = jax.jit(_make_fn(traced, list(t.ops), in_ids, out_ids))
-            self.tasks[(t.kind, t.stage)] = TaskExe(
-                t.kind, t.stage, fn, groups, {k: len(v) for k, v in outs.items()},
-                (list(t.wgrad_out), list(t.mb_out)))
+            body = _make_fn(traced, list(t.ops), in_ids, out_ids)
+            exe = TaskExe(t.kind, t.stage, jax.jit(body), groups,
+                          {k: len(v) for k, v in outs.items()},
+                          (list(t.wgrad_out), list(t.mb_out)))
+            off = sum(len(outs[k]) for k in _OUT_GROUPS[:_OUT_GROUPS.index("wgrad")])
+            summed = [(off + j, i) for j, i in enumerate(t.wgrad_out)
+                      if self.parts[i].reduce != G.Reduce.Stack]
+            if summed:
+                exe.acc_pos = [j for j, _ in summed]
+                exe.acc_parts = [i for _, i in summed]
+                exe.acc_body = _with_acc(body, exe.acc_pos)
+                exe.fn_acc = jax.jit(exe.acc_body, donate_argnums=0)
+            self.tasks[(t.kind, t.stage)] = exe
         self.op_stage = list(self.partition.op_stage)
         self._build_segments()
         self.last_stats: dict[str, Any] = {}
@@ -341,7 +372,8 @@ class CompiledStep:
 
     def _add_parts(self, idx, xs, m):
         st = self._state
-        summed = [(i, x) for i, x in zip(idx, xs) if self.parts[i].reduce != G.Reduce.Stack]
+        summed = [(i, x) for i, x in zip(idx, xs)
+                  if self.parts[i].reduce != G.Reduce.Stack and x is not None]
         for i, x in zip(idx, xs):
             if self.parts[i].reduce == G.Reduce.Stack:
                 st.stack.setdefault(i, [None] * self.M)[m] = x
@@ -411,9 +443,29 @@ class CompiledStep:
         self._add_parts(exe.body[1], mbo, m)
 
     def _call(self, exe, args):
+        """Runs a task. A task with weight gradients adds them to the running sums itself
+        (in place, see _with_acc) and returns None in their places; the ACCUMULATE of its
+        WGrad buffer then has nothing left to add."""
+        st = self._state
+        key = (exe.kind, exe.stage)
+        acc = None
+        if exe.acc_parts and exe.acc_parts[0] in st.acc:
+            acc = [st.acc.pop(i) for i in exe.acc_parts]
         if self.capture is not None:
-            self.capture.setdefault((exe.kind, exe.stage), args)
-        return exe.fn(*args)
+            had = self.capture.get(key)
+            if had is None or (had[0] is None and acc is not None):
+                # copies: the sums given to fn_acc are donated
+                self.capture[key] = (None if acc is None else [jnp.copy(a) for a in acc], args)
+        if not exe.acc_parts:
+            return exe.fn(*args)
+        outs = exe.fn(*args) if acc is None else exe.fn_acc(acc, *args)
+        outs = list(outs)
+        if self.block:  # the RUN spans the task's compute, sums included
+            jax.block_until_ready(outs)
+        for j, i in zip(exe.acc_pos, exe.acc_parts):
+            st.acc[i] = outs[j]
+            outs[j] = None
+        return outs
 
     def _cb_run(self, rank, action, in_ids, ins, out_ids):
         try:
@@ -647,6 +699,9 @@ class CompiledStep:
                 stash_bytes=sum(p.value_bytes(v) for v in f.stash_out),
                 grad_bytes=sum(p.value_bytes(v) for v in (b or i).grad_out),
                 wstash_bytes=sum(p.value_bytes(v) for v in (i.wstash_out if i else [])),
-                wgrad_bytes=sum(p.value_bytes(self.parts[j].body) for j in wg.wgrad_out),
+                # summed weight gradients go straight into the running sums (see _call):
+                # a WGrad buffer holds only stacked parts
+                wgrad_bytes=sum(p.value_bytes(self.parts[j].body) for j in wg.wgrad_out
+                                if self.parts[j].reduce == G.Reduce.Stack),
             ))
         return out

@@ -174,11 +174,14 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
     # 2. time each task alone
     samples: dict[str, list[float]] = {}
     xla: dict[str, dict] = {}
-    for (kind, s), a in sorted(captured.items()):
+    for (kind, s), (acc, a) in sorted(captured.items()):
         exe = step.tasks[(kind, s)]
         name = f"{kind}{s}"
-        samples[name] = _median_time(exe.fn, a, runs, warmup)
-        mem = _xla_memory(exe.fn, a)
+        task = exe.fn
+        if acc is not None:  # as it runs in the loop: adding to the running sums
+            task, a = jax.jit(exe.acc_body), [acc, *a]
+        samples[name] = _median_time(task, a, runs, warmup)
+        mem = _xla_memory(task, a)
         if mem is not None:
             xla[name] = mem
     if fn.group is not None:  # every process gets every rank's tasks
