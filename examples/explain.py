@@ -105,7 +105,10 @@ def show(schedule, params, batch, show_jaxpr=True):
     print(f"schedule {type(schedule).__name__}: 2 ranks, {MICROBATCHES} microbatches")
     print("=" * 78)
     mesh = baton.PipelineMesh(jax.devices()[:2], ranks=2)
-    ps = baton.jit(step, mesh=mesh, schedule=schedule, microbatches=MICROBATCHES)
+    # The walk-through shows F and B as separate tasks; by default baton.jit runs the last
+    # stage's F(s,m)+B(s,m) of 1F1B as one fused task (docs/ARCHITECTURE.md, Execution).
+    ps = baton.jit(step, mesh=mesh, schedule=schedule, microbatches=MICROBATCHES,
+                   fuse_forward_backward=False)
     cs = ps.compile(params, batch)
     traced, part = cs.traced, cs.partition
     name = _names(traced)

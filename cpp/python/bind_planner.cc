@@ -198,6 +198,9 @@ void bind_schedule(nb::module_& m) {
   m.def("zb_h2", &baton::zb_h2, "ranks"_a, "microbatches"_a);
   m.def("zb_v", &baton::zb_v, "ranks"_a, "microbatches"_a);
   m.def("dualpipe_v", &baton::dualpipe_v, "ranks"_a, "microbatches"_a);
+  m.def("fuse_forward_backward", &baton::fuse_forward_backward, "schedule"_a,
+        "The schedule with each last-stage F(s,m) directly followed by B(s,m) on its rank "
+        "fused into one action F+B (its stash then lives inside the action).");
 
   // Text format.
   m.def("save_schedule", &baton::save_schedule, "schedule"_a);
@@ -210,14 +213,25 @@ void bind_cost(nb::module_& m) {
       .def(
           "__init__",
           [](baton::StageCost* c, double f, double b, double i, double w, int64_t stash_bytes,
-             int64_t wstash_bytes, int64_t act_bytes, int64_t grad_bytes, int64_t wgrad_bytes) {
-            new (c) baton::StageCost{
-                f, b, i, w, stash_bytes, wstash_bytes, act_bytes, grad_bytes, wgrad_bytes};
+             int64_t wstash_bytes, int64_t act_bytes, int64_t grad_bytes, int64_t wgrad_bytes,
+             double fb) {
+            new (c) baton::StageCost{};
+            c->f = f;
+            c->b = b;
+            c->i = i;
+            c->w = w;
+            c->fb = fb;
+            c->stash_bytes = stash_bytes;
+            c->wstash_bytes = wstash_bytes;
+            c->act_bytes = act_bytes;
+            c->grad_bytes = grad_bytes;
+            c->wgrad_bytes = wgrad_bytes;
           },
           "f"_a = dflt.f, "b"_a = dflt.b, "i"_a = dflt.i, "w"_a = dflt.w,
           "stash_bytes"_a = dflt.stash_bytes, "wstash_bytes"_a = dflt.wstash_bytes,
           "act_bytes"_a = dflt.act_bytes, "grad_bytes"_a = dflt.grad_bytes,
-          "wgrad_bytes"_a = dflt.wgrad_bytes)
+          "wgrad_bytes"_a = dflt.wgrad_bytes, "fb"_a = dflt.fb)
+      .def_rw("fb", &baton::StageCost::fb)
       .def_rw("f", &baton::StageCost::f)
       .def_rw("b", &baton::StageCost::b)
       .def_rw("i", &baton::StageCost::i)

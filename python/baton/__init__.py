@@ -27,6 +27,7 @@ from ._core import (  # noqa: F401,E402
     TaskKind,
     VerifyReport,
     Violation,
+    fuse_forward_backward,
 )
 from .planning import Plan, as_cost_model, plan  # noqa: F401,E402
 from .schedules import (  # noqa: F401,E402

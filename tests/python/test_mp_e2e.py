@@ -101,7 +101,8 @@ def worker_main(mode: str, outdir: str) -> None:
         if rank == world - 1:
             def boom(*args):
                 raise RuntimeError("injected failure in the last stage's forward")
-            step.tasks[("F", stages - 1)].fn = boom
+            # 1F1B fuses the last stage's F and B of a microbatch: that task runs first
+            step.tasks[("FB", stages - 1)].fn = boom
         ps(params, st, batch)  # raises baton.ExecutionError on every process
         return
     for name in mode.split(","):

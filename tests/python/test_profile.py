@@ -45,12 +45,15 @@ def test_profile_gives_a_cost_model_the_simulator_runs(schedule, ranks):
         if split:
             assert c.b == pytest.approx(c.i + c.w)
             assert {f"I{s}", f"W{s}"} <= set(prof.task_times)
+        elif f"FB{s}" in prof.task_times:  # last stage: F and B fused, split by flops
+            assert c.fb == pytest.approx(prof.task_times[f"FB{s}"])
+            assert c.f + c.b == pytest.approx(c.fb)
         else:
             assert f"B{s}" in prof.task_times
         # bytes are the traced buffer sizes
         for k in ("act_bytes", "stash_bytes", "grad_bytes", "wstash_bytes", "wgrad_bytes"):
             assert getattr(c, k) == getattr(f, k)
-        assert len(prof.task_samples[f"F{s}"]) == 2
+        assert len(prof.task_samples.get(f"F{s}", prof.task_samples.get(f"FB{s}"))) == 2
     assert prof.link["latency"] >= 0 and prof.link["bandwidth"] >= 0
     assert cm.link.latency == prof.link["latency"]
     sim = ps.last.plan.simulate(cm)

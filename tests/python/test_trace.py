@@ -76,7 +76,10 @@ def test_trace_is_valid_and_has_one_event_per_run(tmp_path):
         got = collections.Counter(e["name"] for e in runs if e["tid"] == r)
         assert got == collections.Counter(plan_order(step, r))
     for e in runs:
-        assert e["cat"] == e["name"][0]
+        # the last stage's F and B of a microbatch run as one fused action ("F1.0+B1.0")
+        fused = "+" in e["name"]
+        assert e["cat"] == ("fused" if fused else e["name"][0])
+        assert fused == (e["tid"] == 1)
         assert e["args"]["stage"] == int(e["name"][1:].split(".")[0])
     # transfers: every send paired with its receive, on link tracks, with flows
     xfers = [e for e in doc["traceEvents"] if e.get("cat") == "transfer" and e["ph"] == "X"]

@@ -37,4 +37,13 @@ Schedule make_schedule(std::string_view name, int p, int m, int v = 1);
 // The names above, in that order.
 std::vector<std::string> schedule_names();
 
+// A schedule where every F(s,m) directly followed on its rank by B(s,m) of
+// the same stage and microbatch becomes one fused action "F s.m+B s.m" (the
+// stash is then internal to the action: the runtime may compute forward and
+// backward as one program and keep no stash buffer). Only the last stage can
+// qualify (any other F must send its activation before its B can start), so
+// dependencies and deadlock freedom are unchanged. Already fused actions and
+// I/W tasks are left alone.
+Schedule fuse_forward_backward(const Schedule& s);
+
 }  // namespace baton

@@ -451,4 +451,26 @@ Schedule make_schedule(std::string_view name, int p, int m, int v) {
   throw ScheduleError(fmt::format("unknown schedule '{}' (known: {})", name, known));
 }
 
+Schedule fuse_forward_backward(const Schedule& s) {
+  Schedule out = s;
+  for (auto& acts : out.rank_actions) {
+    std::vector<Action> fused;
+    fused.reserve(acts.size());
+    for (size_t k = 0; k < acts.size(); ++k) {
+      const Action& a = acts[k];
+      if (k + 1 < acts.size() && !a.is_fused() && !acts[k + 1].is_fused() &&
+          a.first.kind == TaskKind::F && acts[k + 1].first.kind == TaskKind::B &&
+          a.first.stage == s.num_stages - 1 && acts[k + 1].first.stage == a.first.stage &&
+          acts[k + 1].first.microbatch == a.first.microbatch) {
+        fused.push_back(Action{a.first, acts[k + 1].first});
+        ++k;
+      } else {
+        fused.push_back(a);
+      }
+    }
+    acts = std::move(fused);
+  }
+  return out;
+}
+
 }  // namespace baton

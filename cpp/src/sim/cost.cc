@@ -29,6 +29,7 @@ void validate_stage(const StageCost& c, const std::string& where) {
   check_time(c.b, where + ".b");
   check_time(c.i, where + ".i");
   check_time(c.w, where + ".w");
+  check_time(c.fb, where + ".fb");
   check_bytes(c.stash_bytes, where + ".stash_bytes");
   check_bytes(c.wstash_bytes, where + ".wstash_bytes");
   check_bytes(c.act_bytes, where + ".act_bytes");
@@ -76,6 +77,8 @@ void apply_stage(const json& j, const std::string& path, StageCost& c) {
       c.i = get_number(val, p);
     else if (key == "w")
       c.w = get_number(val, p);
+    else if (key == "fb")
+      c.fb = get_number(val, p);
     else if (key == "stash_bytes")
       c.stash_bytes = get_bytes(val, p);
     else if (key == "wstash_bytes")
@@ -88,7 +91,7 @@ void apply_stage(const json& j, const std::string& path, StageCost& c) {
       c.wgrad_bytes = get_bytes(val, p);
     else
       throw FormatError(fmt::format(
-          "cost JSON: unknown key '{}' (stage keys: f, b, i, w, stash_bytes, wstash_bytes, "
+          "cost JSON: unknown key '{}' (stage keys: f, b, i, w, fb, stash_bytes, wstash_bytes, "
           "act_bytes, grad_bytes, wgrad_bytes)",
           p));
   }
@@ -99,6 +102,7 @@ json stage_to_json(const StageCost& c) {
               {"b", c.b},
               {"i", c.i},
               {"w", c.w},
+              {"fb", c.fb},
               {"stash_bytes", c.stash_bytes},
               {"wstash_bytes", c.wstash_bytes},
               {"act_bytes", c.act_bytes},

@@ -118,6 +118,10 @@ double task_time(const StageCost& c, TaskKind k) {
 // they need no record).
 constexpr int32_t kNoLife = -1;
 constexpr int32_t kLocal = -2;
+// A buffer produced and consumed inside one fused action (the stash of a
+// fused F(s,m)+B(s,m)): present on the rank, but no buffer memory (the
+// runtime keeps it inside the action's program).
+constexpr int32_t kInternal = -3;
 
 // Map from buffer id to its life on one rank: open addressing with linear
 // probing and backward-shift deletion. It holds only the rank's live
@@ -509,8 +513,14 @@ void Simulator::step(int32_t rank) {
         double dur = task_time(costs_.stage(a.first.stage), a.first.kind);
         if (fused) {
           task_io(ids_, a.second, ins, outs);
-          dur += task_time(costs_.stage(a.second.stage), a.second.kind);
-          dur *= costs_.fused_factor;
+          const StageCost& c2 = costs_.stage(a.second.stage);
+          if (c2.fb > 0 && a.first.kind == TaskKind::F && a.second.kind == TaskKind::B &&
+              a.first.stage == a.second.stage && a.first.microbatch == a.second.microbatch) {
+            dur = c2.fb;
+          } else {
+            dur += task_time(c2, a.second.kind);
+            dur *= costs_.fused_factor;
+          }
         }
         double ready = st.time;
         int32_t ready_xfer = -1;
@@ -520,7 +530,7 @@ void Simulator::step(int32_t rank) {
           const int32_t b = ins.v[k];
           if (fused && outs.contains(b)) continue;  // produced inside the fused pair
           const int32_t l = find_life(rank, b);
-          if (l == kLocal) continue;  // produced here earlier: present
+          if (l == kLocal || l == kInternal) continue;  // produced here earlier: present
           if (l == kNoLife)
             fail(rank, pc,
                  fmt::format("input {} is not on rank {} (not produced earlier on the "
@@ -558,6 +568,10 @@ void Simulator::step(int32_t rank) {
           pred = {Pred::Run, st.last_run};
         for (int k = 0; k < outs.n; ++k) {
           const int32_t b = outs.v[k];
+          if (fused && ins.contains(b)) {  // made and used inside the action
+            claim(rank, b, kInternal, pc);
+            continue;
+          }
           claim(rank, b, kLocal, pc);
           const BufInfo& bi = info_[outs.ks[k]];
           mem_event(rank, r.start, bi.activation ? bi.bytes : 0, bi.bytes);
@@ -568,6 +582,9 @@ void Simulator::step(int32_t rank) {
       }
       case OpCode::Send: {
         int32_t l = find_life(rank, in.buffer);
+        if (l == kInternal)
+          fail(rank, pc,
+               fmt::format("sends {}, which lives inside a fused action", buf_name(in.buffer)));
         if (l == kLocal) l = materialize(rank, in.buffer, st.time);
         if (l == kNoLife || lives_[l].freed)
           fail(rank, pc,
@@ -615,6 +632,10 @@ void Simulator::step(int32_t rank) {
       }
       case OpCode::Free: {
         const int32_t l = find_life(rank, in.buffer);
+        if (l == kInternal) {
+          live_[rank].erase(in.buffer);
+          break;
+        }
         if (l == kLocal) {
           const BufInfo& bi = info(in.buffer);
           mem_event(rank, st.time, bi.activation ? -bi.bytes : 0, -bi.bytes);

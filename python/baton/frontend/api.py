@@ -31,7 +31,7 @@ class PipelinedFunction:
 
     def __init__(self, fn: Callable, mesh: Any, schedule: Any, microbatches: int,
                  transport: str | None = None, timeout: float = 120.0, trace: bool = False,
-                 remat: bool = True):
+                 remat: bool = True, fuse_forward_backward: bool = True):
         if transport not in (None, "local", "gloo"):
             raise ConfigError(
                 f"baton.jit: transport must be None (automatic), 'local' or 'gloo' "
@@ -57,6 +57,7 @@ class PipelinedFunction:
         self.spec = _schedule_spec(schedule)
         self.microbatches = microbatches
         self.remat = bool(remat)
+        self.fuse_fb = bool(fuse_forward_backward)
         self._cache: dict[Any, CompiledStep] = {}
         self._tree = None
         self.last: CompiledStep | None = None
@@ -91,7 +92,7 @@ class PipelinedFunction:
         return step
 
     def _build(self, args) -> CompiledStep:
-        from ..planning import plan as make_plan
+        from ..planning import Plan, plan as make_plan
 
         # Remote placeholders (multi-process mode) trace as their shape and dtype.
         args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -113,6 +114,10 @@ class PipelinedFunction:
                 f"needs {want} stages ({want - 1} boundaries)"
             )
         plan = make_plan(self.spec, ranks, self.microbatches)
+        if self.fuse_fb and not plan.core.schedule.split_backward():
+            fused = _core.fuse_forward_backward(plan.core.schedule)
+            if fused != plan.core.schedule:
+                plan = Plan(_core.lower(fused))
         sched = plan.core.schedule if hasattr(plan, "core") else plan.schedule
         if sched.num_ranks != ranks or sched.num_microbatches != self.microbatches:
             raise ConfigError(
@@ -240,6 +245,7 @@ def jit(
     timeout: float = 120.0,
     trace: bool = False,
     remat: bool = True,
+    fuse_forward_backward: bool = True,
 ):
     """Pipelines ``fn`` (a training step containing one ``baton.accumulate``).
 
@@ -256,6 +262,9 @@ def jit(
     ``remat``: shrink each stage's stash by recomputing cheap forward ops (elementwise, casts,
     reshapes) in the backward task instead of keeping their outputs (a minimum cut over the
     stash bytes; see docs/ARCHITECTURE.md); ``False`` stashes every residual JAX keeps.
+    ``fuse_forward_backward``: where the schedule runs B(s,m) right after F(s,m) on a rank (the
+    last stage of 1F1B, every microbatch on one rank), run both as one program that keeps no
+    stash (``baton.fuse_forward_backward`` on the schedule); ``False`` keeps them apart.
     """
     if mesh is None and (transport == "local" or
                          (transport is None and launched_world_size() <= 1)):
@@ -263,6 +272,6 @@ def jit(
 
     def wrap(f):
         return PipelinedFunction(f, mesh, schedule, microbatches, transport, timeout, trace,
-                                 remat)
+                                 remat, fuse_forward_backward)
 
     return wrap if fn is None else wrap(fn)

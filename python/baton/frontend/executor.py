@@ -87,8 +87,9 @@ def _make_fn(traced: Traced, op_ids: list[int], in_ids: list[int], out_ids: list
 
 def _with_acc(fn, pos: list[int]):
     """``fn`` with the running sums fused in: ``g(acc, *args)`` returns ``fn(*args)`` with
-    output ``pos[k]`` replaced by ``acc[k] + output``. Jitted with ``acc`` donated, the sum is
-    written in place instead of into a fresh buffer per microbatch (as ``lax.scan`` does)."""
+    output ``pos[k]`` replaced by ``acc[k] + output``: XLA adds inside the task's program
+    instead of a separate pass over parameter-sized buffers per microbatch. (Donating ``acc``
+    was measured no faster here, and slower in some steps: see docs/ARCHITECTURE.md.)"""
 
     def g(acc, *args):
         outs = list(fn(*args))
@@ -156,7 +157,7 @@ class TaskExe:
     body: Any
     # Tasks that output weight gradients: the positions (in the outputs) of the summed ones,
     # their part indices, and the task with the running sums fused in (see _with_acc):
-    # ``fn_acc`` donates the sums, ``acc_body`` is the plain function (profiling).
+    # ``fn_acc`` is its jit, ``acc_body`` the plain function.
     acc_pos: list = dataclasses.field(default_factory=list)
     acc_parts: list = dataclasses.field(default_factory=list)
     fn_acc: Any = None
@@ -191,32 +192,28 @@ class CompiledStep:
                               for prog in core.programs)
         self.parts = list(self.partition.parts)
         self.tasks: dict[tuple[str, int], TaskExe] = {}
+        by_kind = {(t.kind, t.stage): t for t in self.partition.tasks}
         for t in self.partition.tasks:
             groups = (list(t.invariant_in), list(t.microbatch_in), list(t.act_in),
                       list(t.grad_in), list(t.stash_in), list(t.wstash_in))
-            outs = {
-                "act": list(t.act_out),
-                "grad": list(t.grad_out),
-                "stash": list(t.stash_out),
-                "wstash": list(t.wstash_out),
-                "wgrad": [self.parts[i].body for i in t.wgrad_out],
-                "mb": [self.parts[i].body for i in t.mb_out],
-            }
-            in_ids = [v for g in groups for v in g]
-            out_ids = [v for k in _OUT_GROUPS for v in outs[k]]
-            body = _make_fn(traced, list(t.ops), in_ids, out_ids)
-            exe = TaskExe(t.kind, t.stage, jax.jit(body), groups,
-                          {k: len(v) for k, v in outs.items()},
-                          (list(t.wgrad_out), list(t.mb_out)))
-            off = sum(len(outs[k]) for k in _OUT_GROUPS[:_OUT_GROUPS.index("wgrad")])
-            summed = [(off + j, i) for j, i in enumerate(t.wgrad_out)
-                      if self.parts[i].reduce != G.Reduce.Stack]
-            if summed:
-                exe.acc_pos = [j for j, _ in summed]
-                exe.acc_parts = [i for _, i in summed]
-                exe.acc_body = _with_acc(body, exe.acc_pos)
-                exe.fn_acc = jax.jit(exe.acc_body, donate_argnums=0)
-            self.tasks[(t.kind, t.stage)] = exe
+            outs = {"act": list(t.act_out), "grad": list(t.grad_out),
+                    "stash": list(t.stash_out), "wstash": list(t.wstash_out)}
+            self.tasks[(t.kind, t.stage)] = self._task_exe(
+                t.kind, t.stage, list(t.ops), groups, outs, list(t.wgrad_out), list(t.mb_out))
+        # F and B of one microbatch as one program (the fused actions F(s,m)+B(s,m) of
+        # fuse_forward_backward): no stash leaves it.
+        for s in range(self.num_stages):
+            f, b = by_kind.get(("F", s)), by_kind.get(("B", s))
+            if f is None or b is None:
+                continue
+            groups = (sorted(set(f.invariant_in) | set(b.invariant_in)),
+                      sorted(set(f.microbatch_in) | set(b.microbatch_in)),
+                      list(f.act_in), list(b.grad_in), [], [])
+            outs = {"act": list(f.act_out), "grad": list(b.grad_out), "stash": [],
+                    "wstash": []}
+            self.tasks[("FB", s)] = self._task_exe(
+                "FB", s, sorted(set(f.ops) | set(b.ops)), groups, outs, list(b.wgrad_out),
+                list(f.mb_out))
         self.op_stage = list(self.partition.op_stage)
         self._build_segments()
         self.last_stats: dict[str, Any] = {}
@@ -248,6 +245,27 @@ class CompiledStep:
         self.capture: dict | None = None
         self.last_events: list | None = None
         self.last_offsets: list | None = None
+
+    def _task_exe(self, kind, stage, ops, groups, outs, wgrad_parts, mb_parts) -> TaskExe:
+        """One task's jit: ``ops`` (program order) from the value ids in ``groups`` to the
+        outputs in ``_OUT_GROUPS`` order, with the running-sum variant when it has summed
+        weight gradients (see _with_acc)."""
+        outs = dict(outs, wgrad=[self.parts[i].body for i in wgrad_parts],
+                    mb=[self.parts[i].body for i in mb_parts])
+        in_ids = [v for g in groups for v in g]
+        out_ids = [v for k in _OUT_GROUPS for v in outs[k]]
+        body = _make_fn(self.traced, ops, in_ids, out_ids)
+        exe = TaskExe(kind, stage, jax.jit(body), groups, {k: len(v) for k, v in outs.items()},
+                      (wgrad_parts, mb_parts))
+        off = sum(len(outs[k]) for k in _OUT_GROUPS[:_OUT_GROUPS.index("wgrad")])
+        summed = [(off + j, i) for j, i in enumerate(wgrad_parts)
+                  if self.parts[i].reduce != G.Reduce.Stack]
+        if summed:
+            exe.acc_pos = [j for j, _ in summed]
+            exe.acc_parts = [i for _, i in summed]
+            exe.acc_body = _with_acc(body, exe.acc_pos)
+            exe.fn_acc = jax.jit(exe.acc_body)
+        return exe
 
     # -- code outside the loop ------------------------------------------------
     def _build_segments(self):
@@ -348,8 +366,11 @@ class CompiledStep:
         if ts is None:
             act = self.rank_actions[rank][a]
             raw = [act.first] + ([act.second] if act.is_fused else [])
-            ts = self._action_cache[key] = [(str(t.kind).split(".")[-1], t.stage, t.microbatch)
-                                            for t in raw]
+            ts = [(str(t.kind).split(".")[-1], t.stage, t.microbatch) for t in raw]
+            if (len(ts) == 2 and (ts[0][0], ts[1][0]) == ("F", "B") and ts[0][1:] == ts[1][1:]
+                    and ("FB", ts[0][1]) in self.tasks):
+                ts = [("FB", ts[0][1], ts[0][2])]
+            self._action_cache[key] = ts
         return ts
 
     # -- the Tasks callbacks (called by the C++ executor, one thread per rank) --
@@ -399,6 +420,22 @@ class CompiledStep:
 
     def _run_task(self, kind, s, m, rank, env):
         S = self.num_stages
+        if kind == "FB":  # F(s,m)+B(s,m) fused: one program, the stash stays inside
+            exe = self.tasks[("FB", s)]
+            outs = self._call(exe, self._task_args(exe, s, m, rank, env))
+            n, pos = exe.n_out, 0
+            got = {}
+            for k in _OUT_GROUPS:
+                got[k] = list(outs[pos:pos + n[k]])
+                pos += n[k]
+            if s < S - 1:
+                env[self._buf_id("Act", s, m)] = got["act"]
+            env[self._buf_id("Stash", s, m)] = []
+            if s > 0:
+                env[self._buf_id("Grad", s, m)] = got["grad"]
+            env[self._buf_id("WGrad", s, m)] = got["wgrad"]
+            self._add_parts(exe.body[1], got["mb"], m)
+            return
         if kind == "B" and ("B", s) not in self.tasks:
             # The schedule mixes B with I/W: run I, feed its WStash straight to W.
             ie, we = self.tasks[("I", s)], self.tasks[("W", s)]
@@ -444,7 +481,7 @@ class CompiledStep:
 
     def _call(self, exe, args):
         """Runs a task. A task with weight gradients adds them to the running sums itself
-        (in place, see _with_acc) and returns None in their places; the ACCUMULATE of its
+        (inside its program, see _with_acc) and returns None in their places; the ACCUMULATE of its
         WGrad buffer then has nothing left to add."""
         st = self._state
         key = (exe.kind, exe.stage)
@@ -454,8 +491,7 @@ class CompiledStep:
         if self.capture is not None:
             had = self.capture.get(key)
             if had is None or (had[0] is None and acc is not None):
-                # copies: the sums given to fn_acc are donated
-                self.capture[key] = (None if acc is None else [jnp.copy(a) for a in acc], args)
+                self.capture[key] = (acc, args)
         if not exe.acc_parts:
             return exe.fn(*args)
         outs = exe.fn(*args) if acc is None else exe.fn_acc(acc, *args)

@@ -179,7 +179,7 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
         name = f"{kind}{s}"
         task = exe.fn
         if acc is not None:  # as it runs in the loop: adding to the running sums
-            task, a = jax.jit(exe.acc_body), [acc, *a]
+            task, a = exe.fn_acc, [acc, *a]
         samples[name] = _median_time(task, a, runs, warmup)
         mem = _xla_memory(task, a)
         if mem is not None:
@@ -205,14 +205,21 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
         sc = _core.StageCost()
         for f in ("act_bytes", "stash_bytes", "grad_bytes", "wstash_bytes", "wgrad_bytes"):
             setattr(sc, f, getattr(fc, f))
-        sc.f = max(times.get(f"F{s}", 0.0), _TINY)
-        if f"B{s}" in times:
-            sc.b = max(times[f"B{s}"], _TINY)
+        t = dict(times)
+        if f"FB{s}" in t and f"F{s}" not in t and f"B{s}" not in t:
+            # only fused (F+B of a microbatch as one program): split by the flop estimate
+            share = fc.f / (fc.f + fc.b) if fc.f + fc.b > 0 else 1 / 3
+            t[f"F{s}"], t[f"B{s}"] = t[f"FB{s}"] * share, t[f"FB{s}"] * (1 - share)
+        sc.f = max(t.get(f"F{s}", 0.0), _TINY)
+        if f"B{s}" in t:
+            sc.b = max(t[f"B{s}"], _TINY)
             sc.i = sc.w = sc.b / 2
         else:
-            sc.i = max(times.get(f"I{s}", 0.0), _TINY)
-            sc.w = max(times.get(f"W{s}", 0.0), _TINY)
+            sc.i = max(t.get(f"I{s}", 0.0), _TINY)
+            sc.w = max(t.get(f"W{s}", 0.0), _TINY)
             sc.b = sc.i + sc.w
+        if f"FB{s}" in t:  # F and B of one microbatch run as one program
+            sc.fb = max(t[f"FB{s}"], _TINY)
         stages.append(sc)
     cm.stages = stages
     lc = _core.LinkCost()

@@ -268,17 +268,21 @@ def _replay_memory(core_plan, evs, sizes, sec):
                 send_done[b] = max(send_done.get(b, 0), co)
         changes = []  # (time_ns, order, buffer, +1/-1); releases first at equal times
         acts = core_plan.schedule.rank_actions[r]
+        internal = set()  # made and used inside a fused action: no buffer memory
         for i, op, b, p, po, st, co in rank_evs:
             if op == "RUN":
                 act = acts[core_plan.programs[r][i].action]
                 outs = set(core_plan.task_outputs(act.first))
                 if act.is_fused:
+                    inside = outs & set(core_plan.task_inputs(act.second))
+                    internal |= inside
+                    outs -= inside
                     outs.update(core_plan.task_outputs(act.second))
                 for ob in sorted(outs):
                     changes.append((st or po, 1, ob, 1))
             elif op == "RECV":
                 changes.append((po, 1, b, 1))
-            elif op == "FREE":
+            elif op == "FREE" and b not in internal:
                 changes.append((max(co, send_done.get(b, 0)), 0, b, -1))
         changes.sort()
         act = tot = 0
