@@ -488,7 +488,16 @@ void bind_sim(nb::module_& m) {
            ", bubble_fraction=" + fmt::format("{}", r.bubble_fraction) + ")";
   });
 
-  m.def("simulate", &baton::simulate, "plan"_a, "costs"_a);
+  m.def(
+      "simulate",
+      [](const baton::Plan& plan, const baton::CostModel& costs, bool early_receives) {
+        baton::SimOptions o;
+        o.early_receives = early_receives;
+        return baton::simulate(plan, costs, o);
+      },
+      "plan"_a, "costs"_a, "early_receives"_a = true,
+      "Runs the plan's programs on the cost model. early_receives: post each RECV when its "
+      "rank reaches the RUN before it, as the runtime does (False: at the RECV, as NCCL).");
 
   m.def("to_chrome_trace", &baton::to_chrome_trace, "plan"_a, "result"_a,
         "time_unit_us"_a = 1000.0);

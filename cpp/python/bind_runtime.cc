@@ -383,10 +383,11 @@ struct PyRequest {
 
 struct PyExecutor {
   PyExecutor(const baton::Plan& plan, int rank, PyTransport& transport, PyTasks& tasks,
-             double timeout, bool record_events)
+             double timeout, bool record_events, bool early_receives)
       : keep(transport.t),
-        exp(std::make_unique<rt::Executor>(plan, rank, transport.get(), tasks,
-                                           rt::ExecutorOptions{ms(timeout), record_events})),
+        exp(std::make_unique<rt::Executor>(
+            plan, rank, transport.get(), tasks,
+            rt::ExecutorOptions{ms(timeout), record_events, early_receives})),
         ex(*exp) {}
   ~PyExecutor() {
     // Waits for transfer threads that may need the GIL (Executor::~Executor).
@@ -610,8 +611,9 @@ void init_runtime(nb::module_& root) {
       nb::rv_policy::take_ownership);
 
   nb::class_<PyExecutor>(m, "Executor", "Runs one rank's program of a Plan.")
-      .def(nb::init<const baton::Plan&, int, PyTransport&, PyTasks&, double, bool>(), "plan"_a,
-           "rank"_a, "transport"_a, "tasks"_a, "timeout"_a = 60.0, "record_events"_a = false,
+      .def(nb::init<const baton::Plan&, int, PyTransport&, PyTasks&, double, bool, bool>(),
+           "plan"_a, "rank"_a, "transport"_a, "tasks"_a, "timeout"_a = 60.0,
+           "record_events"_a = false, "early_receives"_a = true,
            nb::keep_alive<1, 2>(), nb::keep_alive<1, 4>(), nb::keep_alive<1, 5>())
       .def(
           "run",

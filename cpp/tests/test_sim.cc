@@ -253,7 +253,10 @@ TEST(Sim, LateRecvDelaysArrival) {
     b.send(1, BufKind::Grad, 1, m, 0).free(1, BufKind::Grad, 1, m);
   }
   CostModel c = CostModel::uniform(1, 5, 1, 1);
-  SimResult r = simulate(b.plan, c);
+  // Receives posted at their RECV (as with NCCL).
+  SimOptions late;
+  late.early_receives = false;
+  SimResult r = simulate(b.plan, c, late);
   // act m1 is sent at 2 but rank 1 posts its RECV only after B1.0 ends (7).
   const TransferEvent* t1 = nullptr;
   for (const auto& t : r.transfers)
@@ -268,6 +271,23 @@ TEST(Sim, LateRecvDelaysArrival) {
     if (s.time < 7 && s.time >= 2) {
       EXPECT_LE(s.total, 3) << s.time;
     }
+  // The runtime's default (early receives): rank 1 posts the RECV of act m1 when it reaches
+  // B1.0 (at 2), so the transfer ends on arrival and the buffer counts from 2; the step is
+  // the same (the data is not needed before F1.1 at 7).
+  SimResult e = simulate(b.plan, c);
+  for (const auto& t : e.transfers)
+    if (t.src == 0 && t.buffer == b.id(BufKind::Act, 0, 1)) {
+      EXPECT_DOUBLE_EQ(t.start, 2);
+      EXPECT_DOUBLE_EQ(t.end, 2);
+    }
+  EXPECT_DOUBLE_EQ(e.step_time, 18);
+  int64_t at5 = -1;
+  for (const auto& s : e.memory[1])
+    if (s.time <= 5) at5 = s.total;
+  int64_t late5 = -1;
+  for (const auto& s : r.memory[1])
+    if (s.time <= 5) late5 = s.total;
+  EXPECT_EQ(at5, late5 + 1);  // act m1 (1 byte) already held at 5
 }
 
 TEST(Sim, OneFOneBTwoRanksExact) {

@@ -171,9 +171,11 @@ class Plan:
         return _core.check_deadlock(self._core, model)
 
     # -- simulation and pictures ---------------------------------------------------------
-    def simulate(self, costs: Any = None) -> _core.SimResult:
-        """Simulated step: time, bubbles, memory (``costs``: see ``as_cost_model``)."""
-        return _core.simulate(self._core, as_cost_model(costs))
+    def simulate(self, costs: Any = None, early_receives: bool = True) -> _core.SimResult:
+        """Simulated step: time, bubbles, memory (``costs``: see ``as_cost_model``).
+        ``early_receives``: each RECV is posted when its rank reaches the RUN before it, as
+        Baton's executor does over Gloo and in one process; ``False``: at the RECV (NCCL)."""
+        return _core.simulate(self._core, as_cost_model(costs), early_receives)
 
     def to_svg(self, costs: Any = None, path: str | os.PathLike | None = None) -> str:
         """SVG timeline of the simulated step; written to ``path`` when given."""

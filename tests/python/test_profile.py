@@ -4,6 +4,7 @@ the plan summary use; measured peaks stay within the plan's prediction (single p
 from __future__ import annotations
 
 import json
+import statistics
 import os
 import sys
 
@@ -86,3 +87,22 @@ def test_profile_rejects_bad_arguments():
     ps, params, batch = make(baton.OneFOneB(), 2, 2)
     with pytest.raises(baton.ConfigError, match="runs"):
         baton.profile(ps, params, batch, runs=0)
+
+
+def test_profile_costs_inside_steps_or_alone():
+    ps, params, batch = make(baton.OneFOneB(), 2, 4)
+    alone = baton.profile(ps, params, batch, runs=2, costs="isolated")
+    assert alone.costs == "isolated"
+    assert alone.task_times == {k: statistics.median(v) for k, v in alone.task_samples.items()}
+    inside = baton.profile(ps, params, batch, runs=2)  # default: costs measured in steps
+    assert inside.costs == "step"
+    assert set(inside.task_times_isolated) == set(inside.task_samples)
+    assert set(inside.task_times) == set(inside.task_times_isolated)  # F0, B0, FB1
+    assert "FB1" in inside.task_times
+    # the in-step medians are RUN spans of traced steps, not the isolated timings
+    assert inside.task_times != inside.task_times_isolated
+    assert inside.cost_model.stages[0].f == pytest.approx(inside.task_times["F0"])
+    assert inside.link["latency"] >= 0 and "transfers" in inside.link
+    assert "inside steps" in inside.summary() and "alone" in inside.summary()
+    with pytest.raises(baton.ConfigError, match="costs must be"):
+        baton.profile(ps, params, batch, costs="guess")

@@ -296,6 +296,13 @@ struct ExecutorOptions {
   // Longest time one instruction may wait for a transfer or an input.
   std::chrono::milliseconds timeout{60000};
   bool record_events = false;
+  // Post the receives that follow a RUN (up to the next RUN) before that RUN
+  // starts, so that their rendezvous and data overlap its compute instead of
+  // starting when the consumer is reached. Ignored for NCCL, whose grouped,
+  // stream-ordered calls must keep the plan's positions. The simulator models
+  // the same (SimOptions::early_receives); a RECV event's `posted` is then the
+  // early time.
+  bool early_receives = true;
 };
 
 struct Event {
@@ -341,6 +348,8 @@ class Executor {
     bool present = false;
   };
   void exec(int index, const Instr& in);
+  void post_recv(int index, const Instr& in);  // posts a RECV into its slot
+  void post_ahead(int index);  // early_receives: the RECVs after RUN `index`
   Value need(int index, int32_t buffer);
   void wait(int index, const RequestPtr& r, const char* doing);
   [[noreturn]] void fail(int index, const std::string& msg, int failed_rank = -1);
@@ -358,6 +367,8 @@ class Executor {
   std::vector<std::vector<int32_t>> action_in_, action_out_;
   std::vector<Event> events_;
   std::vector<std::pair<size_t, RequestPtr>> pending_events_;  // SEND/RECV events
+  // early_receives: instruction index -> (request, when posted) of a RECV posted ahead
+  std::vector<std::pair<RequestPtr, Clock::time_point>> early_;
   // FREEd buffers whose send is still in flight: released when it completes.
   std::vector<std::pair<RequestPtr, Value>> deferred_;
   void reap(bool wait_all, int index);

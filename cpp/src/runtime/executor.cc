@@ -182,15 +182,20 @@ void Executor::exec(int index, const Instr& in) {
       break;
     }
     case OpCode::Recv: {
-      Slot& s = slots_[static_cast<size_t>(in.buffer)];
-      if (s.present || s.recv)
-        fail(index, fmt::format("buffer {} is received while already present",
-                                plan_.describe_buffer(in.buffer)));
-      s.recv = transport_.irecv(
-          in.peer, tag(in.buffer), plan_.describe_buffer(in.buffer), &tasks_,
-          static_cast<int>(plan_.buffer_key(in.buffer).kind),
-          transport_.kind() == "nccl" ? tasks_.recv_layout(rank_, in.buffer) : Layout{});
-      if (opts_.record_events) pending_events_.emplace_back(events_.size() - 1, s.recv);
+      if (!early_.empty() && early_[static_cast<size_t>(index)].first) {  // see post_ahead
+        auto& early = early_[static_cast<size_t>(index)];
+        Slot& s = slots_[static_cast<size_t>(in.buffer)];
+        s.recv = std::move(early.first);
+        if (opts_.record_events) {  // posted when it really was (the simulator agrees)
+          events_.back().posted = early.second;
+          pending_events_.emplace_back(events_.size() - 1, s.recv);
+        }
+        break;
+      }
+      post_recv(index, in);
+      if (opts_.record_events)
+        pending_events_.emplace_back(events_.size() - 1,
+                                     slots_[static_cast<size_t>(in.buffer)].recv);
       break;
     }
     case OpCode::Free: {
@@ -224,6 +229,35 @@ void Executor::exec(int index, const Instr& in) {
   }
 }
 
+void Executor::post_recv(int index, const Instr& in) {
+  Slot& s = slots_[static_cast<size_t>(in.buffer)];
+  if (s.present || s.recv)
+    fail(index, fmt::format("buffer {} is received while already present",
+                            plan_.describe_buffer(in.buffer)));
+  s.recv = transport_.irecv(
+      in.peer, tag(in.buffer), plan_.describe_buffer(in.buffer), &tasks_,
+      static_cast<int>(plan_.buffer_key(in.buffer).kind),
+      transport_.kind() == "nccl" ? tasks_.recv_layout(rank_, in.buffer) : Layout{});
+}
+
+void Executor::post_ahead(int index) {
+  const auto& prog = plan_.programs[static_cast<size_t>(rank_)];
+  bool posted = false;
+  for (size_t j = static_cast<size_t>(index) + 1; j < prog.size(); ++j) {
+    const Instr& in = prog[j];
+    if (in.op == OpCode::Run) break;
+    if (in.op != OpCode::Recv) continue;
+    const Slot& s = slots_[static_cast<size_t>(in.buffer)];
+    // A buffer still held (not yet freed before this point) is received later.
+    if (s.present || s.recv) break;
+    const auto now = Clock::now();  // before posting: it may complete at once
+    post_recv(static_cast<int>(j), in);
+    early_[j] = {std::move(slots_[static_cast<size_t>(in.buffer)].recv), now};
+    posted = true;
+  }
+  if (posted) transport_.flush();
+}
+
 void Executor::run() {
   const auto& prog = plan_.programs[static_cast<size_t>(rank_)];
   if (auto f = transport_.failure())
@@ -233,8 +267,11 @@ void Executor::run() {
   deferred_.clear();
   live_buffers_ = live_bytes_ = 0;
   if (opts_.record_events) events_.reserve(prog.size());
+  const bool ahead = opts_.early_receives && transport_.kind() != "nccl";
+  early_.assign(ahead ? prog.size() : 0, {});
   for (int i = 0; i < static_cast<int>(prog.size()); ++i) {
     const Instr& in = prog[static_cast<size_t>(i)];
+    if (ahead && in.op == OpCode::Run) post_ahead(i);
     if (opts_.record_events) {
       Event e;
       e.instr = i;

@@ -241,11 +241,13 @@ struct RankState {
   Status status = Status::Ready;
   bool queued = false;
   int64_t act = 0, total = 0;  // live bytes, without the releases that wait for sends
+  int32_t ahead = 0;  // early_receives: instructions before this were scanned
 };
 
 class Simulator {
  public:
-  Simulator(const Plan& plan, const CostModel& costs) : plan_(plan), costs_(costs) {
+  Simulator(const Plan& plan, const CostModel& costs, SimOptions opts)
+      : plan_(plan), costs_(costs), opts_(opts) {
     const Schedule& s = plan.schedule;
     P_ = s.num_ranks;
     ids_.S = s.num_stages;
@@ -315,6 +317,9 @@ class Simulator {
 
   const Plan& plan_;
   const CostModel& costs_;
+  SimOptions opts_;
+  // early_receives: per rank, per instruction, when a RECV was posted ahead (-1: not).
+  std::vector<std::vector<double>> early_post_;
   int32_t P_ = 0;
   Ids ids_;
   int32_t nids_ = 0;
@@ -503,6 +508,12 @@ void Simulator::step(int32_t rank) {
     check_instr(rank, pc, in);
     switch (in.op) {
       case OpCode::Run: {
+        if (opts_.early_receives && st.ahead <= pc) {  // first time here: post ahead
+          int32_t j = pc + 1;
+          for (; j < n && prog[j].op != OpCode::Run; ++j)
+            if (prog[j].op == OpCode::Recv) early_post_[rank][j] = st.time;
+          st.ahead = j;
+        }
         const Action& a = acts[in.action];
         if (in.action + 4 < static_cast<int32_t>(acts.size()))
           __builtin_prefetch(&acts[in.action + 4]);
@@ -617,13 +628,23 @@ void Simulator::step(int32_t rank) {
       }
       case OpCode::Recv: {
         const int32_t t = open_transfer(in.peer, rank, in.buffer, false);
-        const int32_t l = new_life(rank, in.buffer, st.time, pc);
+        double post = st.time;
+        if (opts_.early_receives && early_post_[rank][pc] >= 0) post = early_post_[rank][pc];
+        int32_t l;
+        if (post < st.time) {  // posted ahead: counted from then (merged at the end)
+          claim(rank, in.buffer, kLocal, pc);
+          l = materialize(rank, in.buffer, post);
+          const BufInfo& bi = info(in.buffer);
+          late_[rank].push_back({post, bi.activation ? bi.bytes : 0, bi.bytes});
+        } else {
+          l = new_life(rank, in.buffer, st.time, pc);
+        }
         XferState& x = xs_[t];
         x.has_recv = true;
         res_.transfers[t].recv_instr = pc;
         x.recv_life = l;
         x.recv_run = st.last_run;
-        x.recv_posted = st.time;
+        x.recv_posted = post;
         Life& L = lives_[l];
         L.transfer = t;
         L.ready_known = false;
@@ -873,6 +894,9 @@ SimResult Simulator::run() {
   ranks_.assign(P_, {});
   res_.memory.assign(P_, {});
   late_.assign(P_, {});
+  early_post_.assign(opts_.early_receives ? P_ : 0, {});
+  for (size_t r = 0; r < early_post_.size(); ++r)
+    early_post_[r].assign(plan_.programs[r].size(), -1.0);
   size_t n_runs = 0, n_sends = 0;
   for (int32_t r = 0; r < P_; ++r) {
     size_t runs = 0, recvs = 0, sends = 0;
@@ -939,8 +963,8 @@ double SimResult::idle_inside_span(int rank) const {
   return std::max(0.0, span_end[rank] - span_start[rank] - busy[rank]);
 }
 
-SimResult simulate(const Plan& plan, const CostModel& costs) {
-  Simulator sim(plan, costs);
+SimResult simulate(const Plan& plan, const CostModel& costs, SimOptions opts) {
+  Simulator sim(plan, costs, opts);
   return sim.run();
 }
 

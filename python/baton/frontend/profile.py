@@ -7,12 +7,17 @@
 
 How: one traced call captures every task's first arguments (on its rank's devices); then
 each task's jit is timed alone, blocking on its outputs, ``runs`` times after ``warmup``
-calls, and the median kept (per kind and stage: F, B or I and W). A transfer is timed on a
-small and on the largest activation/gradient buffer (in one process: ``jax.device_put`` to
-the next rank's devices; over Gloo: half a ping-pong round trip); latency = small time,
-bandwidth from the difference. Then ``runs`` traced calls of the whole step give the
-measured step time (median), each rank's bubble and the peak live buffers, which
-``summary()`` puts next to the simulator's prediction with the profiled costs. XLA's memory
+calls, and the median kept (per kind and stage: F, B or I and W, FB for a fused F+B). A
+transfer is timed on a small and on the largest activation/gradient buffer (in one process:
+``jax.device_put`` to the next rank's devices; over Gloo: half a ping-pong round trip);
+latency = small time, bandwidth from the difference. With ``costs="step"`` (the default) the
+cost model then uses what the tasks and transfers cost inside ``steps`` traced steps: the
+median RUN span per task, and the median transfer time from send start to receive (minus the bytes
+at the ping-pong bandwidth) as latency. Tasks run slower inside a step than alone (their
+inputs are not in cache, other tasks' buffers come and go), and a transfer waits for the
+transport threads on a busy core, so these predict the step better. Then ``steps`` further
+traced calls give the measured step time (median), each rank's bubble and the peak live
+buffers, which ``summary()`` puts next to the simulator's prediction. XLA's memory
 analysis of each task (``compiled.memory_analysis()``) is kept where JAX provides it.
 Multi-process mode: collective; each process times its own stages' tasks and the results are
 exchanged, so every process gets the same cost model.
@@ -48,7 +53,10 @@ class Profile:
     xla_memory: dict  # task name -> memory analysis fields (bytes), where JAX exposes it
     measured: dict  # step_time (median s), step_times, bubble, peak_bytes, peak_activation
     predicted: dict  # step_time, bubble, peak_total, peak_activation (simulator)
-    trace: Trace | None = None  # the last measured step
+    trace: Trace | None = None  # the median measured step
+    costs: str = "step"  # where task_times / link come from: "step" or "isolated"
+    task_times_isolated: dict = dataclasses.field(default_factory=dict)
+    link_isolated: dict = dataclasses.field(default_factory=dict)
 
     def summary(self) -> str:
         m, p = self.measured, self.predicted
@@ -66,7 +74,12 @@ class Profile:
                 f"{p['peak_total'][r]:16d} {m['peak_bytes'][r]:16d} "
                 f"{p['peak_activation'][r]:14d} {m['peak_activation'][r]:14d}")
         tasks = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in sorted(self.task_times.items()))
-        lines.append(f"task medians (ms): {tasks}")
+        lines.append(f"task medians (ms, {'inside steps' if self.costs == 'step' else 'alone'})"
+                     f": {tasks}")
+        if self.costs == "step":
+            alone = ", ".join(f"{k} {v * 1e3:.3f}"
+                              for k, v in sorted(self.task_times_isolated.items()))
+            lines.append(f"task medians (ms, alone): {alone}")
         lat, bw = self.link["latency"], self.link["bandwidth"]
         lines.append(f"link: latency {lat * 1e6:.1f} us, bandwidth "
                      + (f"{bw / 2**30:.2f} GiB/s" if bw > 0 else "infinite"))
@@ -74,7 +87,8 @@ class Profile:
 
     def to_json(self) -> str:
         d = {k: getattr(self, k) for k in ("task_times", "task_samples", "link", "xla_memory",
-                                           "measured", "predicted")}
+                                           "measured", "predicted", "costs",
+                                           "task_times_isolated", "link_isolated")}
         d["cost_model"] = json.loads(self.cost_model.to_json())
         return json.dumps(d)
 
@@ -150,16 +164,90 @@ def _group_link(group, nbytes: int, runs: int, timeout: float) -> dict:
     return got or {"latency": 0.0, "bandwidth": 0.0, "sizes": [], "times": []}
 
 
-def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = None) -> Profile:
+def _traced(fn, args) -> Trace:
+    fn._call(args, record=True)
+    return fn.last_trace
+
+
+def _task_key(run: dict) -> list[tuple[str, float]]:
+    """(task name, share of the RUN) for one traced RUN: "F0", "B1", "I2", "W2", or "FB3"
+    for a fused F(s,m)+B(s,m); other fused pairs are skipped (no single task to credit)."""
+    cat, s = run["cat"], run["stage"]
+    if cat != "fused":
+        return [(f"{cat}{s}", 1.0)]
+    if run["name"].startswith("F") and "+B" in run["name"] and \
+            run.get("second_stage") == s and run.get("second_microbatch") == run["microbatch"]:
+        return [(f"FB{s}", 1.0)]
+    return []
+
+
+def _step_task_times(traces: list, fallback: dict) -> dict:
+    """Median span per task name over the RUNs of ``traces`` (every rank, every step);
+    names never run alone keep ``fallback`` (isolated) times."""
+    spans: dict[str, list[float]] = {}
+    for tr in traces:
+        for r in tr.runs:
+            for k, share in _task_key(r):
+                spans.setdefault(k, []).append(share * (r["end"] - r["start"]))
+    out = dict(fallback)
+    out.update({k: statistics.median(v) for k, v in spans.items()})
+    return out
+
+
+def _step_link(traces: list, fallback: dict) -> dict:
+    """Latency as it is inside the steps: the median over transfers of (receive completed -
+    send started) minus the bytes at the ping-pong bandwidth; that bandwidth kept. (The
+    executor posts a receive before the RUN that precedes it, so the receiver is almost
+    always waiting when the data leaves; the median ignores the rest.)"""
+    bw = fallback.get("bandwidth", 0.0)
+    lat = []
+    for tr in traces:
+        for x in tr.transfers:
+            lat.append(max(x["end"] - x["start"] - (x["bytes"] / bw if bw > 0 else 0.0), 0.0))
+    if not lat:
+        return dict(fallback)
+    return dict(fallback, latency=statistics.median(lat), transfers=len(lat))
+
+
+def _stage_cost(s: int, fc: Any, times: dict, split: bool):
+    """One stage's StageCost (seconds) from task times; byte sizes from ``fc``."""
+    sc = _core.StageCost()
+    for f in ("act_bytes", "stash_bytes", "grad_bytes", "wstash_bytes", "wgrad_bytes"):
+        setattr(sc, f, getattr(fc, f))
+    t = dict(times)
+    if f"FB{s}" in t and f"F{s}" not in t and f"B{s}" not in t:
+        # only fused (F+B of a microbatch as one program): split by the flop estimate
+        share = fc.f / (fc.f + fc.b) if fc.f + fc.b > 0 else 1 / 3
+        t[f"F{s}"], t[f"B{s}"] = t[f"FB{s}"] * share, t[f"FB{s}"] * (1 - share)
+    sc.f = max(t.get(f"F{s}", 0.0), _TINY)
+    if split:
+        sc.i = max(t.get(f"I{s}", 0.0), _TINY)
+        sc.w = max(t.get(f"W{s}", 0.0), _TINY)
+        sc.b = max(t.get(f"B{s}", sc.i + sc.w), _TINY)
+    else:
+        sc.b = max(t.get(f"B{s}", 0.0), _TINY)
+        sc.i = sc.w = sc.b / 2
+    if f"FB{s}" in t:  # F and B of one microbatch run as one program
+        sc.fb = max(t[f"FB{s}"], _TINY)
+    return sc
+
+
+def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = None,
+            costs: str = "step") -> Profile:
     """Measures ``fn`` (a ``baton.jit`` function) on ``args`` and returns a :class:`Profile`
     whose ``cost_model`` (seconds) the planner and simulator use; ``fn.summary()`` and
     ``fn.simulate()`` use it from then on. ``runs``: timed calls per task; ``steps``: traced
-    whole steps for the measured step time (default ``runs``)."""
+    whole steps for the measured step time (default ``runs``). ``costs``: ``"step"`` (task
+    and link costs measured inside ``steps`` traced steps, which are then not the ones
+    compared with the prediction) or ``"isolated"`` (each task timed alone, the link by
+    ping-pong)."""
     from .api import cost_model_of
 
     if not isinstance(runs, int) or runs < 1 or warmup < 0:
         raise ConfigError(f"baton.profile: runs must be >= 1 and warmup >= 0 "
                           f"(got runs={runs!r}, warmup={warmup!r})")
+    if costs not in ("step", "isolated"):
+        raise ConfigError(f"baton.profile: costs must be 'step' or 'isolated' (got {costs!r})")
     steps = runs if steps is None else steps
     step = fn.compile(*args)
     step.profiled = None  # flop-based costs while measuring (buffer sizes)
@@ -198,40 +286,23 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
         link = _local_link(step, big, runs)
     else:
         link = _group_link(fn.group, big, runs, fn.timeout)
-    # 4. the cost model
+    iso_times, iso_link = times, link
+    # 4. costs inside real steps (default): per-task medians of the RUN spans of `steps`
+    # traced calls, link latency from their transfers
+    if costs == "step":
+        ctx = [_traced(fn, args) for _ in range(max(steps, 1))]
+        times = _step_task_times(ctx, iso_times)
+        link = _step_link(ctx, iso_link)
+    split = step.partition.split_backward
     cm = _core.CostModel()
-    stages = []
-    for s, fc in enumerate(flop_costs.stages):
-        sc = _core.StageCost()
-        for f in ("act_bytes", "stash_bytes", "grad_bytes", "wstash_bytes", "wgrad_bytes"):
-            setattr(sc, f, getattr(fc, f))
-        t = dict(times)
-        if f"FB{s}" in t and f"F{s}" not in t and f"B{s}" not in t:
-            # only fused (F+B of a microbatch as one program): split by the flop estimate
-            share = fc.f / (fc.f + fc.b) if fc.f + fc.b > 0 else 1 / 3
-            t[f"F{s}"], t[f"B{s}"] = t[f"FB{s}"] * share, t[f"FB{s}"] * (1 - share)
-        sc.f = max(t.get(f"F{s}", 0.0), _TINY)
-        if f"B{s}" in t:
-            sc.b = max(t[f"B{s}"], _TINY)
-            sc.i = sc.w = sc.b / 2
-        else:
-            sc.i = max(t.get(f"I{s}", 0.0), _TINY)
-            sc.w = max(t.get(f"W{s}", 0.0), _TINY)
-            sc.b = sc.i + sc.w
-        if f"FB{s}" in t:  # F and B of one microbatch run as one program
-            sc.fb = max(t[f"FB{s}"], _TINY)
-        stages.append(sc)
-    cm.stages = stages
+    cm.stages = [_stage_cost(s, fc, times, split) for s, fc in enumerate(flop_costs.stages)]
     lc = _core.LinkCost()
     lc.latency = float(link["latency"])
     lc.bandwidth = float(link["bandwidth"])
     cm.link = lc
     cm.validate()
-    # 5. measured steps vs the simulator's prediction
-    traces = []
-    for _ in range(max(steps, 1)):
-        fn._call(args, record=True)
-        traces.append(fn.last_trace)
+    # 5. measured steps (not those the costs came from) vs the simulator's prediction
+    traces = [_traced(fn, args) for _ in range(max(steps, 1))]
     order = sorted(range(len(traces)), key=lambda i: traces[i].step_time)
     med = traces[order[len(order) // 2]]
     sim = step.plan.simulate(cm)
@@ -244,6 +315,7 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
                  if runs_ else 0.0,
                  "bubble": span_bubbles(runs_, R), "peak_total": list(sim.peak_total),
                  "peak_activation": list(sim.peak_activation)}
-    prof = Profile(cm, times, samples, link, xla, measured, predicted, med)
+    prof = Profile(cm, times, samples, link, xla, measured, predicted, med, costs,
+                   iso_times, iso_link)
     step.profiled = prof
     return prof

@@ -74,7 +74,8 @@ class Trace:
     num_stages: int
     num_microbatches: int
     runs: list  # dicts: rank, instr, action, name, cat, stage, microbatch, start, end
-    # dicts: src, dst, buffer, name, send_instr, recv_instr, posted, start, end, bytes
+    # dicts: src, dst, buffer, name, send_instr, recv_instr, posted, start, recv_posted, end,
+    # bytes
     transfers: list
     memory: list  # per rank: [(time, activation, total)]
     peak_activation: list
@@ -250,6 +251,7 @@ def build_trace(core_plan: Any, events: list, sizes: list[int] | None = None,
                               "name": _buffer_name(S, M, b), "send_instr": i,
                               "recv_instr": rv[0] if rv is not None else -1,
                               "posted": sec(po), "start": sec(start),
+                              "recv_posted": sec(rv[4]) if rv is not None and rv[4] else None,
                               "end": sec(max(end, start)), "bytes": sizes[b]})
     memory, peak_act, peak_tot = _replay_memory(core_plan, evs, sizes, sec)
     return Trace(sched.name, P, S, M, runs, transfers, memory, peak_act, peak_tot, offsets_ns)
