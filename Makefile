@@ -1,0 +1,33 @@
+# Convenience targets; each one delegates to a script or a benchmark.
+PY ?= .venv/bin/python
+
+.PHONY: setup test test-cpp test-py demo bench bench-pipeline bench-pinned bench-plan
+
+setup:
+	bash scripts/setup.sh
+
+test: setup
+	bash scripts/test.sh
+
+test-cpp: setup
+	bash scripts/test.sh --cpp-only
+
+test-py: setup
+	bash scripts/test.sh --py-only
+
+demo: setup
+	bash scripts/demo.sh
+
+# Pipeline benchmarks: tables in bench/results/ (they never fail on timing).
+bench: bench-pipeline bench-pinned
+
+bench-pipeline: setup
+	$(PY) bench/pipeline.py --md bench/results/pipeline.md
+
+bench-pinned: setup
+	$(PY) bench/pinned.py --steps 8 --md bench/results/pinned.md
+
+bench-plan:
+	cmake -S . -B build/rel -DCMAKE_BUILD_TYPE=Release -DBATON_BUILD_BENCH=ON -DBATON_BUILD_TESTS=OFF
+	cmake --build build/rel -j2 --target bench_plan
+	build/rel/bench_plan
