@@ -103,6 +103,6 @@ def test_profile_costs_inside_steps_or_alone():
     assert inside.task_times != inside.task_times_isolated
     assert inside.cost_model.stages[0].f == pytest.approx(inside.task_times["F0"])
     assert inside.link["latency"] >= 0 and "transfers" in inside.link
-    assert "inside steps" in inside.summary() and "alone" in inside.summary()
+    assert "mean inside steps" in inside.summary() and "median alone" in inside.summary()
     with pytest.raises(baton.ConfigError, match="costs must be"):
         baton.profile(ps, params, batch, costs="guess")

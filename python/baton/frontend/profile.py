@@ -12,7 +12,7 @@ transfer is timed on a small and on the largest activation/gradient buffer (in o
 ``jax.device_put`` to the next rank's devices; over Gloo: half a ping-pong round trip);
 latency = small time, bandwidth from the difference. With ``costs="step"`` (the default) the
 cost model then uses what the tasks and transfers cost inside ``steps`` traced steps: the
-median RUN span per task, and the median transfer time from send start to receive (minus the bytes
+mean RUN span per task, and the median transfer time from send start to receive (minus the bytes
 at the ping-pong bandwidth) as latency. Tasks run slower inside a step than alone (their
 inputs are not in cache, other tasks' buffers come and go), and a transfer waits for the
 transport threads on a busy core, so these predict the step better. Then ``steps`` further
@@ -47,7 +47,7 @@ _TAG_PROFILE = (1 << 45) + (1 << 20)  # see tracing._TAG_CLOCK
 @dataclasses.dataclass
 class Profile:
     cost_model: Any  # baton.CostModel, times in seconds
-    task_times: dict  # "F0", "B1", "I2", "W2" -> median seconds
+    task_times: dict  # "F0", "B1", "I2", "W2", "FB3" -> seconds (the cost model's)
     task_samples: dict  # same keys -> list of seconds
     link: dict  # latency (s), bandwidth (bytes/s; 0 = infinite), sizes measured
     xla_memory: dict  # task name -> memory analysis fields (bytes), where JAX exposes it
@@ -74,12 +74,12 @@ class Profile:
                 f"{p['peak_total'][r]:16d} {m['peak_bytes'][r]:16d} "
                 f"{p['peak_activation'][r]:14d} {m['peak_activation'][r]:14d}")
         tasks = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in sorted(self.task_times.items()))
-        lines.append(f"task medians (ms, {'inside steps' if self.costs == 'step' else 'alone'})"
-                     f": {tasks}")
+        how = "mean inside steps" if self.costs == "step" else "median alone"
+        lines.append(f"task times (ms, {how}): {tasks}")
         if self.costs == "step":
             alone = ", ".join(f"{k} {v * 1e3:.3f}"
                               for k, v in sorted(self.task_times_isolated.items()))
-            lines.append(f"task medians (ms, alone): {alone}")
+            lines.append(f"task times (ms, median alone): {alone}")
         lat, bw = self.link["latency"], self.link["bandwidth"]
         lines.append(f"link: latency {lat * 1e6:.1f} us, bandwidth "
                      + (f"{bw / 2**30:.2f} GiB/s" if bw > 0 else "infinite"))
@@ -182,15 +182,17 @@ def _task_key(run: dict) -> list[tuple[str, float]]:
 
 
 def _step_task_times(traces: list, fallback: dict) -> dict:
-    """Median span per task name over the RUNs of ``traces`` (every rank, every step);
-    names never run alone keep ``fallback`` (isolated) times."""
+    """Mean span per task name over the RUNs of ``traces`` (every rank, every step): a step
+    is a sum of task times, and inside steps their spread is skewed (a task that shares its
+    core with transfer threads runs long), so the mean predicts the sum where the median
+    would not; names that never ran keep ``fallback`` (isolated) times."""
     spans: dict[str, list[float]] = {}
     for tr in traces:
         for r in tr.runs:
             for k, share in _task_key(r):
                 spans.setdefault(k, []).append(share * (r["end"] - r["start"]))
     out = dict(fallback)
-    out.update({k: statistics.median(v) for k, v in spans.items()})
+    out.update({k: statistics.fmean(v) for k, v in spans.items()})
     return out
 
 
