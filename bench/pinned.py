@@ -140,6 +140,10 @@ def _median_run(cmd, repeat):
     return r
 
 
+def _mib(xs):
+    return "/".join(f"{x / 2.0 ** 20:.1f}" for x in xs)
+
+
 def _pct(xs):
     return "/".join(f"{100 * x:.0f}" for x in xs)
 
@@ -192,14 +196,13 @@ def main():
         where = "1 rank, 1 process on core 0" if role == "single" else \
             "2 ranks, 2 processes on cores 0 and 1"
         ideal = f" (ideal {2 * m / (m + 1):.2f})" if (role, sched) == ("worker", "1f1b") else ""
-        mib = 2.0 ** 20
         rows.append(
             f"| Baton {NAMES.get(sched, sched)}, {where} | {1e3 * r['step']:.1f} "
             f"| {tokens / r['step']:.0f} | {base['step'] / r['step']:.2f}{ideal} "
             f"| {1e3 * meas['step_time']:.1f} | {1e3 * pred['step_time']:.1f} "
             f"| {pred['step_time'] / meas['step_time']:.2f} | {_pct(meas['bubble'])} "
-            f"| {_pct(pred['bubble'])} | {'/'.join(f'{x / mib:.1f}' for x in meas['peak_activation'])} "
-            f"| {'/'.join(f'{x / mib:.1f}' for x in pred['peak_activation'])} |")
+            f"| {_pct(pred['bubble'])} | {_mib(meas['peak_activation'])} "
+            f"| {_mib(pred['peak_activation'])} |")
         details.append(f"- {sched}, {role}: task times (ms) " + ", ".join(
             f"{k} {1e3 * v:.2f}" for k, v in sorted(r["tasks"].items()))
             + f"; link latency {1e6 * r['link']['latency']:.0f} us; step ms of the "
@@ -223,7 +226,8 @@ def main():
     ]
     base_runs = ", ".join(f"{1e3 * x:.1f}" for x in base["all_steps"])
     details.insert(0, f"- baseline: step ms of the {len(base['all_steps'])} runs: {base_runs}")
-    text = "\n".join(head + rows + ["", "Profiled costs (task means inside steps):", ""] + details) + "\n"
+    notes = ["", "Profiled costs (task means inside steps):", ""]
+    text = "\n".join(head + rows + notes + details) + "\n"
     print(text)
     if args.md:
         with open(args.md, "w") as f:

@@ -613,8 +613,8 @@ void init_runtime(nb::module_& root) {
   nb::class_<PyExecutor>(m, "Executor", "Runs one rank's program of a Plan.")
       .def(nb::init<const baton::Plan&, int, PyTransport&, PyTasks&, double, bool, bool>(),
            "plan"_a, "rank"_a, "transport"_a, "tasks"_a, "timeout"_a = 60.0,
-           "record_events"_a = false, "early_receives"_a = true,
-           nb::keep_alive<1, 2>(), nb::keep_alive<1, 4>(), nb::keep_alive<1, 5>())
+           "record_events"_a = false, "early_receives"_a = true, nb::keep_alive<1, 2>(),
+           nb::keep_alive<1, 4>(), nb::keep_alive<1, 5>())
       .def(
           "run",
           [](PyExecutor& e) {

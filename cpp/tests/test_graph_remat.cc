@@ -102,8 +102,7 @@ TEST(GraphRemat, GeluStashesOnlyTheLayerOutput) {
   const TaskBody& b0 = remat.task(TaskKind::B, 0);
   const TaskBody& f0 = remat.task(TaskKind::F, 0);
   // Without remat B0 reads h, t and s (three residuals of 1 KiB each).
-  EXPECT_EQ(b0_plain.stash_in, (std::vector<int32_t>{m.h, m.t, m.s}))
-      << plain.to_text(m.g.p);
+  EXPECT_EQ(b0_plain.stash_in, (std::vector<int32_t>{m.h, m.t, m.s})) << plain.to_text(m.g.p);
   // With remat: only h (the dense output; z would cost the same but needs one
   // more recomputed op), and B0 reruns pow, add, tanh, add.
   EXPECT_EQ(b0.stash_in, std::vector<int32_t>{m.h}) << remat.to_text(m.g.p);
@@ -145,9 +144,9 @@ TEST(GraphRemat, SplitBackwardRecomputesInI) {
 TEST(GraphRemat, MinStashKeepsTheSmallerSideOfABroadcast) {
   G g;
   int x = g.loop_in(ValueKind::LoopMicrobatch);
-  int small = g.op("reduce_sum", {x}, 16);       // not recomputable
-  int big = g.op("broadcast_in_dim", {small});   // recomputable, 1 KiB
-  int big2 = g.op("exp", {big});                 // recomputable, 1 KiB
+  int small = g.op("reduce_sum", {x}, 16);      // not recomputable
+  int big = g.op("broadcast_in_dim", {small});  // recomputable, 1 KiB
+  int big2 = g.op("exp", {big});                // recomputable, 1 KiB
   int dot = g.op("dot_general", {x, x}, 4096);  // not recomputable: stashed as is
   std::vector<int32_t> producer(g.p.values.size(), -1);
   std::set<int32_t> fwd;

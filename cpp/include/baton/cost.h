@@ -12,14 +12,14 @@ struct StageCost {
   double b = 2.0;            // full backward time
   double i = 1.0;            // input-gradient backward time
   double w = 1.0;            // weight-gradient backward time
-  // F and B of one microbatch fused into one action (fuse_forward_backward):
-  // its time when > 0, else fused_factor * (f + b).
-  double fb = 0.0;
   int64_t stash_bytes = 1;   // kept from F to B/I (per microbatch)
   int64_t wstash_bytes = 0;  // kept from I to W (per microbatch)
   int64_t act_bytes = 1;     // activation sent forward (per microbatch)
   int64_t grad_bytes = 1;    // input gradient sent backward (per microbatch)
   int64_t wgrad_bytes = 0;   // weight gradient produced per microbatch
+  // F and B of one microbatch fused into one action (fuse_forward_backward):
+  // its time when > 0, else fused_factor * (f + b).
+  double fb = 0.0;
   bool operator==(const StageCost&) const = default;
 };
 

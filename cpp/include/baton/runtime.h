@@ -349,7 +349,7 @@ class Executor {
   };
   void exec(int index, const Instr& in);
   void post_recv(int index, const Instr& in);  // posts a RECV into its slot
-  void post_ahead(int index);  // early_receives: the RECVs after RUN `index`
+  void post_ahead(int index);                  // early_receives: the RECVs after RUN `index`
   Value need(int index, int32_t buffer);
   void wait(int index, const RequestPtr& r, const char* doing);
   [[noreturn]] void fail(int index, const std::string& msg, int failed_rank = -1);

@@ -21,19 +21,28 @@ namespace {
 // comparisons, selects, dtype casts and layout/shape changes. No reductions,
 // contractions, gathers, random numbers or calls: those are always kept.
 const std::unordered_set<std::string>& recomputable_names() {
-  static const std::unordered_set<std::string> names = {
-      "abs",     "add",     "and",         "broadcast_in_dim",
-      "cos",     "convert_element_type",   "copy",
-      "div",     "eq",      "erf",         "exp",
-      "exp2",    "expand_dims",            "expm1",
-      "ge",      "gt",      "integer_pow", "le",
-      "log",     "log1p",   "logistic",    "lt",
-      "max",     "min",     "mul",         "ne",
-      "neg",     "not",     "or",          "pow",
-      "reshape", "rsqrt",   "select_n",    "sign",
-      "sin",     "sqrt",    "square",      "squeeze",
-      "sub",     "tanh",    "transpose",   "clamp",
-      "erf_inv", "is_finite"};
+  static const std::unordered_set<std::string> names = {"abs",         "add",
+                                                        "and",         "broadcast_in_dim",
+                                                        "cos",         "convert_element_type",
+                                                        "copy",        "div",
+                                                        "eq",          "erf",
+                                                        "exp",         "exp2",
+                                                        "expand_dims", "expm1",
+                                                        "ge",          "gt",
+                                                        "integer_pow", "le",
+                                                        "log",         "log1p",
+                                                        "logistic",    "lt",
+                                                        "max",         "min",
+                                                        "mul",         "ne",
+                                                        "neg",         "not",
+                                                        "or",          "pow",
+                                                        "reshape",     "rsqrt",
+                                                        "select_n",    "sign",
+                                                        "sin",         "sqrt",
+                                                        "square",      "squeeze",
+                                                        "sub",         "tanh",
+                                                        "transpose",   "clamp",
+                                                        "erf_inv",     "is_finite"};
   return names;
 }
 
@@ -122,8 +131,7 @@ class MaxFlow {
 
 bool is_free(const Program& p, int32_t v) {
   ValueKind k = p.values[v].kind;
-  return k == ValueKind::Literal || k == ValueKind::LoopInvariant ||
-         k == ValueKind::LoopMicrobatch;
+  return k == ValueKind::Literal || k == ValueKind::LoopInvariant || k == ValueKind::LoopMicrobatch;
 }
 
 }  // namespace

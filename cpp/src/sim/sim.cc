@@ -241,7 +241,7 @@ struct RankState {
   Status status = Status::Ready;
   bool queued = false;
   int64_t act = 0, total = 0;  // live bytes, without the releases that wait for sends
-  int32_t ahead = 0;  // early_receives: instructions before this were scanned
+  int32_t ahead = 0;           // early_receives: instructions before this were scanned
 };
 
 class Simulator {
