@@ -40,6 +40,7 @@ from .trace import Traced
 G = _core.graph
 REGION_PRE, REGION_POST = "pre", "post"
 _OUT_GROUPS = ("act", "grad", "stash", "wstash", "wgrad", "mb")
+_SMALL_COPY = 4096  # elements: post-loop values small enough to compute on every stage
 
 
 @jax.jit
@@ -278,37 +279,87 @@ class CompiledStep:
         for s in self.pre_segments:
             avail.update(s.outputs)
         avail.update(o for _, o, _ in tr.loop_outputs)
-        self.post_segments = self._segments(post, avail)
+        self.post_segments = self._segments(post, avail, self._small_free_copies(post))
 
-    def _segments(self, op_ids: list[int], avail: set[int]) -> list[Segment]:
+    def _small_free_copies(self, post: list[int]) -> dict[int, set[int]]:
+        """Post-loop ops that read only step inputs, literals and each other and make small
+        values (the optimizer's step count and bias corrections): op -> the other stages whose
+        post-loop ops read them. Each of those stages computes its own copy, so its optimizer
+        update does not wait for the stage the op was placed on (which finishes its loop last)."""
+        tr = self.traced
+        ops = tr.ops
+        free_vals = set(tr.step_inputs) | set(tr.literals)
+        free_by_val: dict[int, int] = {}
+        for i in post:
+            op = ops[i]
+            small = all(int(np.prod(tr.avals[v].shape)) <= _SMALL_COPY for v in op.outputs)
+            if small and all(v in free_vals for v in op.inputs):
+                free_vals.update(op.outputs)
+                for v in op.outputs:
+                    free_by_val[v] = i
+        copies: dict[int, set[int]] = {}
+
+        def need(i, stage):
+            if stage == self.op_stage[i] or stage in copies.setdefault(i, set()):
+                return
+            copies[i].add(stage)
+            for v in ops[i].inputs:
+                if v in free_by_val:
+                    need(free_by_val[v], stage)
+
+        for j in post:
+            if j in free_by_val.values():
+                continue
+            for v in ops[j].inputs:
+                if v in free_by_val:
+                    need(free_by_val[v], self.op_stage[j])
+        return {i: st for i, st in copies.items() if st}
+
+    def _segments(self, op_ids: list[int], avail: set[int],
+                  copies: dict[int, set[int]] | None = None) -> list[Segment]:
+        """Per-stage jitted segments in dependency waves. ``copies``: op -> extra stages that
+        compute their own copy of it (see _small_free_copies); a value such an op makes is
+        read on a stage only from that stage's own copy."""
         tr = self.traced
         ops = tr.ops
         lits = tr.literals
+        copies = copies or {}
+        copied_vals = {v for i in copies for v in ops[i].outputs}
+        local: dict[int, set[int]] = {s: set() for s in range(self.num_stages)}
         # Values read after each op: by later ops, the loop, the step outputs.
         uses: dict[int, set] = {}
         for i, op in enumerate(ops):
             for v in op.inputs:
                 uses.setdefault(v, set()).add(i)
         external = set(tr.step_outputs) | {o for _, o, _ in tr.loop_inputs}
-        remaining = list(op_ids)
+        # (op, stage) items: every op on its own stage, plus the copies
+        remaining = sorted([(i, self.op_stage[i]) for i in op_ids]
+                           + [(i, st) for i in op_ids for st in sorted(copies.get(i, ()))])
         avail = set(avail)
         segs = []
+
+        def ready(v, stage, produced):
+            if v in lits or v in produced:
+                return True
+            if v in copied_vals:
+                return v in local[stage]
+            return v in avail
+
         while remaining:
             progress = False
             for stage in range(self.num_stages):
                 seg, produced = [], set()
-                for i in remaining:
-                    op = ops[i]
-                    if self.op_stage[i] != stage:
+                for i, st in remaining:
+                    if st != stage:
                         continue
-                    if all(v in avail or v in produced or v in lits for v in op.inputs):
+                    if all(ready(v, stage, produced) for v in ops[i].inputs):
                         seg.append(i)
-                        produced.update(op.outputs)
+                        produced.update(ops[i].outputs)
                 if not seg:
                     continue
                 progress = True
                 seg_set = set(seg)
-                remaining = [i for i in remaining if i not in seg_set]
+                remaining = [(i, st) for i, st in remaining if not (st == stage and i in seg_set)]
                 ins = sorted({v for i in seg for v in ops[i].inputs
                               if v not in produced and v not in lits})
                 outs = sorted(v for v in produced
@@ -316,6 +367,7 @@ class CompiledStep:
                 fn = jax.jit(_make_fn(tr, seg, ins, outs))
                 segs.append(Segment(stage, fn, ins, outs))
                 avail.update(produced)
+                local[stage].update(produced)
             if not progress:
                 raise TraceError("internal: code outside the loop could not be ordered by stage")
         return segs
@@ -713,8 +765,8 @@ class CompiledStep:
             router.need([v for v in seg.inputs if v not in lits], r, vals, where)
             if r == me:
                 self._run_segments([seg], vals)
-            for v in seg.outputs:
-                where[v] = {r}
+            for v in seg.outputs:  # a value copied on several stages is held by each
+                where.setdefault(v, set()).add(r)
 
 
     # -- planning data -----------------------------------------------------------
