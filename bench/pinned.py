@@ -24,10 +24,10 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
+
+from timing import median_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -40,19 +40,6 @@ def _setup(core: int):
     os.environ["XLA_FLAGS"] = ONE_THREAD
     os.environ["JAX_NUM_CPU_DEVICES"] = "1"
     sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-
-
-def _timed(fn, steps):
-    import jax
-
-    for _ in range(2):
-        jax.block_until_ready(fn())
-    out = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
 
 
 def _cfg(args, stages):
@@ -81,7 +68,7 @@ def baseline(args):
         return optax.apply_updates(params, updates), opt_state, loss
 
     f = jax.jit(step)
-    t = _timed(lambda: f(params, opt_state, batch), args.steps)
+    t = median_step(lambda: f(params, opt_state, batch), args.steps, warmup=2)
     print("RESULT " + json.dumps({"step": t}), flush=True)
 
 
@@ -109,7 +96,7 @@ def worker(args):
         state["p"], state["o"], loss = step(state["p"], state["o"], batch)
         return loss
 
-    res = {"step": _timed(call, args.steps)}
+    res = {"step": median_step(call, args.steps, warmup=2)}
     prof = baton.profile(step, state["p"], state["o"], batch, runs=args.steps)
     res["measured"] = prof.measured
     res["predicted"] = prof.predicted

@@ -35,9 +35,7 @@ import argparse
 import datetime
 import os
 import platform
-import statistics
 import sys
-import time
 
 _RANKS_MAX = 4
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(_RANKS_MAX))
@@ -50,6 +48,7 @@ from baton.frontend import primitives  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import gpt  # noqa: E402
+from timing import median_step  # noqa: E402
 
 SCHEDULES = {
     "gpipe": baton.GPipe(),
@@ -65,15 +64,6 @@ LAYERS = 8
 def config(args, stages: int) -> gpt.GPTConfig:
     return gpt.GPTConfig(vocab=256, seq=args.seq, dim=args.dim, heads=4, layers=LAYERS,
                          stages=stages)
-
-
-def timed(fn, steps: int) -> float:
-    out = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
 
 
 def per_rank(xs) -> str:
@@ -97,7 +87,7 @@ def run_baton(args, name: str, ranks: int) -> dict | None:
         jax.block_until_ready(ps(params, opt_state, batch))  # compile
     except baton.BatonError as e:
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
-    step = timed(lambda: ps(params, opt_state, batch), args.steps)
+    step = median_step(lambda: ps(params, opt_state, batch), args.steps)
     prof = baton.profile(ps, params, opt_state, batch, runs=3, steps=args.steps)
     m, p = prof.measured, prof.predicted
     return {
@@ -124,7 +114,7 @@ def run_scan_baseline(args) -> dict:
 
     f = jax.jit(step)
     jax.block_until_ready(f(params, opt_state, batch))
-    t = timed(lambda: f(params, opt_state, batch), args.steps)
+    t = median_step(lambda: f(params, opt_state, batch), args.steps)
     return {"step": t, "tokens": args.mb_size * m * args.seq / t}
 
 

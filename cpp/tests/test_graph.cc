@@ -7,57 +7,12 @@
 #include <vector>
 
 #include "baton/graph.h"
+#include "test_graph_util.h"
 
 namespace baton {
 namespace {
 
-struct Builder {
-  Program p;
-  Region region = Region::Loop;
-  int val(ValueKind k = ValueKind::Intermediate, int64_t bytes = 16) {
-    Value v;
-    v.kind = k;
-    v.shape = {2, 2};
-    v.dtype = "float32";
-    v.bytes = bytes;
-    return p.add_value(v);
-  }
-  int op(const std::string& name, std::vector<int32_t> ins, double cost = 1.0,
-         OpKind kind = OpKind::Compute) {
-    Op o;
-    o.kind = kind;
-    o.region = region;
-    o.name = name;
-    o.inputs = std::move(ins);
-    o.outputs = {val()};
-    o.cost = cost;
-    p.add_op(o);
-    return o.outputs[0];
-  }
-  int marker(int k, bool backward, int in) {
-    Op o;
-    o.kind = OpKind::Boundary;
-    o.region = Region::Loop;
-    o.name = "stage_boundary";
-    o.inputs = {in};
-    o.outputs = {val()};
-    o.boundary = k;
-    o.backward = backward;
-    p.add_op(o);
-    return o.outputs[0];
-  }
-  int loop_in(ValueKind k) {
-    int outer = val(ValueKind::StepInput);
-    int body = val(k);
-    p.loop_inputs.push_back({body, outer});
-    return body;
-  }
-  int loop_out(int body, Reduce r) {
-    int outer = val();
-    p.loop_outputs.push_back({body, outer, r});
-    return outer;
-  }
-};
+using Builder = ProgramBuilder;
 
 // loss = sum(tanh(tanh(x*w0) [boundary 0] * w1) [boundary 1] * w2)
 // with a hand-written backward in JAX's order (forward first).

@@ -7,47 +7,14 @@
 #include <vector>
 
 #include "baton/graph.h"
+#include "test_graph_util.h"
 
 namespace baton {
 namespace {
 
-struct G {
-  Program p;
-  int val(ValueKind k = ValueKind::Intermediate, int64_t bytes = 1024) {
-    Value v;
-    v.kind = k;
-    v.shape = {16, 16};
-    v.dtype = "float32";
-    v.bytes = bytes;
-    return p.add_value(v);
-  }
-  int op(const std::string& name, std::vector<int32_t> ins, int64_t bytes = 1024) {
-    Op o;
-    o.name = name;
-    o.inputs = std::move(ins);
-    o.outputs = {val(ValueKind::Intermediate, bytes)};
-    o.cost = 1;
-    p.add_op(o);
-    return o.outputs[0];
-  }
-  int marker(int k, bool backward, int in) {
-    Op o;
-    o.kind = OpKind::Boundary;
-    o.name = "stage_boundary";
-    o.inputs = {in};
-    o.outputs = {val()};
-    o.boundary = k;
-    o.backward = backward;
-    p.add_op(o);
-    return o.outputs[0];
-  }
-  int loop_in(ValueKind k) {
-    int outer = val(ValueKind::StepInput);
-    int body = val(k);
-    p.loop_inputs.push_back({body, outer});
-    return body;
-  }
-  void loop_out(int body, Reduce r) { p.loop_outputs.push_back({body, val(), r}); }
+// Values of 1 KiB unless sized otherwise.
+struct G : ProgramBuilder {
+  G() { bytes = 1024; }
 };
 
 // Stage 0 is a dense layer with a tanh-approximated GELU, whose linearization
@@ -70,7 +37,7 @@ struct Gelu {
     int y = g.op("mul", {h, s});
     act = g.marker(0, false, y);
     int z1 = g.op("dot_general", {act, w1});
-    loss = g.op("reduce_sum", {z1}, 4);
+    loss = g.sized("reduce_sum", {z1}, 4);
     // backward: stage 1 then stage 0 (reads t, s, h and h3's derivative)
     int seed = g.op("broadcast_in_dim", {lit});
     int gw1 = g.op("dot_general", {seed, act});
@@ -144,10 +111,10 @@ TEST(GraphRemat, SplitBackwardRecomputesInI) {
 TEST(GraphRemat, MinStashKeepsTheSmallerSideOfABroadcast) {
   G g;
   int x = g.loop_in(ValueKind::LoopMicrobatch);
-  int small = g.op("reduce_sum", {x}, 16);      // not recomputable
-  int big = g.op("broadcast_in_dim", {small});  // recomputable, 1 KiB
-  int big2 = g.op("exp", {big});                // recomputable, 1 KiB
-  int dot = g.op("dot_general", {x, x}, 4096);  // not recomputable: stashed as is
+  int small = g.sized("reduce_sum", {x}, 16);      // not recomputable
+  int big = g.op("broadcast_in_dim", {small});     // recomputable, 1 KiB
+  int big2 = g.op("exp", {big});                   // recomputable, 1 KiB
+  int dot = g.sized("dot_general", {x, x}, 4096);  // not recomputable: stashed as is
   std::vector<int32_t> producer(g.p.values.size(), -1);
   std::set<int32_t> fwd;
   for (int i = 0; i < static_cast<int>(g.p.ops.size()); ++i) {

@@ -4,7 +4,6 @@ Results equal the unfused run bit for bit; the plan and the executor hold no sta
 that rank; turning it off restores separate F and B tasks."""
 
 import os
-import sys
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
@@ -14,18 +13,12 @@ import pytest  # noqa: E402
 
 import baton  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-import mlp  # noqa: E402
+from mlp_step import make  # noqa: E402
 
 
 def _run(ranks, fuse, m=4):
-    key = jax.random.PRNGKey(3)
-    params = mlp.init_params(key, ranks, layers_per_stage=2)
-    batch = mlp.synthetic_batch(key, 4 * m)
-    vg = jax.value_and_grad(mlp.make_loss())
-    ps = baton.jit(lambda p, b: baton.accumulate(vg, p, batch=b),
-                   mesh=baton.PipelineMesh(jax.devices()[:ranks], ranks=ranks),
-                   schedule=baton.OneFOneB(), microbatches=m, fuse_forward_backward=fuse)
+    ps, params, batch = make(baton.OneFOneB(), ranks, m, seed=3, layers_per_stage=2,
+                             fuse_forward_backward=fuse)
     step = ps.compile(params, batch)
     calls = {}  # task -> number of calls of its jits
     for key_, exe in step.tasks.items():

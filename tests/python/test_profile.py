@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import statistics
 import os
-import sys
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
@@ -15,19 +14,7 @@ import pytest  # noqa: E402
 
 import baton  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-import mlp  # noqa: E402
-
-
-def make(schedule, ranks, microbatches):
-    key = jax.random.PRNGKey(0)
-    params = mlp.init_params(key, schedule.stages(ranks))
-    batch = mlp.synthetic_batch(key, 4 * microbatches)
-    vg = jax.value_and_grad(mlp.make_loss())
-    ps = baton.jit(lambda p, b: baton.accumulate(vg, p, batch=b),
-                   mesh=baton.PipelineMesh(jax.devices()[:ranks], ranks=ranks),
-                   schedule=schedule, microbatches=microbatches)
-    return ps, params, batch
+from mlp_step import make  # noqa: E402
 
 
 @pytest.mark.parametrize("schedule,ranks", [(baton.ZBH1(), 2), (baton.OneFOneB(), 4)],

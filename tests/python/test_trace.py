@@ -18,22 +18,11 @@ import pytest  # noqa: E402
 
 import baton  # noqa: E402
 
+from mlp_step import make  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
-import mlp  # noqa: E402
 
 PHASES = {"M", "X", "s", "f", "C"}
-
-
-def make(schedule, ranks, microbatches, **kw):
-    key = jax.random.PRNGKey(0)
-    params = mlp.init_params(key, schedule.stages(ranks))
-    batch = mlp.synthetic_batch(key, 4 * microbatches)
-    vg = jax.value_and_grad(mlp.make_loss())
-    ps = baton.jit(lambda p, b: baton.accumulate(vg, p, batch=b),
-                   mesh=baton.PipelineMesh(jax.devices()[:ranks], ranks=ranks),
-                   schedule=schedule, microbatches=microbatches, **kw)
-    return ps, params, batch
 
 
 def plan_order(step, rank):
