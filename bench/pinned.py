@@ -49,13 +49,17 @@ def _cfg(args, stages):
 
 
 def baseline(args):
-    _setup(0)
+    _setup(args.core)
     import jax
     import optax
 
     import gpt
     from baton.frontend import primitives
 
+    if args.malloc == "retain":  # as baton.jit does (retain_host_memory=True)
+        from baton import runtime
+
+        runtime.retain_host_memory()
     cfg = _cfg(args, 1)
     model, params, opt, opt_state, _, _ = gpt.make(cfg)
     batch = gpt.synthetic_batch(cfg, args.mb_size * args.microbatches)
@@ -89,7 +93,9 @@ def worker(args):
     _, params, _, opt_state, train_step, _ = gpt.make(cfg)
     batch = gpt.synthetic_batch(cfg, args.mb_size * args.microbatches)
     kw = {"mesh": baton.PipelineMesh(jax.devices()[:1], ranks=1)} if single else {}
-    step = baton.jit(train_step, schedule=sched, microbatches=args.microbatches, **kw)
+    step = baton.jit(train_step, schedule=sched, microbatches=args.microbatches,
+                     retain_host_memory=args.malloc == "retain",
+                     remat=os.environ.get("BATON_BENCH_REMAT", "1") == "1", **kw)
     state = {"p": params, "o": opt_state}
 
     def call():
@@ -149,6 +155,10 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=1,
                     help="processes per configuration; the one with the median step is reported")
+    ap.add_argument("--malloc", choices=["retain", "default"], default="retain",
+                    help="host allocator for every run, baseline included: 'retain' keeps freed "
+                    "memory (baton.jit's default), 'default' is glibc's")
+    ap.add_argument("--core", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--md")
     ap.add_argument("--trace", help="write rank 0's last profiled step trace here (workers)")
     ap.add_argument("--role", choices=["main", "baseline", "worker", "single"], default="main")
@@ -158,7 +168,8 @@ def main():
     if args.role in ("worker", "single"):
         return worker(args)
 
-    common = ["--microbatches", str(args.microbatches), "--mb-size", str(args.mb_size),
+    common = ["--malloc", args.malloc,
+              "--microbatches", str(args.microbatches), "--mb-size", str(args.mb_size),
               "--seq", str(args.seq), "--dim", str(args.dim), "--steps", str(args.steps)]
     me = os.path.abspath(__file__)
     base = _median_run([sys.executable, me, "--role", "baseline", *common], args.repeat)

@@ -413,6 +413,9 @@ void init_runtime(nb::module_& root) {
   m.def("runtime_version", &rt::runtime_version);
   m.def("nccl_available", &rt::nccl_available);
   m.def("handshake_blob", &rt::handshake_blob, "plan"_a, "world_size"_a);
+  m.def("retain_host_memory", &rt::retain_host_memory,
+        "Makes glibc's malloc keep freed host memory for reuse (no per-call mmap/munmap of "
+        "XLA:CPU's large buffers, hence no page faults); False where unsupported.");
   m.def("dtype_names", [] {
     std::vector<std::string> out;
     for (int i = 0; i <= static_cast<int>(rt::DType::Bool); ++i)

@@ -77,7 +77,16 @@ class FakeTasks : public Tasks {
     std::memcpy(&x, p.at(0).data, 8);
     return num(x);
   }
+  // With `known_layout`, every buffer is declared a float64 scalar (byte
+  // transports then send no header).
+  Layout recv_layout(int, int32_t) override {
+    if (!known_layout) return {};
+    ++layout_calls;
+    return {TensorSpec{DType::F64, {}}};
+  }
   std::map<int, double> acc;
+  bool known_layout = false;
+  int layout_calls = 0;
   int fail_at = -1;  // index of the RUN (counted on this rank) that throws
   int runs_ = 0;
 
@@ -191,7 +200,26 @@ TEST(RuntimeGloo, EveryScheduleBetweenThreads) {
   }
 }
 
-TEST(RuntimeGloo, TensorsOfEveryDtypeCross) {
+TEST(RuntimeGloo, KnownLayoutsRunSchedulesAndAreAskedOncePerBuffer) {
+  for (const char* name : {"1f1b", "zbv", "dualpipev"}) {
+    SCOPED_TRACE(name);
+    const Plan plan = lower(make_schedule(name, 2, 4, 1));
+    auto tr = gloo_transports(2);
+    auto tasks = make_tasks(plan);
+    for (auto& t : tasks) t->known_layout = true;
+    check_results(plan, tasks, 3, run_ranks(plan, tr, tasks, 3));
+    // Asked once per buffer crossing ranks (each rank asks for what it sends
+    // and what it receives), not once per transfer of the 3 steps.
+    int crossing = 0;
+    for (const auto& prog : plan.programs)
+      for (const Instr& in : prog) crossing += in.op == OpCode::Send;
+    EXPECT_EQ(tasks[0]->layout_calls + tasks[1]->layout_calls, 2 * crossing);
+  }
+}
+
+// Every dtype crosses, with a header (layout unknown) and without one (the
+// receiver knows the layout; here the send is posted first).
+void dtypes_cross(bool known_layout) {
   auto tr = gloo_transports(2);
   Payload sent;
   const DType dtypes[] = {DType::F32, DType::BF16, DType::F16,  DType::I32,
@@ -209,8 +237,17 @@ TEST(RuntimeGloo, TensorsOfEveryDtypeCross) {
     std::vector<Value> run(const TaskCall&) override { return {}; }
     void accumulate(int, int32_t, const Value&) override {}
   } conv;
-  auto rr = tr[1]->irecv(0, 42, "test", &conv);
-  auto rs = tr[0]->isend(1, 42, std::make_shared<HostValue>(sent), "test", &conv);
+  Layout layout;
+  if (known_layout)
+    for (const Tensor& t : sent) layout.push_back({t.dtype, t.shape});
+  RequestPtr rr, rs;
+  if (known_layout) {
+    rs = tr[0]->isend(1, 42, std::make_shared<HostValue>(sent), "test", &conv, 0, layout);
+    rr = tr[1]->irecv(0, 42, "test", &conv, 0, layout);
+  } else {
+    rr = tr[1]->irecv(0, 42, "test", &conv);
+    rs = tr[0]->isend(1, 42, std::make_shared<HostValue>(sent), "test", &conv);
+  }
   ASSERT_TRUE(rr->wait_until(Clock::now() + 10s));
   ASSERT_TRUE(rs->wait_until(Clock::now() + 10s));
   rr->check();
@@ -227,6 +264,35 @@ TEST(RuntimeGloo, TensorsOfEveryDtypeCross) {
     EXPECT_EQ(reinterpret_cast<uintptr_t>(b.data) % 64, 0u);
     EXPECT_EQ(std::memcmp(a.data, b.data, a.nbytes), 0) << dtype_name(a.dtype);
   }
+}
+
+TEST(RuntimeGloo, TensorsOfEveryDtypeCross) { dtypes_cross(false); }
+TEST(RuntimeGloo, TensorsOfEveryDtypeCrossWithoutHeader) { dtypes_cross(true); }
+
+TEST(RuntimeGloo, ValueNotMatchingTheReceiversLayoutFailsBothSides) {
+  auto tr = gloo_transports(2);
+  struct Plain : Tasks {
+    std::vector<Value> run(const TaskCall&) override { return {}; }
+    void accumulate(int, int32_t, const Value&) override {}
+  } conv;
+  const Layout want{{DType::F32, {4, 8}}};
+  auto rr = tr[1]->irecv(0, 7, "act(s0,m3)", &conv, 0, want);
+  Payload sent{alloc_host_tensor(DType::F32, {4, 9})};
+  auto rs = tr[0]->isend(1, 7, std::make_shared<HostValue>(sent), "act(s0,m3)", &conv, 0, want);
+  ASSERT_TRUE(rs->wait_until(Clock::now() + 10s));
+  try {
+    rs->check();
+    FAIL() << "a mismatched send succeeded";
+  } catch (const ExecutionError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("act(s0,m3)"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("float32[4,9]"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("expects [float32[4,8]]"), std::string::npos) << msg;
+  }
+  // What the executor does with a failed request: abort, which reaches the peer.
+  tr[0]->abort("send failed");
+  ASSERT_TRUE(rr->wait_until(Clock::now() + 10s));
+  EXPECT_THROW(rr->check(), ExecutionError);
 }
 
 TEST(Runtime, DtypeNames) {

@@ -92,6 +92,18 @@ using Layout = std::vector<TensorSpec>;
 // A 64-byte aligned host allocation of `nbytes` (zero-copy friendly for XLA).
 Tensor alloc_host_tensor(DType dtype, std::vector<int64_t> shape);
 int64_t num_elements(const std::vector<int64_t>& shape);
+// "[float32[4,64,256], int32[4]]".
+std::string describe_layout(const Layout& layout);
+// Empty when `p` has exactly `layout`'s dtypes and shapes; else what differs.
+std::string layout_mismatch(const Payload& p, const Layout& layout);
+
+// Makes glibc's malloc keep freed host memory for reuse instead of handing it
+// back to the kernel: XLA:CPU allocates every execution's temporaries and
+// outputs afresh, and with glibc's defaults those large blocks are mmap'd and
+// unmapped per call, so each call page-faults its whole working set in again
+// (measured: ~10k faults and ~10 ms per call of a 40 MB GPT step). The cost:
+// the process keeps its peak host memory. False where unsupported (not glibc).
+bool retain_host_memory();
 
 // ---------------------------------------------------------------- values
 
@@ -138,9 +150,10 @@ class Tasks {
   // handle HostValue and throw ExecutionError for anything else.
   virtual Payload to_payload(const Value& v);
   virtual Value from_payload(Payload p);
-  // The layout of `buffer` as this rank will receive it, when known (the
+  // The layout of `buffer` as `rank` will receive it, when known (the
   // frontend knows every buffer's avals). Needed by NCCL, which sends no
-  // header; empty means unknown. Default: empty.
+  // header; Gloo then sends none either. Empty means unknown. The executor
+  // asks once per buffer and keeps the answer. Default: empty.
   virtual Layout recv_layout(int rank, int32_t buffer);
 };
 
@@ -202,10 +215,15 @@ class Transport {
   // gradients travel on separate channels, see CommModel::Fifo); transports
   // that match by tag (local, gloo) ignore it, NCCL keeps one communicator
   // per channel.
+  // `layout`: the tensors the receiver expects (Tasks::recv_layout of the
+  // receiving rank), when known. The sender checks the value against it and
+  // fails the request, naming both, on a mismatch. With a known layout Gloo
+  // sends the tensors alone (no header); both ends must agree on whether the
+  // layout is known, which holds when both take it from the same plan.
   virtual RequestPtr isend(int peer, uint64_t tag, Value v, const std::string& what, Tasks* tasks,
-                           int channel = 0) = 0;
-  // `layout`: the expected tensors when known (required by NCCL; Gloo sends
-  // a header and checks nothing).
+                           int channel = 0, const Layout& layout = {}) = 0;
+  // `layout`: the expected tensors when known (required by NCCL; with it Gloo
+  // posts the tensor receives at once and reads no header).
   virtual RequestPtr irecv(int peer, uint64_t tag, const std::string& what, Tasks* tasks,
                            int channel = 0, const Layout& layout = {}) = 0;
   // Ends a communication group (the executor calls it after the last of
@@ -350,6 +368,9 @@ class Executor {
   void exec(int index, const Instr& in);
   void post_recv(int index, const Instr& in);  // posts a RECV into its slot
   void post_ahead(int index);                  // early_receives: the RECVs after RUN `index`
+  // The receiver's layout of `buffer` (Tasks::recv_layout of `receiver`), asked
+  // once per buffer; empty for the in-process transport, which moves handles.
+  const Layout& layout_of(int index, int32_t buffer, int receiver);
   Value need(int index, int32_t buffer);
   void wait(int index, const RequestPtr& r, const char* doing);
   [[noreturn]] void fail(int index, const std::string& msg, int failed_rank = -1);
@@ -369,6 +390,7 @@ class Executor {
   std::vector<std::pair<size_t, RequestPtr>> pending_events_;  // SEND/RECV events
   // early_receives: instruction index -> (request, when posted) of a RECV posted ahead
   std::vector<std::pair<RequestPtr, Clock::time_point>> early_;
+  std::vector<std::optional<Layout>> layouts_;  // see layout_of
   // FREEd buffers whose send is still in flight: released when it completes.
   std::vector<std::pair<RequestPtr, Value>> deferred_;
   void reap(bool wait_all, int index);

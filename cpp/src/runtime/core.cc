@@ -1,6 +1,11 @@
 // Runtime basics: dtypes, aligned host tensors, requests, Tasks defaults.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -62,6 +67,36 @@ Tensor alloc_host_tensor(DType dtype, std::vector<int64_t> shape) {
   t.owner = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
   t.data = p;
   return t;
+}
+
+std::string describe_layout(const Layout& layout) {
+  std::string out = "[";
+  for (size_t i = 0; i < layout.size(); ++i)
+    out += fmt::format("{}{}[{}]", i ? ", " : "", dtype_name(layout[i].dtype),
+                       fmt::join(layout[i].shape, ","));
+  return out + "]";
+}
+
+std::string layout_mismatch(const Payload& p, const Layout& layout) {
+  Layout got;
+  got.reserve(p.size());
+  for (const Tensor& t : p) got.push_back({t.dtype, t.shape});
+  if (got == layout) return "";
+  return fmt::format("the value is {} but the receiver expects {}", describe_layout(got),
+                     describe_layout(layout));
+}
+
+bool retain_host_memory() {
+#ifdef __GLIBC__
+  // Fixed thresholds replace glibc's dynamic mmap threshold: blocks up to
+  // 1 GiB (32 MiB where glibc caps the threshold) come from the heap, freed
+  // memory stays there (no trim), and the heap grows in 256 MiB steps.
+  const bool mmap_ok =
+      mallopt(M_MMAP_THRESHOLD, 1 << 30) == 1 || mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1;
+  return mmap_ok && mallopt(M_TRIM_THRESHOLD, INT_MAX) == 1 && mallopt(M_TOP_PAD, 256 << 20) == 1;
+#else
+  return false;
+#endif
 }
 
 size_t HostValue::nbytes() const {

@@ -175,9 +175,10 @@ void Executor::exec(int index, const Instr& in) {
     case OpCode::Send: {
       Value v = need(index, in.buffer);
       Slot& s = slots_[static_cast<size_t>(in.buffer)];
-      s.send =
-          transport_.isend(in.peer, tag(in.buffer), std::move(v), plan_.describe_buffer(in.buffer),
-                           &tasks_, static_cast<int>(plan_.buffer_key(in.buffer).kind));
+      s.send = transport_.isend(in.peer, tag(in.buffer), std::move(v),
+                                plan_.describe_buffer(in.buffer), &tasks_,
+                                static_cast<int>(plan_.buffer_key(in.buffer).kind),
+                                layout_of(index, in.buffer, in.peer));
       if (opts_.record_events) pending_events_.emplace_back(events_.size() - 1, s.send);
       break;
     }
@@ -236,8 +237,23 @@ void Executor::post_recv(int index, const Instr& in) {
                             plan_.describe_buffer(in.buffer)));
   s.recv = transport_.irecv(
       in.peer, tag(in.buffer), plan_.describe_buffer(in.buffer), &tasks_,
-      static_cast<int>(plan_.buffer_key(in.buffer).kind),
-      transport_.kind() == "nccl" ? tasks_.recv_layout(rank_, in.buffer) : Layout{});
+      static_cast<int>(plan_.buffer_key(in.buffer).kind), layout_of(index, in.buffer, rank_));
+}
+
+const Layout& Executor::layout_of(int index, int32_t buffer, int receiver) {
+  static const Layout kNone;
+  if (transport_.kind() == "local") return kNone;
+  if (layouts_.empty()) layouts_.resize(slots_.size());
+  auto& l = layouts_[static_cast<size_t>(buffer)];
+  if (!l) {
+    try {
+      l = tasks_.recv_layout(receiver, buffer);
+    } catch (const std::exception& e) {
+      fail(index, fmt::format("the layout of {} could not be found: {}",
+                              plan_.describe_buffer(buffer), e.what()));
+    }
+  }
+  return *l;
 }
 
 void Executor::post_ahead(int index) {

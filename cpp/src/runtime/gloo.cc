@@ -3,7 +3,11 @@
 // Every transfer runs on its own short-lived thread (the progress engine for
 // this transport): it converts the value to host tensors, then sends a header
 // (meta length), the meta (dtypes, shapes) and one message per tensor on
-// Gloo slots derived from the tag; the receiver mirrors it. Gloo waits are
+// Gloo slots derived from the tag; the receiver mirrors it. When both ends
+// know the value's layout from the plan (Tasks::recv_layout), the header is
+// left out: the receiver posts every tensor receive when the RECV is posted
+// and the sender sends the tensors alone, so no round trip waits on a thread
+// of the receiving process being scheduled. Gloo waits are
 // never given a timeout (a Gloo timeout poisons the whole context): the
 // executor bounds its own waits and calls abort(), which aborts every pending
 // Gloo wait and tells every peer over the control slot. A lost connection on
@@ -432,24 +436,62 @@ class GlooTransport : public Transport {
   std::string kind() const override { return "gloo"; }
 
   RequestPtr isend(int peer, uint64_t tag, Value v, const std::string& what, Tasks* tasks,
-                   int /*channel*/) override {
+                   int /*channel*/, const Layout& layout) override {
     check_peer(peer);
     auto r = std::make_shared<Request>(true, peer, tag, what);
     auto t = start(r, tasks);
     if (!t) return r;
-    spawn([this, r, t, v = std::move(v), tasks]() mutable { do_send(r, t, std::move(v), tasks); });
+    if (layout.empty() || opts_.delay.count() > 0) {
+      spawn([this, r, t, v = std::move(v), tasks, layout]() mutable {
+        do_send(r, t, std::move(v), tasks, layout.empty() ? nullptr : &layout);
+      });
+      return r;
+    }
+    // Known layout: converted and posted here, on the caller's thread (the
+    // executor, right after the producing task), so the data leaves at once
+    // instead of when a new thread gets the core; a thread only waits.
+    Bufs bufs;
+    bool ok = false;
+    try {
+      ok = post_send(r, t, std::move(v), tasks, &layout, bufs);
+    } catch (const std::exception&) {
+      transfer_error(r, std::current_exception());
+      finish(t);
+      return r;
+    }
+    spawn([this, r, t, tasks, bufs, ok] { wait_posted(r, t, tasks, bufs, ok); });
     return r;
   }
 
   RequestPtr irecv(int peer, uint64_t tag, const std::string& what, Tasks* tasks, int /*channel*/,
-                   const Layout& /*layout*/) override {
+                   const Layout& layout) override {
     check_peer(peer);
     auto r = std::make_shared<Request>(false, peer, tag, what);
     auto t = start(r, tasks);
     if (!t) return r;
-    spawn([this, r, t, tasks] { do_recv(r, t, tasks); });
+    if (layout.empty()) {
+      spawn([this, r, t, tasks] { do_recv(r, t, tasks); });
+      return r;
+    }
+    // Known layout: the tensor receives are posted here, on the caller's
+    // thread, so the sender's data moves as soon as it is sent; a thread only
+    // waits for them and converts.
+    Bufs bufs;
+    bool ok = false;
+    try {
+      r->mark_started();
+      for (const TensorSpec& spec : layout)
+        t->payload.push_back(alloc_host_tensor(spec.dtype, spec.shape));
+      ok = post_recvs(r, t, bufs);
+    } catch (const std::exception&) {
+      transfer_error(r, std::current_exception());
+      finish(t);
+      return r;
+    }
+    spawn([this, r, t, tasks, bufs, ok] { wait_posted(r, t, tasks, bufs, ok); });
     return r;
   }
+
 
   std::vector<std::string> exchange(const std::string& mine,
                                     std::chrono::milliseconds timeout) override {
@@ -579,44 +621,113 @@ class GlooTransport : public Transport {
       r->fail(std::make_exception_ptr(ExecutionError(what)));
   }
 
-  void do_send(const RequestPtr& r, const std::shared_ptr<Transfer>& t, Value v, Tasks* tasks) {
-    try {
-      r->mark_started();
-      if (opts_.delay.count() > 0) std::this_thread::sleep_for(opts_.delay);
-      t->payload = tasks->to_payload(v);
-      v.reset();
+  using Bufs = std::vector<gloo::transport::UnboundBuffer*>;
+
+  // Converts and posts a send; false when aborted. Throws ExecutionError when
+  // the value cannot be converted or does not match `layout`, other exceptions
+  // when Gloo fails. `layout` (the receiver's, when known): the tensors alone
+  // are sent; otherwise a header (length, meta) comes first.
+  bool post_send(const RequestPtr& r, const std::shared_ptr<Transfer>& t, Value v, Tasks* tasks,
+                 const Layout* layout, Bufs& bufs) {
+    r->mark_started();
+    if (opts_.delay.count() > 0) std::this_thread::sleep_for(opts_.delay);
+    t->payload = tasks->to_payload(v);
+    v.reset();
+    const Payload& p = t->payload;
+    if (layout != nullptr) {
+      const std::string bad = layout_mismatch(p, *layout);
+      if (!bad.empty()) throw ExecutionError(bad);
+    } else {
       t->meta = encode_meta(t->payload);
       t->len = t->meta.size();
-      const Payload& p = t->payload;
-      std::vector<gloo::transport::UnboundBuffer*> bufs;
-      auto post = [&](void* ptr, size_t n, uint64_t part) {
-        auto b = ctx_->createUnboundBuffer(ptr, n);
-        auto* raw = b.get();
-        if (!t->add(std::move(b))) return false;
-        raw->send(r->peer, slot_of(r->tag, part));
-        bufs.push_back(raw);
-        return true;
-      };
-      bool ok = post(&t->len, sizeof(t->len), 0) && post(t->meta.data(), t->meta.size(), 1);
-      for (size_t i = 0; ok && i < p.size(); ++i)
-        if (p[i].nbytes > 0) ok = post(p[i].data, p[i].nbytes, 2 + i);
+    }
+    auto post = [&](void* ptr, size_t n, uint64_t part) {
+      auto b = ctx_->createUnboundBuffer(ptr, n);
+      auto* raw = b.get();
+      if (!t->add(std::move(b))) return false;
+      raw->send(r->peer, slot_of(r->tag, part));
+      bufs.push_back(raw);
+      return true;
+    };
+    bool ok = layout != nullptr ||
+              (post(&t->len, sizeof(t->len), 0) && post(t->meta.data(), t->meta.size(), 1));
+    for (size_t i = 0; ok && i < p.size(); ++i)
+      if (p[i].nbytes > 0) ok = post(p[i].data, p[i].nbytes, 2 + i);
+    return ok;
+  }
+
+  // Fails `r` after an exception from posting or waiting (`e`).
+  void transfer_error(const RequestPtr& r, std::exception_ptr e) {
+    const std::string what =
+        fmt::format("{} of {} {} rank {}", r->is_send ? "send" : "receive", r->what,
+                    r->is_send ? "to" : "from", r->peer);
+    try {
+      std::rethrow_exception(e);
+    } catch (const ExecutionError& x) {  // conversion of the value, layout mismatch
+      fail_request(r, fmt::format("{} failed: {}", what, x.what()));
+    } catch (const std::exception& x) {  // Gloo: the connection to the peer broke
+      peer_lost(r->peer, x.what());
+      fail_request(r, fmt::format("{} failed: {}", what, x.what()));
+    }
+  }
+
+  // Waits for the posted `bufs` of a transfer (`ok` false: aborted while
+  // posting), completes `r` (a receive with its converted payload) and
+  // retires the transfer.
+  void wait_posted(const RequestPtr& r, const std::shared_ptr<Transfer>& t, Tasks* tasks,
+                   const Bufs& bufs, bool ok) {
+    try {
       for (auto* b : bufs)
-        if (ok) ok = wait_buf(*b, true);
+        if (ok) ok = wait_buf(*b, r->is_send);
       if (!ok) {
-        fail_request(r, fmt::format("send of {} to rank {} was aborted", r->what, r->peer));
-      } else {
+        fail_request(r, fmt::format("{} of {} {} rank {} was aborted",
+                                    r->is_send ? "send" : "receive", r->what,
+                                    r->is_send ? "to" : "from", r->peer));
+      } else if (r->is_send) {
         r->complete();
+      } else {
+        r->complete(tasks->from_payload(std::move(t->payload)));
+        t->payload.clear();
       }
-    } catch (const ExecutionError& e) {  // conversion of the value
-      fail_request(r, fmt::format("send of {} to rank {} failed: {}", r->what, r->peer, e.what()));
-    } catch (const std::exception& e) {  // Gloo: the connection to the peer broke
-      peer_lost(r->peer, e.what());
-      fail_request(r, fmt::format("send of {} to rank {} failed: {}", r->what, r->peer, e.what()));
+    } catch (const std::exception&) {
+      transfer_error(r, std::current_exception());
     }
     finish(t);
   }
 
+  void do_send(const RequestPtr& r, const std::shared_ptr<Transfer>& t, Value v, Tasks* tasks,
+               const Layout* layout) {
+    Bufs bufs;
+    bool ok = false;
+    try {
+      ok = post_send(r, t, std::move(v), tasks, layout, bufs);
+    } catch (const std::exception&) {
+      transfer_error(r, std::current_exception());
+      finish(t);
+      return;
+    }
+    wait_posted(r, t, tasks, bufs, ok);
+  }
+
+  // Posts a receive for every non-empty tensor of t->payload; false when the
+  // transfer was aborted.
+  bool post_recvs(const RequestPtr& r, const std::shared_ptr<Transfer>& t, Bufs& bufs) {
+    for (size_t i = 0; i < t->payload.size(); ++i) {
+      Tensor& x = t->payload[i];
+      if (x.nbytes == 0) continue;
+      auto b = ctx_->createUnboundBuffer(x.data, x.nbytes);
+      auto* raw = b.get();
+      if (!t->add(std::move(b))) return false;
+      raw->recv(r->peer, slot_of(r->tag, 2 + i));
+      bufs.push_back(raw);
+    }
+    return true;
+  }
+
+  // A receive with a header: its length, its meta (dtypes, shapes), then the tensors.
   void do_recv(const RequestPtr& r, const std::shared_ptr<Transfer>& t, Tasks* tasks) {
+    Bufs bufs;
+    bool ok = false;
     try {
       auto recv_one = [&](void* ptr, size_t n, uint64_t part) {
         auto b = ctx_->createUnboundBuffer(ptr, n);
@@ -625,44 +736,20 @@ class GlooTransport : public Transport {
         raw->recv(r->peer, slot_of(r->tag, part));
         return wait_buf(*raw, false);
       };
-      bool ok = recv_one(&t->len, sizeof(t->len), 0);
+      ok = recv_one(&t->len, sizeof(t->len), 0);
       r->mark_started();
       if (ok) t->meta.assign(t->len, '\0');
       if (ok) ok = recv_one(t->meta.data(), t->meta.size(), 1);
-      Payload& p = t->payload;
       if (ok) {
-        p = decode_meta(t->meta);
-        // Post every tensor receive before waiting on any.
-        std::vector<gloo::transport::UnboundBuffer*> bufs;
-        for (size_t i = 0; ok && i < p.size(); ++i) {
-          if (p[i].nbytes == 0) continue;
-          auto b = ctx_->createUnboundBuffer(p[i].data, p[i].nbytes);
-          auto* raw = b.get();
-          if (!t->add(std::move(b))) {
-            ok = false;
-            break;
-          }
-          raw->recv(r->peer, slot_of(r->tag, 2 + i));
-          bufs.push_back(raw);
-        }
-        for (auto* b : bufs)
-          if (ok) ok = wait_buf(*b, false);
+        t->payload = decode_meta(t->meta);
+        ok = post_recvs(r, t, bufs);  // every tensor posted before waiting on any
       }
-      if (!ok) {
-        fail_request(r, fmt::format("receive of {} from rank {} was aborted", r->what, r->peer));
-      } else {
-        r->complete(tasks->from_payload(std::move(p)));
-        p.clear();
-      }
-    } catch (const ExecutionError& e) {
-      fail_request(
-          r, fmt::format("receive of {} from rank {} failed: {}", r->what, r->peer, e.what()));
-    } catch (const std::exception& e) {
-      peer_lost(r->peer, e.what());
-      fail_request(
-          r, fmt::format("receive of {} from rank {} failed: {}", r->what, r->peer, e.what()));
+    } catch (const std::exception&) {
+      transfer_error(r, std::current_exception());
+      finish(t);
+      return;
     }
-    finish(t);
+    wait_posted(r, t, tasks, bufs, ok);
   }
 
   void peer_lost(int peer, const std::string& error) {

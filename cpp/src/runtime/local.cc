@@ -115,7 +115,8 @@ class LocalTransport : public Transport {
           fmt::format("rank {}: invalid peer rank {} (world size {})", rank_, peer, st_->world));
   }
 
-  RequestPtr isend(int peer, uint64_t tag, Value v, const std::string& what, Tasks*, int) override {
+  RequestPtr isend(int peer, uint64_t tag, Value v, const std::string& what, Tasks*, int,
+                   const Layout&) override {
     check_peer(peer);
     auto r = std::make_shared<Request>(true, peer, tag, what);
     std::lock_guard<std::mutex> lock(st_->mu);

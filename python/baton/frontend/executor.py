@@ -215,6 +215,14 @@ class CompiledStep:
             self.tasks[("FB", s)] = self._task_exe(
                 "FB", s, sorted(set(f.ops) | set(b.ops)), groups, outs, list(b.wgrad_out),
                 list(f.mb_out))
+        # What crosses ranks: Act(s, m) holds F(s)'s act outputs, Grad(s, m) B(s)'s (or I(s)'s)
+        # input gradients; their avals are the layouts receivers expect (_recv_layout).
+        self._buf_vals: dict[tuple[str, int], list[int]] = {}
+        for t in self.partition.tasks:
+            if t.kind == "F":
+                self._buf_vals[("Act", t.stage)] = list(t.act_out)
+            elif t.kind in ("B", "I"):
+                self._buf_vals[("Grad", t.stage)] = list(t.grad_out)
         self.op_stage = list(self.partition.op_stage)
         self._build_segments()
         self.last_stats: dict[str, Any] = {}
@@ -580,12 +588,18 @@ class CompiledStep:
     def _cb_received(self, rank, b, value):
         return [jax.device_put(x, self.mesh.like(rank, x)) for x in value]
 
+    def _recv_layout(self, rank, b):
+        """The avals of buffer ``b`` as its receiver gets them (the runtime asks once per
+        buffer): with them the byte transports send no header (NCCL needs them)."""
+        kind, s, _ = self._bkey(b)
+        return [self.traced.avals[v] for v in self._buf_vals.get((kind, s), [])]
+
     def _make_tasks(self):
         from .. import runtime as rt
 
         return rt.Tasks(run=self._cb_run, accumulate=self._cb_accumulate,
                         received=self._cb_received, to_host=_to_host,
-                        from_host=rt.from_host)
+                        from_host=rt.from_host, recv_layout=self._recv_layout)
 
     # -- single process: one executor thread per rank over the in-process hub ---
     def _run_local(self, flat_args, timeout):

@@ -34,6 +34,7 @@ nccl_available = _rt.nccl_available
 runtime_version = _rt.runtime_version
 handshake_blob = _rt.handshake_blob
 dtype_names = _rt.dtype_names
+retain_host_memory = _rt.retain_host_memory
 
 
 def make_tasks(run=None, accumulate=None, received=None, *, to_jax: bool = True,
@@ -45,7 +46,8 @@ def make_tasks(run=None, accumulate=None, received=None, *, to_jax: bool = True,
     devices). Across byte transports a value travels as its list of arrays; with ``to_jax``
     the receiver gets ``jax.Array``s (zero-copy DLPack views of the aligned receive buffers).
     ``recv_layout(rank, buffer) -> [(dtype, shape), ...]`` (or ShapeDtypeStructs) sizes NCCL
-    receives, which carry no header.
+    receives, which carry no header; over Gloo a known layout also drops the header (the
+    receiver posts its tensor receives at once) and senders check their values against it.
     """
     return Tasks(run=run, accumulate=accumulate, received=received, to_host=to_host,
                  from_host=from_host if to_jax else None, recv_layout=recv_layout)
@@ -54,5 +56,5 @@ def make_tasks(run=None, accumulate=None, received=None, *, to_jax: bool = True,
 __all__ = [
     "Executor", "Tasks", "Transport", "LocalHub", "Store", "hash_store", "file_store",
     "callback_store", "gloo_transport", "nccl_transport", "nccl_available", "runtime_version",
-    "handshake_blob", "dtype_names", "make_tasks", "to_host", "from_host",
+    "handshake_blob", "dtype_names", "make_tasks", "to_host", "from_host", "retain_host_memory",
 ]

@@ -93,7 +93,7 @@ struct Op {
   Tasks* tasks = nullptr;
   int channel = 0;
   bool flush = false;  // group marker
-  Layout layout;       // receive
+  Layout layout;       // the receiver's (a send checks its value against it)
   Payload payload;
 };
 
@@ -148,9 +148,11 @@ class NcclTransport : public Transport {
   std::string kind() const override { return "nccl"; }
 
   RequestPtr isend(int peer, uint64_t tag, Value v, const std::string& what, Tasks* tasks,
-                   int channel) override {
+                   int channel, const Layout& layout) override {
     auto r = std::make_shared<Request>(true, peer, tag, what);
-    enqueue(Op{r, std::move(v), tasks, channel});
+    Op op{r, std::move(v), tasks, channel};
+    op.layout = layout;
+    enqueue(std::move(op));
     return r;
   }
   RequestPtr irecv(int peer, uint64_t tag, const std::string& what, Tasks* tasks, int channel,
@@ -283,6 +285,12 @@ class NcclTransport : public Transport {
       if (op.req->is_send) {
         op.payload = op.tasks->to_payload(op.value);
         op.value.reset();
+        if (!op.layout.empty()) {
+          const std::string bad = layout_mismatch(op.payload, op.layout);
+          if (!bad.empty())
+            throw ExecutionError(fmt::format("NCCL send of {} to rank {}: {}", op.req->what,
+                                             op.req->peer, bad));
+        }
         for (const Tensor& t : op.payload)
           if (t.device != device_)
             throw ExecutionError(fmt::format("NCCL send of {}: a tensor is on device {}, not {}",
