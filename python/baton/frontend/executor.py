@@ -732,8 +732,7 @@ class CompiledStep:
         self._state = None
         _raise_first(errors, st)
         s = ex.stats()
-        peaks = group.transport.exchange(f"{s['peak_live_bytes']} {s['peak_live_buffers']}",
-                                         timeout)
+        peaks = router.allgather(f"{s['peak_live_bytes']} {s['peak_live_buffers']}")
         self.last_stats = {"peak_bytes": [int(p.split()[0]) for p in peaks],
                            "peak_buffers": [int(p.split()[1]) for p in peaks]}
         if self.record:
