@@ -51,6 +51,7 @@ class PipelineMesh:
             raise ConfigError("PipelineMesh: a device appears in two ranks")
         self.rank_devices: list[list[Any]] = groups
         self.meshes = [Mesh(np.array(g), (DATA_AXIS,)) for g in groups]
+        self._replicated = [NamedSharding(m, PartitionSpec()) for m in self.meshes]
 
     @property
     def num_ranks(self) -> int:
@@ -60,7 +61,7 @@ class PipelineMesh:
         return len(self.rank_devices[0])
 
     def replicated(self, rank: int) -> NamedSharding:
-        return NamedSharding(self.meshes[rank], PartitionSpec())
+        return self._replicated[rank]
 
     def batch_sharded(self, rank: int, shape: Sequence[int]) -> NamedSharding:
         n = len(self.rank_devices[rank])
