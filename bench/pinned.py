@@ -2,13 +2,15 @@
 pinned to one core (issue 5's measurements), with the simulator's prediction for every run.
 
     python bench/pinned.py [--schedules gpipe,1f1b,...] [--one-rank gpipe,1f1b,zbh1]
-                           [--microbatches 8] [--steps 5] [--dim 256] [--md bench/results/pinned.md]
+                           [--microbatches 8] [--steps 5] [--dim 256] [--malloc retain|default]
+                           [--repeat 1] [--md bench/results/pinned.md]
 
 * baseline: one process pinned to core 0, XLA with one thread; ``jax.jit`` of the training step
   with ``accumulate`` as a ``lax.scan`` over the microbatches (no Baton at run time).
 * 2 ranks: ``python -m baton.launch --nprocs 2``; rank r pinned to core r, one XLA thread and one
   CPU device each, talking Gloo; the same GPT cut into ``schedule.stages(2)`` stages.
 * 1 rank: Baton in one process pinned to core 0 (the model without stage boundaries).
+* machine ceiling: two copies of the baseline at once, on cores 0 and 1.
 Every run prints the median wall time of ``--steps`` whole steps after 2 warm-up steps (the
 step's outputs ready), then ``baton.profile`` measures each task alone, the link, and
 ``--steps`` traced steps: the microbatch loop's measured span (first task start to last task
@@ -95,7 +97,7 @@ def worker(args):
     kw = {"mesh": baton.PipelineMesh(jax.devices()[:1], ranks=1)} if single else {}
     step = baton.jit(train_step, schedule=sched, microbatches=args.microbatches,
                      retain_host_memory=args.malloc == "retain",
-                     remat=os.environ.get("BATON_BENCH_REMAT", "1") == "1", **kw)
+                     **kw)
     state = {"p": params, "o": opt_state}
 
     def call():
@@ -122,6 +124,21 @@ def _result(cmd, timeout=900):
             return json.loads(line[7:])
     raise SystemExit(f"no result from {' '.join(cmd)} (exit {p.returncode}):\n"
                      f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+
+
+def _pair_run(cmd):
+    """Two copies of ``cmd`` at once, on cores 0 and 1: the machine's own two-core scaling
+    (shared caches and memory bandwidth), which bounds any 2-process speed-up."""
+    ps = [subprocess.Popen(cmd + ["--core", str(c)], stdout=subprocess.PIPE, text=True)
+          for c in (0, 1)]
+    steps = []
+    for p in ps:
+        out, _ = p.communicate(timeout=900)
+        steps += [json.loads(line[7:])["step"] for line in out.splitlines()
+                  if line.startswith("RESULT ")]
+    if len(steps) != 2:
+        raise SystemExit(f"no result from the paired baselines {' '.join(cmd)}")
+    return steps
 
 
 def _median_run(cmd, repeat):
@@ -182,6 +199,11 @@ def main():
         f"| jax.jit + lax.scan, 1 process on core 0 | {1e3 * base['step']:.1f} "
         f"| {tokens / base['step']:.0f} | 1.00 | | | | | | | |",
     ]
+    pair = _pair_run([sys.executable, me, "--role", "baseline", *common])
+    rows.append(
+        f"| 2 copies of the baseline at once, cores 0 and 1 (machine ceiling) "
+        f"| {1e3 * max(pair):.1f} | {2 * tokens / max(pair):.0f} "
+        f"| {2 * base['step'] / max(pair):.2f} | | | | | | | |")
     runs = [(s, "single") for s in args.one_rank.split(",") if s]
     runs += [(s, "worker") for s in args.schedules.split(",") if s]
     details = []
@@ -220,10 +242,17 @@ def main():
         "- step ms: median wall time of a whole step (loop, optimizer, outputs ready); loop "
         "meas/pred: the microbatch loop's span, measured in traced steps (median) and simulated "
         "with the profiled task and link costs; bubble and peak activation per rank (r0/r1).",
+        "- machine ceiling: two independent copies of the baseline run at once on the two "
+        "cores; its speed-up is their combined throughput (the slower copy's step), which no "
+        "2-process run can beat on this machine.",
+        f"- host allocator: {args.malloc} for every run, baseline included"
+        + (" (`baton.runtime.retain_host_memory`, as `baton.jit` does by default)"
+           if args.malloc == "retain" else " (glibc's defaults)") + ".",
         "",
     ]
     base_runs = ", ".join(f"{1e3 * x:.1f}" for x in base["all_steps"])
-    details.insert(0, f"- baseline: step ms of the {len(base['all_steps'])} runs: {base_runs}")
+    details.insert(0, f"- baseline: step ms of the {len(base['all_steps'])} runs: {base_runs}; "
+                   "two copies at once: " + ", ".join(f"{1e3 * x:.1f}" for x in pair))
     notes = ["", "Profiled costs (task means inside steps):", ""]
     text = "\n".join(head + rows + notes + details) + "\n"
     print(text)
