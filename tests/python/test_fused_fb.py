@@ -22,7 +22,7 @@ def _run(ranks, fuse, m=4):
     step = ps.compile(params, batch)
     calls = {}  # task -> number of calls of its jits
     for key_, exe in step.tasks.items():
-        for attr in ("fn", "fn_acc"):
+        for attr in ("fn", "fn_acc", "fn_acc_mean"):
             f = getattr(exe, attr)
             if f is not None:
                 def counted(*a, _f=f, _k=key_):

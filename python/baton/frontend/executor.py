@@ -107,6 +107,21 @@ def _with_acc(fn, pos: list[int]):
     return g
 
 
+def _with_acc_mean(g, pos: list[int], mean: list[bool]):
+    """``g`` (see _with_acc) for the last microbatch: the sums of mean-reduced parts also
+    divided by ``count`` (a traced scalar, as _scale_list divides), so no separate pass over
+    the gradients follows the loop."""
+
+    def h(count, acc, *args):
+        outs = g(acc, *args)
+        for k, j in enumerate(pos):
+            if mean[k]:
+                outs[j] = outs[j] / jnp.asarray(count, outs[j].dtype)
+        return outs
+
+    return h
+
+
 class _StepState:
     """What the task callbacks of one step share: step values, placed loop inputs,
     accumulators (part index -> running sum), stacks, and the first Python exception
@@ -117,6 +132,8 @@ class _StepState:
         self.inv_cache: dict = {}
         self.split_cache: dict = {}
         self.acc: dict = {}
+        self.adds: dict = {}  # first summed part of a task -> microbatches summed so far
+        self.scaled: set = set()  # mean parts already divided by the microbatch count
         self.stack: dict = {}
         self.errors: dict = {}
 
@@ -169,6 +186,9 @@ class TaskExe:
     acc_parts: list = dataclasses.field(default_factory=list)
     fn_acc: Any = None
     acc_body: Any = None
+    # The last microbatch's variant (see _with_acc_mean); None when no summed part is a mean.
+    fn_acc_mean: Any = None
+    acc_mean: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -280,6 +300,10 @@ class CompiledStep:
             exe.acc_parts = [i for _, i in summed]
             exe.acc_body = _with_acc(body, exe.acc_pos)
             exe.fn_acc = jax.jit(exe.acc_body)
+            exe.acc_mean = [self.parts[i].reduce == G.Reduce.Mean for i in exe.acc_parts]
+            if any(exe.acc_mean):
+                exe.fn_acc_mean = jax.jit(_with_acc_mean(exe.acc_body, exe.acc_pos,
+                                                         exe.acc_mean))
         return exe
 
     # -- code outside the loop ------------------------------------------------
@@ -572,7 +596,16 @@ class CompiledStep:
                 self.capture[key] = (acc, args)
         if not exe.acc_parts:
             return exe.fn(*args)
-        outs = exe.fn(*args) if acc is None else exe.fn_acc(acc, *args)
+        first = exe.acc_parts[0]
+        added = st.adds.get(first, 0)
+        st.adds[first] = added + 1
+        if acc is None:
+            outs = exe.fn(*args)
+        elif added + 1 == self.M and exe.fn_acc_mean is not None:  # the last microbatch
+            outs = exe.fn_acc_mean(float(self.M), acc, *args)
+            st.scaled.update(i for i, m in zip(exe.acc_parts, exe.acc_mean) if m)
+        else:
+            outs = exe.fn_acc(acc, *args)
         outs = list(outs)
         if self.block:  # the RUN spans the task's compute, sums included
             jax.block_until_ready(outs)
@@ -671,7 +704,9 @@ class CompiledStep:
         final: dict[int, Any] = {}
         for i in idx:
             part = self.parts[i]
-            if part.reduce == G.Reduce.Mean:
+            if part.reduce == G.Reduce.Mean and i in st.scaled:  # by its last task
+                final[i] = st.acc[i]
+            elif part.reduce == G.Reduce.Mean:
                 per_stage.setdefault(part.stage, []).append(i)
             elif part.reduce == G.Reduce.Stack:
                 final[i] = _stack(st.stack[i])

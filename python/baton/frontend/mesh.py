@@ -51,7 +51,6 @@ class PipelineMesh:
             raise ConfigError("PipelineMesh: a device appears in two ranks")
         self.rank_devices: list[list[Any]] = groups
         self.meshes = [Mesh(np.array(g), (DATA_AXIS,)) for g in groups]
-        self._replicated = [NamedSharding(m, PartitionSpec()) for m in self.meshes]
 
     @property
     def num_ranks(self) -> int:
@@ -61,7 +60,12 @@ class PipelineMesh:
         return len(self.rank_devices[0])
 
     def replicated(self, rank: int) -> NamedSharding:
-        return self._replicated[rank]
+        cache = self.__dict__.setdefault("_replicated", {})  # one object per rank: cheap checks
+        mesh = self.meshes[rank]
+        got = cache.get(rank)
+        if got is None or got[0] is not mesh:
+            got = cache[rank] = (mesh, NamedSharding(mesh, PartitionSpec()))
+        return got[1]
 
     def batch_sharded(self, rank: int, shape: Sequence[int]) -> NamedSharding:
         n = len(self.rank_devices[rank])
