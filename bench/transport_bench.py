@@ -1,12 +1,16 @@
 """Transport benchmark: latency and bandwidth of the runtime's transports. Prints a table.
 
     python bench/transport_bench.py [--sizes 4K,64K,1M,16M,256M] [--iters 20]
-                                    [--transports local,gloo,gloo-2p,tcp-2p] [--md FILE]
+                                    [--transports local,gloo,gloo-2p,gloo-2p-nh,tcp-2p]
+                                    [--md FILE]
 
 * local:   two transports of a LocalHub in one process (value handles handed over: no copy);
 * gloo:    two Gloo transports over TCP loopback in one process (threads; the GIL is released
            while waiting); each transfer = header + one message per array, 64-byte aligned receives;
-* gloo-2p: Gloo between two processes (the deployment case), FileStore rendezvous;
+* gloo-2p: Gloo between two processes (the deployment case), FileStore rendezvous, with the
+           header (the receiver learns dtypes and shapes from the message);
+* gloo-2p-nh: the same with the layout known on both ends (``layout=``), as the executor's
+           transfers are: no header, the receiver posts the tensor receive at once;
 * tcp-2p:  the baseline: plain Python sockets between two processes over loopback, ``sendall``
            of the array's buffer and ``recv_into`` a preallocated buffer (TCP_NODELAY).
 
@@ -89,34 +93,41 @@ def one_inprocess(ts, nbytes: int, iters: int) -> list[float]:
 # ------------------------------------------------------------------ two processes
 
 
-def _gloo_peer(store_dir: str, sizes: list[int], iters: int, q) -> None:
+def _layout(x, known: bool):
+    """What both ends pass as ``layout`` (None: Gloo sends a header first)."""
+    return [(x.dtype, x.shape)] if known else None
+
+
+def _gloo_peer(store_dir: str, sizes: list[int], iters: int, q, known: bool) -> None:
     t = rt.gloo_transport(1, 2, rt.file_store(store_dir))
     ack = np.zeros(1, np.float32)
     tag = 0
     for n in sizes:
+        x = np.ones(max(1, n // 4), np.float32)
         for _ in range(iters_for(n, iters) + 2):
-            t.recv(0, tag, timeout=120)
-            t.send(0, tag + 1, [ack], timeout=120)
+            t.recv(0, tag, timeout=120, layout=_layout(x, known))
+            t.send(0, tag + 1, [ack], timeout=120, layout=_layout(ack, known))
             tag += 2
     t.close()
     q.put("done")
 
 
-def run_gloo_2p(sizes: list[int], iters: int) -> dict[int, list[float]]:
+def run_gloo_2p(sizes: list[int], iters: int, known: bool = False) -> dict[int, list[float]]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="baton-bench-") as d:
-        p = ctx.Process(target=_gloo_peer, args=(d, sizes, iters, q))
+        p = ctx.Process(target=_gloo_peer, args=(d, sizes, iters, q, known))
         p.start()
         t = rt.gloo_transport(0, 2, rt.file_store(d))
         out, tag = {}, 0
+        ack = np.zeros(1, np.float32)
         for n in sizes:
             x = np.ones(max(1, n // 4), np.float32)
             times = []
             for i in range(iters_for(n, iters) + 2):
                 t0 = time.perf_counter()
-                t.send(1, tag, [x], timeout=120)
-                t.recv(1, tag + 1, timeout=120)
+                t.send(1, tag, [x], timeout=120, layout=_layout(x, known))
+                t.recv(1, tag + 1, timeout=120, layout=_layout(ack, known))
                 if i >= 2:
                     times.append(time.perf_counter() - t0)
                 tag += 2
@@ -184,13 +195,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="4K,64K,1M,16M,256M")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--transports", default="local,gloo,gloo-2p,tcp-2p")
+    ap.add_argument("--transports", default="local,gloo,gloo-2p,gloo-2p-nh,tcp-2p")
     ap.add_argument("--md", help="also write the table, machine and command to this Markdown file")
     a = ap.parse_args()
     names = a.sizes.split(",")
     sizes = [parse_size(s) for s in names]
     rows = []
-    header = (f"| {'transport':<9} | {'size':>6} | {'min ms':>8} | {'median ms':>10} "
+    header = (f"| {'transport':<10} | {'size':>6} | {'min ms':>8} | {'median ms':>10} "
               f"| {'p90 ms':>9} | {'GiB/s':>7} |")
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
@@ -199,7 +210,7 @@ def main():
         t = sorted(t)
         med = statistics.median(t)
         p90 = t[int(0.9 * (len(t) - 1))]
-        row = (f"| {kind:<9} | {name:>6} | {t[0] * 1e3:>8.3f} | {med * 1e3:>10.3f} | "
+        row = (f"| {kind:<10} | {name:>6} | {t[0] * 1e3:>8.3f} | {med * 1e3:>10.3f} | "
                f"{p90 * 1e3:>9.3f} | "
                f"{n / med / (1 << 30):>7.2f} |")
         rows.append(row)
@@ -212,8 +223,11 @@ def main():
                 emit(kind, name, n, one_inprocess(ts, n, iters_for(n, a.iters)))
             for t in ts:
                 t.close()
-        elif kind in ("gloo-2p", "tcp-2p"):
-            res = (run_gloo_2p if kind == "gloo-2p" else run_tcp_2p)(sizes, a.iters)
+        elif kind in ("gloo-2p", "gloo-2p-nh", "tcp-2p"):
+            if kind == "tcp-2p":
+                res = run_tcp_2p(sizes, a.iters)
+            else:
+                res = run_gloo_2p(sizes, a.iters, known=kind == "gloo-2p-nh")
             for name, n in zip(names, sizes):
                 emit(kind, name, n, res[n])
         else:

@@ -503,13 +503,17 @@ void init_runtime(nb::module_& root) {
       .def("close", &PyTransport::close)
       .def(
           "isend",
-          [](PyTransport& t, int peer, uint64_t tag, nb::object arrays, int channel) {
+          [](PyTransport& t, int peer, uint64_t tag, nb::object arrays, int channel,
+             nb::object layout) {
             return PyRequest{t.get().isend(peer, tag, wrap(arrays), fmt::format("tag {}", tag),
-                                           &t.codec, channel),
+                                           &t.codec, channel, to_layout(layout)),
                              &t};
           },
-          "peer"_a, "tag"_a, "arrays"_a, "channel"_a = 0, nb::keep_alive<0, 1>(),
-          "Posts a send of a list of arrays; call flush() after the last post of a group.")
+          "peer"_a, "tag"_a, "arrays"_a, "channel"_a = 0, "layout"_a = nb::none(),
+          nb::keep_alive<0, 1>(),
+          "Posts a send of a list of arrays; call flush() after the last post of a group. "
+          "layout: the receiver's [(dtype, shape), ...] when it knows it too (Gloo then sends "
+          "no header; the arrays are checked against it).")
       .def(
           "irecv",
           [](PyTransport& t, int peer, uint64_t tag, int channel, nb::object layout) {
@@ -525,13 +529,15 @@ void init_runtime(nb::module_& root) {
           "Ends a communication group (NCCL issues it as one ncclGroupStart/End).")
       .def(
           "send",
-          [](PyTransport& t, int peer, uint64_t tag, nb::object arrays, double timeout) {
-            auto r = t.get().isend(peer, tag, wrap(arrays), fmt::format("tag {}", tag), &t.codec);
+          [](PyTransport& t, int peer, uint64_t tag, nb::object arrays, double timeout,
+             nb::object layout) {
+            auto r = t.get().isend(peer, tag, wrap(arrays), fmt::format("tag {}", tag), &t.codec,
+                                   0, to_layout(layout));
             t.get().flush();
             wait_request(r, timeout, t.get());
           },
-          "peer"_a, "tag"_a, "arrays"_a, "timeout"_a = 60.0,
-          "Sends a list of arrays (blocking, bounded by timeout).")
+          "peer"_a, "tag"_a, "arrays"_a, "timeout"_a = 60.0, "layout"_a = nb::none(),
+          "Sends a list of arrays (blocking, bounded by timeout); layout as for isend.")
       .def(
           "recv",
           [](PyTransport& t, int peer, uint64_t tag, double timeout, nb::object layout) {

@@ -167,6 +167,42 @@ def test_gloo_send_recv_every_dtype_zero_copy():
         close_all(ts)
 
 
+def test_gloo_known_layout_sends_no_header_and_checks_the_value():
+    """Both ends pass ``layout=``: the tensors cross alone (a receive without the layout would
+    wait for a header that never comes); a value that does not match fails naming both."""
+    import jax.numpy as jnp
+
+    ts = gloo_pair()
+    try:
+        arrays = [np.arange(12, dtype=np.float32).reshape(3, 4), np.zeros((0, 2), np.int32),
+                  jnp.ones((2, 2), jnp.bfloat16)]
+        layout = [(np.asarray(a).dtype, np.shape(a)) for a in arrays]
+        got = {}
+        errs = run_threads([lambda: ts[0].send(1, 5, arrays, timeout=20, layout=layout),
+                            lambda: got.setdefault("v", ts[1].recv(0, 5, timeout=20,
+                                                                   layout=layout))])
+        assert errs == [None, None]
+        for a, b in zip(arrays, got["v"]):
+            np.testing.assert_array_equal(b, np.asarray(a))
+        # A headerless send is not a message a header-reading receive can match.
+        r = ts[1].irecv(0, 6)
+        ts[0].isend(1, 6, [arrays[0]], layout=layout[:1])
+        ts[0].flush()
+        with pytest.raises(baton.ExecutionError, match="timed out"):
+            r.wait(0.5)
+    finally:
+        close_all(ts)
+    ts = gloo_pair()
+    try:
+        with pytest.raises(baton.ExecutionError,
+                           match=r"the value is \[float32\[3,4\]\] but the receiver expects "
+                                 r"\[float32\[3,5\]\]"):
+            ts[0].send(1, 9, [np.zeros((3, 4), np.float32)], timeout=10,
+                       layout=[(np.float32, (3, 5))])
+    finally:
+        close_all(ts)
+
+
 def test_host_tensors_zero_copy_and_unsupported_dtype():
     a = np.ones((4, 4), np.float32)
     (info,) = rt._rt._host_tensors([a])
