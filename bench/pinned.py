@@ -243,8 +243,8 @@ def main():
         "meas/pred: the microbatch loop's span, measured in traced steps (median) and simulated "
         "with the profiled task and link costs; bubble and peak activation per rank (r0/r1).",
         "- machine ceiling: two independent copies of the baseline run at once on the two "
-        "cores; its speed-up is their combined throughput (the slower copy's step), which no "
-        "2-process run can beat on this machine.",
+        "cores; its speed-up is their combined throughput (the slower copy's step), a practical "
+        "upper bound for any 2-process run on this machine.",
         f"- host allocator: {args.malloc} for every run, baseline included"
         + (" (`baton.runtime.retain_host_memory`, as `baton.jit` does by default)"
            if args.malloc == "retain" else " (glibc's defaults)") + ".",
