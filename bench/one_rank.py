@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 
+from timing import publish
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "zbh1": "ZB-H1"}
@@ -34,12 +36,10 @@ def measure(args):
     os.environ["JAX_NUM_CPU_DEVICES"] = "1"
     sys.path.insert(0, os.path.join(HERE, "..", "examples"))
     import jax
-    import optax
 
     import baton
     import gpt
     from baton import runtime
-    from baton.frontend import primitives
 
     runtime.retain_host_memory()
     m = args.microbatches
@@ -47,14 +47,7 @@ def measure(args):
     model, params, opt, opt_state, train_step, _ = gpt.make(cfg)
     batch = gpt.synthetic_batch(cfg, args.mb_size * m)
 
-    def base_step(params, opt_state, batch):
-        loss, grads = primitives.accumulate(
-            jax.value_and_grad(lambda p, b: gpt.loss_fn(model, p, b)), params, batch=batch,
-            microbatches=m)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    base = jax.jit(base_step)
+    base = jax.jit(gpt.scan_step(model, opt, m))
     step = baton.jit(train_step, schedule=baton.schedule_from_name(args.schedule),
                      microbatches=m, mesh=baton.PipelineMesh(jax.devices()[:1], ranks=1))
 
@@ -113,11 +106,7 @@ def main():
         f"- medians of {args.rounds} alternating calls of each step (after 2 warm-up rounds)",
         "",
     ]
-    text = "\n".join(head + rows) + "\n"
-    print(text)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(text)
+    publish("\n".join(head + rows) + "\n", args.md)
 
 
 if __name__ == "__main__":

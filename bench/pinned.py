@@ -29,7 +29,7 @@ import platform
 import subprocess
 import sys
 
-from timing import median_step
+from timing import median_step, publish
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -53,10 +53,8 @@ def _cfg(args, stages):
 def baseline(args):
     _setup(args.core)
     import jax
-    import optax
 
     import gpt
-    from baton.frontend import primitives
 
     if args.malloc == "retain":  # as baton.jit does (retain_host_memory=True)
         from baton import runtime
@@ -66,14 +64,7 @@ def baseline(args):
     model, params, opt, opt_state, _, _ = gpt.make(cfg)
     batch = gpt.synthetic_batch(cfg, args.mb_size * args.microbatches)
 
-    def step(params, opt_state, batch):
-        loss, grads = primitives.accumulate(
-            jax.value_and_grad(lambda p, b: gpt.loss_fn(model, p, b)), params, batch=batch,
-            microbatches=args.microbatches)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    f = jax.jit(step)
+    f = jax.jit(gpt.scan_step(model, opt, args.microbatches))
     t = median_step(lambda: f(params, opt_state, batch), args.steps, warmup=2)
     print("RESULT " + json.dumps({"step": t}), flush=True)
 
@@ -254,11 +245,7 @@ def main():
     details.insert(0, f"- baseline: step ms of the {len(base['all_steps'])} runs: {base_runs}; "
                    "two copies at once: " + ", ".join(f"{1e3 * x:.1f}" for x in pair))
     notes = ["", "Profiled costs (task means inside steps):", ""]
-    text = "\n".join(head + rows + notes + details) + "\n"
-    print(text)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(text)
+    publish("\n".join(head + rows + notes + details) + "\n", args.md)
 
 
 if __name__ == "__main__":

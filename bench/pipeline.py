@@ -41,10 +41,8 @@ _RANKS_MAX = 4
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(_RANKS_MAX))
 
 import jax  # noqa: E402
-import optax  # noqa: E402
 
 import baton  # noqa: E402
-from baton.frontend import primitives  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import gpt  # noqa: E402
@@ -105,14 +103,7 @@ def run_scan_baseline(args) -> dict:
     batch = gpt.synthetic_batch(cfg, args.mb_size * args.microbatches)
     m = args.microbatches
 
-    def step(params, opt_state, batch):
-        loss, grads = primitives.accumulate(
-            jax.value_and_grad(lambda p, b: gpt.loss_fn(model, p, b)), params, batch=batch,
-            microbatches=m)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    f = jax.jit(step)
+    f = jax.jit(gpt.scan_step(model, opt, m))
     jax.block_until_ready(f(params, opt_state, batch))
     t = median_step(lambda: f(params, opt_state, batch), args.steps)
     return {"step": t, "tokens": args.mb_size * m * args.seq / t}

@@ -1,5 +1,5 @@
-"""Step timing shared by the benchmarks (imports JAX only when called, so a benchmark can set
-XLA flags and CPU affinity first)."""
+"""Step timing and output shared by the benchmarks (imports JAX only when called, so a
+benchmark can set XLA flags and CPU affinity first)."""
 
 from __future__ import annotations
 
@@ -20,3 +20,11 @@ def median_step(fn, steps: int, warmup: int = 0) -> float:
         jax.block_until_ready(fn())
         out.append(time.perf_counter() - t)
     return statistics.median(out)
+
+
+def publish(text: str, md: str | None) -> None:
+    """Prints a benchmark's markdown report and, with ``md``, writes it there too."""
+    print(text)
+    if md:
+        with open(md, "w", encoding="utf-8") as f:
+            f.write(text)

@@ -81,6 +81,21 @@ def synthetic_batch(cfg: GPTConfig, batch: int, seed: int = 0):
     return seq[:, :-1], seq[:, 1:]
 
 
+def scan_step(model: GPT, opt, microbatches: int):
+    """The non-pipelined baseline the benchmarks compare against: the same training step with
+    the microbatch loop as one ``lax.scan`` (``baton.accumulate`` outside ``baton.jit``) and the
+    optimizer after it; wrap it in ``jax.jit``."""
+
+    def step(params, opt_state, batch):
+        loss, grads = baton.accumulate(
+            jax.value_and_grad(lambda p, b: loss_fn(model, p, b)), params, batch=batch,
+            microbatches=microbatches)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
 def make(cfg: GPTConfig, lr: float = 1e-3, seed: int = 0, eps: float = 1e-8):
     """Returns (model, params, optimizer, opt_state, train_step, reference_step)."""
     model = GPT(cfg)

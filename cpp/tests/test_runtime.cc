@@ -217,6 +217,12 @@ TEST(RuntimeGloo, KnownLayoutsRunSchedulesAndAreAskedOncePerBuffer) {
   }
 }
 
+// Tasks for raw transfers of host values (the default conversions only).
+struct NoTasks : Tasks {
+  std::vector<Value> run(const TaskCall&) override { return {}; }
+  void accumulate(int, int32_t, const Value&) override {}
+};
+
 // Every dtype crosses, with a header (layout unknown) and without one (the
 // receiver knows the layout; here the send is posted first).
 void dtypes_cross(bool known_layout) {
@@ -233,10 +239,7 @@ void dtypes_cross(bool known_layout) {
     ++k;
   }
   sent.push_back(alloc_host_tensor(DType::F32, {0, 5}));  // empty
-  struct Plain : Tasks {
-    std::vector<Value> run(const TaskCall&) override { return {}; }
-    void accumulate(int, int32_t, const Value&) override {}
-  } conv;
+  NoTasks conv;
   Layout layout;
   if (known_layout)
     for (const Tensor& t : sent) layout.push_back({t.dtype, t.shape});
@@ -271,10 +274,7 @@ TEST(RuntimeGloo, TensorsOfEveryDtypeCrossWithoutHeader) { dtypes_cross(true); }
 
 TEST(RuntimeGloo, ValueNotMatchingTheReceiversLayoutFailsBothSides) {
   auto tr = gloo_transports(2);
-  struct Plain : Tasks {
-    std::vector<Value> run(const TaskCall&) override { return {}; }
-    void accumulate(int, int32_t, const Value&) override {}
-  } conv;
+  NoTasks conv;
   const Layout want{{DType::F32, {4, 8}}};
   auto rr = tr[1]->irecv(0, 7, "act(s0,m3)", &conv, 0, want);
   Payload sent{alloc_host_tensor(DType::F32, {4, 9})};

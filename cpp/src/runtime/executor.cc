@@ -32,6 +32,8 @@ Executor::Executor(const Plan& plan, int rank, Transport& transport, Tasks& task
     throw ConfigError(
         fmt::format("executor rank {} runs on a transport of rank {}", rank, transport.rank()));
   slots_.resize(static_cast<size_t>(plan.num_buffer_ids()));
+  // The in-process transport moves value handles: it needs no layouts.
+  if (transport.kind() != "local") layouts_.resize(slots_.size());
   const auto& acts = plan.schedule.rank_actions[static_cast<size_t>(rank)];
   for (const Action& a : acts) {
     action_in_.push_back(plan.action_inputs(a));
@@ -242,8 +244,7 @@ void Executor::post_recv(int index, const Instr& in) {
 
 const Layout& Executor::layout_of(int index, int32_t buffer, int receiver) {
   static const Layout kNone;
-  if (transport_.kind() == "local") return kNone;
-  if (layouts_.empty()) layouts_.resize(slots_.size());
+  if (layouts_.empty()) return kNone;
   auto& l = layouts_[static_cast<size_t>(buffer)];
   if (!l) {
     try {

@@ -443,23 +443,18 @@ class GlooTransport : public Transport {
     if (!t) return r;
     if (layout.empty() || opts_.delay.count() > 0) {
       spawn([this, r, t, v = std::move(v), tasks, layout]() mutable {
-        do_send(r, t, std::move(v), tasks, layout.empty() ? nullptr : &layout);
+        post_then_wait(r, t, tasks, /*wait_on_new_thread=*/false, [&](Bufs& bufs) {
+          return post_send(r, t, std::move(v), tasks, layout.empty() ? nullptr : &layout, bufs);
+        });
       });
       return r;
     }
     // Known layout: converted and posted here, on the caller's thread (the
     // executor, right after the producing task), so the data leaves at once
     // instead of when a new thread gets the core; a thread only waits.
-    Bufs bufs;
-    bool ok = false;
-    try {
-      ok = post_send(r, t, std::move(v), tasks, &layout, bufs);
-    } catch (const std::exception&) {
-      transfer_error(r, std::current_exception());
-      finish(t);
-      return r;
-    }
-    spawn([this, r, t, tasks, bufs, ok] { wait_posted(r, t, tasks, bufs, ok); });
+    post_then_wait(r, t, tasks, /*wait_on_new_thread=*/true, [&](Bufs& bufs) {
+      return post_send(r, t, std::move(v), tasks, &layout, bufs);
+    });
     return r;
   }
 
@@ -470,28 +465,23 @@ class GlooTransport : public Transport {
     auto t = start(r, tasks);
     if (!t) return r;
     if (layout.empty()) {
-      spawn([this, r, t, tasks] { do_recv(r, t, tasks); });
+      spawn([this, r, t, tasks] {
+        post_then_wait(r, t, tasks, /*wait_on_new_thread=*/false,
+                       [&](Bufs& bufs) { return post_recv_with_header(r, t, bufs); });
+      });
       return r;
     }
     // Known layout: the tensor receives are posted here, on the caller's
     // thread, so the sender's data moves as soon as it is sent; a thread only
     // waits for them and converts.
-    Bufs bufs;
-    bool ok = false;
-    try {
+    post_then_wait(r, t, tasks, /*wait_on_new_thread=*/true, [&](Bufs& bufs) {
       r->mark_started();
       for (const TensorSpec& spec : layout)
         t->payload.push_back(alloc_host_tensor(spec.dtype, spec.shape));
-      ok = post_recvs(r, t, bufs);
-    } catch (const std::exception&) {
-      transfer_error(r, std::current_exception());
-      finish(t);
-      return r;
-    }
-    spawn([this, r, t, tasks, bufs, ok] { wait_posted(r, t, tasks, bufs, ok); });
+      return post_recvs(r, t, bufs);
+    });
     return r;
   }
-
 
   std::vector<std::string> exchange(const std::string& mine,
                                     std::chrono::milliseconds timeout) override {
@@ -656,11 +646,15 @@ class GlooTransport : public Transport {
     return ok;
   }
 
+  // "send of act(s0,m1) to rank 1", "receive of ... from rank 0".
+  static std::string describe(const Request& r) {
+    return fmt::format("{} of {} {} rank {}", r.is_send ? "send" : "receive", r.what,
+                       r.is_send ? "to" : "from", r.peer);
+  }
+
   // Fails `r` after an exception from posting or waiting (`e`).
   void transfer_error(const RequestPtr& r, std::exception_ptr e) {
-    const std::string what =
-        fmt::format("{} of {} {} rank {}", r->is_send ? "send" : "receive", r->what,
-                    r->is_send ? "to" : "from", r->peer);
+    const std::string what = describe(*r);
     try {
       std::rethrow_exception(e);
     } catch (const ExecutionError& x) {  // conversion of the value, layout mismatch
@@ -680,9 +674,7 @@ class GlooTransport : public Transport {
       for (auto* b : bufs)
         if (ok) ok = wait_buf(*b, r->is_send);
       if (!ok) {
-        fail_request(r, fmt::format("{} of {} {} rank {} was aborted",
-                                    r->is_send ? "send" : "receive", r->what,
-                                    r->is_send ? "to" : "from", r->peer));
+        fail_request(r, describe(*r) + " was aborted");
       } else if (r->is_send) {
         r->complete();
       } else {
@@ -695,18 +687,25 @@ class GlooTransport : public Transport {
     finish(t);
   }
 
-  void do_send(const RequestPtr& r, const std::shared_ptr<Transfer>& t, Value v, Tasks* tasks,
-               const Layout* layout) {
+  // Posts a transfer's Gloo buffers with `post` (into `bufs`; false: aborted),
+  // then waits for them (wait_posted) on a new thread or on this one. A failure
+  // while posting fails the request and retires the transfer.
+  template <class Post>
+  void post_then_wait(const RequestPtr& r, const std::shared_ptr<Transfer>& t, Tasks* tasks,
+                      bool wait_on_new_thread, Post&& post) {
     Bufs bufs;
     bool ok = false;
     try {
-      ok = post_send(r, t, std::move(v), tasks, layout, bufs);
+      ok = post(bufs);
     } catch (const std::exception&) {
       transfer_error(r, std::current_exception());
       finish(t);
       return;
     }
-    wait_posted(r, t, tasks, bufs, ok);
+    if (wait_on_new_thread)
+      spawn([this, r, t, tasks, bufs, ok] { wait_posted(r, t, tasks, bufs, ok); });
+    else
+      wait_posted(r, t, tasks, bufs, ok);
   }
 
   // Posts a receive for every non-empty tensor of t->payload; false when the
@@ -724,32 +723,22 @@ class GlooTransport : public Transport {
     return true;
   }
 
-  // A receive with a header: its length, its meta (dtypes, shapes), then the tensors.
-  void do_recv(const RequestPtr& r, const std::shared_ptr<Transfer>& t, Tasks* tasks) {
-    Bufs bufs;
-    bool ok = false;
-    try {
-      auto recv_one = [&](void* ptr, size_t n, uint64_t part) {
-        auto b = ctx_->createUnboundBuffer(ptr, n);
-        auto* raw = b.get();
-        if (!t->add(std::move(b))) return false;
-        raw->recv(r->peer, slot_of(r->tag, part));
-        return wait_buf(*raw, false);
-      };
-      ok = recv_one(&t->len, sizeof(t->len), 0);
-      r->mark_started();
-      if (ok) t->meta.assign(t->len, '\0');
-      if (ok) ok = recv_one(t->meta.data(), t->meta.size(), 1);
-      if (ok) {
-        t->payload = decode_meta(t->meta);
-        ok = post_recvs(r, t, bufs);  // every tensor posted before waiting on any
-      }
-    } catch (const std::exception&) {
-      transfer_error(r, std::current_exception());
-      finish(t);
-      return;
-    }
-    wait_posted(r, t, tasks, bufs, ok);
+  // A receive with a header: reads its length and its meta (dtypes, shapes),
+  // then posts the tensors; false when aborted.
+  bool post_recv_with_header(const RequestPtr& r, const std::shared_ptr<Transfer>& t, Bufs& bufs) {
+    auto recv_one = [&](void* ptr, size_t n, uint64_t part) {
+      auto b = ctx_->createUnboundBuffer(ptr, n);
+      auto* raw = b.get();
+      if (!t->add(std::move(b))) return false;
+      raw->recv(r->peer, slot_of(r->tag, part));
+      return wait_buf(*raw, false);
+    };
+    if (!recv_one(&t->len, sizeof(t->len), 0)) return false;
+    r->mark_started();
+    t->meta.assign(t->len, '\0');
+    if (!recv_one(t->meta.data(), t->meta.size(), 1)) return false;
+    t->payload = decode_meta(t->meta);
+    return post_recvs(r, t, bufs);  // every tensor posted before waiting on any
   }
 
   void peer_lost(int peer, const std::string& error) {
