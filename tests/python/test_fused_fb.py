@@ -1,7 +1,8 @@
 """Fused forward-backward: where a rank runs B(s,m) right after F(s,m) (the last stage of 1F1B,
 every microbatch on one rank), baton.jit runs the pair as one program that keeps no stash.
 Results equal the unfused run bit for bit; the plan and the executor hold no stash buffer on
-that rank; turning it off restores separate F and B tasks."""
+that rank; turning it off restores separate F and B tasks. (On the executor: one rank would
+otherwise run as one program, see test_one_rank.py.)"""
 
 import os
 
@@ -18,7 +19,7 @@ from mlp_step import make  # noqa: E402
 
 def _run(ranks, fuse, m=4):
     ps, params, batch = make(baton.OneFOneB(), ranks, m, seed=3, layers_per_stage=2,
-                             fuse_forward_backward=fuse)
+                             fuse_forward_backward=fuse, single_program=False)
     step = ps.compile(params, batch)
     calls = {}  # task -> number of calls of its jits
     for key_, exe in step.tasks.items():

@@ -32,7 +32,7 @@ class PipelinedFunction:
     def __init__(self, fn: Callable, mesh: Any, schedule: Any, microbatches: int,
                  transport: str | None = None, timeout: float = 120.0, trace: bool = False,
                  remat: bool = True, fuse_forward_backward: bool = True,
-                 retain_host_memory: bool = True):
+                 retain_host_memory: bool = True, single_program: bool = True):
         if transport not in (None, "local", "gloo"):
             raise ConfigError(
                 f"baton.jit: transport must be None (automatic), 'local' or 'gloo' "
@@ -60,6 +60,10 @@ class PipelinedFunction:
         self.remat = bool(remat)
         self.fuse_fb = bool(fuse_forward_backward)
         self.retain_host_memory = bool(retain_host_memory)
+        if not isinstance(single_program, bool):
+            raise ConfigError(f"baton.jit: single_program must be True or False "
+                              f"(got {single_program!r})")
+        self.single_program = single_program
         self._cache: dict[Any, CompiledStep] = {}
         self._tree = None
         self.last: CompiledStep | None = None
@@ -133,7 +137,8 @@ class PipelinedFunction:
 
             rt.retain_host_memory()
         return CompiledStep(traced, plan, self.mesh, bool(sched.split_backward()),
-                            remat=self.remat)
+                            remat=self.remat,
+                            single_program=self.single_program and self.transport == "local")
 
     def __call__(self, *args):
         return self._call(args, self.trace)
@@ -253,6 +258,7 @@ def jit(
     remat: bool = True,
     fuse_forward_backward: bool = True,
     retain_host_memory: bool = True,
+    single_program: bool = True,
 ):
     """Pipelines ``fn`` (a training step containing one ``baton.accumulate``).
 
@@ -278,6 +284,11 @@ def jit(
     block is mapped and unmapped per call, page-faulting it in every time (~10 ms per call on
     a 40 MB working set); the cost is that the process keeps its peak host memory.
     ``False`` leaves malloc alone.
+    ``single_program``: with one rank in this process (nothing to overlap), compile the whole
+    step, the schedule's tasks rolled into ``lax.scan`` loops in the schedule's order, into one
+    XLA program instead of running it on the executor (as Megatron-LM runs a pipeline of size
+    1 without its pipeline engine); traced and profiled steps still use the executor. ``False``
+    always uses the executor.
     """
     if mesh is None and (transport == "local" or
                          (transport is None and launched_world_size() <= 1)):
@@ -285,6 +296,7 @@ def jit(
 
     def wrap(f):
         return PipelinedFunction(f, mesh, schedule, microbatches, transport, timeout, trace,
-                                 remat, fuse_forward_backward, retain_host_memory)
+                                 remat, fuse_forward_backward, retain_host_memory,
+                                 single_program)
 
     return wrap if fn is None else wrap(fn)

@@ -189,6 +189,7 @@ class TaskExe:
     # The last microbatch's variant (see _with_acc_mean); None when no summed part is a mean.
     fn_acc_mean: Any = None
     acc_mean: list = dataclasses.field(default_factory=list)
+    plain: Any = None  # the task as a plain function (traced into one-rank programs, single.py)
 
 
 @dataclasses.dataclass
@@ -201,7 +202,7 @@ class Segment:
 
 class CompiledStep:
     def __init__(self, traced: Traced, plan: Any, mesh: PipelineMesh, split_backward: bool,
-                 remat: bool = True):
+                 remat: bool = True, single_program: bool = True):
         self.traced = traced
         self.mesh = mesh
         self.plan = plan  # baton.Plan (python wrapper)
@@ -280,6 +281,10 @@ class CompiledStep:
         self.capture: dict | None = None
         self.last_events: list | None = None
         self.last_offsets: list | None = None
+        # One rank in this process: the whole step as one XLA program (single.py), except
+        # when recording or capturing (those need the executor's instructions).
+        self.single_program = bool(single_program) and self.num_ranks == 1
+        self._single = None
 
     def _task_exe(self, kind, stage, ops, groups, outs, wgrad_parts, mb_parts) -> TaskExe:
         """One task's jit: ``ops`` (program order) from the value ids in ``groups`` to the
@@ -291,7 +296,7 @@ class CompiledStep:
         out_ids = [v for k in _OUT_GROUPS for v in outs[k]]
         body = _make_fn(self.traced, ops, in_ids, out_ids)
         exe = TaskExe(kind, stage, jax.jit(body), groups, {k: len(v) for k, v in outs.items()},
-                      (wgrad_parts, mb_parts))
+                      (wgrad_parts, mb_parts), plain=body)
         off = sum(len(outs[k]) for k in _OUT_GROUPS[:_OUT_GROUPS.index("wgrad")])
         summed = [(off + j, i) for j, i in enumerate(wgrad_parts)
                   if self.parts[i].reduce != G.Reduce.Stack]
@@ -443,6 +448,8 @@ class CompiledStep:
         transport); a :class:`~baton.frontend.distributed.ProcessGroup`: this process's rank
         only, over its transport (see ``_run_group``)."""
         if group is None:
+            if self.single_program and not self.record and self.capture is None:
+                return self._run_single(flat_args)
             return self._run_local(flat_args, timeout)
         return self._run_group(flat_args, group, timeout)
 
@@ -651,6 +658,16 @@ class CompiledStep:
         return rt.Tasks(run=self._cb_run, accumulate=self._cb_accumulate,
                         received=self._cb_received, to_host=_to_host,
                         from_host=rt.from_host, recv_layout=self._recv_layout)
+
+    def _run_single(self, flat_args):
+        if self._single is None:
+            from .single import SingleProgram
+
+            self._single = SingleProgram(self)
+        outs = self._single(flat_args)
+        # no executor ran: no measured live-buffer peaks (traced steps have them)
+        self.last_stats = {"single_program": self._single.describe()}
+        return outs
 
     # -- single process: one executor thread per rank over the in-process hub ---
     def _run_local(self, flat_args, timeout):
