@@ -284,6 +284,7 @@ class CompiledStep:
         # One rank in this process: the whole step as one XLA program (single.py), except
         # when recording or capturing (those need the executor's instructions).
         self.single_program = bool(single_program) and self.num_ranks == 1
+        self.single_declined: str | None = None  # why a one-rank step uses the executor
         self._single = None
 
     def _task_exe(self, kind, stage, ops, groups, outs, wgrad_parts, mb_parts) -> TaskExe:
@@ -449,7 +450,7 @@ class CompiledStep:
         only, over its transport (see ``_run_group``)."""
         if group is None:
             if self.single_program and not self.record and self.capture is None:
-                return self._run_single(flat_args)
+                return self._run_single(flat_args, timeout)
             return self._run_local(flat_args, timeout)
         return self._run_group(flat_args, group, timeout)
 
@@ -659,11 +660,18 @@ class CompiledStep:
                         received=self._cb_received, to_host=_to_host,
                         from_host=rt.from_host, recv_layout=self._recv_layout)
 
-    def _run_single(self, flat_args):
+    def _run_single(self, flat_args, timeout):
         if self._single is None:
             from .single import SingleProgram
 
-            self._single = SingleProgram(self)
+            sp = SingleProgram(self)
+            stacked = sp.stacked_buffers()
+            if stacked:  # measured slower than the executor (see stacked_buffers)
+                self.single_program = False
+                self.single_declined = (f"the schedule hands {', '.join(stacked)} stacked over "
+                                        f"microbatches from one loop to another")
+                return self._run_local(flat_args, timeout)
+            self._single = sp
         outs = self._single(flat_args)
         # no executor ran: no measured live-buffer peaks (traced steps have them)
         self.last_stats = {"single_program": self._single.describe()}

@@ -205,11 +205,29 @@ class SingleProgram:
         self.tasks = task_list(cs)
         self.runs = roll(cs, self.tasks)
         # last position that reads each buffer: a run's buffers read after it leave as ys
-        self._last_read: dict[tuple, int] = {}
+        last_read: dict[tuple, int] = {}
         for pos, (kind, s, m) in enumerate(self.tasks):
             for key in reads(cs, kind, s, m):
-                self._last_read[key] = pos
+                last_read[key] = pos
+        self._keep = []  # per run: the buffers it makes that later tasks read (its ys)
+        pos = 0
+        for pattern, r in self.runs:
+            end = pos + len(pattern) * r
+            made = {key for kind, s, m in pattern for key in writes(cs, kind, s, m)}
+            self._keep.append(sorted(
+                key for key in made
+                if r > 1 and any(last_read.get((key[0], key[1], key[2] + t), -1) >= end
+                                 for t in range(r))))
+            pos = end
         self.fn = jax.jit(self._program)
+
+    def stacked_buffers(self) -> list[str]:
+        """Buffer kinds a scan hands to later tasks stacked over its microbatches (GPipe's
+        stashes). Such a program is slower than the executor: XLA zero-fills each stacked
+        output before the loop writes it (about 216 MB per step for the GPT of
+        bench/one_rank.py, 632 against 599 ms), where the executor keeps per-microbatch
+        buffers."""
+        return sorted({f"{k}{s}" for keep in self._keep for k, s, _ in keep})
 
     def describe(self) -> str:
         """The runs, e.g. ``scan 8 x [FB0]`` or ``scan 8 x [F0]; scan 8 x [B0]``."""
@@ -256,15 +274,13 @@ class SingleProgram:
             return split[v]
 
         env = _Env()
-        pos = 0
-        for pattern, r in self.runs:
+        for (pattern, r), keep in zip(self.runs, self._keep):
             if r == 1:
                 kind, s, m = pattern[0]
                 _run_task(cs, kind, s, m, outer, lambda v, mm: whole_mb(v)[mm], env.get,
                           env.single.__setitem__, lambda i, mm, x: env.add(cs, i, mm, x))
             else:
-                self._scan(pattern, r, pos + len(pattern) * r, env, outer, whole_mb)
-            pos += len(pattern) * r
+                self._scan(pattern, r, keep, env, outer, whole_mb)
 
         # the loop's outputs: parts reduced, then combined per outer value (as _combine)
         final: dict[int, Any] = {}
@@ -285,7 +301,7 @@ class SingleProgram:
                 vals[v] = x
         return [vals[v] for v in tr.step_outputs if v not in lits]
 
-    def _scan(self, pattern, r, end, env, outer, whole_mb):
+    def _scan(self, pattern, r, keep, env, outer, whole_mb):
         cs = self.cs
         made = {key for kind, s, m in pattern for key in writes(cs, kind, s, m)}
         # xs: buffers made before the run, microbatch slices
@@ -297,10 +313,6 @@ class SingleProgram:
             for exe in _exes(cs, kind, s):
                 for v in exe.in_groups[1]:
                     xs[("m", v, m)] = whole_mb(v)[m:m + r]
-        # ys: buffers read after the run
-        keep = sorted(key for key in made
-                      if any(self._last_read.get((key[0], key[1], key[2] + t), -1) >= end
-                             for t in range(r)))
         # carry: the sums the pattern adds to
         parts = set()
         for kind, s, _ in pattern:
