@@ -51,15 +51,19 @@ void translate_execution_error(const std::exception_ptr& p, void*) {
 // A Python object as a runtime value. Releases its reference under the GIL.
 struct PyValue : rt::ValueBase {
   explicit PyValue(nb::object o) : obj(std::move(o)) {
+    // One attribute read per object (hasattr + attr evaluated jax's nbytes property twice):
+    // a list that carries its own total (the frontend's sized buffer values) is read once.
     auto bytes_of = [](nb::handle h) -> size_t {
-      if (!nb::hasattr(h, "nbytes")) return 0;
+      if (h.is_none()) return 0;
       try {
-        return nb::cast<size_t>(h.attr("nbytes"));
+        nb::object n = nb::getattr(h, "nbytes", nb::none());
+        return n.is_none() ? 0 : nb::cast<size_t>(n);
       } catch (...) {
         return 0;
       }
     };
-    if (nb::isinstance<nb::list>(obj) || nb::isinstance<nb::tuple>(obj)) {
+    const bool seq = nb::isinstance<nb::list>(obj) || nb::isinstance<nb::tuple>(obj);
+    if (seq && !nb::hasattr(obj, "nbytes")) {
       for (nb::handle h : obj) bytes += bytes_of(h);
     } else {
       bytes = bytes_of(obj);

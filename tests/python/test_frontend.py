@@ -195,6 +195,25 @@ def test_retrace_cache_by_shape():
     assert ps.last is not first and len(ps._cache) == 2
 
 
+def test_compile_cache_key_per_leaf():
+    """The compile cache tells leaves apart by shape and dtype (arrays of every kind, numpy
+    scalars, Python scalars by JAX's weak types), and agrees across array kinds."""
+    import ml_dtypes
+
+    from baton.frontend.api import _leaf_key
+
+    f32 = jnp.ones((2, 3), jnp.float32)
+    assert _leaf_key(f32) == _leaf_key(np.ones((2, 3), np.float32))
+    assert _leaf_key(f32) == _leaf_key(jax.ShapeDtypeStruct((2, 3), jnp.float32))
+    assert _leaf_key(f32) != _leaf_key(jnp.ones((3, 2), jnp.float32))
+    assert _leaf_key(f32) != _leaf_key(jnp.ones((2, 3), jnp.bfloat16))
+    assert _leaf_key(jnp.ones((2,), ml_dtypes.bfloat16)) == _leaf_key(
+        np.ones((2,), ml_dtypes.bfloat16))
+    assert _leaf_key(np.float32(1.0)) == ((), np.dtype(np.float32))
+    assert _leaf_key(1.0) != _leaf_key(1)
+    assert _leaf_key(1.0) == _leaf_key(2.5)
+
+
 def test_pipeline_mesh():
     m = baton.PipelineMesh(jax.devices()[:8], ranks=4)
     assert m.num_ranks == 4 and m.devices_per_rank() == 2
