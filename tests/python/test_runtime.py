@@ -374,3 +374,21 @@ def test_local_executor_runs_jitted_tasks_on_each_ranks_device():
     assert errors == [None, None], errors
     check(plan, accs)
     assert seen_devices[0] == {devs[0].id} and seen_devices[1] == {devs[1].id}
+
+
+def test_sized_buffer_values_are_pytrees():
+    """The frontend hands the runtime each buffer's arrays as a sized list: jax must see its
+    arrays (block_until_ready waits on them; a list subclass would otherwise be one opaque
+    leaf that nothing waits for), and the size survives tree functions."""
+    import jax
+    import jax.numpy as jnp
+
+    from baton.frontend.executor import _Sized, _sized_unflatten
+
+    a, b = jnp.ones((2, 3)), jnp.zeros((4,), jnp.int32)
+    v = _sized_unflatten(a.nbytes + b.nbytes, [a, b])
+    assert isinstance(v, list) and v.nbytes == 40
+    assert jax.tree.leaves([v]) == [a, b]
+    assert jax.block_until_ready([v])[0][1] is b
+    w = jax.tree.map(lambda x: x * 2, v)
+    assert isinstance(w, _Sized) and w.nbytes == 40 and float(w[0][0, 0]) == 2.0
