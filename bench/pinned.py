@@ -33,8 +33,8 @@ from timing import median_step, publish
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved 1F1B (v=2)",
-         "zbh1": "ZB-H1", "zbh2": "ZB-H2", "zbv": "ZB-V", "dualpipev": "DualPipeV"}
+NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "eager1f1b": "Eager 1F1B",
+         "interleaved": "Interleaved 1F1B (v=2)", "zbh1": "ZB-H1", "zbh2": "ZB-H2", "zbv": "ZB-V", "dualpipev": "DualPipeV"}
 
 
 def _setup(core: int):
@@ -151,7 +151,8 @@ def _pct(xs):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved,zbh1,zbv,dualpipev",
+    ap.add_argument("--schedules",
+                    default="gpipe,1f1b,eager1f1b,interleaved,zbh1,zbv,dualpipev",
                     help="schedules run on 2 ranks (comma-separated)")
     ap.add_argument("--one-rank", default="gpipe,1f1b,zbh1",
                     help="schedules run on 1 rank (comma-separated; empty: none)")
