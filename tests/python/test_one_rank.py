@@ -137,3 +137,25 @@ def test_one_program_several_stages_on_one_rank(schedule):
     got = sp(jax.tree.leaves((params, batch)))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
+
+
+def test_one_program_that_fails_to_build_falls_back_to_the_executor(monkeypatch):
+    """If tracing the one program fails, the step runs on the executor (the reference path)
+    and says why; a task error is then reported as the executor reports it."""
+    from mlp_step import make
+
+    from baton.frontend import single
+
+    def broken(self, flat_args):
+        raise RuntimeError("rolled wrong")
+
+    monkeypatch.setattr(single.SingleProgram, "_program", broken)
+    ps, params, batch = make(baton.OneFOneB(), 1, 4)
+    got = ps(params, batch)
+    step = ps.last
+    assert not step.single_program and "peak_bytes" in step.last_stats
+    assert step.single_declined == "compiling it failed: RuntimeError: rolled wrong"
+    want = jax.jit(lambda p, b: baton.accumulate(jax.value_and_grad(mlp.make_loss()), p,
+                                                 batch=b, microbatches=4))(params, batch)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -693,21 +693,44 @@ class CompiledStep:
                         from_host=rt.from_host, recv_layout=self._recv_layout)
 
     def _run_single(self, flat_args, timeout):
-        if self._single is None:
+        first = self._single is None
+        if first:
             from .single import SingleProgram
 
-            sp = SingleProgram(self)
+            try:
+                sp = SingleProgram(self)
+            except Exception as e:  # noqa: BLE001  (the executor is the reference path)
+                return self._decline(f"building it failed: {type(e).__name__}: {e}", flat_args,
+                                     timeout)
             stacked = sp.stacked_buffers()
             if stacked:  # measured slower than the executor (see stacked_buffers)
-                self.single_program = False
-                self.single_declined = (f"the schedule hands {', '.join(stacked)} stacked over "
-                                        f"microbatches from one loop to another")
-                return self._run_local(flat_args, timeout)
+                return self._decline(f"the schedule hands {', '.join(stacked)} stacked over "
+                                     f"microbatches from one loop to another", flat_args, timeout)
             self._single = sp
-        outs = self._single(flat_args)
+        try:
+            outs = self._single(flat_args)
+        except Exception as e:  # noqa: BLE001
+            if not first:
+                raise
+            # the first call traces and compiles the program: if that fails, the executor runs
+            # the step (and raises the task's error, rank and instruction named, if it is ours
+            # to report)
+            self._single = None
+            return self._decline(f"compiling it failed: {type(e).__name__}: {e}", flat_args,
+                                 timeout)
         # no executor ran: no measured live-buffer peaks (traced steps have them)
         self.last_stats = {"single_program": self._single.describe()}
         return outs
+
+    def _decline(self, why, flat_args, timeout):
+        """Runs this and every later step on the executor instead of as one program."""
+        import logging
+
+        self.single_program = False
+        self.single_declined = why
+        logging.getLogger("baton").info("one-rank step on the executor, not one program: %s",
+                                        why)
+        return self._run_local(flat_args, timeout)
 
     # -- single process: one executor thread per rank over the in-process hub ---
     def _run_local(self, flat_args, timeout):
