@@ -1,0 +1,168 @@
+"""2-rank Baton steps and the 1-process baseline, alternating in the same two pinned processes.
+
+    python bench/pinned_ab.py [--schedules 1f1b,eager1f1b] [--dim 256] [--rounds 10]
+                              [--md bench/results/pinned_ab.md]
+
+``bench/pinned.py`` runs every configuration in processes of its own, and this VM's timings move
+5-10% from one launch to the next. That is as large as the differences the 2-rank targets are
+about. Here one launch of two processes (``python -m baton.launch --nprocs 2``, rank r pinned to
+core r, one XLA thread each, ``retain_host_memory`` in both) builds every step once. Each round
+then runs:
+
+* the baseline on rank 0: ``jax.jit`` + ``lax.scan`` on core 0, while rank 1 waits in a barrier
+  (a blocking receive: its core stays idle, as in a separate baseline launch);
+* each Baton schedule on both ranks.
+
+A barrier separates the calls. Every call is timed on rank 0 from its start until its outputs
+are ready: all of them, the updated parameters and optimizer state included (Baton's loss comes
+from rank 1, so the time covers the whole pipeline; rank 0's own optimizer update must not run
+on into the next timed call). Both sides
+see the same processes, allocator and machine phase. The speed-up of a schedule is the
+baseline's median over its own median. A benchmark, not a test: it never fails on timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+from timing import publish
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "eager1f1b": "Eager 1F1B",
+         "interleaved": "Interleaved 1F1B (v=2)", "zbh1": "ZB-H1", "zbv": "ZB-V",
+         "dualpipev": "DualPipeV"}
+
+
+def worker(args):
+    rank = int(os.environ["BATON_RANK"])
+    os.sched_setaffinity(0, {rank})
+    os.environ["XLA_FLAGS"] = ONE_THREAD
+    os.environ["JAX_NUM_CPU_DEVICES"] = "1"
+    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    import jax
+
+    import baton
+    import gpt
+    from baton import runtime
+    from baton.frontend.distributed import Router, process_group
+
+    runtime.retain_host_memory()
+    m = args.microbatches
+    group = process_group("gloo")
+
+    def barrier():
+        r = Router(group, 120.0)
+        r.allgather("b")
+        r.finish()
+
+    def cfg(stages):
+        return gpt.GPTConfig(vocab=256, seq=args.seq, dim=args.dim, heads=4, layers=8,
+                             stages=stages)
+
+    base = None
+    if rank == 0:
+        model, bparams, opt, bopt, _, _ = gpt.make(cfg(1))
+        bbatch = gpt.synthetic_batch(cfg(1), args.mb_size * m)
+        base_fn = jax.jit(gpt.scan_step(model, opt, m))
+
+        def base():
+            return base_fn(bparams, bopt, bbatch)
+
+    steps = {}
+    for name in args.schedules.split(","):
+        sched = baton.schedule_from_name(name)
+        _, params, _, opt_state, train_step, _ = gpt.make(cfg(sched.stages(2)))
+        batch = gpt.synthetic_batch(cfg(sched.stages(2)), args.mb_size * m)
+        st = baton.jit(train_step, schedule=sched, microbatches=m)
+        state = {"p": params, "o": opt_state}
+
+        def call(st=st, state=state, batch=batch):
+            state["p"], state["o"], loss = st(state["p"], state["o"], batch)
+            # everything this rank computed (its stages' updated parameters and optimizer
+            # state, the loss): waiting on the loss alone would leave the optimizer running
+            # into the next timed call, the baseline's
+            return state["p"], state["o"], loss
+
+        steps[name] = call
+
+    def timed(fn):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        return time.perf_counter() - t
+
+    times = {"baseline": []}
+    times.update({k: [] for k in steps})
+    for rnd in range(args.rounds + 2):  # 2 warm-up rounds (compiles)
+        barrier()
+        if rank == 0:
+            t = timed(base)
+            if rnd >= 2:
+                times["baseline"].append(t)
+        for name, call in steps.items():
+            barrier()
+            t = timed(call)
+            if rnd >= 2:
+                times[name].append(t)
+    if rank == 0:
+        print("RESULT " + json.dumps(times), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--schedules", default="1f1b,eager1f1b")
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--mb-size", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--md")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    cmd = [sys.executable, "-m", "baton.launch", "--nprocs", "2", os.path.abspath(__file__),
+           "--worker", "--schedules", args.schedules, "--dim", str(args.dim), "--rounds",
+           str(args.rounds), "--microbatches", str(args.microbatches), "--mb-size",
+           str(args.mb_size), "--seq", str(args.seq)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=HERE)
+    res = [json.loads(x[7:]) for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    if not res:
+        raise SystemExit(f"no result from {' '.join(cmd)}:\n{p.stdout[-2000:]}\n"
+                         f"{p.stderr[-3000:]}")
+    times = res[0]
+    b = statistics.median(times["baseline"])
+    rows = ["| step | median ms | min-max ms | speed-up vs baseline |", "|---|---|---|---|",
+            f"| jax.jit + lax.scan, rank 0's process (core 0) | {1e3 * b:.1f} "
+            f"| {1e3 * min(times['baseline']):.1f}-{1e3 * max(times['baseline']):.1f} | 1.00 |"]
+    for name in args.schedules.split(","):
+        t = statistics.median(times[name])
+        rows.append(f"| Baton {NAMES.get(name, name)}, 2 ranks (cores 0 and 1) | {1e3 * t:.1f} "
+                    f"| {1e3 * min(times[name]):.1f}-{1e3 * max(times[name]):.1f} "
+                    f"| {b / t:.2f} |")
+    head = [
+        "# 2-rank Baton and the baseline, alternating in the same pinned processes",
+        "",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- machine: {platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}",
+        f"- model: examples/gpt.py, 8 blocks, dim {args.dim}, seq {args.seq}; "
+        f"{args.microbatches} microbatches of {args.mb_size}; AdamW; one XLA thread per process",
+        "- command: `python bench/pinned_ab.py " + " ".join(sys.argv[1:]) + "`",
+        f"- {args.rounds} rounds after 2 warm-up rounds; each round: the baseline on rank 0 "
+        "(rank 1 idle in a barrier), then each Baton step on both ranks; medians",
+        "",
+    ]
+    publish("\n".join(head + rows) + "\n", args.md)
+
+
+if __name__ == "__main__":
+    main()
