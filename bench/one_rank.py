@@ -14,20 +14,16 @@ taken out: both see the same process, allocator and machine phase. Both run with
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
-from timing import publish
+from timing import ONE_THREAD, SCHEDULE_NAMES, command_line, machine_lines, publish
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "zbh1": "ZB-H1"}
 
 
 def measure(args):
@@ -91,18 +87,16 @@ def main():
             if not res:
                 raise SystemExit(f"no result from {' '.join(cmd)}:\n{p.stderr[-3000:]}")
             a, b = statistics.median(res[0]["base"]), statistics.median(res[0]["baton"])
-            rows.append(f"| GPT dim {dim} | {NAMES.get(sched, sched)} | {1e3 * a:.1f} "
+            rows.append(f"| GPT dim {dim} | {SCHEDULE_NAMES.get(sched, sched)} | {1e3 * a:.1f} "
                         f"| {1e3 * b:.1f} | {b / a:.3f} |")
             print(rows[-1], flush=True)
     head = [
         "# Baton on 1 rank vs jax.jit + lax.scan, interleaved in one process",
         "",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- machine: {platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, "
-        f"Python {platform.python_version()}",
+        *machine_lines(),
         f"- model: examples/gpt.py, 8 blocks, seq {args.seq}; {args.microbatches} microbatches "
         f"of {args.mb_size}; AdamW; one process on core 0, one XLA thread",
-        "- command: `python bench/one_rank.py " + " ".join(sys.argv[1:]) + "`",
+        command_line("one_rank.py"),
         f"- medians of {args.rounds} alternating calls of each step (after 2 warm-up rounds)",
         "",
     ]

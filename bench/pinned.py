@@ -22,19 +22,15 @@ A benchmark, not a test: it never fails on timing.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 
-from timing import median_step, publish
+from timing import (ONE_THREAD, SCHEDULE_NAMES, command_line, machine_lines, median_step,
+                    publish)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "eager1f1b": "Eager 1F1B",
-         "interleaved": "Interleaved 1F1B (v=2)", "zbh1": "ZB-H1", "zbh2": "ZB-H2", "zbv": "ZB-V", "dualpipev": "DualPipeV"}
 
 
 def _setup(core: int):
@@ -209,7 +205,7 @@ def main():
             "2 ranks, 2 processes on cores 0 and 1"
         ideal = f" (ideal {2 * m / (m + 1):.2f})" if (role, sched) == ("worker", "1f1b") else ""
         rows.append(
-            f"| Baton {NAMES.get(sched, sched)}, {where} | {1e3 * r['step']:.1f} "
+            f"| Baton {SCHEDULE_NAMES.get(sched, sched)}, {where} | {1e3 * r['step']:.1f} "
             f"| {tokens / r['step']:.0f} | {base['step'] / r['step']:.2f}{ideal} "
             f"| {1e3 * meas['step_time']:.1f} | {1e3 * pred['step_time']:.1f} "
             f"| {pred['step_time'] / meas['step_time']:.2f} | {_pct(meas['bubble'])} "
@@ -223,12 +219,10 @@ def main():
     head = [
         "# Pinned pipelines vs the 1-process baseline",
         "",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- machine: {platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, "
-        f"Python {platform.python_version()}",
+        *machine_lines(),
         f"- model: examples/gpt.py, 8 blocks, dim {args.dim}, seq {args.seq}; {m} microbatches "
         f"of {args.mb_size}; AdamW; one XLA thread per process",
-        "- command: `python bench/pinned.py " + " ".join(sys.argv[1:]) + "`",
+        command_line("pinned.py"),
         f"- every configuration ran as {args.repeat} separate process launch(es); the row is the "
         "launch with the median step time",
         "- step ms: median wall time of a whole step (loop, optimizer, outputs ready); loop "

@@ -24,22 +24,16 @@ baseline's median over its own median. A benchmark, not a test: it never fails o
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
-from timing import publish
+from timing import ONE_THREAD, SCHEDULE_NAMES, command_line, machine_lines, publish
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "eager1f1b": "Eager 1F1B",
-         "interleaved": "Interleaved 1F1B (v=2)", "zbh1": "ZB-H1", "zbv": "ZB-V",
-         "dualpipev": "DualPipeV"}
 
 
 def worker(args):
@@ -145,18 +139,17 @@ def main():
             f"| {1e3 * min(times['baseline']):.1f}-{1e3 * max(times['baseline']):.1f} | 1.00 |"]
     for name in args.schedules.split(","):
         t = statistics.median(times[name])
-        rows.append(f"| Baton {NAMES.get(name, name)}, 2 ranks (cores 0 and 1) | {1e3 * t:.1f} "
+        rows.append(f"| Baton {SCHEDULE_NAMES.get(name, name)}, 2 ranks (cores 0 and 1) "
+                    f"| {1e3 * t:.1f} "
                     f"| {1e3 * min(times[name]):.1f}-{1e3 * max(times[name]):.1f} "
                     f"| {b / t:.2f} |")
     head = [
         "# 2-rank Baton and the baseline, alternating in the same pinned processes",
         "",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- machine: {platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, "
-        f"Python {platform.python_version()}",
+        *machine_lines(),
         f"- model: examples/gpt.py, 8 blocks, dim {args.dim}, seq {args.seq}; "
         f"{args.microbatches} microbatches of {args.mb_size}; AdamW; one XLA thread per process",
-        "- command: `python bench/pinned_ab.py " + " ".join(sys.argv[1:]) + "`",
+        command_line("pinned_ab.py"),
         f"- {args.rounds} rounds after 2 warm-up rounds; each round: the baseline on rank 0 "
         "(rank 1 idle in a barrier), then each Baton step on both ranks; medians",
         "",

@@ -3,8 +3,33 @@ benchmark can set XLA flags and CPU affinity first)."""
 
 from __future__ import annotations
 
+import datetime
+import os
+import platform
 import statistics
+import sys
 import time
+
+# XLA:CPU on one thread (the pinned benchmarks: one core per process).
+ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+# Schedule generator names as the tables print them.
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "eager1f1b": "Eager 1F1B",
+                  "interleaved": "Interleaved 1F1B (v=2)", "zbh1": "ZB-H1", "zbh2": "ZB-H2",
+                  "zbv": "ZB-V", "dualpipev": "DualPipeV"}
+
+
+def machine_lines() -> list[str]:
+    """The date and machine lines of a report."""
+    return [
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- machine: {platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}",
+    ]
+
+
+def command_line(script: str) -> str:
+    """The report line naming the command that wrote it (``bench/<script>`` and its arguments)."""
+    return f"- command: `python bench/{script} " + " ".join(sys.argv[1:]) + "`"
 
 
 def median_step(fn, steps: int, warmup: int = 0) -> float:

@@ -11,6 +11,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
+#include <optional>
 
 #include "baton/plan.h"
 #include "baton/runtime.h"
@@ -51,22 +52,23 @@ void translate_execution_error(const std::exception_ptr& p, void*) {
 // A Python object as a runtime value. Releases its reference under the GIL.
 struct PyValue : rt::ValueBase {
   explicit PyValue(nb::object o) : obj(std::move(o)) {
-    // One attribute read per object (hasattr + attr evaluated jax's nbytes property twice):
-    // a list that carries its own total (the frontend's sized buffer values) is read once.
-    auto bytes_of = [](nb::handle h) -> size_t {
+    // One attribute read per object (hasattr + attr evaluated jax's nbytes property twice).
+    // A value that carries its own total (the frontend's sized buffer lists, an array) is
+    // read once; a plain list or tuple is the sum of its items.
+    auto bytes_of = [](nb::handle h) -> std::optional<size_t> {
       if (h.is_none()) return 0;
       try {
         nb::object n = nb::getattr(h, "nbytes", nb::none());
-        return n.is_none() ? 0 : nb::cast<size_t>(n);
+        if (!n.is_none()) return nb::cast<size_t>(n);
       } catch (...) {
         return 0;
       }
+      return std::nullopt;
     };
-    const bool seq = nb::isinstance<nb::list>(obj) || nb::isinstance<nb::tuple>(obj);
-    if (seq && !nb::hasattr(obj, "nbytes")) {
-      for (nb::handle h : obj) bytes += bytes_of(h);
-    } else {
-      bytes = bytes_of(obj);
+    if (auto n = bytes_of(obj)) {
+      bytes = *n;
+    } else if (nb::isinstance<nb::list>(obj) || nb::isinstance<nb::tuple>(obj)) {
+      for (nb::handle h : obj) bytes += bytes_of(h).value_or(0);
     }
   }
   ~PyValue() override {

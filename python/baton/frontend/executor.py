@@ -209,6 +209,23 @@ class TaskExe:
     acc_mean: list = dataclasses.field(default_factory=list)
     plain: Any = None  # the task as a plain function (traced into one-rank programs, single.py)
 
+    def split(self, outs) -> dict[str, list]:
+        """One call's outputs by group (``_OUT_GROUPS``: act, grad, stash, wstash, wgrad, mb)."""
+        got, pos = {}, 0
+        for k in _OUT_GROUPS:
+            got[k] = list(outs[pos:pos + self.n_out[k]])
+            pos += self.n_out[k]
+        return got
+
+
+def buffer_reads(exe: TaskExe, s: int, m: int) -> list[tuple[str, int, int]]:
+    """The buffers (kind, stage, microbatch) task ``exe`` of stage ``s`` reads for microbatch
+    ``m``, in argument order after its invariant and microbatch inputs."""
+    _, _, act, grad, stash, wstash = exe.in_groups
+    return [(k, bs, m) for present, k, bs in ((act, "Act", s - 1), (grad, "Grad", s + 1),
+                                              (stash, "Stash", s), (wstash, "WStash", s))
+            if present]
+
 
 @dataclasses.dataclass
 class Segment:
@@ -538,25 +555,17 @@ class CompiledStep:
                 st.acc[i] = x
 
     def _task_args(self, exe, s, m, rank, env):
-        inv, mbi, act, grad, stash, wstash = exe.in_groups
-        args = [self._invariant(v, rank) for v in inv]
-        args += [self._microbatch(v, m, rank) for v in mbi]
-        for present, kind, bs in ((act, "Act", s - 1), (grad, "Grad", s + 1),
-                                  (stash, "Stash", s), (wstash, "WStash", s)):
-            if present:
-                args += env[self._buf_id(kind, bs, m)]
+        args = [self._invariant(v, rank) for v in exe.in_groups[0]]
+        args += [self._microbatch(v, m, rank) for v in exe.in_groups[1]]
+        for kind, bs, bm in buffer_reads(exe, s, m):
+            args += env[self._buf_id(kind, bs, bm)]
         return args
 
     def _run_task(self, kind, s, m, rank, env):
         S = self.num_stages
         if kind == "FB":  # F(s,m)+B(s,m) fused: one program, the stash stays inside
             exe = self.tasks[("FB", s)]
-            outs = self._call(exe, self._task_args(exe, s, m, rank, env))
-            n, pos = exe.n_out, 0
-            got = {}
-            for k in _OUT_GROUPS:
-                got[k] = list(outs[pos:pos + n[k]])
-                pos += n[k]
+            got = exe.split(self._call(exe, self._task_args(exe, s, m, rank, env)))
             if s < S - 1:
                 env[self._buf_id("Act", s, m)] = got["act"]
             env[self._buf_id("Stash", s, m)] = []
@@ -568,31 +577,17 @@ class CompiledStep:
         if kind == "B" and ("B", s) not in self.tasks:
             # The schedule mixes B with I/W: run I, feed its WStash straight to W.
             ie, we = self.tasks[("I", s)], self.tasks[("W", s)]
-            outs = self._call(ie, self._task_args(ie, s, m, rank, env))
-            k = ie.n_out
-            grad = outs[k["act"]:k["act"] + k["grad"]]
-            off = k["act"] + k["grad"] + k["stash"]
-            wst = outs[off:off + k["wstash"]]
-            inv, mbi = we.in_groups[0], we.in_groups[1]
-            wargs = [self._invariant(v, rank) for v in inv]
-            wargs += [self._microbatch(v, m, rank) for v in mbi]
-            wouts = self._call(we, wargs + list(wst))
+            got = ie.split(self._call(ie, self._task_args(ie, s, m, rank, env)))
+            wargs = [self._invariant(v, rank) for v in we.in_groups[0]]
+            wargs += [self._microbatch(v, m, rank) for v in we.in_groups[1]]
+            wgrad = we.split(self._call(we, wargs + got["wstash"]))["wgrad"]
             if s > 0:
-                env[self._buf_id("Grad", s, m)] = list(grad)
-            env[self._buf_id("WGrad", s, m)] = list(wouts[:we.n_out["wgrad"]])
+                env[self._buf_id("Grad", s, m)] = got["grad"]
+            env[self._buf_id("WGrad", s, m)] = wgrad
             return
         exe = self.tasks[(kind, s)]
-        outs = self._call(exe, self._task_args(exe, s, m, rank, env))
-        pos = 0
-        n = exe.n_out
-
-        def take(k):
-            nonlocal pos
-            r = list(outs[pos:pos + n[k]])
-            pos += n[k]
-            return r
-
-        act, grad, stash, wstash, wgrad, mbo = (take(k) for k in _OUT_GROUPS)
+        got = exe.split(self._call(exe, self._task_args(exe, s, m, rank, env)))
+        act, grad, stash, wstash, wgrad, mbo = (got[k] for k in _OUT_GROUPS)
         if kind == "F":
             if s < S - 1:
                 env[self._buf_id("Act", s, m)] = act

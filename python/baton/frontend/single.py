@@ -26,9 +26,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .. import _core
+from .executor import buffer_reads
 
 G = _core.graph
 _MAX_PERIOD_PER_STAGE = 4
@@ -48,14 +48,7 @@ def _exes(cs, kind, s):
 
 def reads(cs, kind, s, m) -> list[tuple[str, int, int]]:
     """Buffers (kind, stage, microbatch) a task reads (as ``CompiledStep._task_args``)."""
-    exe = _exes(cs, kind, s)[0]
-    _, _, act, grad, stash, wstash = exe.in_groups
-    out = []
-    for present, k, bs in ((act, "Act", s - 1), (grad, "Grad", s + 1), (stash, "Stash", s),
-                           (wstash, "WStash", s)):
-        if present:
-            out.append((k, bs, m))
-    return out
+    return buffer_reads(_exes(cs, kind, s)[0], s, m)
 
 
 def writes(cs, kind, s, m) -> list[tuple[str, int, int]]:
@@ -167,24 +160,17 @@ class _Env:
 
 def _run_task(cs, kind, s, m, inv, mb, get, put, add):
     """Calls one task's function(s) (plain, traced into the enclosing program)."""
-    out_groups = ("act", "grad", "stash", "wstash", "wgrad", "mb")
     exes = _exes(cs, kind, s)
     exe = exes[0]
-    ivs, mbi = exe.in_groups[0], exe.in_groups[1]
-    args = [inv(v) for v in ivs] + [mb(v, m) for v in mbi]
-    for k, bs, bm in reads(cs, kind, s, m):
-        args += get((k, bs, bm))
-    outs = list(exe.plain(*args))
-    got, pos = {}, 0
-    for g in out_groups:
-        got[g] = outs[pos:pos + exe.n_out[g]]
-        pos += exe.n_out[g]
+    args = [inv(v) for v in exe.in_groups[0]] + [mb(v, m) for v in exe.in_groups[1]]
+    for key in buffer_reads(exe, s, m):
+        args += get(key)
+    got = exe.split(exe.plain(*args))
     wgrad_parts, mb_parts = exe.body
     if len(exes) == 2:  # B as I then W: I's WStash goes straight to W
         we = exes[1]
         wargs = [inv(v) for v in we.in_groups[0]] + [mb(v, m) for v in we.in_groups[1]]
-        wouts = list(we.plain(*(wargs + got["wstash"])))
-        got["wgrad"] = wouts[:we.n_out["wgrad"]]
+        got["wgrad"] = we.split(we.plain(*(wargs + got["wstash"])))["wgrad"]
         wgrad_parts = we.body[0]
     for k, bs, bm in writes(cs, kind, s, m):
         put((k, bs, bm), got["act"] if k == "Act" else got["grad"] if k == "Grad"
