@@ -127,8 +127,16 @@ def worker_main(mode: str, outdir: str) -> None:
         # Peaks of every rank (exchanged). Over Gloo a sent buffer stays live until its send
         # completes, so they may exceed the simulator's prediction (checked in
         # single-process mode by test_e2e.py).
-        peaks = step.last_stats["peak_bytes"]
-        assert len(peaks) == world and all(a > 0 for a in peaks), peaks
+        # A step whose loop ran as one program per rank (program.RankProgram) has no executor
+        # peaks; which way each schedule ran is saved for the test to check.
+        if "rank_program" in step.last_stats:
+            assert step.single_declined is None
+            how = "program: " + step.last_stats["rank_program"]
+        else:
+            peaks = step.last_stats["peak_bytes"]
+            assert len(peaks) == world and all(a > 0 for a in peaks), peaks
+            how = f"executor: {step.single_declined}"
+        (pathlib.Path(outdir) / f"{name}-mode-rank{rank}.txt").write_text(how)
         full = ps.gather((hist, p, s))
         if rank == 0:
             np.savez(os.path.join(outdir, f"{name}.npz"), **flat_result(*full))

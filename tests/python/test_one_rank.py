@@ -96,7 +96,7 @@ def test_gpipe_declines_the_one_program():
     outputs: slower than the executor), so it runs on the executor and says why."""
     from mlp_step import make
 
-    from baton.frontend.single import SingleProgram
+    from baton.frontend.program import SingleProgram
 
     ps, params, batch = make(baton.GPipe(), 1, 4)
     ps(params, batch)
@@ -123,7 +123,7 @@ def test_one_program_several_stages_on_one_rank(schedule):
     from mlp_step import make
     from test_e2e import run_mlp
 
-    from baton.frontend.single import SingleProgram
+    from baton.frontend.program import SingleProgram
 
     assert schedule.stages(1) == 2
     ps = run_mlp(schedule, 1, microbatches=4, steps=2, per_rank=2, aux=True)
@@ -144,12 +144,12 @@ def test_one_program_that_fails_to_build_falls_back_to_the_executor(monkeypatch)
     and says why; a task error is then reported as the executor reports it."""
     from mlp_step import make
 
-    from baton.frontend import single
+    from baton.frontend import program
 
     def broken(self, flat_args):
         raise RuntimeError("rolled wrong")
 
-    monkeypatch.setattr(single.SingleProgram, "_program", broken)
+    monkeypatch.setattr(program.SingleProgram, "_program", broken)
     ps, params, batch = make(baton.OneFOneB(), 1, 4)
     got = ps(params, batch)
     step = ps.last

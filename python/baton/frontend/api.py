@@ -138,7 +138,7 @@ class PipelinedFunction:
             rt.retain_host_memory()
         return CompiledStep(traced, plan, self.mesh, bool(sched.split_backward()),
                             remat=self.remat,
-                            single_program=self.single_program and self.transport == "local")
+                            single_program=self.single_program)
 
     def __call__(self, *args):
         return self._call(args, self.trace)
@@ -297,8 +297,11 @@ def jit(
     ``single_program``: with one rank in this process (nothing to overlap), compile the whole
     step, the schedule's tasks rolled into ``lax.scan`` loops in the schedule's order, into one
     XLA program instead of running it on the executor (as Megatron-LM runs a pipeline of size
-    1 without its pipeline engine); traced and profiled steps still use the executor. ``False``
-    always uses the executor.
+    1 without its pipeline engine). With one process per rank (a host transport, one device
+    per rank), compile each rank's microbatch loop into one XLA program whose sends and
+    receives are host callbacks on the transport, in the order of the rank's instruction
+    stream. Traced and profiled steps, and schedules whose program would hand stacked stashes
+    between loops (GPipe), still use the executor. ``False`` always uses the executor.
     """
     if mesh is None and (transport == "local" or
                          (transport is None and launched_world_size() <= 1)):

@@ -207,7 +207,7 @@ class TaskExe:
     # The last microbatch's variant (see _with_acc_mean); None when no summed part is a mean.
     fn_acc_mean: Any = None
     acc_mean: list = dataclasses.field(default_factory=list)
-    plain: Any = None  # the task as a plain function (traced into one-rank programs, single.py)
+    plain: Any = None  # the task as a plain function (traced into programs, program.py)
 
     def split(self, outs) -> dict[str, list]:
         """One call's outputs by group (``_OUT_GROUPS``: act, grad, stash, wstash, wgrad, mb)."""
@@ -317,11 +317,14 @@ class CompiledStep:
         self.capture: dict | None = None
         self.last_events: list | None = None
         self.last_offsets: list | None = None
-        # One rank in this process: the whole step as one XLA program (single.py), except
+        # One rank in this process: the whole step as one XLA program (program.py), except
         # when recording or capturing (those need the executor's instructions).
-        self.single_program = bool(single_program) and self.num_ranks == 1
-        self.single_declined: str | None = None  # why a one-rank step uses the executor
+        # One rank of several in this process (multi-process): its loop as one program
+        # (program.RankProgram). Several ranks in one process use the executor.
+        self.single_program = bool(single_program)
+        self.single_declined: str | None = None  # why a step uses the executor
         self._single = None
+        self._rank_prog = None
 
     def _task_exe(self, kind, stage, ops, groups, outs, wgrad_parts, mb_parts) -> TaskExe:
         """One task's jit: ``ops`` (program order) from the value ids in ``groups`` to the
@@ -485,7 +488,8 @@ class CompiledStep:
         transport); a :class:`~baton.frontend.distributed.ProcessGroup`: this process's rank
         only, over its transport (see ``_run_group``)."""
         if group is None:
-            if self.single_program and not self.record and self.capture is None:
+            if (self.single_program and self.num_ranks == 1 and not self.record
+                    and self.capture is None):
                 return self._run_single(flat_args, timeout)
             return self._run_local(flat_args, timeout)
         return self._run_group(flat_args, group, timeout)
@@ -690,7 +694,7 @@ class CompiledStep:
     def _run_single(self, flat_args, timeout):
         first = self._single is None
         if first:
-            from .single import SingleProgram
+            from .program import SingleProgram
 
             try:
                 sp = SingleProgram(self)
@@ -852,23 +856,29 @@ class CompiledStep:
             if self not in group.steps:
                 group.steps.append(self)
         ex = self._group_exec[1]
-        errors: list[BaseException | None] = [None] * R
-        try:
-            ex.run()
-        except BaseException as e:  # noqa: BLE001
-            errors[me] = e
-        self._state = None
-        _raise_first(errors, st)
-        s = ex.stats()
-        peaks = router.allgather(f"{s['peak_live_bytes']} {s['peak_live_buffers']}")
-        self.last_stats = {"peak_bytes": [int(p.split()[0]) for p in peaks],
-                           "peak_buffers": [int(p.split()[1]) for p in peaks]}
-        if self.record:
-            from .tracing import gather_events
+        prog = self._rank_program(group, router, vals, timeout)
+        if prog is not None:  # the loop as one XLA program (program.py)
+            self._state = None
+            final = prog(vals)
+            self.last_stats = {"rank_program": prog.describe()}
+        else:
+            errors: list[BaseException | None] = [None] * R
+            try:
+                ex.run()
+            except BaseException as e:  # noqa: BLE001
+                errors[me] = e
+            self._state = None
+            _raise_first(errors, st)
+            s = ex.stats()
+            peaks = router.allgather(f"{s['peak_live_bytes']} {s['peak_live_buffers']}")
+            self.last_stats = {"peak_bytes": [int(p.split()[0]) for p in peaks],
+                               "peak_buffers": [int(p.split()[1]) for p in peaks]}
+            if self.record:
+                from .tracing import gather_events
 
-            self.last_events, self.last_offsets = gather_events(group, ex.events(), timeout)
-        mine = [i for i, p in enumerate(self.parts) if self.stage_rank[p.stage] == me]
-        final = self._reduce_parts(st, mine)
+                self.last_events, self.last_offsets = gather_events(group, ex.events(), timeout)
+            mine = [i for i, p in enumerate(self.parts) if self.stage_rank[p.stage] == me]
+            final = self._reduce_parts(st, mine)
         for i, p in enumerate(self.parts):
             where[("part", i)] = {self.stage_rank[p.stage]}
             if i in final:
@@ -898,6 +908,50 @@ class CompiledStep:
                 outs.append(Remote(tuple(aval.shape), np.dtype(aval.dtype), min(where[v])))
         router.finish()
         return outs
+
+    def _rank_program(self, group, router, vals, timeout):
+        """This rank's loop as one program (program.RankProgram), or None: the executor runs
+        it (traced or profiled steps, or a declined program). Every rank decides the same way:
+        on the first call each builds and compiles its program and the ranks exchange their
+        reasons to decline; one reason sends every rank to the executor for good."""
+        if not self.single_program or self.record or self.capture is not None:
+            return None
+        rp = self._rank_prog
+        if rp is not None and rp.transport is group.transport:
+            rp.timeout = float(timeout)
+            return rp
+        from .program import RankProgram
+
+        me = group.rank
+        why = ""
+        if len(self.mesh.rank_devices[me]) > 1:
+            why = "the rank has several devices (its transfers would be gathered to the host)"
+        elif group.transport.kind == "nccl":
+            why = "NCCL moves device buffers: host callbacks would copy them through the host"
+        else:
+            try:
+                rp = RankProgram(self, me, group.transport, timeout)
+                stacked = rp.stacked_buffers()
+                if stacked:  # slower than the executor (see stacked_buffers)
+                    why = (f"the schedule hands {', '.join(stacked)} stacked over microbatches "
+                           f"from one loop to another")
+                else:
+                    rp.compile(vals)
+            except Exception as e:  # noqa: BLE001  (the executor is the reference path)
+                why = f"building it failed: {type(e).__name__}: {e}"
+        whys = router.allgather(why.replace("\n", " "))
+        bad = [(q, w) for q, w in enumerate(whys) if w]
+        if bad:
+            import logging
+
+            self.single_program = False
+            self.single_declined = "; ".join(f"rank {q}: {w}" for q, w in bad)
+            self._rank_prog = None
+            logging.getLogger("baton").info("rank %d runs its loop on the executor, not as one "
+                                            "program: %s", me, self.single_declined)
+            return None
+        self._rank_prog = rp
+        return rp
 
     def _group_segments(self, segs, vals, where, router, me):
         lits = self.traced.literals

@@ -1,0 +1,710 @@
+"""Steps as XLA programs: a one-rank step as one program, one rank's loop as one program.
+
+**One rank** (``SingleProgram``, ``baton.jit(single_program=...)``). When every stage of a
+plan is on one rank there is nothing to overlap: the executor would only add a host round
+trip per task (dispatch, output allocation, the optimizer as its own call). As Megatron-LM
+does for a pipeline of size 1, Baton then compiles the whole step (the code before the loop,
+the rank's tasks in the schedule's order, the reductions and the code after the loop) into
+one jitted function. The schedule still decides the order and so the memory profile: GPipe
+runs every forward before any backward and keeps every stash, 1F1B (fused) one microbatch at
+a time, ZB-H1 F, I and W.
+
+**One rank of several, one process per rank** (``RankProgram``). The rank's instruction
+stream becomes one jitted program of its microbatch loop: its tasks in the stream's order,
+and its transfers as host callbacks (``io_callback``) that post sends and receives on the
+process's transport and wait for receives where the next task needs them. A scalar token
+threads every task and callback in stream order (``optimization_barrier`` ties a task's
+inputs to the token before it and the token after it to the task's outputs), so XLA keeps
+the schedule's order: a send is posted as soon as its task is done, a receive is waited on
+only where the stream waits. Transfers are the executor's: same transport, one tag per
+(step, buffer), the receiver's layout (no header). What the program saves is the per-task
+host work of the executor (a jit dispatch of ~100 arguments and outputs per task, the
+callbacks, the sums as separate arrays), which on a CPU shares the core with the compute.
+
+Both roll their item lists into loops: ``roll`` splits the items (tasks, and for a rank's
+loop its sends, receive posts and receive waits) into runs of a repeating pattern whose
+microbatches grow by ``delta`` per repetition (``[FB0]`` x 8 for fused 1F1B on one rank;
+``[F0]`` x 8 then ``[B0]`` x 8 for GPipe; two microbatches per repetition for rank 0 of a
+2-rank 1F1B, whose stashes live two repetitions) and each run of two or more repetitions
+becomes a ``lax.scan``:
+
+* weight-gradient sums are its carry (zeros, ``+``, ``/ M``);
+* a buffer read one repetition after the one that made it (rank 0's stashes above) is a
+  carry slot, written where it is made and read where the next repetition reads it;
+* microbatch slices and buffers made before the run are its ``xs``;
+* buffers read after the run and stacked per-microbatch outputs are its ``ys``.
+
+A pattern is rolled only when every buffer a repetition reads is made earlier in the same
+repetition, in the previous one (a carry slot) or before the run. Items outside any run are
+called in place.
+
+Tracing and profiling (``record``/``capture``) need per-instruction events, so those steps
+run on the executor as before.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _core
+from ..errors import ExecutionError
+from .executor import buffer_reads
+
+G = _core.graph
+_MAX_PERIOD_PER_STAGE = 4
+_MAX_ITEMS_PER_STAGE = 16  # a rank's pattern: its tasks and their transfers
+_TAG_BASE = 1 << 42  # program tags: above the executor's (step * buffers + buffer), below
+_TAG_SPAN = 1 << 41  # the Router's (distributed._TAG_BASE = 1 << 44)
+
+# An item: (op, kind, stage, microbatch, peer). op "run": kind a task kind (F, B, I, W, FB);
+# "send" / "post" (a receive posted) / "wait" (a receive waited on): kind a buffer kind.
+Item = tuple
+
+
+def task_list(cs, rank: int = 0) -> list[tuple[str, int, int]]:
+    """A rank's tasks in program order: (kind, stage, microbatch); fused F+B as ``FB``."""
+    return [t for a in range(len(cs.rank_actions[rank])) for t in cs._tasks_of(rank, a)]
+
+
+def _exes(cs, kind, s):
+    """The task executables a task runs: one, or I then W for a B the partition split."""
+    if kind == "B" and ("B", s) not in cs.tasks:
+        return [cs.tasks[("I", s)], cs.tasks[("W", s)]]
+    return [cs.tasks[(kind, s)]]
+
+
+def reads(cs, kind, s, m) -> list[tuple[str, int, int]]:
+    """Buffers (kind, stage, microbatch) a task reads (as ``CompiledStep._task_args``)."""
+    return buffer_reads(_exes(cs, kind, s)[0], s, m)
+
+
+def writes(cs, kind, s, m) -> list[tuple[str, int, int]]:
+    """Buffers a task makes (as ``CompiledStep._run_task``)."""
+    last = cs.num_stages - 1
+    out = []
+    if kind in ("F", "FB") and s < last:
+        out.append(("Act", s, m))
+    if kind == "F":
+        out.append(("Stash", s, m))
+    if kind in ("FB", "B", "I") and s > 0:
+        out.append(("Grad", s, m))
+    if kind == "I":
+        out.append(("WStash", s, m))
+    return out
+
+
+def item_reads(cs, it: Item) -> list[tuple[str, int, int]]:
+    op, k, s, m, _ = it
+    if op == "run":
+        return reads(cs, k, s, m)
+    return [(k, s, m)] if op == "send" else []
+
+
+def item_writes(cs, it: Item) -> list[tuple[str, int, int]]:
+    op, k, s, m, _ = it
+    if op == "run":
+        return writes(cs, k, s, m)
+    return [(k, s, m)] if op == "wait" else []
+
+
+def _shift(it: Item, d: int) -> Item:
+    return (it[0], it[1], it[2], it[3] + d, it[4])
+
+
+def rank_items(cs, rank: int) -> list[Item]:
+    """A rank's instruction stream as items: its tasks, its sends where the stream sends, its
+    receives posted where the executor posts them (before the task preceding the RECV, as
+    ``Executor::post_ahead``) and waited on just before the first task that reads them."""
+    items: list[Item] = []
+    posted: dict[tuple, Item] = {}
+    waited: set = set()
+    last_run = -1  # index in items of the latest task's first item (waits included)
+    for op, a, b, peer in cs.programs[rank]:
+        op = op.split(".")[-1].upper()
+        if op == "RUN":
+            start = len(items)
+            for kind, s, m in cs._tasks_of(rank, a):
+                for key in reads(cs, kind, s, m):
+                    if key in posted and key not in waited:
+                        waited.add(key)
+                        items.append(("wait", *key, posted[key][4]))
+                items.append(("run", kind, s, m, -1))
+            last_run = start
+        elif op == "SEND":
+            items.append(("send", *cs._bkey(b), peer))
+        elif op == "RECV":
+            key = cs._bkey(b)
+            it = ("post", *key, peer)
+            posted[key] = it
+            if last_run >= 0:  # posted before the task before it (and its waits)
+                items.insert(last_run, it)
+                last_run += 1
+            else:
+                items.append(it)
+    missing = [k for k in posted if k not in waited]
+    if missing:
+        raise ValueError(f"received buffers no task reads: {missing}")
+    return items
+
+
+def _analyze(cs, pat: list[Item], delta: int):
+    """The carry slots of ``pat`` as a scan body advancing ``delta`` microbatches per
+    repetition, or None when it cannot be one. A slot ``(k, s, m)`` is a buffer the pattern
+    makes at microbatch ``m`` and the next repetition reads (there at ``m`` again, i.e.
+    ``m - delta`` relative to it)."""
+    makers: dict[tuple[str, int], dict[int, int]] = {}
+    for j, it in enumerate(pat):
+        for k, s, m in item_writes(cs, it):
+            if m in makers.setdefault((k, s), {}):
+                return None
+            makers[(k, s)][m] = j
+    slots = set()
+    for j, it in enumerate(pat):
+        for k, s, m in item_reads(cs, it):
+            mk = makers.get((k, s))
+            if mk is None:
+                continue  # made before the run
+            if mk.get(m, len(pat)) < j:
+                continue  # made earlier in this repetition
+            if m + delta in mk:
+                slots.add((k, s, m + delta))
+                continue
+            return None
+    return slots
+
+
+def roll(cs, items, max_period=None) -> list[tuple[list[Item], int, int]]:
+    """``items`` as runs ``(pattern, repetitions, delta)``: repetition t runs the pattern's
+    items at microbatch ``m + t * delta``. Greedy from the front: the (period, delta)
+    covering the most items (at least two repetitions), the shortest period and then the
+    smallest delta on ties; an item no period covers is a run of one."""
+    n = len(items)
+    if max_period is None:
+        max_period = _MAX_PERIOD_PER_STAGE * cs.num_stages
+    max_p = max(1, max_period)
+    runs = []
+    i = 0
+    while i < n:
+        best = (1, 1, 1)  # (period, repetitions, delta)
+        for p in range(1, min(max_p, (n - i) // 2) + 1):
+            pat = items[i:i + p]
+            for d in range(1, min(p, cs.M) + 1):
+                r = 1
+                while i + (r + 1) * p <= n and all(
+                        items[i + r * p + j] == _shift(it, r * d) for j, it in enumerate(pat)):
+                    r += 1
+                if r >= 2 and r * p > best[0] * best[1] and _analyze(cs, pat, d) is not None:
+                    best = (p, r, d)
+        p, r, d = best
+        runs.append((list(items[i:i + p]), r, d))
+        i += p * r
+    return runs
+
+
+class _Env:
+    """Values of one step while it is traced: buffers per (kind, stage, microbatch), either
+    single or rows of a scan's stacked output; part sums; stacked parts."""
+
+    def __init__(self):
+        self.single: dict[tuple, list] = {}
+        self.rows: dict[tuple[str, int], list[tuple[int, int, int, list]]] = {}
+        self.acc: dict[int, Any] = {}
+        self.stack_single: dict[int, dict[int, Any]] = {}
+        self.stack_rows: dict[int, list[tuple[int, int, int, Any]]] = {}
+
+    def get(self, key):
+        if key in self.single:
+            return self.single[key]
+        k, s, m = key
+        for m0, r, d, ys in self.rows.get((k, s), ()):
+            if m0 <= m < m0 + r * d and (m - m0) % d == 0:
+                return [y[(m - m0) // d] for y in ys]
+        raise KeyError(f"internal: buffer {key} is read before it is made")
+
+    def get_range(self, key, r, d):
+        """Buffer ``key``'s values for microbatches m, m+d, ..., stacked (a scan's ``xs``)."""
+        k, s, m = key
+        for m0, rr, dd, ys in self.rows.get((k, s), ()):
+            if (dd, m0, rr) == (d, m, r):
+                return ys
+        vals = [self.get((k, s, m + t * d)) for t in range(r)]
+        return [jnp.stack(xs) for xs in zip(*vals)]
+
+    def add(self, cs, i, m, x):
+        if cs.parts[i].reduce == G.Reduce.Stack:
+            self.stack_single.setdefault(i, {})[m] = x
+        else:
+            self.acc[i] = x if i not in self.acc else self.acc[i] + x
+
+    def stacked_part(self, i, M):
+        rows = self.stack_rows.get(i, [])
+        if len(rows) == 1 and rows[0][:3] == (0, M, 1):
+            return rows[0][3]
+        per = dict(self.stack_single.get(i, {}))
+        for m0, r, d, y in rows:
+            for t in range(r):
+                per[m0 + t * d] = y[t]
+        return jnp.stack([per[m] for m in range(M)])
+
+
+def _run_task(cs, kind, s, m, inv, mb, get, put, add, call):
+    """Calls one task's function(s) (plain, traced into the enclosing program); ``call(fn,
+    args)`` calls one of them."""
+    exes = _exes(cs, kind, s)
+    exe = exes[0]
+    args = [inv(v) for v in exe.in_groups[0]] + [mb(v, m) for v in exe.in_groups[1]]
+    for key in buffer_reads(exe, s, m):
+        args += get(key)
+    got = exe.split(call(exe.plain, args))
+    wgrad_parts, mb_parts = exe.body
+    if len(exes) == 2:  # B as I then W: I's WStash goes straight to W
+        we = exes[1]
+        wargs = [inv(v) for v in we.in_groups[0]] + [mb(v, m) for v in we.in_groups[1]]
+        got["wgrad"] = we.split(call(we.plain, wargs + got["wstash"]))["wgrad"]
+        wgrad_parts = we.body[0]
+    for k, bs, bm in writes(cs, kind, s, m):
+        put((k, bs, bm), got["act"] if k == "Act" else got["grad"] if k == "Grad"
+            else got["stash"] if k == "Stash" else got["wstash"])
+    for i, x in zip(wgrad_parts, got["wgrad"]):
+        add(i, m, x)
+    for i, x in zip(mb_parts, got["mb"]):
+        add(i, m, x)
+
+
+def _parts_of(cs, kind, s):
+    out = []
+    for exe in _exes(cs, kind, s):
+        out += list(exe.body[0]) + list(exe.body[1])
+    return out
+
+
+class _Token:
+    """The scalar that orders a rank program's tasks and callbacks (None: not ordered)."""
+
+    def __init__(self, dep):
+        self.dep = dep
+
+    def call(self, fn, args):
+        if self.dep is None:
+            return fn(*args)
+        args, self.dep = jax.lax.optimization_barrier((list(args), self.dep))
+        outs = fn(*args)
+        outs, self.dep = jax.lax.optimization_barrier((list(outs), self.dep))
+        return outs
+
+    def tie(self, xs):
+        """``xs`` (e.g. updated sums) computed before whatever follows the token."""
+        if self.dep is None or not xs:
+            return xs
+        xs, self.dep = jax.lax.optimization_barrier((list(xs), self.dep))
+        return xs
+
+
+class _LoopProgram:
+    """The microbatch loop of one rank as traced code: items rolled into scans (see the module
+    docstring). Subclasses give the items and, for a rank of several, the transfers."""
+
+    def __init__(self, cs, rank, items, max_period=None):
+        self.cs = cs
+        self.rank = rank
+        self.items = items
+        self.runs = roll(cs, items, max_period)
+        # last position that reads each buffer: a run's buffers read after it leave as ys
+        # (or, for the last repetition's value of a carry slot, as the final carry)
+        last_read: dict[tuple, int] = {}
+        for pos, it in enumerate(items):
+            for key in item_reads(cs, it):
+                last_read[key] = pos
+        self._keep = []  # per run: the buffers it makes that later items read (its ys)
+        self._slots = []  # per run: its carry slots
+        pos = 0
+        for pattern, r, d in self.runs:
+            end = pos + len(pattern) * r
+            slots = sorted(_analyze(cs, pattern, d) or ()) if r > 1 else []
+            made = {key for it in pattern for key in item_writes(cs, it)}
+            keep = []
+            for key in sorted(made):
+                k, s, m = key
+                later = [t for t in range(r) if last_read.get((k, s, m + t * d), -1) >= end]
+                if r > 1 and later and not (key in slots and later == [r - 1]):
+                    keep.append(key)
+            self._keep.append(keep)
+            self._slots.append(slots)
+            pos = end
+
+    def stacked_buffers(self) -> list[str]:
+        """Buffer kinds a scan hands to later items stacked over its microbatches (GPipe's
+        stashes). Such a program is slower than the executor: XLA zero-fills each stacked
+        output before the loop writes it (about 216 MB per step for the GPT of
+        bench/one_rank.py, 632 against 599 ms), where the executor keeps per-microbatch
+        buffers."""
+        return sorted({f"{k}{s}" for keep in self._keep for k, s, _ in keep})
+
+    def describe(self) -> str:
+        """The runs, e.g. ``scan 8 x [FB0]`` or ``scan 8 x [F0]; scan 8 x [B0]``; transfers
+        as ``>Act0`` (send), ``+Grad1`` (receive posted), ``<Grad1`` (received)."""
+        sym = {"send": ">", "post": "+", "wait": "<"}
+
+        def name(it):
+            return f"{it[1]}{it[2]}" if it[0] == "run" else f"{sym[it[0]]}{it[1]}{it[2]}"
+
+        out = []
+        for pat, r, d in self.runs:
+            head = f"scan {r} x " if r > 1 else ""
+            step = f"/{d}" if r > 1 and d > 1 else ""
+            out.append(head + "[" + " ".join(name(it) for it in pat) + "]" + step)
+        return "; ".join(out)
+
+    # -- transfers (RankProgram) --------------------------------------------------------
+    def _comm(self, group, base, get, put, token):
+        raise ValueError("internal: this program has no transfers")
+
+    # -- the traced loop ------------------------------------------------------------------
+    def _loop(self, env, outer, whole_mb, token):
+        """Traces the loop into ``env`` (its sums, stacked parts and buffers)."""
+        cs = self.cs
+        pending: list[Item] = []
+
+        def flush():
+            if pending:
+                self._items(list(pending), 0, outer, lambda v, mm: whole_mb(v)[mm], env.get,
+                            env.single.__setitem__, lambda i, mm, x: env.add(cs, i, mm, x),
+                            lambda: env.acc, token)
+                pending.clear()
+
+        for (pattern, r, d), keep, slots in zip(self.runs, self._keep, self._slots):
+            if r == 1:
+                pending.extend(pattern)
+            else:
+                flush()
+                self._scan(pattern, r, d, keep, slots, env, outer, whole_mb, token)
+        flush()
+
+    def _items(self, items, base, inv, mb, get, put, add, acc, token):
+        """Traces ``items`` in order: tasks (tied to the token), and each stretch of
+        transfers between two tasks as one callback."""
+        cs = self.cs
+        i = 0
+        while i < len(items):
+            it = items[i]
+            if it[0] == "run":
+                _, kind, s, m, _ = it
+                _run_task(cs, kind, s, m, inv, mb, get, put, add, token.call)
+                if token.dep is not None:
+                    a = acc()
+                    touched = [j for j in _parts_of(cs, kind, s) if j in a]
+                    for j, x in zip(touched, token.tie([a[j] for j in touched])):
+                        a[j] = x
+                i += 1
+            else:
+                j = i
+                while j < len(items) and items[j][0] != "run":
+                    j += 1
+                self._comm(items[i:j], base, get, put, token)
+                i = j
+
+    def _scan(self, pattern, r, d, keep, slots, env, outer, whole_mb, token):
+        cs = self.cs
+        made = {key for it in pattern for key in item_writes(cs, it)}
+        slot_read = {(k, s, m - d): (k, s, m) for k, s, m in slots}  # read key -> slot
+        # xs: buffers made before the run, microbatch slices, the repetition index
+        xs: dict[tuple, Any] = {("t",): jnp.arange(r, dtype=jnp.int32)}
+        for it in pattern:
+            for key in item_reads(cs, it):
+                if key not in made and key not in slot_read:
+                    xs[("b",) + key] = env.get_range(key, r, d)
+            if it[0] == "run":
+                for exe in _exes(cs, it[1], it[2]):
+                    for v in exe.in_groups[1]:
+                        xs[("m", v, it[3])] = whole_mb(v)[it[3]:it[3] + (r - 1) * d + 1:d]
+        # carry: the sums the pattern adds to, the slots, the token
+        parts = set()
+        for it in pattern:
+            if it[0] == "run":
+                parts.update(_parts_of(cs, it[1], it[2]))
+        summed = sorted(i for i in parts if cs.parts[i].reduce != G.Reduce.Stack)
+        stacked = sorted(i for i in parts if cs.parts[i].reduce == G.Reduce.Stack)
+        init_acc = {}
+        for i in summed:
+            if i in env.acc:
+                init_acc[i] = env.acc[i]
+            else:
+                aval = cs.traced.avals[cs.parts[i].body]
+                init_acc[i] = jnp.zeros(aval.shape, aval.dtype)
+        init_slots = {key: env.get(rd) for rd, key in slot_read.items()}
+        init = (init_acc, init_slots, token.dep)
+
+        def body(carry, x):
+            acc, slot_vals, dep = carry
+            acc = dict(acc)
+            local: dict[tuple, list] = {}
+            st: dict[int, Any] = {}
+            tok = _Token(dep)
+
+            def get(key):
+                if key in local:
+                    return local[key]
+                if key in slot_read:
+                    return slot_vals[slot_read[key]]
+                return x[("b",) + key]
+
+            def add(i, m, v):
+                if i in acc:
+                    acc[i] = acc[i] + v
+                else:
+                    st[i] = v
+
+            self._items(pattern, x[("t",)] * d, outer, lambda v, mm: x[("m", v, mm)], get,
+                        local.__setitem__, add, lambda: acc, tok)
+            return (acc, {key: local[key] for key in slot_vals}, tok.dep), \
+                ({k: local[k] for k in keep}, st)
+
+        (acc, slot_vals, dep), (ys, st) = jax.lax.scan(body, init, xs, length=r)
+        token.dep = dep
+        env.acc.update(acc)
+        for (k, s, m), v in slot_vals.items():
+            env.single[(k, s, m + (r - 1) * d)] = v
+        for key in keep:
+            k, s, m = key
+            env.rows.setdefault((k, s), []).append((m, r, d, ys[key]))
+        m0 = {}
+        for it in pattern:
+            if it[0] == "run":
+                for exe in _exes(cs, it[1], it[2]):
+                    for i in list(exe.body[0]) + list(exe.body[1]):
+                        m0.setdefault(i, it[3])
+        for i in stacked:
+            env.stack_rows.setdefault(i, []).append((m0[i], r, d, st[i]))
+
+    def _final_parts(self, env, idx):
+        """The loop's outputs ``idx``: parts reduced (mean, sum or stack)."""
+        cs = self.cs
+        final: dict[int, Any] = {}
+        for i in idx:
+            part = cs.parts[i]
+            if part.reduce == G.Reduce.Stack:
+                final[i] = env.stacked_part(i, cs.M)
+            elif part.reduce == G.Reduce.Mean:
+                final[i] = env.acc[i] / cs.M
+            else:
+                final[i] = env.acc[i]
+        return final
+
+    def _whole_mb(self, outer, split):
+        cs = self.cs
+
+        def whole_mb(v):  # the loop input as [M, batch/M, ...]
+            if v not in split:
+                x = jnp.asarray(outer(v))
+                x = x.reshape((cs.M, x.shape[0] // cs.M, *x.shape[1:]))
+                devs = cs.mesh.rank_devices[self.rank]
+                if len(devs) > 1 and x.shape[1] % len(devs) == 0:
+                    from jax.sharding import NamedSharding, PartitionSpec
+
+                    from .mesh import DATA_AXIS
+
+                    x = jax.lax.with_sharding_constraint(
+                        x, NamedSharding(cs.mesh.meshes[self.rank],
+                                         PartitionSpec(None, DATA_AXIS)))
+                split[v] = x
+            return split[v]
+
+        return whole_mb
+
+
+class SingleProgram(_LoopProgram):
+    """A one-rank ``CompiledStep`` as one jitted program (see the module docstring)."""
+
+    def __init__(self, cs):
+        if cs.num_ranks != 1:
+            raise ValueError("internal: SingleProgram needs a one-rank plan")
+        self.tasks = task_list(cs)
+        super().__init__(cs, 0, [("run", k, s, m, -1) for k, s, m in self.tasks])
+        self.fn = jax.jit(self._program)
+
+    def __call__(self, flat_args):
+        cs = self.cs
+        args = cs._put_all(list(flat_args), 0)
+        outs = self.fn(args)
+        tr = cs.traced
+        it = iter(outs)
+        return [tr.literals[v] if v in tr.literals else next(it) for v in tr.step_outputs]
+
+    def _program(self, flat_args):
+        cs = self.cs
+        tr = cs.traced
+        lits = tr.literals
+        vals: dict[Any, Any] = dict(zip(tr.step_inputs, flat_args))
+        for seg in cs.pre_segments:
+            for v, x in zip(seg.outputs, seg.fn(*[vals[v] for v in seg.inputs])):
+                vals[v] = x
+
+        def outer(v):
+            o, _ = cs._loop_src[v]
+            return vals[o] if o in vals else lits[o]
+
+        env = _Env()
+        self._loop(env, outer, self._whole_mb(outer, {}), _Token(None))
+        # the loop's outputs: parts reduced, then combined per outer value (as _combine)
+        final = self._final_parts(env, range(len(cs.parts)))
+        for o, idx in cs._by_outer.items():
+            total = None
+            for i in idx:
+                total = final[i] if total is None else total + final[i]
+            vals[o] = total
+        for seg in cs.post_segments:
+            for v, x in zip(seg.outputs, seg.fn(*[vals[v] for v in seg.inputs])):
+                vals[v] = x
+        return [vals[v] for v in tr.step_outputs if v not in lits]
+
+
+class RankProgram(_LoopProgram):
+    """This process's rank of a multi-process ``CompiledStep``: its microbatch loop as one
+    jitted program whose transfers are host callbacks on ``transport`` (see the module
+    docstring). Called with the loop's outer values (``CompiledStep._loop_needs``), it
+    returns this rank's loop outputs (part index -> value) once every transfer is done."""
+
+    def __init__(self, cs, rank, transport, timeout):
+        self.transport = transport
+        self.timeout = float(timeout)
+        super().__init__(cs, rank, rank_items(cs, rank),
+                         _MAX_ITEMS_PER_STAGE * max(1, cs.num_stages))
+        self.needs = [o for o in cs._loop_needs[rank] if o not in cs.traced.literals]
+        self.mine = [i for i, p in enumerate(cs.parts) if cs.stage_rank[p.stage] == rank]
+        self.step = 0
+        self._posted: dict[int, Any] = {}
+        self._sends: list = []
+        self._error: BaseException | None = None
+        self._groups: list[list[Item]] = []
+        self.fn = jax.jit(self._program)
+        self._compiled = None
+
+    def compile(self, vals):
+        """Traces and compiles the program for these inputs (before the ranks agree to use
+        it, so a failure here leaves every rank on the executor)."""
+        self._compiled = self.fn.lower(self._args(vals)).compile()
+
+    def _args(self, vals):
+        return self.cs._put_all([vals[o] for o in self.needs], self.rank)
+
+    def __call__(self, vals) -> dict[int, Any]:
+        self._error = None
+        self._posted.clear()
+        try:
+            outs = (self._compiled or self.fn)(self._args(vals))
+            jax.block_until_ready(outs)
+            for req in self._sends:
+                req.wait(self.timeout)
+        except BaseException as e:
+            err = self._error or e
+            if not self.transport.closed and self.transport.failure() is None:
+                self.transport.abort(f"rank {self.rank}: {type(err).__name__}: {err}")
+            if isinstance(err, ExecutionError):
+                raise err from None
+            raise ExecutionError(f"rank {self.rank}: {type(err).__name__}: {err}") from err
+        finally:
+            self._sends.clear()
+            self.step += 1
+        return dict(zip(self.mine, outs))
+
+    def _program(self, args):
+        cs = self.cs
+        lits = cs.traced.literals
+        vals = dict(zip(self.needs, args))
+
+        def outer(v):
+            o, _ = cs._loop_src[v]
+            return vals[o] if o in vals else lits[o]
+
+        env = _Env()
+        self._loop(env, outer, self._whole_mb(outer, {}), _Token(jnp.zeros((), jnp.int32)))
+        final = self._final_parts(env, self.mine)
+        return [final[i] for i in self.mine]
+
+    # -- transfers -------------------------------------------------------------------------
+    def _layout(self, k, s):
+        return self.cs._recv_layout(self.rank, self.cs._buf_id(k, s, 0))
+
+    def _comm(self, group, base, get, put, token):
+        """One callback for a stretch of transfers: posts its sends and receives, then returns
+        the arrays of the receives it waits on."""
+        sends = [get((k, s, m)) for op, k, s, m, _ in group if op == "send"]
+        out_avals = [jax.ShapeDtypeStruct((), jnp.int32)]
+        for op, k, s, _, _ in group:
+            if op == "wait":
+                out_avals += [jax.ShapeDtypeStruct(a.shape, a.dtype)
+                              for a in self._layout(k, s)]
+        gid = len(self._groups)
+        self._groups.append(list(group))
+        flat = [x for v in sends for x in v]
+        from jax.experimental import io_callback
+
+        res = io_callback(functools.partial(self._transfer, gid), tuple(out_avals), token.dep,
+                          jnp.asarray(base, jnp.int32), *flat, ordered=False)
+        token.dep = res[0]
+        pos = 1
+        for op, k, s, m, _ in group:
+            if op == "wait":
+                n = len(self._layout(k, s))
+                put((k, s, m), list(res[pos:pos + n]))
+                pos += n
+
+    def _tag(self, b):
+        return _TAG_BASE + (self.step % _TAG_SPAN) * self.cs.core_plan.num_buffer_ids() + b
+
+    def _transfer(self, gid, dep, base, *arrays):
+        """The host side of one ``_comm`` callback (on XLA's thread)."""
+        cs = self.cs
+        t = self.transport
+        base = int(base)
+        pos = 0
+        got = []
+        what = "?"
+        try:
+            pending = []
+            for r in self._sends:  # done sends: surface a failure, drop the host copies
+                if r.done():
+                    r.wait(self.timeout)
+                else:
+                    pending.append(r)
+            self._sends = pending
+            unflushed = False
+            for op, k, s, m, peer in self._groups[gid]:
+                m += base
+                b = cs._buf_id(k, s, m)
+                layout = self._layout(k, s)
+                chan = getattr(_core.BufKind, k).value
+                if op == "send":
+                    what = f"sending {k}({s}, {m}) to rank {peer}"
+                    n = len(layout)
+                    xs = [np.array(x, copy=True) for x in arrays[pos:pos + n]]
+                    pos += n
+                    self._sends.append(t.isend(peer, self._tag(b), xs, chan, layout))
+                    unflushed = True
+                elif op == "post":
+                    what = f"posting the receive of {k}({s}, {m}) from rank {peer}"
+                    self._posted[b] = t.irecv(peer, self._tag(b), chan, layout)
+                    unflushed = True
+                else:
+                    what = f"receiving {k}({s}, {m}) from rank {peer}"
+                    if unflushed:
+                        t.flush()
+                        unflushed = False
+                    req = self._posted.pop(b, None)
+                    if req is None:
+                        req = t.irecv(peer, self._tag(b), chan, layout)
+                        t.flush()
+                    got += list(req.wait(self.timeout))
+            if unflushed:
+                t.flush()
+            return (np.int32(dep), *got)
+        except BaseException as e:
+            if self._error is None:
+                self._error = ExecutionError(f"rank {self.rank}: {what}: {e}")
+                self._error.failed_rank = getattr(e, "failed_rank", self.rank)
+            raise
