@@ -72,11 +72,15 @@ def worker(args):
             return base_fn(bparams, bopt, bbatch)
 
     steps = {}
-    for name in args.schedules.split(","):
+    runners = {}
+    for key in _keys(args):
+        name, how = key.split("/")
         sched = baton.schedule_from_name(name)
         _, params, _, opt_state, train_step, _ = gpt.make(cfg(sched.stages(2)))
         batch = gpt.synthetic_batch(cfg(sched.stages(2)), args.mb_size * m)
-        st = baton.jit(train_step, schedule=sched, microbatches=m)
+        st = baton.jit(train_step, schedule=sched, microbatches=m,
+                       single_program=how == "program")
+        runners[key] = st
         state = {"p": params, "o": opt_state}
 
         def call(st=st, state=state, batch=batch):
@@ -86,7 +90,7 @@ def worker(args):
             # into the next timed call, the baseline's
             return state["p"], state["o"], loss
 
-        steps[name] = call
+        steps[key] = call
 
     def timed(fn):
         t = time.perf_counter()
@@ -107,12 +111,25 @@ def worker(args):
             if rnd >= 2:
                 times[name].append(t)
     if rank == 0:
-        print("RESULT " + json.dumps(times), flush=True)
+        # how each step ran: its loop as one program per rank, or on the executor (and why)
+        ran = {k: st.last.last_stats.get("rank_program") and "program"
+               or f"executor ({st.last.single_declined or 'single_program=False'})"
+               for k, st in runners.items()}
+        print("RESULT " + json.dumps({"times": times, "ran": ran}), flush=True)
+
+
+def _keys(args):
+    return [f"{name}/{how}" for name in args.schedules.split(",")
+            for how in args.modes.split(",")]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedules", default="1f1b,eager1f1b")
+    ap.add_argument("--modes", default="program,executor",
+                    help="how each schedule runs: 'program' (baton.jit's default: each rank's "
+                    "loop as one XLA program where the schedule allows), 'executor' "
+                    "(single_program=False)")
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--microbatches", type=int, default=8)
@@ -124,7 +141,7 @@ def main():
     if args.worker:
         return worker(args)
     cmd = [sys.executable, "-m", "baton.launch", "--nprocs", "2", os.path.abspath(__file__),
-           "--worker", "--schedules", args.schedules, "--dim", str(args.dim), "--rounds",
+           "--worker", "--schedules", args.schedules, "--modes", args.modes, "--dim", str(args.dim), "--rounds",
            str(args.rounds), "--microbatches", str(args.microbatches), "--mb-size",
            str(args.mb_size), "--seq", str(args.seq)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=HERE)
@@ -132,16 +149,17 @@ def main():
     if not res:
         raise SystemExit(f"no result from {' '.join(cmd)}:\n{p.stdout[-2000:]}\n"
                          f"{p.stderr[-3000:]}")
-    times = res[0]
+    times, ran = res[0]["times"], res[0]["ran"]
     b = statistics.median(times["baseline"])
     rows = ["| step | median ms | min-max ms | speed-up vs baseline |", "|---|---|---|---|",
             f"| jax.jit + lax.scan, rank 0's process (core 0) | {1e3 * b:.1f} "
             f"| {1e3 * min(times['baseline']):.1f}-{1e3 * max(times['baseline']):.1f} | 1.00 |"]
-    for name in args.schedules.split(","):
-        t = statistics.median(times[name])
-        rows.append(f"| Baton {SCHEDULE_NAMES.get(name, name)}, 2 ranks (cores 0 and 1) "
-                    f"| {1e3 * t:.1f} "
-                    f"| {1e3 * min(times[name]):.1f}-{1e3 * max(times[name]):.1f} "
+    for key in _keys(args):
+        name, how = key.split("/")
+        t = statistics.median(times[key])
+        rows.append(f"| Baton {SCHEDULE_NAMES.get(name, name)}, 2 ranks (cores 0 and 1), "
+                    f"{ran[key]} | {1e3 * t:.1f} "
+                    f"| {1e3 * min(times[key]):.1f}-{1e3 * max(times[key]):.1f} "
                     f"| {b / t:.2f} |")
     head = [
         "# 2-rank Baton and the baseline, alternating in the same pinned processes",

@@ -3,6 +3,7 @@
 // byte transports see them as lists of arrays crossing as DLPack views.
 #include <fmt/format.h>
 #include <nanobind/nanobind.h>
+#include <sched.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/optional.h>
@@ -382,6 +383,17 @@ void wait_request(const rt::RequestPtr& r, double timeout, rt::Transport& t) {
   r->check();
 }
 
+// Polls `r` for up to `seconds`, yielding the core between polls. On a VM an idle
+// vCPU halts and waking it again (for the transport thread that completes the
+// request) can take milliseconds; a waiting thread that keeps its core busy
+// gets the request's completion at once. Other threads of the core still run
+// (sched_yield), so the transport's own threads make progress.
+void spin_until_done(const rt::Request& r, double seconds) {
+  const auto end = rt::Clock::now() + std::chrono::duration_cast<rt::Clock::duration>(
+                                          std::chrono::duration<double>(seconds));
+  while (!r.done() && rt::Clock::now() < end) sched_yield();
+}
+
 struct PyRequest {
   rt::RequestPtr r;
   PyTransport* t;
@@ -511,9 +523,18 @@ void init_runtime(nb::module_& root) {
           "isend",
           [](PyTransport& t, int peer, uint64_t tag, nb::object arrays, int channel,
              nb::object layout) {
-            return PyRequest{t.get().isend(peer, tag, wrap(arrays), fmt::format("tag {}", tag),
-                                           &t.codec, channel, to_layout(layout)),
-                             &t};
+            rt::Value v = wrap(arrays);
+            const rt::Layout l = to_layout(layout);
+            rt::Transport& tr = t.get();
+            rt::RequestPtr r;
+            {
+              // Posting may wait for the transport's locks; its threads (completing
+              // receives into Python values) must be able to take the GIL meanwhile.
+              nb::gil_scoped_release nogil;
+              r = tr.isend(peer, tag, std::move(v), fmt::format("tag {}", tag), &t.codec, channel,
+                           l);
+            }
+            return PyRequest{std::move(r), &t};
           },
           "peer"_a, "tag"_a, "arrays"_a, "channel"_a = 0, "layout"_a = nb::none(),
           nb::keep_alive<0, 1>(),
@@ -523,15 +544,25 @@ void init_runtime(nb::module_& root) {
       .def(
           "irecv",
           [](PyTransport& t, int peer, uint64_t tag, int channel, nb::object layout) {
-            return PyRequest{t.get().irecv(peer, tag, fmt::format("tag {}", tag), &t.codec, channel,
-                                           to_layout(layout)),
-                             &t};
+            const rt::Layout l = to_layout(layout);
+            rt::Transport& tr = t.get();
+            rt::RequestPtr r;
+            {
+              nb::gil_scoped_release nogil;  // as isend
+              r = tr.irecv(peer, tag, fmt::format("tag {}", tag), &t.codec, channel, l);
+            }
+            return PyRequest{std::move(r), &t};
           },
           "peer"_a, "tag"_a, "channel"_a = 0, "layout"_a = nb::none(), nb::keep_alive<0, 1>(),
           "Posts a receive. layout: [(dtype, shape), ...] or arrays/ShapeDtypeStructs "
           "(required by NCCL).")
       .def(
-          "flush", [](PyTransport& t) { t.get().flush(); },
+          "flush",
+          [](PyTransport& t) {
+            rt::Transport& tr = t.get();
+            nb::gil_scoped_release nogil;
+            tr.flush();
+          },
           "Ends a communication group (NCCL issues it as one ncclGroupStart/End).")
       .def(
           "send",
@@ -568,12 +599,19 @@ void init_runtime(nb::module_& root) {
       .def("done", [](PyRequest& r) { return r.r->done(); })
       .def(
           "wait",
-          [](PyRequest& r, double timeout) -> nb::object {
+          [](PyRequest& r, double timeout, double spin) -> nb::object {
+            if (spin > 0 && !r.r->done()) {
+              nb::gil_scoped_release nogil;
+              spin_until_done(*r.r, spin);
+            }
             wait_request(r.r, timeout, r.t->get());
             if (r.r->is_send) return nb::none();
             return unwrap(r.r->take_value());
           },
-          "timeout"_a = 60.0, "Waits (bounded); returns the received arrays, None for a send.");
+          "timeout"_a = 60.0, "spin"_a = 0.0,
+          "Waits (bounded); returns the received arrays, None for a send. spin: first poll "
+          "for up to this many seconds, yielding the core, instead of sleeping (see "
+          "spin_until_done).");
 
   nb::class_<std::shared_ptr<rt::LocalHub>>(m, "LocalHub", "In-process transport hub.")
       .def(

@@ -58,12 +58,14 @@ from .executor import buffer_reads
 G = _core.graph
 _MAX_PERIOD_PER_STAGE = 4
 _MAX_ITEMS_PER_STAGE = 16  # a rank's pattern: its tasks and their transfers
+_SPIN = 1.0  # s a receive is polled before the wait sleeps (see Request.wait's spin)
 _TAG_BASE = 1 << 42  # program tags: above the executor's (step * buffers + buffer), below
 _TAG_SPAN = 1 << 41  # the Router's (distributed._TAG_BASE = 1 << 44)
 
 # An item: (op, kind, stage, microbatch, peer). op "run": kind a task kind (F, B, I, W, FB);
 # "send" / "post" (a receive posted) / "wait" (a receive waited on): kind a buffer kind.
 Item = tuple
+_EXPERIMENT: dict = {}
 
 
 def task_list(cs, rank: int = 0) -> list[tuple[str, int, int]]:
@@ -163,26 +165,40 @@ def _analyze(cs, pat: list[Item], delta: int):
             if m in makers.setdefault((k, s), {}):
                 return None
             makers[(k, s)][m] = j
-    slots = set()
+    slots = _Slots()
     for j, it in enumerate(pat):
         for k, s, m in item_reads(cs, it):
             mk = makers.get((k, s))
             if mk is None:
-                continue  # made before the run
+                # made before the run: the scan would read it from a stack of the buffers
+                # (copies, as slow as the zero-filled stacked outputs of stacked_buffers)
+                return None
             if mk.get(m, len(pat)) < j:
                 continue  # made earlier in this repetition
             if m + delta in mk:
                 slots.add((k, s, m + delta))
+                if mk[m + delta] < j:  # overwritten before this read: both live at once
+                    slots.copies += 1
                 continue
             return None
     return slots
 
 
+class _Slots(set):
+    """Carry slots; ``copies``: reads of a slot's previous value after the repetition has
+    made its new one. XLA then keeps both and copies the new value into the loop's buffer at
+    the end of every repetition (an 11 MB stash per microbatch for the GPT of the benchmarks:
+    ~1 ms); read before it is overwritten, the slot is updated in place."""
+
+    copies = 0
+
+
 def roll(cs, items, max_period=None) -> list[tuple[list[Item], int, int]]:
     """``items`` as runs ``(pattern, repetitions, delta)``: repetition t runs the pattern's
     items at microbatch ``m + t * delta``. Greedy from the front: the (period, delta)
-    covering the most items (at least two repetitions), the shortest period and then the
-    smallest delta on ties; an item no period covers is a run of one."""
+    covering the most items (at least two repetitions); on ties the one whose carry slots are
+    updated in place (see _Slots), then the shortest period and the smallest delta; an item
+    no period covers is a run of one."""
     n = len(items)
     if max_period is None:
         max_period = _MAX_PERIOD_PER_STAGE * cs.num_stages
@@ -191,6 +207,7 @@ def roll(cs, items, max_period=None) -> list[tuple[list[Item], int, int]]:
     i = 0
     while i < n:
         best = (1, 1, 1)  # (period, repetitions, delta)
+        best_key = (1, 0)  # (items covered, -slot copies): the largest wins, then the first
         for p in range(1, min(max_p, (n - i) // 2) + 1):
             pat = items[i:i + p]
             for d in range(1, min(p, cs.M) + 1):
@@ -198,12 +215,38 @@ def roll(cs, items, max_period=None) -> list[tuple[list[Item], int, int]]:
                 while i + (r + 1) * p <= n and all(
                         items[i + r * p + j] == _shift(it, r * d) for j, it in enumerate(pat)):
                     r += 1
-                if r >= 2 and r * p > best[0] * best[1] and _analyze(cs, pat, d) is not None:
-                    best = (p, r, d)
+                if r < 2 or (r * p, 0) <= best_key:
+                    continue
+                slots = _analyze(cs, pat, d)
+                if slots is not None and (r * p, -slots.copies) > best_key:
+                    best, best_key = (p, r, d), (r * p, -slots.copies)
         p, r, d = best
         runs.append((list(items[i:i + p]), r, d))
         i += p * r
     return runs
+
+
+def _rotate(cs, runs):
+    """Runs whose pattern starts and ends with transfers (rank 1 of a 1F1B: ``[<Act0 FB1
+    >Grad1 +Act0]``) split a stretch of transfers at every repetition: two callbacks where one
+    would do. Such a run becomes its first transfers in place, the pattern rotated (``[FB1
+    >Grad1 +Act0 <Act0]``) for one repetition fewer, and the last repetition's rest in
+    place."""
+    out = []
+    for pat, r, d in runs:
+        k = 0
+        while k < len(pat) and pat[k][0] != "run":
+            k += 1
+        if r > 2 and 0 < k < len(pat) and pat[-1][0] != "run":
+            head, rest = pat[:k], pat[k:]
+            rot = rest + [_shift(it, d) for it in head]
+            if _analyze(cs, rot, d) is not None:
+                out += [([it], 1, 1) for it in head]
+                out.append((rot, r - 1, d))
+                out += [([_shift(it, (r - 1) * d)], 1, 1) for it in rest]
+                continue
+        out.append((pat, r, d))
+    return out
 
 
 class _Env:
@@ -290,12 +333,17 @@ class _Token:
         self.dep = dep
 
     def call(self, fn, args):
+        """``fn(*args)`` started after what precedes the token (its outputs are tied to the
+        token by ``tie`` once the task has added them to the sums, so XLA can fuse the adds
+        into the task)."""
         if self.dep is None:
             return fn(*args)
         args, self.dep = jax.lax.optimization_barrier((list(args), self.dep))
-        outs = fn(*args)
-        outs, self.dep = jax.lax.optimization_barrier((list(outs), self.dep))
-        return outs
+        if _EXPERIMENT.get("tie_after", False):
+            outs = fn(*args)
+            outs, self.dep = jax.lax.optimization_barrier((list(outs), self.dep))
+            return outs
+        return fn(*args)
 
     def tie(self, xs):
         """``xs`` (e.g. updated sums) computed before whatever follows the token."""
@@ -313,7 +361,7 @@ class _LoopProgram:
         self.cs = cs
         self.rank = rank
         self.items = items
-        self.runs = roll(cs, items, max_period)
+        self.runs = _rotate(cs, roll(cs, items, max_period))
         # last position that reads each buffer: a run's buffers read after it leave as ys
         # (or, for the last repetition's value of a carry slot, as the final carry)
         last_read: dict[tuple, int] = {}
@@ -394,12 +442,28 @@ class _LoopProgram:
             it = items[i]
             if it[0] == "run":
                 _, kind, s, m, _ = it
-                _run_task(cs, kind, s, m, inv, mb, get, put, add, token.call)
-                if token.dep is not None:
+                made: dict[tuple, list] = {}
+
+                def put_(key, v, made=made):
+                    made[key] = v
+
+                _run_task(cs, kind, s, m, inv, mb, get, put_, add, token.call)
+                if token.dep is not None and _EXPERIMENT.get("tie_after", False):
                     a = acc()
                     touched = [j for j in _parts_of(cs, kind, s) if j in a]
                     for j, x in zip(touched, token.tie([a[j] for j in touched])):
                         a[j] = x
+                elif token.dep is not None:  # the task's buffers and sums before what follows
+                    a = acc()
+                    touched = [j for j in _parts_of(cs, kind, s) if j in a]
+                    keys = list(made)
+                    tied = token.tie([a[j] for j in touched] + [made[k] for k in keys])
+                    for j, x in zip(touched, tied):
+                        a[j] = x
+                    for k, v in zip(keys, tied[len(touched):]):
+                        made[k] = v
+                for k, v in made.items():
+                    put(k, v)
                 i += 1
             else:
                 j = i
@@ -577,6 +641,7 @@ class RankProgram(_LoopProgram):
         self.needs = [o for o in cs._loop_needs[rank] if o not in cs.traced.literals]
         self.mine = [i for i, p in enumerate(cs.parts) if cs.stage_rank[p.stage] == rank]
         self.step = 0
+        self.spin = _SPIN
         self._posted: dict[int, Any] = {}
         self._sends: list = []
         self._error: BaseException | None = None
@@ -699,7 +764,7 @@ class RankProgram(_LoopProgram):
                     if req is None:
                         req = t.irecv(peer, self._tag(b), chan, layout)
                         t.flush()
-                    got += list(req.wait(self.timeout))
+                    got += list(req.wait(self.timeout, self.spin))
             if unflushed:
                 t.flush()
             return (np.int32(dep), *got)
