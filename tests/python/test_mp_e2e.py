@@ -94,15 +94,33 @@ def worker_main(mode: str, outdir: str) -> None:
 
     rank = process_group().rank
     world = process_group().world_size
-    if mode == "fault":
+    if mode in ("fault", "fault-program"):
+        program = mode == "fault-program"
         sched, stages, m, params, st, batch = config("1f1b", world)
-        ps = baton.jit(train_step, schedule=sched, microbatches=m, timeout=60)
+        ps = baton.jit(train_step, schedule=sched, microbatches=m, timeout=60,
+                       single_program=program)
         step = ps.compile(params, st, batch)
         if rank == world - 1:
-            def boom(*args):
-                raise RuntimeError("injected failure in the last stage's forward")
             # 1F1B fuses the last stage's F and B of a microbatch: that task runs first
-            step.tasks[("FB", stages - 1)].fn = boom
+            exe = step.tasks[("FB", stages - 1)]
+            if program:  # the rank's program fails while it runs (a host callback raises)
+                plain = exe.plain
+
+                def raise_at_run(x):
+                    raise RuntimeError("injected failure in the last stage's forward")
+
+                def failing(*args):
+                    outs = plain(*args)
+                    flag = jax.pure_callback(raise_at_run, jax.ShapeDtypeStruct((), jnp.int32),
+                                             jnp.int32(0))
+                    return [outs[0] + flag.astype(outs[0].dtype)] + list(outs[1:])
+
+                exe.plain = failing
+            else:
+                def boom(*args):
+                    raise RuntimeError("injected failure in the last stage's forward")
+
+                exe.fn = boom
         ps(params, st, batch)  # raises baton.ExecutionError on every process
         return
     for name in mode.split(","):
@@ -235,6 +253,14 @@ def test_every_schedule_multi_process(tmp_path, nprocs):
     assert p.returncode == 0, out[-6000:]
     for name in names:
         check_against_single_process(tmp_path, name, nprocs, 1, exact=True)
+    # every schedule ran as one program per rank (baton.jit's default); 1F1B's steady state
+    # is rolled into a scan on every rank (others may stay unrolled with 2 x stages
+    # microbatches)
+    for name in names:
+        hows = [(tmp_path / f"{name}-mode-rank{r}.txt").read_text() for r in range(nprocs)]
+        assert all(h.startswith("program: ") for h in hows), (name, hows)
+        if name == "1f1b":
+            assert all("scan" in h for h in hows[1:]), hows
 
 
 def test_gpt_tied_embedding_two_processes(tmp_path):
@@ -267,8 +293,11 @@ def test_two_devices_per_process(tmp_path):
         check_against_single_process(tmp_path, name, 2, 2, exact=False)
 
 
-def test_task_failure_stops_every_process(tmp_path):
-    p, elapsed = launch(tmp_path, 2, "fault", timeout=180)
+@pytest.mark.parametrize("mode", ["fault", "fault-program"])
+def test_task_failure_stops_every_process(tmp_path, mode):
+    """A task that raises on the last rank (on the executor, or inside the rank's one-program
+    loop) stops both processes with an error naming it, well before the timeout."""
+    p, elapsed = launch(tmp_path, 2, mode, timeout=180)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out
     assert "rank 1 ERROR" in out and "injected failure" in out, out[-6000:]

@@ -193,16 +193,33 @@ class _Slots(set):
     copies = 0
 
 
-def roll(cs, items, max_period=None) -> list[tuple[list[Item], int, int]]:
+def roll(cs, items, max_period=None, stacked=True) -> list[tuple[list[Item], int, int]]:
     """``items`` as runs ``(pattern, repetitions, delta)``: repetition t runs the pattern's
     items at microbatch ``m + t * delta``. Greedy from the front: the (period, delta)
     covering the most items (at least two repetitions); on ties the one whose carry slots are
     updated in place (see _Slots), then the shortest period and the smallest delta; an item
-    no period covers is a run of one."""
+    no period covers is a run of one. ``stacked`` False: no run whose buffers are read after
+    it (they would leave it stacked, see _LoopProgram.stacked_buffers), except the last
+    repetition's value of a carry slot."""
     n = len(items)
     if max_period is None:
         max_period = _MAX_PERIOD_PER_STAGE * cs.num_stages
     max_p = max(1, max_period)
+    last_read: dict[tuple, int] = {}
+    for pos, it in enumerate(items):
+        for key in item_reads(cs, it):
+            last_read[key] = pos
+
+    def read_after(i, pat, r, d, slots):
+        end = i + len(pat) * r
+        for it in pat:
+            for k, s, m in item_writes(cs, it):
+                for t in range(r):
+                    if (last_read.get((k, s, m + t * d), -1) >= end
+                            and not (t == r - 1 and (k, s, m) in slots)):
+                        return True
+        return False
+
     runs = []
     i = 0
     while i < n:
@@ -218,7 +235,8 @@ def roll(cs, items, max_period=None) -> list[tuple[list[Item], int, int]]:
                 if r < 2 or (r * p, 0) <= best_key:
                     continue
                 slots = _analyze(cs, pat, d)
-                if slots is not None and (r * p, -slots.copies) > best_key:
+                if (slots is not None and (r * p, -slots.copies) > best_key
+                        and (stacked or not read_after(i, pat, r, d, slots))):
                     best, best_key = (p, r, d), (r * p, -slots.copies)
         p, r, d = best
         runs.append((list(items[i:i + p]), r, d))
@@ -357,11 +375,11 @@ class _LoopProgram:
     """The microbatch loop of one rank as traced code: items rolled into scans (see the module
     docstring). Subclasses give the items and, for a rank of several, the transfers."""
 
-    def __init__(self, cs, rank, items, max_period=None):
+    def __init__(self, cs, rank, items, max_period=None, stacked=True):
         self.cs = cs
         self.rank = rank
         self.items = items
-        self.runs = _rotate(cs, roll(cs, items, max_period))
+        self.runs = _rotate(cs, roll(cs, items, max_period, stacked))
         # last position that reads each buffer: a run's buffers read after it leave as ys
         # (or, for the last repetition's value of a carry slot, as the final carry)
         last_read: dict[tuple, int] = {}
@@ -636,8 +654,9 @@ class RankProgram(_LoopProgram):
     def __init__(self, cs, rank, transport, timeout):
         self.transport = transport
         self.timeout = float(timeout)
+        # no stacked buffers between loops: runs that would need them stay unrolled
         super().__init__(cs, rank, rank_items(cs, rank),
-                         _MAX_ITEMS_PER_STAGE * max(1, cs.num_stages))
+                         _MAX_ITEMS_PER_STAGE * max(1, cs.num_stages), stacked=False)
         self.needs = [o for o in cs._loop_needs[rank] if o not in cs.traced.literals]
         self.mine = [i for i, p in enumerate(cs.parts) if cs.stage_rank[p.stage] == rank]
         self.step = 0
