@@ -3,7 +3,6 @@
 // byte transports see them as lists of arrays crossing as DLPack views.
 #include <fmt/format.h>
 #include <nanobind/nanobind.h>
-#include <sched.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/optional.h>
@@ -383,17 +382,6 @@ void wait_request(const rt::RequestPtr& r, double timeout, rt::Transport& t) {
   r->check();
 }
 
-// Polls `r` for up to `seconds`, yielding the core between polls. On a VM an idle
-// vCPU halts and waking it again (for the transport thread that completes the
-// request) can take milliseconds; a waiting thread that keeps its core busy
-// gets the request's completion at once. Other threads of the core still run
-// (sched_yield), so the transport's own threads make progress.
-void spin_until_done(const rt::Request& r, double seconds) {
-  const auto end = rt::Clock::now() + std::chrono::duration_cast<rt::Clock::duration>(
-                                          std::chrono::duration<double>(seconds));
-  while (!r.done() && rt::Clock::now() < end) sched_yield();
-}
-
 struct PyRequest {
   rt::RequestPtr r;
   PyTransport* t;
@@ -599,19 +587,12 @@ void init_runtime(nb::module_& root) {
       .def("done", [](PyRequest& r) { return r.r->done(); })
       .def(
           "wait",
-          [](PyRequest& r, double timeout, double spin) -> nb::object {
-            if (spin > 0 && !r.r->done()) {
-              nb::gil_scoped_release nogil;
-              spin_until_done(*r.r, spin);
-            }
+          [](PyRequest& r, double timeout) -> nb::object {
             wait_request(r.r, timeout, r.t->get());
             if (r.r->is_send) return nb::none();
             return unwrap(r.r->take_value());
           },
-          "timeout"_a = 60.0, "spin"_a = 0.0,
-          "Waits (bounded); returns the received arrays, None for a send. spin: first poll "
-          "for up to this many seconds, yielding the core, instead of sleeping (see "
-          "spin_until_done).");
+          "timeout"_a = 60.0, "Waits (bounded); returns the received arrays, None for a send.");
 
   nb::class_<std::shared_ptr<rt::LocalHub>>(m, "LocalHub", "In-process transport hub.")
       .def(

@@ -58,14 +58,12 @@ from .executor import buffer_reads
 G = _core.graph
 _MAX_PERIOD_PER_STAGE = 4
 _MAX_ITEMS_PER_STAGE = 16  # a rank's pattern: its tasks and their transfers
-_SPIN = 1.0  # s a receive is polled before the wait sleeps (see Request.wait's spin)
 _TAG_BASE = 1 << 42  # program tags: above the executor's (step * buffers + buffer), below
-_TAG_SPAN = 1 << 41  # the Router's (distributed._TAG_BASE = 1 << 44)
+# the Router's (distributed._TAG_BASE = 1 << 44); see RankProgram._tag
 
 # An item: (op, kind, stage, microbatch, peer). op "run": kind a task kind (F, B, I, W, FB);
 # "send" / "post" (a receive posted) / "wait" (a receive waited on): kind a buffer kind.
 Item = tuple
-_EXPERIMENT: dict = {}
 
 
 def task_list(cs, rank: int = 0) -> list[tuple[str, int, int]]:
@@ -151,7 +149,27 @@ def rank_items(cs, rank: int) -> list[Item]:
     missing = [k for k in posted if k not in waited]
     if missing:
         raise ValueError(f"received buffers no task reads: {missing}")
-    return items
+    return _hoist_posts(items)
+
+
+def _hoist_posts(items: list[Item]) -> list[Item]:
+    """Moves a receive posted right after a task into the stretch of transfers just before
+    that task (ahead of its waits): one callback instead of two around the task, and the
+    receive is posted earlier still (rank 0 of a 1F1B: ``>Act0 <Grad1 B0 +Grad1 F0`` becomes
+    ``>Act0 +Grad1 <Grad1 B0 F0``)."""
+    out: list[Item] = []
+    for it in items:
+        if (it[0] == "post" and len(out) >= 2 and out[-1][0] == "run"
+                and out[-2][0] != "run"):
+            j = len(out) - 1  # the task; its stretch ends at j - 1
+            k = j
+            while k > 0 and out[k - 1][0] != "run":
+                k -= 1
+            waits = [i for i in range(k, j) if out[i][0] == "wait"]
+            out.insert(waits[0] if waits else j, it)
+            continue
+        out.append(it)
+    return out
 
 
 def _analyze(cs, pat: list[Item], delta: int):
@@ -195,10 +213,10 @@ class _Slots(set):
 
 def roll(cs, items, max_period=None, stacked=True) -> list[tuple[list[Item], int, int]]:
     """``items`` as runs ``(pattern, repetitions, delta)``: repetition t runs the pattern's
-    items at microbatch ``m + t * delta``. Greedy from the front: the (period, delta)
-    covering the most items (at least two repetitions); on ties the one whose carry slots are
-    updated in place (see _Slots), then the shortest period and the smallest delta; an item
-    no period covers is a run of one. ``stacked`` False: no run whose buffers are read after
+    items at microbatch ``m + t * delta``. Greedy from the front: among the (period, delta)
+    with at least two repetitions, the one whose carry slots are all updated in place (see
+    _Slots; else the fewest copies), then the one covering the most items, then the shortest
+    period and the smallest delta; an item no period covers is a run of one. ``stacked`` False: no run whose buffers are read after
     it (they would leave it stacked, see _LoopProgram.stacked_buffers), except the last
     repetition's value of a carry slot."""
     n = len(items)
@@ -224,7 +242,9 @@ def roll(cs, items, max_period=None, stacked=True) -> list[tuple[list[Item], int
     i = 0
     while i < n:
         best = (1, 1, 1)  # (period, repetitions, delta)
-        best_key = (1, 0)  # (items covered, -slot copies): the largest wins, then the first
+        # (-slot copies, items covered): the largest wins, then the first. A copy costs every
+        # repetition; rolling only saves compile time, so no coverage pays for a copy.
+        best_key = (-(1 << 30), 1)
         for p in range(1, min(max_p, (n - i) // 2) + 1):
             pat = items[i:i + p]
             for d in range(1, min(p, cs.M) + 1):
@@ -232,12 +252,12 @@ def roll(cs, items, max_period=None, stacked=True) -> list[tuple[list[Item], int
                 while i + (r + 1) * p <= n and all(
                         items[i + r * p + j] == _shift(it, r * d) for j, it in enumerate(pat)):
                     r += 1
-                if r < 2 or (r * p, 0) <= best_key:
+                if r < 2 or (0, r * p) <= best_key:
                     continue
                 slots = _analyze(cs, pat, d)
-                if (slots is not None and (r * p, -slots.copies) > best_key
+                if (slots is not None and (-slots.copies, r * p) > best_key
                         and (stacked or not read_after(i, pat, r, d, slots))):
-                    best, best_key = (p, r, d), (r * p, -slots.copies)
+                    best, best_key = (p, r, d), (-slots.copies, r * p)
         p, r, d = best
         runs.append((list(items[i:i + p]), r, d))
         i += p * r
@@ -357,10 +377,6 @@ class _Token:
         if self.dep is None:
             return fn(*args)
         args, self.dep = jax.lax.optimization_barrier((list(args), self.dep))
-        if _EXPERIMENT.get("tie_after", False):
-            outs = fn(*args)
-            outs, self.dep = jax.lax.optimization_barrier((list(outs), self.dep))
-            return outs
         return fn(*args)
 
     def tie(self, xs):
@@ -466,12 +482,7 @@ class _LoopProgram:
                     made[key] = v
 
                 _run_task(cs, kind, s, m, inv, mb, get, put_, add, token.call)
-                if token.dep is not None and _EXPERIMENT.get("tie_after", False):
-                    a = acc()
-                    touched = [j for j in _parts_of(cs, kind, s) if j in a]
-                    for j, x in zip(touched, token.tie([a[j] for j in touched])):
-                        a[j] = x
-                elif token.dep is not None:  # the task's buffers and sums before what follows
+                if token.dep is not None:  # the task's buffers and sums before what follows
                     a = acc()
                     touched = [j for j in _parts_of(cs, kind, s) if j in a]
                     keys = list(made)
@@ -660,7 +671,6 @@ class RankProgram(_LoopProgram):
         self.needs = [o for o in cs._loop_needs[rank] if o not in cs.traced.literals]
         self.mine = [i for i, p in enumerate(cs.parts) if cs.stage_rank[p.stage] == rank]
         self.step = 0
-        self.spin = _SPIN
         self._posted: dict[int, Any] = {}
         self._sends: list = []
         self._error: BaseException | None = None
@@ -739,7 +749,12 @@ class RankProgram(_LoopProgram):
                 pos += n
 
     def _tag(self, b):
-        return _TAG_BASE + (self.step % _TAG_SPAN) * self.cs.core_plan.num_buffer_ids() + b
+        """Buffer ``b``'s tag this step: in [_TAG_BASE, distributed._TAG_BASE), so never one
+        of the executor's (below) or the Router's (above)."""
+        from .distributed import _TAG_BASE as router_base
+
+        n = self.cs.core_plan.num_buffer_ids()
+        return _TAG_BASE + (self.step % ((router_base - _TAG_BASE) // n)) * n + b
 
     def _transfer(self, gid, dep, base, *arrays):
         """The host side of one ``_comm`` callback (on XLA's thread)."""
@@ -783,7 +798,7 @@ class RankProgram(_LoopProgram):
                     if req is None:
                         req = t.irecv(peer, self._tag(b), chan, layout)
                         t.flush()
-                    got += list(req.wait(self.timeout, self.spin))
+                    got += list(req.wait(self.timeout))
             if unflushed:
                 t.flush()
             return (np.int32(dep), *got)
