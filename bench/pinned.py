@@ -225,9 +225,11 @@ def main():
         command_line("pinned.py"),
         f"- every configuration ran as {args.repeat} separate process launch(es); the row is the "
         "launch with the median step time",
-        "- step ms: median wall time of a whole step (loop, optimizer, outputs ready); loop "
-        "meas/pred: the microbatch loop's span, measured in traced steps (median) and simulated "
-        "with the profiled task and link costs; bubble and peak activation per rank (r0/r1).",
+        "- step ms: median wall time of a whole step (loop, optimizer, outputs ready), as "
+        "`baton.jit` runs it by default (each rank's loop as one XLA program); loop meas/pred: "
+        "the microbatch loop's span, measured in traced steps (median; traced and profiled "
+        "steps run on the executor, which records every instruction) and simulated with the "
+        "profiled task and link costs; bubble and peak activation per rank (r0/r1).",
         "- machine ceiling: two independent copies of the baseline run at once on the two "
         "cores; its speed-up is their combined throughput (the slower copy's step), a practical "
         "upper bound for any 2-process run on this machine.",
