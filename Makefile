@@ -26,12 +26,13 @@ bench-pipeline: setup
 
 bench-pinned: setup
 	$(PY) bench/pinned.py --steps 8 --repeat 3 --md bench/results/pinned.md
-	$(PY) bench/pinned.py --schedules 1f1b --one-rank 1f1b --dim 512 --steps 5 --repeat 3 \
+	$(PY) bench/pinned.py --schedules 1f1b --one-rank "" --dim 512 --steps 6 --repeat 3 \
 		--md bench/results/pinned_dim512.md
 
 bench-pinned-ab: setup
-	$(PY) bench/pinned_ab.py --rounds 12 --md bench/results/pinned_ab.md
-	$(PY) bench/pinned_ab.py --dim 512 --rounds 8 --schedules 1f1b --md bench/results/pinned_ab_dim512.md
+	$(PY) bench/pinned_ab.py --schedules 1f1b,interleaved --rounds 8 --md bench/results/pinned_ab.md
+	$(PY) bench/pinned_ab.py --dim 512 --schedules 1f1b --rounds 6 \
+		--md bench/results/pinned_ab_dim512.md
 
 bench-one-rank: setup
 	$(PY) bench/one_rank.py --md bench/results/one_rank.md

@@ -307,15 +307,6 @@ class _Env:
                 return [y[(m - m0) // d] for y in ys]
         raise KeyError(f"internal: buffer {key} is read before it is made")
 
-    def get_range(self, key, r, d):
-        """Buffer ``key``'s values for microbatches m, m+d, ..., stacked (a scan's ``xs``)."""
-        k, s, m = key
-        for m0, rr, dd, ys in self.rows.get((k, s), ()):
-            if (dd, m0, rr) == (d, m, r):
-                return ys
-        vals = [self.get((k, s, m + t * d)) for t in range(r)]
-        return [jnp.stack(xs) for xs in zip(*vals)]
-
     def add(self, cs, i, m, x):
         if cs.parts[i].reduce == G.Reduce.Stack:
             self.stack_single.setdefault(i, {})[m] = x
@@ -503,14 +494,11 @@ class _LoopProgram:
 
     def _scan(self, pattern, r, d, keep, slots, env, outer, whole_mb, token):
         cs = self.cs
-        made = {key for it in pattern for key in item_writes(cs, it)}
         slot_read = {(k, s, m - d): (k, s, m) for k, s, m in slots}  # read key -> slot
-        # xs: buffers made before the run, microbatch slices, the repetition index
+        # xs: microbatch slices and the repetition index (a pattern reads no buffer made before
+        # the run except through a carry slot, see _analyze)
         xs: dict[tuple, Any] = {("t",): jnp.arange(r, dtype=jnp.int32)}
         for it in pattern:
-            for key in item_reads(cs, it):
-                if key not in made and key not in slot_read:
-                    xs[("b",) + key] = env.get_range(key, r, d)
             if it[0] == "run":
                 for exe in _exes(cs, it[1], it[2]):
                     for v in exe.in_groups[1]:
@@ -540,11 +528,7 @@ class _LoopProgram:
             tok = _Token(dep)
 
             def get(key):
-                if key in local:
-                    return local[key]
-                if key in slot_read:
-                    return slot_vals[slot_read[key]]
-                return x[("b",) + key]
+                return local[key] if key in local else slot_vals[slot_read[key]]
 
             def add(i, m, v):
                 if i in acc:
