@@ -291,6 +291,11 @@ def test_two_devices_per_process(tmp_path):
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
     for name in ("1f1b", "zbv"):
         check_against_single_process(tmp_path, name, 2, 2, exact=False)
+        # a rank of two devices keeps the executor (transfers would be gathered to the host),
+        # and every rank says so
+        for r in range(2):
+            how = (tmp_path / f"{name}-mode-rank{r}.txt").read_text()
+            assert how.startswith("executor: rank 0: the rank has several devices"), how
 
 
 @pytest.mark.parametrize("mode", ["fault", "fault-program"])
