@@ -24,9 +24,9 @@ callbacks, the sums as separate arrays), which on a CPU shares the core with the
 Both roll their item lists into loops: ``roll`` splits the items (tasks, and for a rank's
 loop its sends, receive posts and receive waits) into runs of a repeating pattern whose
 microbatches grow by ``delta`` per repetition (``[FB0]`` x 8 for fused 1F1B on one rank;
-``[F0]`` x 8 then ``[B0]`` x 8 for GPipe; two microbatches per repetition for rank 0 of a
-2-rank 1F1B, whose stashes live two repetitions) and each run of two or more repetitions
-becomes a ``lax.scan``:
+``[F0]`` x 8 for GPipe's forwards; two microbatches per repetition for rank 0 of a 2-rank
+1F1B, whose stashes live two repetitions) and each run of two or more repetitions becomes a
+``lax.scan``:
 
 * weight-gradient sums are its carry (zeros, ``+``, ``/ M``);
 * a buffer read one repetition after the one that made it (rank 0's stashes above) is a
@@ -419,7 +419,7 @@ class _LoopProgram:
         return sorted({f"{k}{s}" for keep in self._keep for k, s, _ in keep})
 
     def describe(self) -> str:
-        """The runs, e.g. ``scan 8 x [FB0]`` or ``scan 8 x [F0]; scan 8 x [B0]``; transfers
+        """The runs, e.g. ``scan 8 x [FB0]`` or ``scan 8 x [F0]; [B0]; ...``; transfers
         as ``>Act0`` (send), ``+Grad1`` (receive posted), ``<Grad1`` (received)."""
         sym = {"send": ">", "post": "+", "wait": "<"}
 
