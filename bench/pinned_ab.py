@@ -141,9 +141,9 @@ def main():
     if args.worker:
         return worker(args)
     cmd = [sys.executable, "-m", "baton.launch", "--nprocs", "2", os.path.abspath(__file__),
-           "--worker", "--schedules", args.schedules, "--modes", args.modes, "--dim", str(args.dim), "--rounds",
-           str(args.rounds), "--microbatches", str(args.microbatches), "--mb-size",
-           str(args.mb_size), "--seq", str(args.seq)]
+           "--worker", "--schedules", args.schedules, "--modes", args.modes, "--dim",
+           str(args.dim), "--rounds", str(args.rounds), "--microbatches", str(args.microbatches),
+           "--mb-size", str(args.mb_size), "--seq", str(args.seq)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=HERE)
     res = [json.loads(x[7:]) for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     if not res:

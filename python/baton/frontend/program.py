@@ -31,12 +31,12 @@ microbatches grow by ``delta`` per repetition (``[FB0]`` x 8 for fused 1F1B on o
 * weight-gradient sums are its carry (zeros, ``+``, ``/ M``);
 * a buffer read one repetition after the one that made it (rank 0's stashes above) is a
   carry slot, written where it is made and read where the next repetition reads it;
-* microbatch slices and buffers made before the run are its ``xs``;
+* microbatch slices are its ``xs``;
 * buffers read after the run and stacked per-microbatch outputs are its ``ys``.
 
 A pattern is rolled only when every buffer a repetition reads is made earlier in the same
-repetition, in the previous one (a carry slot) or before the run. Items outside any run are
-called in place.
+repetition or in the previous one (a carry slot): a buffer made before the run would have to
+be read from a stack of copies. Items outside any run are called in place.
 
 Tracing and profiling (``record``/``capture``) need per-instruction events, so those steps
 run on the executor as before.
@@ -204,11 +204,34 @@ def _analyze(cs, pat: list[Item], delta: int):
 
 class _Slots(set):
     """Carry slots; ``copies``: reads of a slot's previous value after the repetition has
-    made its new one. XLA then keeps both and copies the new value into the loop's buffer at
-    the end of every repetition (an 11 MB stash per microbatch for the GPT of the benchmarks:
-    ~1 ms); read before it is overwritten, the slot is updated in place."""
+    made its new one. Both values are then live at once, so the loop's buffer cannot be updated
+    in place (XLA copies the new value into it every repetition: an 11 MB stash per microbatch
+    for the GPT of the benchmarks); read before it is overwritten, the slot is updated in
+    place."""
 
     copies = 0
+
+
+def _last_reads(cs, items) -> dict[tuple, int]:
+    """The last position in ``items`` that reads each buffer."""
+    last: dict[tuple, int] = {}
+    for pos, it in enumerate(items):
+        for key in item_reads(cs, it):
+            last[key] = pos
+    return last
+
+
+def _stacked_out(cs, last_read, pat, r, d, end, slots) -> list[tuple[str, int, int]]:
+    """The buffers (pattern microbatch) a run of ``pat`` (ending at position ``end``) makes
+    that items after it read: they leave the scan stacked over its repetitions (its ``ys``),
+    except the last repetition's value of a carry slot (the final carry)."""
+    out = []
+    for key in sorted({key for it in pat for key in item_writes(cs, it)}):
+        k, s, m = key
+        later = [t for t in range(r) if last_read.get((k, s, m + t * d), -1) >= end]
+        if later and not (key in slots and later == [r - 1]):
+            out.append(key)
+    return out
 
 
 def roll(cs, items, max_period=None, stacked=True) -> list[tuple[list[Item], int, int]]:
@@ -216,28 +239,13 @@ def roll(cs, items, max_period=None, stacked=True) -> list[tuple[list[Item], int
     items at microbatch ``m + t * delta``. Greedy from the front: among the (period, delta)
     with at least two repetitions, the one whose carry slots are all updated in place (see
     _Slots; else the fewest copies), then the one covering the most items, then the shortest
-    period and the smallest delta; an item no period covers is a run of one. ``stacked`` False: no run whose buffers are read after
-    it (they would leave it stacked, see _LoopProgram.stacked_buffers), except the last
-    repetition's value of a carry slot."""
+    period and the smallest delta; an item no period covers is a run of one. ``stacked``
+    False: no run hands stacked buffers to later items (see _stacked_out)."""
     n = len(items)
     if max_period is None:
         max_period = _MAX_PERIOD_PER_STAGE * cs.num_stages
     max_p = max(1, max_period)
-    last_read: dict[tuple, int] = {}
-    for pos, it in enumerate(items):
-        for key in item_reads(cs, it):
-            last_read[key] = pos
-
-    def read_after(i, pat, r, d, slots):
-        end = i + len(pat) * r
-        for it in pat:
-            for k, s, m in item_writes(cs, it):
-                for t in range(r):
-                    if (last_read.get((k, s, m + t * d), -1) >= end
-                            and not (t == r - 1 and (k, s, m) in slots)):
-                        return True
-        return False
-
+    last_read = _last_reads(cs, items)
     runs = []
     i = 0
     while i < n:
@@ -256,7 +264,8 @@ def roll(cs, items, max_period=None, stacked=True) -> list[tuple[list[Item], int
                     continue
                 slots = _analyze(cs, pat, d)
                 if (slots is not None and (-slots.copies, r * p) > best_key
-                        and (stacked or not read_after(i, pat, r, d, slots))):
+                        and (stacked or not _stacked_out(cs, last_read, pat, r, d,
+                                                         i + p * r, slots))):
                     best, best_key = (p, r, d), (-slots.copies, r * p)
         p, r, d = best
         runs.append((list(items[i:i + p]), r, d))
@@ -349,6 +358,7 @@ def _run_task(cs, kind, s, m, inv, mb, get, put, add, call):
 
 
 def _parts_of(cs, kind, s):
+    """The loop-output parts (weight gradients, per-microbatch outputs) a task adds to."""
     out = []
     for exe in _exes(cs, kind, s):
         out += list(exe.body[0]) + list(exe.body[1])
@@ -387,26 +397,15 @@ class _LoopProgram:
         self.rank = rank
         self.items = items
         self.runs = _rotate(cs, roll(cs, items, max_period, stacked))
-        # last position that reads each buffer: a run's buffers read after it leave as ys
-        # (or, for the last repetition's value of a carry slot, as the final carry)
-        last_read: dict[tuple, int] = {}
-        for pos, it in enumerate(items):
-            for key in item_reads(cs, it):
-                last_read[key] = pos
+        last_read = _last_reads(cs, items)
         self._keep = []  # per run: the buffers it makes that later items read (its ys)
         self._slots = []  # per run: its carry slots
         pos = 0
         for pattern, r, d in self.runs:
             end = pos + len(pattern) * r
             slots = sorted(_analyze(cs, pattern, d) or ()) if r > 1 else []
-            made = {key for it in pattern for key in item_writes(cs, it)}
-            keep = []
-            for key in sorted(made):
-                k, s, m = key
-                later = [t for t in range(r) if last_read.get((k, s, m + t * d), -1) >= end]
-                if r > 1 and later and not (key in slots and later == [r - 1]):
-                    keep.append(key)
-            self._keep.append(keep)
+            self._keep.append(_stacked_out(cs, last_read, pattern, r, d, end, slots)
+                              if r > 1 else [])
             self._slots.append(slots)
             pos = end
 
@@ -549,12 +548,11 @@ class _LoopProgram:
         for key in keep:
             k, s, m = key
             env.rows.setdefault((k, s), []).append((m, r, d, ys[key]))
-        m0 = {}
+        m0 = {}  # the first microbatch each part is added at
         for it in pattern:
             if it[0] == "run":
-                for exe in _exes(cs, it[1], it[2]):
-                    for i in list(exe.body[0]) + list(exe.body[1]):
-                        m0.setdefault(i, it[3])
+                for i in _parts_of(cs, it[1], it[2]):
+                    m0.setdefault(i, it[3])
         for i in stacked:
             env.stack_rows.setdefault(i, []).append((m0[i], r, d, st[i]))
 
