@@ -11,6 +11,8 @@ pinned to one core (issue 5's measurements), with the simulator's prediction for
   CPU device each, talking Gloo; the same GPT cut into ``schedule.stages(2)`` stages.
 * 1 rank: Baton in one process pinned to core 0 (the model without stage boundaries).
 * machine ceiling: two copies of the baseline at once, on cores 0 and 1.
+``--repeat`` rounds each launch the baseline and then every configuration (the VM's speed drifts
+within an hour, so each configuration is compared with its own round's baseline).
 Every run prints the median wall time of ``--steps`` whole steps after 2 warm-up steps (the
 step's outputs ready), then ``baton.profile`` measures each task alone, the link, and
 ``--steps`` traced steps: the microbatch loop's measured span (first task start to last task
@@ -128,11 +130,24 @@ def _pair_run(cmd):
     return steps
 
 
-def _median_run(cmd, repeat):
-    """Runs ``cmd`` ``repeat`` times; the result whose step time is the median (this VM's
-    timings move by 5-10% from one process to the next)."""
-    rs = sorted((_result(cmd) for _ in range(repeat)), key=lambda r: r["step"])
-    r = rs[len(rs) // 2]
+def _rounds(base_cmd, cmds, repeat):
+    """``repeat`` rounds; each launches the baseline, then every command of ``cmds``, once.
+    This VM's speed drifts by several percent within an hour, so a configuration is compared
+    with the baseline of its own round: its speed-up is the median over rounds of
+    baseline step / its step. Returns the baseline's results and, per command, its results,
+    both in round order."""
+    base, per = [], [[] for _ in cmds]
+    for _ in range(repeat):
+        base.append(_result(base_cmd))
+        for i, cmd in enumerate(cmds):
+            per[i].append(_result(cmd))
+    return base, per
+
+
+def _median_result(rs):
+    """The launch with the median step time, with every launch's step under ``all_steps``
+    (in round order)."""
+    r = dict(sorted(rs, key=lambda x: x["step"])[len(rs) // 2])
     r["all_steps"] = [x["step"] for x in rs]
     return r
 
@@ -159,7 +174,8 @@ def main():
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=1,
-                    help="processes per configuration; the one with the median step is reported")
+                    help="rounds of launches (the baseline, then every configuration); rows "
+                    "report the median launch and the median per-round speed-up")
     ap.add_argument("--malloc", choices=["retain", "default"], default="retain",
                     help="host allocator for every run, baseline included: 'retain' keeps freed "
                     "memory (baton.jit's default), 'default' is glibc's")
@@ -177,7 +193,17 @@ def main():
               "--microbatches", str(args.microbatches), "--mb-size", str(args.mb_size),
               "--seq", str(args.seq), "--dim", str(args.dim), "--steps", str(args.steps)]
     me = os.path.abspath(__file__)
-    base = _median_run([sys.executable, me, "--role", "baseline", *common], args.repeat)
+    runs = [(s, "single") for s in args.one_rank.split(",") if s]
+    runs += [(s, "worker") for s in args.schedules.split(",") if s]
+    cmds = []
+    for sched, role in runs:
+        cmd = [me, "--role", role, "--schedule", sched, *common]
+        if role == "worker":
+            cmd = ["-m", "baton.launch", "--nprocs", "2", *cmd]
+        cmds.append([sys.executable, *cmd])
+    pair = _pair_run([sys.executable, me, "--role", "baseline", *common])
+    bases, per = _rounds([sys.executable, me, "--role", "baseline", *common], cmds, args.repeat)
+    base = _median_result(bases)
     tokens = args.mb_size * args.microbatches * args.seq
     m = args.microbatches
     rows = [
@@ -186,35 +212,31 @@ def main():
         "|---|---|---|---|---|---|---|---|---|---|---|",
         f"| jax.jit + lax.scan, 1 process on core 0 | {1e3 * base['step']:.1f} "
         f"| {tokens / base['step']:.0f} | 1.00 | | | | | | | |",
-    ]
-    pair = _pair_run([sys.executable, me, "--role", "baseline", *common])
-    rows.append(
         f"| 2 copies of the baseline at once, cores 0 and 1 (machine ceiling) "
         f"| {1e3 * max(pair):.1f} | {2 * tokens / max(pair):.0f} "
-        f"| {2 * base['step'] / max(pair):.2f} | | | | | | | |")
-    runs = [(s, "single") for s in args.one_rank.split(",") if s]
-    runs += [(s, "worker") for s in args.schedules.split(",") if s]
+        f"| {2 * base['step'] / max(pair):.2f} | | | | | | | |",
+    ]
     details = []
-    for sched, role in runs:
-        cmd = [me, "--role", role, "--schedule", sched, *common]
-        if role == "worker":
-            cmd = ["-m", "baton.launch", "--nprocs", "2", *cmd]
-        r = _median_run([sys.executable, *cmd], args.repeat)
+    for (sched, role), rs in zip(runs, per):
+        r = _median_result(rs)
+        ratios = [b["step"] / x["step"] for b, x in zip(bases, rs)]
+        speedup = sorted(ratios)[len(ratios) // 2]
         meas, pred = r["measured"], r["predicted"]
         where = "1 rank, 1 process on core 0" if role == "single" else \
             "2 ranks, 2 processes on cores 0 and 1"
         ideal = f" (ideal {2 * m / (m + 1):.2f})" if (role, sched) == ("worker", "1f1b") else ""
         rows.append(
             f"| Baton {SCHEDULE_NAMES.get(sched, sched)}, {where} | {1e3 * r['step']:.1f} "
-            f"| {tokens / r['step']:.0f} | {base['step'] / r['step']:.2f}{ideal} "
+            f"| {tokens / r['step']:.0f} | {speedup:.2f}{ideal} "
             f"| {1e3 * meas['step_time']:.1f} | {1e3 * pred['step_time']:.1f} "
             f"| {pred['step_time'] / meas['step_time']:.2f} | {_pct(meas['bubble'])} "
             f"| {_pct(pred['bubble'])} | {_mib(meas['peak_activation'])} "
             f"| {_mib(pred['peak_activation'])} |")
         details.append(f"- {sched}, {role}: task times (ms) " + ", ".join(
             f"{k} {1e3 * v:.2f}" for k, v in sorted(r["tasks"].items()))
-            + f"; link latency {1e6 * r['link']['latency']:.0f} us; step ms of the "
-            f"{len(r['all_steps'])} runs: " + ", ".join(f"{1e3 * x:.1f}" for x in r["all_steps"]))
+            + f"; link latency {1e6 * r['link']['latency']:.0f} us; step ms per round: "
+            + ", ".join(f"{1e3 * x:.1f}" for x in r["all_steps"])
+            + "; speed-up per round: " + ", ".join(f"{x:.2f}" for x in ratios))
         print(rows[-1], flush=True)
     head = [
         "# Pinned pipelines vs the 1-process baseline",
@@ -223,8 +245,9 @@ def main():
         f"- model: examples/gpt.py, 8 blocks, dim {args.dim}, seq {args.seq}; {m} microbatches "
         f"of {args.mb_size}; AdamW; one XLA thread per process",
         command_line("pinned.py"),
-        f"- every configuration ran as {args.repeat} separate process launch(es); the row is the "
-        "launch with the median step time",
+        f"- {args.repeat} round(s); each launches the baseline, then every configuration, once "
+        "(separate processes, in that order): a row's step ms is its median launch, its "
+        "speed-up the median over rounds of the round's baseline step / its step",
         "- step ms: median wall time of a whole step (loop, optimizer, outputs ready), as "
         "`baton.jit` runs it by default (each rank's loop as one XLA program); loop meas/pred: "
         "the microbatch loop's span, measured in traced steps (median; traced and profiled "
@@ -239,7 +262,7 @@ def main():
         "",
     ]
     base_runs = ", ".join(f"{1e3 * x:.1f}" for x in base["all_steps"])
-    details.insert(0, f"- baseline: step ms of the {len(base['all_steps'])} runs: {base_runs}; "
+    details.insert(0, f"- baseline: step ms per round: {base_runs}; "
                    "two copies at once: " + ", ".join(f"{1e3 * x:.1f}" for x in pair))
     notes = ["", "Profiled costs (task means inside steps):", ""]
     publish("\n".join(head + rows + notes + details) + "\n", args.md)
