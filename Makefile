@@ -1,7 +1,7 @@
 # Convenience targets; each one delegates to a script or a benchmark.
 PY ?= .venv/bin/python
 
-.PHONY: setup test test-cpp test-py demo bench bench-pipeline bench-pinned bench-pinned-ab bench-one-rank bench-plan
+.PHONY: setup test test-cpp test-py demo bench bench-pipeline bench-pinned bench-pinned-ab bench-one-rank bench-stage-costs bench-plan
 
 setup:
 	bash scripts/setup.sh
@@ -19,20 +19,23 @@ demo: setup
 	bash scripts/demo.sh
 
 # Pipeline benchmarks: tables in bench/results/ (they never fail on timing).
-bench: bench-pipeline bench-pinned bench-pinned-ab bench-one-rank
+bench: bench-pipeline bench-pinned bench-pinned-ab bench-one-rank bench-stage-costs
 
 bench-pipeline: setup
 	$(PY) bench/pipeline.py --md bench/results/pipeline.md
 
 bench-pinned: setup
 	$(PY) bench/pinned.py --steps 8 --repeat 3 --md bench/results/pinned.md
-	$(PY) bench/pinned.py --schedules 1f1b --one-rank "" --dim 512 --steps 6 --repeat 3 \
+	$(PY) bench/pinned.py --schedules 1f1b --one-rank "" --dim 512 --steps 6 --repeat 5 \
 		--md bench/results/pinned_dim512.md
 
 bench-pinned-ab: setup
 	$(PY) bench/pinned_ab.py --schedules 1f1b,interleaved --rounds 8 --md bench/results/pinned_ab.md
 	$(PY) bench/pinned_ab.py --dim 512 --schedules 1f1b --rounds 6 \
 		--md bench/results/pinned_ab_dim512.md
+
+bench-stage-costs: setup
+	$(PY) bench/stage_costs.py --rounds 3 --md bench/results/stage_costs.md
 
 bench-one-rank: setup
 	$(PY) bench/one_rank.py --md bench/results/one_rank.md
