@@ -21,16 +21,12 @@ import subprocess
 import sys
 import time
 
-from timing import ONE_THREAD, SCHEDULE_NAMES, command_line, machine_lines, publish
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from timing import (SCHEDULE_NAMES, command_line, gpt_config, machine_lines, pin_to_core,
+                    publish)
 
 
 def measure(args):
-    os.sched_setaffinity(0, {0})
-    os.environ["XLA_FLAGS"] = ONE_THREAD
-    os.environ["JAX_NUM_CPU_DEVICES"] = "1"
-    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    pin_to_core(0)
     import jax
 
     import baton
@@ -39,7 +35,7 @@ def measure(args):
 
     runtime.retain_host_memory()
     m = args.microbatches
-    cfg = gpt.GPTConfig(vocab=256, seq=args.seq, dim=args.dim, heads=4, layers=8, stages=1)
+    cfg = gpt_config(args, 1)
     model, params, opt, opt_state, train_step, _ = gpt.make(cfg)
     batch = gpt.synthetic_batch(cfg, args.mb_size * m)
 

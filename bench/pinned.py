@@ -29,27 +29,12 @@ import os
 import subprocess
 import sys
 
-from timing import (ONE_THREAD, SCHEDULE_NAMES, command_line, machine_lines, median_step,
-                    publish)
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _setup(core: int):
-    os.sched_setaffinity(0, {core})
-    os.environ["XLA_FLAGS"] = ONE_THREAD
-    os.environ["JAX_NUM_CPU_DEVICES"] = "1"
-    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-
-
-def _cfg(args, stages):
-    import gpt
-
-    return gpt.GPTConfig(vocab=256, seq=args.seq, dim=args.dim, heads=4, layers=8, stages=stages)
+from timing import (SCHEDULE_NAMES, command_line, gpt_config, machine_lines, median_step,
+                    pin_to_core, publish)
 
 
 def baseline(args):
-    _setup(args.core)
+    pin_to_core(args.core)
     import jax
 
     import gpt
@@ -58,7 +43,7 @@ def baseline(args):
         from baton import runtime
 
         runtime.retain_host_memory()
-    cfg = _cfg(args, 1)
+    cfg = gpt_config(args, 1)
     model, params, opt, opt_state, _, _ = gpt.make(cfg)
     batch = gpt.synthetic_batch(cfg, args.mb_size * args.microbatches)
 
@@ -72,7 +57,7 @@ def worker(args):
     on 1 rank (``--role single``)."""
     single = args.role == "single"
     rank = 0 if single else int(os.environ["BATON_RANK"])
-    _setup(rank)
+    pin_to_core(rank)
     import jax
 
     import baton
@@ -80,7 +65,7 @@ def worker(args):
 
     sched = baton.schedule_from_name(args.schedule)
     ranks = 1 if single else 2
-    cfg = _cfg(args, sched.stages(ranks))
+    cfg = gpt_config(args, sched.stages(ranks))
     _, params, _, opt_state, train_step, _ = gpt.make(cfg)
     batch = gpt.synthetic_batch(cfg, args.mb_size * args.microbatches)
     kw = {"mesh": baton.PipelineMesh(jax.devices()[:1], ranks=1)} if single else {}

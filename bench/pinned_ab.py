@@ -31,17 +31,15 @@ import subprocess
 import sys
 import time
 
-from timing import ONE_THREAD, SCHEDULE_NAMES, command_line, machine_lines, publish
+from timing import (SCHEDULE_NAMES, command_line, gpt_config, machine_lines, pin_to_core,
+                    publish)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def worker(args):
     rank = int(os.environ["BATON_RANK"])
-    os.sched_setaffinity(0, {rank})
-    os.environ["XLA_FLAGS"] = ONE_THREAD
-    os.environ["JAX_NUM_CPU_DEVICES"] = "1"
-    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    pin_to_core(rank)
     import jax
 
     import baton
@@ -59,8 +57,7 @@ def worker(args):
         r.finish()
 
     def cfg(stages):
-        return gpt.GPTConfig(vocab=256, seq=args.seq, dim=args.dim, heads=4, layers=8,
-                             stages=stages)
+        return gpt_config(args, stages)
 
     base = None
     if rank == 0:

@@ -31,34 +31,18 @@ import subprocess
 import sys
 import time
 
-from timing import ONE_THREAD, command_line, machine_lines, publish
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _setup(core: int):
-    os.sched_setaffinity(0, {core})
-    os.environ["XLA_FLAGS"] = ONE_THREAD
-    os.environ["JAX_NUM_CPU_DEVICES"] = "2"
-    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-
-
-def _cfg(args, stages):
-    import gpt
-
-    return gpt.GPTConfig(vocab=256, seq=args.seq, dim=args.dim, heads=4, layers=8, stages=stages)
-
+from timing import command_line, gpt_config, machine_lines, pin_to_core, publish
 
 def contend(args):
     """Runs the baseline step on core 1 until killed."""
-    _setup(1)
+    pin_to_core(1)
     import jax
 
     import gpt
     from baton import runtime
 
     runtime.retain_host_memory()
-    cfg = _cfg(args, 1)
+    cfg = gpt_config(args, 1)
     model, params, opt, opt_state, _, _ = gpt.make(cfg)
     batch = gpt.synthetic_batch(cfg, 4 * args.microbatches)
     f = jax.jit(gpt.scan_step(model, opt, args.microbatches))
@@ -68,14 +52,14 @@ def contend(args):
 
 
 def measure(args):
-    _setup(0)
+    pin_to_core(0, cpu_devices=2)
     import jax
     import jax.numpy as jnp
 
     import baton
     import gpt
 
-    cfg = _cfg(args, 2)
+    cfg = gpt_config(args, 2)
     _, params, _, opt_state, train_step, _ = gpt.make(cfg)
     batch = gpt.synthetic_batch(cfg, 4 * args.microbatches)
     M = args.microbatches
@@ -143,7 +127,7 @@ def measure(args):
     if ("FB", 0) in cs.tasks:
         loops["FB0 (stage 0 fused)"] = one(cs.tasks[("FB", 0)])
 
-    whole = _cfg(args, 1)
+    whole = gpt_config(args, 1)
     model, wp, _, _, _, _ = gpt.make(whole)
     mbs = jax.tree.map(lambda x: x.reshape(M, -1, *x.shape[1:]),
                        gpt.synthetic_batch(whole, 4 * M))

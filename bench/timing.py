@@ -18,6 +18,23 @@ SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "eager1f1b": "Eager 1F1B",
                   "zbv": "ZB-V", "dualpipev": "DualPipeV"}
 
 
+def pin_to_core(core: int, cpu_devices: int = 1) -> None:
+    """Pins this process to ``core`` with XLA on one thread and ``cpu_devices`` CPU devices,
+    and puts examples/ on the path (call before JAX starts)."""
+    os.sched_setaffinity(0, {core})
+    os.environ["XLA_FLAGS"] = ONE_THREAD
+    os.environ["JAX_NUM_CPU_DEVICES"] = str(cpu_devices)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+
+def gpt_config(args, stages: int, layers: int = 8):
+    """The benchmarks' GPT (examples/gpt.py) at ``args.seq`` and ``args.dim``."""
+    import gpt
+
+    return gpt.GPTConfig(vocab=256, seq=args.seq, dim=args.dim, heads=4, layers=layers,
+                         stages=stages)
+
+
 def machine_lines() -> list[str]:
     """The date and machine lines of a report."""
     return [
