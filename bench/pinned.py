@@ -221,7 +221,7 @@ def main():
             f"{k} {1e3 * v:.2f}" for k, v in sorted(r["tasks"].items()))
             + f"; link latency {1e6 * r['link']['latency']:.0f} us; step ms per round: "
             + ", ".join(f"{1e3 * x:.1f}" for x in r["all_steps"])
-            + "; speed-up per round: " + ", ".join(f"{x:.2f}" for x in ratios))
+            + "; speed-up per round: " + ", ".join(f"{x:.3f}" for x in ratios))
         print(rows[-1], flush=True)
     head = [
         "# Pinned pipelines vs the 1-process baseline",
