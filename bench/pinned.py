@@ -29,26 +29,17 @@ import os
 import subprocess
 import sys
 
-from timing import (SCHEDULE_NAMES, command_line, gpt_config, machine_lines, median_step,
-                    pin_to_core, publish)
+from timing import (SCHEDULE_NAMES, baseline_step, command_line, gpt_config, machine_lines,
+                    median_step, pin_to_core, publish)
 
 
 def baseline(args):
     pin_to_core(args.core)
-    import jax
-
-    import gpt
-
     if args.malloc == "retain":  # as baton.jit does (retain_host_memory=True)
         from baton import runtime
 
         runtime.retain_host_memory()
-    cfg = gpt_config(args, 1)
-    model, params, opt, opt_state, _, _ = gpt.make(cfg)
-    batch = gpt.synthetic_batch(cfg, args.mb_size * args.microbatches)
-
-    f = jax.jit(gpt.scan_step(model, opt, args.microbatches))
-    t = median_step(lambda: f(params, opt_state, batch), args.steps, warmup=2)
+    t = median_step(baseline_step(args, args.mb_size), args.steps, warmup=2)
     print("RESULT " + json.dumps({"step": t}), flush=True)
 
 

@@ -31,8 +31,8 @@ import subprocess
 import sys
 import time
 
-from timing import (SCHEDULE_NAMES, command_line, gpt_config, machine_lines, pin_to_core,
-                    publish)
+from timing import (SCHEDULE_NAMES, baseline_step, command_line, gpt_config, machine_lines,
+                    pin_to_core, publish)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -56,25 +56,15 @@ def worker(args):
         r.allgather("b")
         r.finish()
 
-    def cfg(stages):
-        return gpt_config(args, stages)
-
-    base = None
-    if rank == 0:
-        model, bparams, opt, bopt, _, _ = gpt.make(cfg(1))
-        bbatch = gpt.synthetic_batch(cfg(1), args.mb_size * m)
-        base_fn = jax.jit(gpt.scan_step(model, opt, m))
-
-        def base():
-            return base_fn(bparams, bopt, bbatch)
+    base = baseline_step(args, args.mb_size) if rank == 0 else None
 
     steps = {}
     runners = {}
     for key in _keys(args):
         name, how = key.split("/")
         sched = baton.schedule_from_name(name)
-        _, params, _, opt_state, train_step, _ = gpt.make(cfg(sched.stages(2)))
-        batch = gpt.synthetic_batch(cfg(sched.stages(2)), args.mb_size * m)
+        _, params, _, opt_state, train_step, _ = gpt.make(gpt_config(args, sched.stages(2)))
+        batch = gpt.synthetic_batch(gpt_config(args, sched.stages(2)), args.mb_size * m)
         st = baton.jit(train_step, schedule=sched, microbatches=m,
                        single_program=how == "program")
         runners[key] = st

@@ -31,24 +31,21 @@ import subprocess
 import sys
 import time
 
-from timing import command_line, gpt_config, machine_lines, pin_to_core, publish
+from timing import (baseline_step, command_line, gpt_config, machine_lines, pin_to_core,
+                    publish)
 
 def contend(args):
     """Runs the baseline step on core 1 until killed."""
     pin_to_core(1)
     import jax
 
-    import gpt
     from baton import runtime
 
     runtime.retain_host_memory()
-    cfg = gpt_config(args, 1)
-    model, params, opt, opt_state, _, _ = gpt.make(cfg)
-    batch = gpt.synthetic_batch(cfg, 4 * args.microbatches)
-    f = jax.jit(gpt.scan_step(model, opt, args.microbatches))
+    step = baseline_step(args, 4)
     print("READY", flush=True)
     while True:
-        jax.block_until_ready(f(params, opt_state, batch))
+        jax.block_until_ready(step())
 
 
 def measure(args):

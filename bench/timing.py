@@ -35,6 +35,20 @@ def gpt_config(args, stages: int, layers: int = 8):
                          stages=stages)
 
 
+def baseline_step(args, mb_size: int):
+    """The benchmarks' non-pipelined baseline as a zero-argument call: one ``jax.jit`` of the
+    whole GPT's training step, the microbatch loop a ``lax.scan`` (``gpt.scan_step``)."""
+    import jax
+
+    import gpt
+
+    cfg = gpt_config(args, 1)
+    model, params, opt, opt_state, _, _ = gpt.make(cfg)
+    batch = gpt.synthetic_batch(cfg, mb_size * args.microbatches)
+    f = jax.jit(gpt.scan_step(model, opt, args.microbatches))
+    return lambda: f(params, opt_state, batch)
+
+
 def machine_lines() -> list[str]:
     """The date and machine lines of a report."""
     return [
