@@ -13,6 +13,7 @@
 #include <cstring>
 #include <optional>
 
+#include "baton/comm.h"
 #include "baton/plan.h"
 #include "baton/runtime.h"
 
@@ -410,6 +411,19 @@ int64_t ns(rt::Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
 }
 
+// A rank program's transfer context, registered for the FFI handlers under `id`.
+struct PyComm {
+  PyComm(int rank, double timeout)
+      : comm(std::make_shared<rt::RankComm>(rank, ms(timeout))), id(rt::register_comm(comm)) {}
+  ~PyComm() {
+    nb::gil_scoped_release nogil;
+    rt::unregister_comm(id);
+    comm->detach();
+  }
+  std::shared_ptr<rt::RankComm> comm;
+  int64_t id;
+};
+
 }  // namespace
 
 void init_runtime(nb::module_& root) {
@@ -643,6 +657,64 @@ void init_runtime(nb::module_& root) {
       },
       "rank"_a, "world_size"_a, "device"_a, "store"_a, "channels"_a = 2,
       nb::rv_policy::take_ownership);
+
+  nb::class_<PyComm>(m, "RankComm",
+                     "The transfers of one rank's compiled program (the XLA FFI handlers of "
+                     "baton._core.ffi call it; `id` is their `comm` attribute).")
+      .def(nb::init<int, double>(), "rank"_a, "timeout"_a = 60.0)
+      .def_ro("id", &PyComm::id)
+      .def_prop_ro("rank", [](PyComm& c) { return c.comm->rank(); })
+      .def_prop_ro("attached", [](PyComm& c) { return c.comm->attached(); })
+      .def(
+          "attach",
+          [](PyComm& c, PyTransport& t) {
+            std::shared_ptr<rt::Transport> tr = t.t;
+            if (!tr) throw baton::ConfigError("the transport is closed");
+            nb::gil_scoped_release nogil;
+            c.comm->attach(std::move(tr));
+          },
+          "transport"_a, "Uses this transport from now on (counters and failure reset).")
+      .def(
+          "detach",
+          [](PyComm& c) {
+            nb::gil_scoped_release nogil;
+            c.comm->detach();
+          })
+      .def(
+          "abort",
+          [](PyComm& c, const std::string& msg, int origin) {
+            nb::gil_scoped_release nogil;
+            c.comm->abort(msg, origin < 0 ? c.comm->rank() : origin);
+          },
+          "reason"_a, "origin"_a = -1,
+          "Records the failure and tells every other rank (their waits fail at once).")
+      .def(
+          "set_timeout", [](PyComm& c, double t) { c.comm->set_timeout(ms(t)); }, "timeout"_a)
+      .def(
+          "set_layout",
+          [](PyComm& c, int channel, int stage, std::vector<size_t> bytes) {
+            c.comm->set_layout(channel, stage, std::move(bytes));
+          },
+          "channel"_a, "stage"_a, "nbytes"_a,
+          "Bytes of each tensor of the (channel, stage) buffer as this rank receives it.")
+      .def(
+          "record", [](PyComm& c, bool on) { c.comm->record(on); }, "on"_a)
+      .def(
+          "failure", [](PyComm& c) { return c.comm->failure(); },
+          "(origin rank, message) of the first failure since attach, else None.")
+      .def("counts", [](PyComm& c) { return c.comm->counts(); },
+           "(sends, receives) posted since attach.")
+      .def(
+          "take_events",
+          [](PyComm& c) {
+            nb::list out;
+            for (const rt::CommEvent& e : c.comm->take_events())
+              out.append(nb::make_tuple(static_cast<int>(e.kind), e.peer, e.channel, e.stage,
+                                        e.seq, ns(e.posted), ns(e.started), ns(e.completed)));
+            return out;
+          },
+          "(kind 0 send / 1 receive, peer, channel, stage, seq, posted_ns, started_ns, "
+          "completed_ns) per transfer since the last call, when recording.");
 
   nb::class_<PyExecutor>(m, "Executor", "Runs one rank's program of a Plan.")
       .def(nb::init<const baton::Plan&, int, PyTransport&, PyTasks&, double, bool, bool>(),

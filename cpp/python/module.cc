@@ -11,6 +11,7 @@ void init_graph(nb::module_& m);  // bind_graph.cc: Program IR and graph passes
 #endif
 #if BATON_BIND_RUNTIME
 void init_runtime(nb::module_& m);  // bind_runtime.cc: executor, transports (_core.runtime)
+void init_ffi(nb::module_& m);      // ffi_handlers.cc: XLA FFI transfer handlers (_core.ffi)
 #endif
 
 NB_MODULE(_core, m) {
@@ -23,5 +24,6 @@ NB_MODULE(_core, m) {
 #endif
 #if BATON_BIND_RUNTIME
   init_runtime(m);
+  init_ffi(m);
 #endif
 }

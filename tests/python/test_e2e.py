@@ -47,14 +47,15 @@ def mesh(ranks, per_rank=1):
 
 
 def run_mlp(schedule, ranks, microbatches=4, steps=3, per_rank=1, remat=False, scan=False,
-            aux=False, layers_per_stage=1):
+            aux=False, layers_per_stage=1, single_program=True):
     stages = schedule.stages(ranks)
     key = jax.random.PRNGKey(stages)
     params = mlp.init_params(key, stages, layers_per_stage, scan=scan)
     batch = mlp.synthetic_batch(key, 4 * microbatches)
     loss_fn = mlp.make_loss(remat=remat, scan=scan, aux=aux)
     step, ref = make_steps(loss_fn, aux)
-    ps = baton.jit(step, mesh=mesh(ranks, per_rank), schedule=schedule, microbatches=microbatches)
+    ps = baton.jit(step, mesh=mesh(ranks, per_rank), schedule=schedule, microbatches=microbatches,
+                   single_program=single_program)
     ref = jax.jit(ref)
     p1 = p2 = params
     s1 = s2 = OPT.init(params)
@@ -82,6 +83,7 @@ def run_mlp(schedule, ranks, microbatches=4, steps=3, per_rank=1, remat=False, s
         for leaf in jax.tree.leaves(p1[st]):
             assert leaf.sharding.device_set == want, (st, leaf.sharding)
     ps.final_params = p1
+    ps.last_args = (p1, s1, batch)
     return ps
 
 
@@ -105,6 +107,10 @@ def make_steps(loss_fn, aux=False):
 
 
 def check_memory(ps):
+    """Measured peak live bytes per rank (a traced step: the interpreter counts every
+    buffer) within the simulator's prediction."""
+    if "peak_bytes" not in ps.last.last_stats:
+        baton.trace(ps, *ps.last_args)
     sim = ps.simulate()
     measured = ps.last.last_stats["peak_bytes"]
     predicted = list(sim.peak_total)
@@ -200,11 +206,14 @@ def test_gpt_tied_embedding_adamw():
     for p in ps.last.parts:
         stages_of.setdefault(p.outer, set()).add(p.stage)
     assert {0, 3} in stages_of.values()
+    ps.last_args = (p1, s1, batch)
     check_memory(ps)
 
 
 def test_data_parallel_inside_stage():
-    ps = run_mlp(baton.OneFOneB(), 4, per_rank=2)
+    """Ranks of two devices run on the interpreter (chosen explicitly: the compiled engine
+    refuses them, see test_compiled_engine_refuses_multi_device_ranks)."""
+    ps = run_mlp(baton.OneFOneB(), 4, per_rank=2, single_program=False)
     # rank r owns devices 2r, 2r+1: its microbatches are split over both and its
     # parameters (updated on the rank) are replicated over both.
     devs = jax.devices()
@@ -213,6 +222,11 @@ def test_data_parallel_inside_stage():
         assert w.sharding.device_set == {devs[2 * s], devs[2 * s + 1]}
     assert len(ps.last.mesh.batch_sharded(1, (4, 16)).device_set) == 2
     check_memory(ps)
+
+
+def test_compiled_engine_refuses_multi_device_ranks():
+    with pytest.raises(baton.ConfigError, match="rank 0 has 2 devices.*single_program=False"):
+        run_mlp(baton.OneFOneB(), 2, per_rank=2, steps=1)
 
 
 def test_checkpoint_and_scan_inside_stage_and_aux():

@@ -33,7 +33,7 @@ import numpy as np
 
 from .. import _core
 from .. import _jax_compat as jc
-from ..errors import ExecutionError, TraceError
+from ..errors import ConfigError, ExecutionError, TraceError
 from .mesh import PipelineMesh
 from .trace import Traced
 
@@ -317,14 +317,15 @@ class CompiledStep:
         self.capture: dict | None = None
         self.last_events: list | None = None
         self.last_offsets: list | None = None
-        # One rank in this process: the whole step as one XLA program (program.py), except
-        # when recording or capturing (those need the executor's instructions).
-        # One rank of several in this process (multi-process): its loop as one program
-        # (program.RankProgram). Several ranks in one process use the executor.
+        # The compiled engine (program.py): one rank, the whole step as one XLA program; a
+        # rank of several (in this process or one process per rank), its loop as one
+        # program with FFI transfers. The interpreter (the C++ Executor) runs traced and
+        # profiled steps, and every step with single_program=False.
         self.single_program = bool(single_program)
-        self.single_declined: str | None = None  # why a step uses the executor
         self._single = None
         self._rank_prog = None
+        self._local_progs = None  # single process, several ranks: RankProgram per rank
+        self._local_hub = None  # their in-process transports
 
     def _task_exe(self, kind, stage, ops, groups, outs, wgrad_parts, mb_parts) -> TaskExe:
         """One task's jit: ``ops`` (program order) from the value ids in ``groups`` to the
@@ -484,15 +485,38 @@ class CompiledStep:
 
     # -- one step --------------------------------------------------------------
     def run(self, flat_args: list[Any], group: Any = None, timeout: float = 120.0) -> list[Any]:
-        """One step. ``group`` None: every rank in this process (threads over the in-process
-        transport); a :class:`~baton.frontend.distributed.ProcessGroup`: this process's rank
-        only, over its transport (see ``_run_group``)."""
+        """One step. ``group`` None: every rank in this process; a
+        :class:`~baton.frontend.distributed.ProcessGroup`: this process's rank only, over its
+        transport (see ``_run_group``). The compiled engine (program.py: one XLA program per
+        rank, transfers as FFI calls) runs it unless the interpreter was chosen
+        (``single_program=False``) or the step is traced or profiled (those read the
+        interpreter's per-instruction events)."""
+        interp = not self.single_program or self.record or self.capture is not None
         if group is None:
-            if (self.single_program and self.num_ranks == 1 and not self.record
-                    and self.capture is None):
+            if interp:
+                return self._run_local(flat_args, timeout)
+            if self.num_ranks == 1:
                 return self._run_single(flat_args, timeout)
-            return self._run_local(flat_args, timeout)
+            return self._run_programs(flat_args, timeout)
         return self._run_group(flat_args, group, timeout)
+
+    def engine_refusal(self, rank: int, transport_kind: str = "local") -> str | None:
+        """Why the compiled engine cannot run ``rank`` of this step, or None."""
+        if len(self.mesh.rank_devices[rank]) > 1 and self.num_ranks > 1:
+            return (f"rank {rank} has {len(self.mesh.rank_devices[rank])} devices: the "
+                    f"compiled engine moves a rank's values whole, and a value sharded over "
+                    f"several devices would cross through one of them; use one device per "
+                    f"rank, or the interpreter (baton.jit(..., single_program=False))")
+        if transport_kind not in ("local", "gloo"):
+            return (f"the compiled engine's transfers run on CPU transports (local, gloo), "
+                    f"not {transport_kind!r}; use the interpreter "
+                    f"(baton.jit(..., single_program=False))")
+        return None
+
+    def _check_engine(self, rank, transport_kind="local"):
+        why = self.engine_refusal(rank, transport_kind)
+        if why is not None:
+            raise ConfigError(f"baton.jit: {why}")
 
     # per-buffer helpers (cached: called for every task)
     def _bkey(self, b):
@@ -692,44 +716,84 @@ class CompiledStep:
                         from_host=rt.from_host, recv_layout=self._recv_layout)
 
     def _run_single(self, flat_args, timeout):
-        first = self._single is None
-        if first:
+        if self._single is None:
             from .program import SingleProgram
 
-            try:
-                sp = SingleProgram(self)
-            except Exception as e:  # noqa: BLE001  (the executor is the reference path)
-                return self._decline(f"building it failed: {type(e).__name__}: {e}", flat_args,
-                                     timeout)
-            stacked = sp.stacked_buffers()
-            if stacked:  # measured slower than the executor (see stacked_buffers)
-                return self._decline(f"the schedule hands {', '.join(stacked)} stacked over "
-                                     f"microbatches from one loop to another", flat_args, timeout)
-            self._single = sp
-        try:
-            outs = self._single(flat_args)
-        except Exception as e:  # noqa: BLE001
-            if not first:
-                raise
-            # the first call traces and compiles the program: if that fails, the executor runs
-            # the step (and raises the task's error, rank and instruction named, if it is ours
-            # to report)
-            self._single = None
-            return self._decline(f"compiling it failed: {type(e).__name__}: {e}", flat_args,
-                                 timeout)
-        # no executor ran: no measured live-buffer peaks (traced steps have them)
+            self._single = SingleProgram(self)
+        outs = self._single(flat_args)
+        # no interpreter ran: no measured live-buffer peaks (traced steps have them)
         self.last_stats = {"single_program": self._single.describe()}
         return outs
 
-    def _decline(self, why, flat_args, timeout):
-        """Runs this and every later step on the executor instead of as one program."""
-        import logging
+    # -- single process, several ranks: one compiled program per rank -------------
+    def _local_programs(self, vals, timeout):
+        """This step's rank programs over an in-process hub (built on the first call, and
+        again after a failed step: a failed hub stays failed)."""
+        from .. import _core
+        from .program import RankProgram
 
-        self.single_program = False
-        self.single_declined = why
-        logging.getLogger("baton").info("one-rank step on the executor, not one program: %s",
-                                        why)
-        return self._run_local(flat_args, timeout)
+        R = self.num_ranks
+        if self._local_progs is None:
+            for r in range(R):
+                self._check_engine(r)
+            comms = [_core.runtime.RankComm(r, float(timeout)) for r in range(R)]
+            progs = [RankProgram(self, r, comms[r], timeout) for r in range(R)]
+            self._local_progs = progs
+            self._local_hub = None
+        progs = self._local_progs
+        if self._local_hub is None:
+            hub = _core.runtime.LocalHub(R)
+            self._local_hub = [hub.transport(r) for r in range(R)]
+            for p, t in zip(progs, self._local_hub):
+                p.comm.attach(t)
+        for p in progs:
+            if p.timeout != float(timeout):
+                p.timeout = float(timeout)
+                p.comm.set_timeout(p.timeout)
+        return progs
+
+    def _run_programs(self, flat_args, timeout):
+        """Every rank's loop as its own XLA program on its devices, launched from one thread
+        per rank so the ranks overlap; transfers go through the in-process transport from
+        inside the programs (FFI calls), with no Python between tasks."""
+        tr = self.traced
+        vals: dict[Any, Any] = dict(zip(tr.step_inputs, flat_args))
+        self._run_segments(self.pre_segments, vals)
+        progs = self._local_programs(vals, timeout)
+        R = self.num_ranks
+        finals: list[dict | None] = [None] * R
+        errors: list[BaseException | None] = [None] * R
+
+        def go(r):
+            try:
+                finals[r] = progs[r](vals)
+            except BaseException as e:  # noqa: BLE001  (re-raised below)
+                errors[r] = e
+
+        threads = [threading.Thread(target=go, args=(r,), name=f"baton-rank-{r}", daemon=True)
+                   for r in range(R)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if any(e is not None for e in errors):
+            for p in progs:
+                p.comm.detach()
+            for t in self._local_hub or ():
+                t.close()
+            self._local_hub = None
+            origins = [getattr(e, "failed_rank", r) for r, e in enumerate(errors) if e]
+            first = next((e for r, e in enumerate(errors) if e is not None and r in origins),
+                         next(e for e in errors if e is not None))
+            raise first
+        final: dict[int, Any] = {}
+        for f in finals:
+            final.update(f)
+        for outer, idx in self._by_outer.items():
+            vals[outer] = self._combine(idx, {i: final[i] for i in idx})
+        self._run_segments(self.post_segments, vals)
+        self.last_stats = {"rank_program": [p.describe() for p in progs]}
+        return [vals[v] if v in vals else tr.literals[v] for v in tr.step_outputs]
 
     # -- single process: one executor thread per rank over the in-process hub ---
     def _run_local(self, flat_args, timeout):
@@ -910,46 +974,38 @@ class CompiledStep:
         return outs
 
     def _rank_program(self, group, router, vals, timeout):
-        """This rank's loop as one program (program.RankProgram), or None: the executor runs
-        it (traced or profiled steps, or a declined program). Every rank decides the same way:
-        on the first call each builds and compiles its program and the ranks exchange their
-        reasons to decline; one reason sends every rank to the executor for good."""
+        """This rank's loop as one program (program.RankProgram) over the process's
+        transport, or None when the interpreter runs it (chosen, or a traced or profiled
+        step). A program that cannot be built or compiled raises; the ranks first exchange
+        whether they could, so every rank raises instead of waiting on the others."""
         if not self.single_program or self.record or self.capture is not None:
             return None
         rp = self._rank_prog
         if rp is not None and rp.transport is group.transport:
-            rp.timeout = float(timeout)
+            if rp.timeout != float(timeout):
+                rp.timeout = float(timeout)
+                rp.comm.set_timeout(rp.timeout)
             return rp
+        from .. import _core
         from .program import RankProgram
 
         me = group.rank
-        why = ""
-        if len(self.mesh.rank_devices[me]) > 1:
-            why = "the rank has several devices (its transfers would be gathered to the host)"
-        elif group.transport.kind == "nccl":
-            why = "NCCL moves device buffers: host callbacks would copy them through the host"
-        else:
+        why = self.engine_refusal(me, group.transport.kind) or ""
+        if not why:
             try:
-                rp = RankProgram(self, me, group.transport, timeout)
-                stacked = rp.stacked_buffers()
-                if stacked:  # slower than the executor (see stacked_buffers)
-                    why = (f"the schedule hands {', '.join(stacked)} stacked over microbatches "
-                           f"from one loop to another")
-                else:
-                    rp.compile(vals)
-            except Exception as e:  # noqa: BLE001  (the executor is the reference path)
-                why = f"building it failed: {type(e).__name__}: {e}"
+                comm = _core.runtime.RankComm(me, float(timeout))
+                comm.attach(group.transport)
+                rp = RankProgram(self, me, comm, timeout)
+                rp.transport = group.transport
+                rp.compile(vals)
+            except Exception as e:  # noqa: BLE001  (raised below, on every rank)
+                why = f"building its program failed: {type(e).__name__}: {e}"
         whys = router.allgather(why.replace("\n", " "))
         bad = [(q, w) for q, w in enumerate(whys) if w]
         if bad:
-            import logging
-
-            self.single_program = False
-            self.single_declined = "; ".join(f"rank {q}: {w}" for q, w in bad)
             self._rank_prog = None
-            logging.getLogger("baton").info("rank %d runs its loop on the executor, not as one "
-                                            "program: %s", me, self.single_declined)
-            return None
+            raise ConfigError("baton.jit: the compiled engine cannot run this step: "
+                              + "; ".join(f"rank {q}: {w}" for q, w in bad))
         self._rank_prog = rp
         return rp
 

@@ -44,7 +44,6 @@ run on the executor as before.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -53,13 +52,12 @@ import numpy as np
 
 from .. import _core
 from ..errors import ExecutionError
+from . import ffi
 from .executor import buffer_reads
 
 G = _core.graph
 _MAX_PERIOD_PER_STAGE = 4
 _MAX_ITEMS_PER_STAGE = 16  # a rank's pattern: its tasks and their transfers
-_TAG_BASE = 1 << 42  # program tags: above the executor's (step * buffers + buffer), below
-# the Router's (distributed._TAG_BASE = 1 << 44); see RankProgram._tag
 
 # An item: (op, kind, stage, microbatch, peer). op "run": kind a task kind (F, B, I, W, FB);
 # "send" / "post" (a receive posted) / "wait" (a receive waited on): kind a buffer kind.
@@ -599,7 +597,10 @@ class SingleProgram(_LoopProgram):
         if cs.num_ranks != 1:
             raise ValueError("internal: SingleProgram needs a one-rank plan")
         self.tasks = task_list(cs)
-        super().__init__(cs, 0, [("run", k, s, m, -1) for k, s, m in self.tasks])
+        # no stacked buffers between loops (XLA would zero-fill them, see stacked_buffers):
+        # runs that would need them stay unrolled (GPipe's forwards)
+        super().__init__(cs, 0, [("run", k, s, m, -1) for k, s, m in self.tasks],
+                         stacked=False)
         self.fn = jax.jit(self._program)
 
     def __call__(self, flat_args):
@@ -639,54 +640,67 @@ class SingleProgram(_LoopProgram):
 
 
 class RankProgram(_LoopProgram):
-    """This process's rank of a multi-process ``CompiledStep``: its microbatch loop as one
-    jitted program whose transfers are host callbacks on ``transport`` (see the module
-    docstring). Called with the loop's outer values (``CompiledStep._loop_needs``), it
-    returns this rank's loop outputs (part index -> value) once every transfer is done."""
+    """One rank of a multi-rank ``CompiledStep``: its microbatch loop as one jitted program
+    whose transfers are XLA FFI custom calls into the C++ transports (``baton_comm``, see
+    ``cpp/python/ffi_handlers.cc``; the module docstring says how they are ordered). Called
+    with the loop's outer values (``CompiledStep._loop_needs``), it returns this rank's loop
+    outputs (part index -> value) once every transfer is done. ``comm`` is the rank's
+    ``baton._core.runtime.RankComm``, attached to its transport by the caller."""
 
-    def __init__(self, cs, rank, transport, timeout):
-        self.transport = transport
+    def __init__(self, cs, rank, comm, timeout):
+        ffi.register()
+        self.comm = comm
         self.timeout = float(timeout)
+        comm.set_timeout(self.timeout)
         # no stacked buffers between loops: runs that would need them stay unrolled
         super().__init__(cs, rank, rank_items(cs, rank),
                          _MAX_ITEMS_PER_STAGE * max(1, cs.num_stages), stacked=False)
         self.needs = [o for o in cs._loop_needs[rank] if o not in cs.traced.literals]
         self.mine = [i for i, p in enumerate(cs.parts) if cs.stage_rank[p.stage] == rank]
-        self.step = 0
-        self._posted: dict[int, Any] = {}
-        self._sends: list = []
-        self._error: BaseException | None = None
-        self._groups: list[list[Item]] = []
+        for it in self.items:
+            if it[0] != "run":
+                k, s = it[1], it[2]
+                comm.set_layout(_channel(k), s, [_nbytes(a) for a in self._layout(k, s)])
         self.fn = jax.jit(self._program)
         self._compiled = None
 
     def compile(self, vals):
-        """Traces and compiles the program for these inputs (before the ranks agree to use
-        it, so a failure here leaves every rank on the executor)."""
+        """Traces and compiles the program for these inputs."""
         self._compiled = self.fn.lower(self._args(vals)).compile()
+
+    def lowered_text(self, vals) -> str:
+        """The program's StableHLO (tests inspect its custom calls)."""
+        return self.fn.lower(self._args(vals)).as_text()
 
     def _args(self, vals):
         return self.cs._put_all([vals[o] for o in self.needs], self.rank)
 
     def __call__(self, vals) -> dict[int, Any]:
-        self._error = None
-        self._posted.clear()
+        """Runs one step; a failure (here or on another rank) raises ``ExecutionError``
+        naming the rank where it started."""
         try:
             outs = (self._compiled or self.fn)(self._args(vals))
             jax.block_until_ready(outs)
-            for req in self._sends:
-                req.wait(self.timeout)
         except BaseException as e:
-            err = self._error or e
-            if not self.transport.closed and self.transport.failure() is None:
-                self.transport.abort(f"rank {self.rank}: {type(err).__name__}: {err}")
-            if isinstance(err, ExecutionError):
-                raise err from None
-            raise ExecutionError(f"rank {self.rank}: {type(err).__name__}: {err}") from err
-        finally:
-            self._sends.clear()
-            self.step += 1
-        return dict(zip(self.mine, outs))
+            raise self.error(e) from e
+        return dict(zip(self.mine, outs[1:]))
+
+    def error(self, e: BaseException) -> ExecutionError:
+        """``e`` (raised while running the program) as the step's ``ExecutionError``: the
+        transfer context's failure when it has one (the rank it started on named), else
+        ``e`` (a task error), after telling the other ranks."""
+        if isinstance(e, ExecutionError):
+            return e
+        got = self.comm.failure()
+        if got is not None:
+            origin, msg = got
+        else:
+            origin, msg = self.rank, f"rank {self.rank}: {type(e).__name__}: {e}"
+            if self.comm.attached:
+                self.comm.abort(msg)
+        err = ExecutionError(msg)
+        err.failed_rank = origin
+        return err
 
     def _program(self, args):
         cs = self.cs
@@ -698,94 +712,41 @@ class RankProgram(_LoopProgram):
             return vals[o] if o in vals else lits[o]
 
         env = _Env()
-        self._loop(env, outer, self._whole_mb(outer, {}), _Token(jnp.zeros((), jnp.int32)))
+        token = _Token(jnp.zeros((), jnp.int32))
+        self._loop(env, outer, self._whole_mb(outer, {}), token)
         final = self._final_parts(env, self.mine)
-        return [final[i] for i in self.mine]
+        # every send delivered before the program ends
+        done = ffi.drain(self.comm.id, token.dep)
+        return [done] + [final[i] for i in self.mine]
 
     # -- transfers -------------------------------------------------------------------------
     def _layout(self, k, s):
         return self.cs._recv_layout(self.rank, self.cs._buf_id(k, s, 0))
 
     def _comm(self, group, base, get, put, token):
-        """One callback for a stretch of transfers: posts its sends and receives, then returns
-        the arrays of the receives it waits on."""
-        sends = [get((k, s, m)) for op, k, s, m, _ in group if op == "send"]
-        out_avals = [jax.ShapeDtypeStruct((), jnp.int32)]
-        for op, k, s, _, _ in group:
-            if op == "wait":
-                out_avals += [jax.ShapeDtypeStruct(a.shape, a.dtype)
-                              for a in self._layout(k, s)]
-        gid = len(self._groups)
-        self._groups.append(list(group))
-        flat = [x for v in sends for x in v]
-        from jax.experimental import io_callback
-
-        res = io_callback(functools.partial(self._transfer, gid), tuple(out_avals), token.dep,
-                          jnp.asarray(base, jnp.int32), *flat, ordered=False)
-        token.dep = res[0]
-        pos = 1
+        """One ``baton_comm`` custom call for a stretch of transfers: it posts the stretch's
+        sends and receives and returns the arrays of the receives it waits on."""
+        sends = [x for op, k, s, m, _ in group if op == "send" for x in get((k, s, m))]
+        outs = [jax.ShapeDtypeStruct(a.shape, a.dtype)
+                for op, k, s, _, _ in group if op == "wait" for a in self._layout(k, s)]
+        token.dep, got = ffi.comm(self.comm.id, [(_OP_KIND[op], peer, _channel(k), s)
+                                                 for op, k, s, _, peer in group],
+                                  token.dep, sends, outs)
+        pos = 0
         for op, k, s, m, _ in group:
             if op == "wait":
                 n = len(self._layout(k, s))
-                put((k, s, m), list(res[pos:pos + n]))
+                put((k, s, m), list(got[pos:pos + n]))
                 pos += n
 
-    def _tag(self, b):
-        """Buffer ``b``'s tag this step: in [_TAG_BASE, distributed._TAG_BASE), so never one
-        of the executor's (below) or the Router's (above)."""
-        from .distributed import _TAG_BASE as router_base
 
-        n = self.cs.core_plan.num_buffer_ids()
-        return _TAG_BASE + (self.step % ((router_base - _TAG_BASE) // n)) * n + b
+_OP_KIND = {"send": 0, "post": 1, "wait": 2}  # CommOpKind (cpp/include/baton/comm.h)
 
-    def _transfer(self, gid, dep, base, *arrays):
-        """The host side of one ``_comm`` callback (on XLA's thread)."""
-        cs = self.cs
-        t = self.transport
-        base = int(base)
-        pos = 0
-        got = []
-        what = "?"
-        try:
-            pending = []
-            for r in self._sends:  # done sends: surface a failure, drop the host copies
-                if r.done():
-                    r.wait(self.timeout)
-                else:
-                    pending.append(r)
-            self._sends = pending
-            unflushed = False
-            for op, k, s, m, peer in self._groups[gid]:
-                m += base
-                b = cs._buf_id(k, s, m)
-                layout = self._layout(k, s)
-                chan = getattr(_core.BufKind, k).value
-                if op == "send":
-                    what = f"sending {k}({s}, {m}) to rank {peer}"
-                    n = len(layout)
-                    xs = [np.array(x, copy=True) for x in arrays[pos:pos + n]]
-                    pos += n
-                    self._sends.append(t.isend(peer, self._tag(b), xs, chan, layout))
-                    unflushed = True
-                elif op == "post":
-                    what = f"posting the receive of {k}({s}, {m}) from rank {peer}"
-                    self._posted[b] = t.irecv(peer, self._tag(b), chan, layout)
-                    unflushed = True
-                else:
-                    what = f"receiving {k}({s}, {m}) from rank {peer}"
-                    if unflushed:
-                        t.flush()
-                        unflushed = False
-                    req = self._posted.pop(b, None)
-                    if req is None:
-                        req = t.irecv(peer, self._tag(b), chan, layout)
-                        t.flush()
-                    got += list(req.wait(self.timeout))
-            if unflushed:
-                t.flush()
-            return (np.int32(dep), *got)
-        except BaseException as e:
-            if self._error is None:
-                self._error = ExecutionError(f"rank {self.rank}: {what}: {e}")
-                self._error.failed_rank = getattr(e, "failed_rank", self.rank)
-            raise
+
+def _channel(kind: str) -> int:
+    """The transfer channel of a buffer kind: its ``BufKind`` value (act 0, grad 1)."""
+    return getattr(_core.BufKind, kind).value
+
+
+def _nbytes(aval) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize

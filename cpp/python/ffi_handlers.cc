@@ -1,0 +1,114 @@
+// XLA FFI handlers of a rank program's transfers (baton._core.ffi): thin
+// adapters from XLA's call frame to baton::runtime::RankComm (comm.h). No
+// Python and no GIL on this path: XLA's thread calls the C++ transport.
+//
+//   baton_comm   token, send tensors...  ->  token, received tensors...
+//                attributes: comm (context id), kinds/peers/channels/stages
+//                (one entry per operation, see CommOp)
+//   baton_drain  token -> token: waits for every posted send (end of a step)
+//
+// The token (an int32 scalar) orders the calls among themselves and against
+// the tasks (see program.py); it is passed through unchanged.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "baton/comm.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+namespace ffi = xla::ffi;
+namespace rt = baton::runtime;
+
+namespace {
+
+ffi::Error pass_token(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
+  if (in.size_bytes() != out->size_bytes())
+    return ffi::Error::InvalidArgument("baton: token size mismatch");
+  if (in.untyped_data() != out->untyped_data())
+    std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
+  return ffi::Error::Success();
+}
+
+std::shared_ptr<rt::RankComm> comm_of(int64_t id) {
+  auto c = rt::find_comm(id);
+  if (!c) throw rt::ExecutionError("baton: the transfer context of this program is gone (the "
+                                   "step that compiled it was closed)");
+  return c;
+}
+
+ffi::Error CommImpl(ffi::AnyBuffer token, ffi::RemainingArgs args,
+                    ffi::Result<ffi::AnyBuffer> token_out, ffi::RemainingRets rets, int64_t comm,
+                    ffi::Span<const int32_t> kinds, ffi::Span<const int32_t> peers,
+                    ffi::Span<const int32_t> channels, ffi::Span<const int32_t> stages) {
+  try {
+    if (peers.size() != kinds.size() || channels.size() != kinds.size() ||
+        stages.size() != kinds.size())
+      return ffi::Error::InvalidArgument("baton_comm: attribute lengths differ");
+    std::vector<rt::CommOp> ops(kinds.size());
+    for (size_t i = 0; i < kinds.size(); ++i)
+      ops[i] = rt::CommOp{static_cast<rt::CommOpKind>(kinds[i]), peers[i], channels[i], stages[i]};
+    std::vector<rt::ConstBytes> sends(args.size());
+    for (size_t i = 0; i < args.size(); ++i) {
+      auto b = args.get<ffi::AnyBuffer>(i);
+      if (b.has_error()) return b.error();
+      sends[i] = {b->untyped_data(), b->size_bytes()};
+    }
+    std::vector<rt::MutBytes> outs(rets.size());
+    for (size_t i = 0; i < rets.size(); ++i) {
+      auto b = rets.get<ffi::AnyBuffer>(i);
+      if (b.has_error()) return b.error();
+      outs[i] = {(*b)->untyped_data(), (*b)->size_bytes()};
+    }
+    comm_of(comm)->run_group(ops, sends, outs);
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(e.what());
+  }
+  return pass_token(token, token_out);
+}
+
+ffi::Error DrainImpl(ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out, int64_t comm) {
+  try {
+    comm_of(comm)->drain();
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(e.what());
+  }
+  return pass_token(token, token_out);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonComm, CommImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("comm")
+                                  .Attr<ffi::Span<const int32_t>>("kinds")
+                                  .Attr<ffi::Span<const int32_t>>("peers")
+                                  .Attr<ffi::Span<const int32_t>>("channels")
+                                  .Attr<ffi::Span<const int32_t>>("stages"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonDrain, DrainImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("comm"));
+
+void init_ffi(nb::module_& root) {
+  nb::module_ m = root.def_submodule("ffi", "XLA FFI handlers of rank-program transfers");
+  m.def(
+      "handlers",
+      [] {
+        nb::dict d;
+        d["baton_comm"] = nb::capsule(reinterpret_cast<void*>(&BatonComm));
+        d["baton_drain"] = nb::capsule(reinterpret_cast<void*>(&BatonDrain));
+        return d;
+      },
+      "{target name: PyCapsule of its XLA FFI handler} (register with "
+      "jax.ffi.register_ffi_target(name, capsule, platform='cpu')).");
+}

@@ -1,0 +1,50 @@
+"""The transfers of a rank program as XLA FFI custom calls (``baton._core.ffi``).
+
+``comm`` binds one ``baton_comm`` call: a group of sends, receive posts and receive waits
+run in order by the C++ ``RankComm`` whose id is the call's ``comm`` attribute; ``drain``
+binds ``baton_drain`` (wait for every posted send). Both take and return the program's
+token (an int32 scalar), which orders them against each other and against the tasks, and
+both are marked as having side effects, so XLA neither removes nor merges them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _core
+
+_lock = threading.Lock()
+_registered = False
+_TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
+
+
+def register() -> None:
+    """Registers the handlers with XLA (once per process; CPU)."""
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        for name, capsule in _core.ffi.handlers().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+        _registered = True
+
+
+def comm(comm_id: int, ops: list[tuple[int, int, int, int]], token, sends: list, outs: list):
+    """One transfer group: ``ops`` are (kind 0 send / 1 post / 2 wait, peer, channel, stage);
+    ``sends`` the SEND operations' arrays in order; ``outs`` the WAIT operations' result
+    shapes in order. Returns (token, received arrays)."""
+    cols = np.asarray(ops, np.int32).reshape(len(ops), 4).T
+    call = jax.ffi.ffi_call("baton_comm", (_TOKEN, *outs), has_side_effect=True)
+    res = call(token, *sends, comm=np.int64(comm_id), kinds=cols[0], peers=cols[1],
+               channels=cols[2], stages=cols[3])
+    return res[0], list(res[1:])
+
+
+def drain(comm_id: int, token):
+    """Waits for every send posted so far; returns the token."""
+    call = jax.ffi.ffi_call("baton_drain", _TOKEN, has_side_effect=True)
+    return call(token, comm=np.int64(comm_id))
