@@ -570,8 +570,8 @@ void init_runtime(nb::module_& root) {
           "send",
           [](PyTransport& t, int peer, uint64_t tag, nb::object arrays, double timeout,
              nb::object layout) {
-            auto r = t.get().isend(peer, tag, wrap(arrays), fmt::format("tag {}", tag), &t.codec,
-                                   0, to_layout(layout));
+            auto r = t.get().isend(peer, tag, wrap(arrays), fmt::format("tag {}", tag), &t.codec, 0,
+                                   to_layout(layout));
             t.get().flush();
             wait_request(r, timeout, t.get());
           },
@@ -674,12 +674,11 @@ void init_runtime(nb::module_& root) {
             c.comm->attach(std::move(tr));
           },
           "transport"_a, "Uses this transport from now on (counters and failure reset).")
-      .def(
-          "detach",
-          [](PyComm& c) {
-            nb::gil_scoped_release nogil;
-            c.comm->detach();
-          })
+      .def("detach",
+           [](PyComm& c) {
+             nb::gil_scoped_release nogil;
+             c.comm->detach();
+           })
       .def(
           "abort",
           [](PyComm& c, const std::string& msg, int origin) {
@@ -702,15 +701,16 @@ void init_runtime(nb::module_& root) {
       .def(
           "failure", [](PyComm& c) { return c.comm->failure(); },
           "(origin rank, message) of the first failure since attach, else None.")
-      .def("counts", [](PyComm& c) { return c.comm->counts(); },
-           "(sends, receives) posted since attach.")
+      .def(
+          "counts", [](PyComm& c) { return c.comm->counts(); },
+          "(sends, receives) posted since attach.")
       .def(
           "take_events",
           [](PyComm& c) {
             nb::list out;
             for (const rt::CommEvent& e : c.comm->take_events())
-              out.append(nb::make_tuple(static_cast<int>(e.kind), e.peer, e.channel, e.stage,
-                                        e.seq, ns(e.posted), ns(e.started), ns(e.completed)));
+              out.append(nb::make_tuple(static_cast<int>(e.kind), e.peer, e.channel, e.stage, e.seq,
+                                        ns(e.posted), ns(e.started), ns(e.completed)));
             return out;
           },
           "(kind 0 send / 1 receive, peer, channel, stage, seq, posted_ns, started_ns, "

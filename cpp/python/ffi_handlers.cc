@@ -35,8 +35,10 @@ ffi::Error pass_token(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out
 
 std::shared_ptr<rt::RankComm> comm_of(int64_t id) {
   auto c = rt::find_comm(id);
-  if (!c) throw rt::ExecutionError("baton: the transfer context of this program is gone (the "
-                                   "step that compiled it was closed)");
+  if (!c)
+    throw rt::ExecutionError(
+        "baton: the transfer context of this program is gone (the "
+        "step that compiled it was closed)");
   return c;
 }
 
@@ -93,11 +95,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonComm, CommImpl,
                                   .Attr<ffi::Span<const int32_t>>("channels")
                                   .Attr<ffi::Span<const int32_t>>("stages"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonDrain, DrainImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("comm"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    BatonDrain, DrainImpl,
+    ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>("comm"));
 
 void init_ffi(nb::module_& root) {
   nb::module_ m = root.def_submodule("ffi", "XLA FFI handlers of rank-program transfers");

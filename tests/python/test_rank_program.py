@@ -12,7 +12,7 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 import pytest  # noqa: E402
 
 import baton  # noqa: E402
-from baton.frontend import distributed, program  # noqa: E402
+from baton import _core  # noqa: E402
 from baton.frontend.program import RankProgram, _analyze, item_reads, item_writes, rank_items  # noqa: E402
 
 SCHEDULES = ["gpipe", "1f1b", "eager1f1b", "interleaved", "zbh1", "zbh2", "zbv", "dualpipev"]
@@ -31,8 +31,8 @@ def test_one_f_one_b_rank_programs():
     overwrites its carry slot; rank 1's pattern is rotated so each period's transfers are one
     callback. Receives are posted ahead of the task before their wait."""
     cs = _step("1f1b", 2, 8)
-    r0 = RankProgram(cs, 0, None, 10.0)
-    r1 = RankProgram(cs, 1, None, 10.0)
+    r0 = RankProgram(cs, 0, _core.runtime.RankComm(0), 10.0)
+    r1 = RankProgram(cs, 1, _core.runtime.RankComm(1), 10.0)
     assert r0.describe() == (
         "[F0]; [>Act0]; [+Grad1]; scan 3 x [F0 >Act0 +Grad1 <Grad1 B0 F0 >Act0 +Grad1 <Grad1 "
         "B0]/2; [F0]; [>Act0]; [+Grad1]; [<Grad1]; [B0]; [<Grad1]; [B0]")
@@ -80,21 +80,29 @@ def test_rank_items_keep_the_stream(name, ranks):
             for key in item_reads(cs, it):
                 assert key in have, (r, it, key)
             have.update(item_writes(cs, it))
-        rp = RankProgram(cs, r, None, 10.0)
+        rp = RankProgram(cs, r, _core.runtime.RankComm(r), 10.0)
         assert rp.stacked_buffers() == [], (r, rp.describe())
     assert sent == waited
 
 
-def test_program_tags_sit_between_executor_and_router_tags():
-    """Program transfers use their own tag range, above the executor's (step * buffers +
-    buffer, for a billion steps) and below the Router's, whatever the step number."""
-    cs = _step("1f1b", 2, 8)
-    rp = RankProgram(cs, 0, None, 10.0)
-    n = cs.core_plan.num_buffer_ids()
-    assert program._TAG_BASE > 10**9 * n
-    for step in (0, 1, 10**6, 10**15):
-        rp.step = step
-        for b in (0, n - 1):
-            assert program._TAG_BASE <= rp._tag(b) < distributed._TAG_BASE
-    rp.step = 7
-    assert len({rp._tag(b) for b in range(n)}) == n
+@pytest.mark.parametrize("name,ranks", [(n, 2) for n in SCHEDULES]
+                         + [(n, 4) for n in ("1f1b", "interleaved", "zbh2")])
+def test_transfers_pair_in_fifo_order(name, ranks):
+    """The FFI transfers carry no buffer ids: the k-th send a->b of a buffer kind pairs with
+    the k-th receive b posts from a of that kind (the verifier's FIFO model), and b waits on
+    its receives in the order it posted them. Both hold for the items of every schedule."""
+    cs = _step(name, ranks, 2 * ranks)
+    sends: dict[tuple, list] = {}
+    posts: dict[tuple, list] = {}
+    for r in range(ranks):
+        waits: dict[tuple, list] = {}
+        for op, k, s, m, peer in rank_items(cs, r):
+            if op == "send":
+                sends.setdefault((r, peer, k), []).append((s, m))
+            elif op == "post":
+                posts.setdefault((peer, r, k), []).append((s, m))
+            elif op == "wait":
+                waits.setdefault((peer, r, k), []).append((s, m))
+        for key, got in waits.items():
+            assert got == posts[key], (r, key)
+    assert sends == posts

@@ -43,8 +43,8 @@ RankComm::~RankComm() { detach(); }
 void RankComm::attach(std::shared_ptr<Transport> transport) {
   if (!transport) throw ConfigError("RankComm::attach: no transport");
   if (transport->rank() != rank_)
-    throw ConfigError(fmt::format("RankComm of rank {} attached to the transport of rank {}",
-                                  rank_, transport->rank()));
+    throw ConfigError(fmt::format("RankComm of rank {} attached to the transport of rank {}", rank_,
+                                  transport->rank()));
   detach();
   transport_ = std::move(transport);
 }
@@ -118,8 +118,7 @@ void RankComm::fail(const std::string& msg, int origin) {
 void RankComm::wait_done(const Pending& p, const std::string& doing) {
   const Request& r = *p.req;
   if (!p.req->wait_until(Clock::now() + timeout_))
-    fail(fmt::format("rank {}: timed out after {:g} s {}", rank_, seconds(timeout_), doing),
-         rank_);
+    fail(fmt::format("rank {}: timed out after {:g} s {}", rank_, seconds(timeout_), doing), rank_);
   try {
     r.check();
   } catch (const ExecutionError& e) {
@@ -158,7 +157,8 @@ void RankComm::post_recv(const CommOp& op) {
   if (record_) {
     std::lock_guard<std::mutex> lock(mu_);
     p.event = events_.size();
-    events_.push_back({CommOpKind::Post, op.peer, op.channel, op.stage, seq, p.req->posted, {}, {}});
+    events_.push_back(
+        {CommOpKind::Post, op.peer, op.channel, op.stage, seq, p.req->posted, {}, {}});
   }
   ++received_;
   posted_[key].emplace_back(seq, std::move(p));
@@ -180,16 +180,14 @@ void RankComm::run_group(const std::vector<CommOp>& ops, const std::vector<Const
     reap();
     for (const CommOp& op : ops) {
       if (op.peer < 0 || op.peer >= transport_->world_size() || op.peer == rank_)
-        throw ExecutionError(fmt::format("rank {}: internal: transfer peer {} out of range", rank_,
-                                         op.peer),
-                             rank_);
+        throw ExecutionError(
+            fmt::format("rank {}: internal: transfer peer {} out of range", rank_, op.peer), rank_);
       switch (op.kind) {
         case CommOpKind::Send: {
           const auto& sizes = layout(op.channel, op.stage);
           if (in + sizes.size() > sends.size())
-            throw ExecutionError(fmt::format("rank {}: internal: a send group has too few inputs",
-                                             rank_),
-                                 rank_);
+            throw ExecutionError(
+                fmt::format("rank {}: internal: a send group has too few inputs", rank_), rank_);
           Payload payload;
           payload.reserve(sizes.size());
           for (size_t i = 0; i < sizes.size(); ++i, ++in) {
@@ -246,10 +244,9 @@ void RankComm::run_group(const std::vector<CommOp>& ops, const std::vector<Const
           auto* hv = dynamic_cast<HostValue*>(v.get());
           const auto& sizes = layout(op.channel, op.stage);
           if (hv == nullptr || hv->tensors.size() != sizes.size())
-            throw ExecutionError(
-                fmt::format("rank {}: {}: got {} tensors, expected {}", rank_, doing,
-                            hv ? hv->tensors.size() : 0, sizes.size()),
-                rank_);
+            throw ExecutionError(fmt::format("rank {}: {}: got {} tensors, expected {}", rank_,
+                                             doing, hv ? hv->tensors.size() : 0, sizes.size()),
+                                 rank_);
           for (size_t i = 0; i < sizes.size(); ++i, ++out) {
             if (out >= outs.size())
               throw ExecutionError(

@@ -147,7 +147,18 @@ def rank_items(cs, rank: int) -> list[Item]:
     missing = [k for k in posted if k not in waited]
     if missing:
         raise ValueError(f"received buffers no task reads: {missing}")
-    return _hoist_posts(items)
+    out = _hoist_posts(items)
+    # The FFI transfers match by order per (peer, buffer kind) (see ffi_handlers.cc): a wait
+    # takes the oldest posted receive, so waits must come in the order of their posts.
+    order: dict[tuple, list] = {}
+    for op, k, s, m, peer in out:
+        if op in ("post", "wait"):
+            order.setdefault((op, peer, k), []).append((s, m))
+    for (op, peer, k), got in order.items():
+        if op == "wait" and got != order[("post", peer, k)]:
+            raise ValueError(f"rank {rank}: receives of {k} from rank {peer} are waited on in "
+                             f"another order than they are posted: {got}")
+    return out
 
 
 def _hoist_posts(items: list[Item]) -> list[Item]:
