@@ -1,5 +1,6 @@
-"""baton.jit's single-process mode on the C++ executor: one executor thread per rank over
-the in-process transport. (Numerical equality with plain JAX for every schedule:
+"""baton.jit's single-process mode with several ranks: on the compiled engine (one XLA program
+per rank, launched from one thread per rank; transfers are FFI calls into the in-process
+transport) and on the interpreter (one C++ executor thread per rank). (Numerical equality with plain JAX for every schedule:
 test_e2e.py; multi-process mode: test_mp_e2e.py.)"""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -21,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
 import mlp  # noqa: E402
 
 
-def small(schedule=None, ranks=2, microbatches=4):
+def small(schedule=None, ranks=2, microbatches=4, single_program=True):
     key = jax.random.PRNGKey(0)
     stages = (schedule or baton.OneFOneB()).stages(ranks)
     params = mlp.init_params(key, stages)
@@ -29,12 +31,13 @@ def small(schedule=None, ranks=2, microbatches=4):
     vg = jax.value_and_grad(mlp.make_loss())
     ps = baton.jit(lambda p, b: baton.accumulate(vg, p, batch=b),
                    mesh=baton.PipelineMesh(jax.devices()[:ranks], ranks=ranks),
-                   schedule=schedule or baton.OneFOneB(), microbatches=microbatches)
+                   schedule=schedule or baton.OneFOneB(), microbatches=microbatches,
+                   single_program=single_program)
     return ps, params, batch
 
 
 def test_each_rank_runs_in_its_own_executor_thread():
-    ps, params, batch = small(ranks=4)
+    ps, params, batch = small(ranks=4, single_program=False)
     step = ps.compile(params, batch)
     seen = {}
     for (kind, s), exe in step.tasks.items():
@@ -49,9 +52,19 @@ def test_each_rank_runs_in_its_own_executor_thread():
     assert all(b > 0 for b in step.last_stats["peak_buffers"])
 
 
+def test_each_rank_runs_its_own_program():
+    """The compiled engine: every rank's loop is one program; each runs on its own thread."""
+    ps, params, batch = small(ranks=4)
+    ps(params, batch)
+    step = ps.last
+    assert len(step.last_stats["rank_program"]) == 4
+    assert all("F" in d for d in step.last_stats["rank_program"])
+
+
+@pytest.mark.parametrize("program", [True, False], ids=["compiled", "interpreter"])
 @pytest.mark.parametrize("schedule", [baton.OneFOneB(), baton.ZBV()], ids=["1f1b", "zbv"])
-def test_task_exception_in_one_rank_stops_all(schedule):
-    ps, params, batch = small(schedule)
+def test_task_exception_in_one_rank_stops_all(schedule, program):
+    ps, params, batch = small(schedule, single_program=program)
     want = ps(params, batch)
     step = ps.last
     last = step.num_stages - 1
@@ -59,22 +72,39 @@ def test_task_exception_in_one_rank_stops_all(schedule):
     # 1F1B fuses the last stage's F and B of a microbatch into one task ("FB")
     fused = any(a.is_fused for a in step.rank_actions[rank])
     exe = step.tasks[("FB" if fused else "F", last)]
-    good = exe.fn
+    good = exe.fn, exe.plain
+
+    def raise_at_run(x):
+        raise ValueError("injected failure")
+
+    def failing(*args):  # the rank's program fails while it runs (a host callback raises)
+        outs = good[1](*args)
+        flag = jax.pure_callback(raise_at_run, jax.ShapeDtypeStruct((), jnp.int32), jnp.int32(0))
+        return [outs[0] + flag.astype(outs[0].dtype)] + list(outs[1:])
 
     def boom(*args):
         raise ValueError("injected failure")
 
-    exe.fn = boom
+    if program:
+        exe.plain = failing
+        step._local_progs = None  # rebuilt with the failing task
+    else:
+        exe.fn = boom
     t0 = time.monotonic()
     with pytest.raises(baton.ExecutionError) as info:
         ps(params, batch)
     assert time.monotonic() - t0 < 20  # every other rank stopped; nothing waited out a timeout
     msg = str(info.value)
-    assert f"rank {rank} #" in msg and "RUN F" in msg and "injected failure" in msg, msg
-    assert isinstance(info.value.__cause__, ValueError)
+    assert "injected failure" in msg, msg
+    if program:
+        assert msg.startswith(f"rank {rank}: "), msg
+    else:
+        assert f"rank {rank} #" in msg and "RUN F" in msg, msg
+        assert isinstance(info.value.__cause__, ValueError)
     assert info.value.failed_rank == rank
-    # a fresh in-process transport per step: the next step runs normally
-    exe.fn = good
+    # a fresh in-process transport after a failure: the next step runs normally
+    exe.fn, exe.plain = good
+    step._local_progs = None
     got = ps(params, batch)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
