@@ -12,6 +12,7 @@
 
 #include <cstring>
 #include <optional>
+#include <thread>
 
 #include "baton/comm.h"
 #include "baton/plan.h"
@@ -697,6 +698,13 @@ void init_runtime(nb::module_& root) {
           "channel"_a, "stage"_a, "nbytes"_a,
           "Bytes of each tensor of the (channel, stage) buffer as this rank receives it.")
       .def(
+          "set_names",
+          [](PyComm& c, int peer, int channel, bool send, std::vector<std::string> names) {
+            c.comm->set_names(peer, channel, send, std::move(names));
+          },
+          "peer"_a, "channel"_a, "send"_a, "names"_a,
+          "Names of one step's transfers with peer on channel, in order (error messages).")
+      .def(
           "record", [](PyComm& c, bool on) { c.comm->record(on); }, "on"_a)
       .def(
           "failure", [](PyComm& c) { return c.comm->failure(); },
@@ -715,6 +723,75 @@ void init_runtime(nb::module_& root) {
           },
           "(kind 0 send / 1 receive, peer, channel, stage, seq, posted_ns, started_ns, "
           "completed_ns) per transfer since the last call, when recording.");
+
+  m.def(
+      "_pingpong",
+      [](PyTransport& a, PyTransport& b, size_t nbytes, int iters, bool through_comm) {
+        // Benchmark helper (bench/ffi_transfer.py): `iters` round trips of `nbytes` between
+        // two transports of this process, from C++ threads: through RankComm (the FFI
+        // handlers' code, with their copies) or straight on the transports (host tensors
+        // handed over, no copy). Returns seconds per round trip.
+        std::shared_ptr<rt::Transport> ta = a.t, tb = b.t;
+        if (!ta || !tb) throw baton::ConfigError("the transport is closed");
+        nb::gil_scoped_release nogil;
+        const auto timeout = milliseconds(60000);
+        std::vector<char> x(nbytes, 1), y(nbytes, 0);
+        auto t0 = rt::Clock::now();
+        if (through_comm) {
+          rt::RankComm ca(ta->rank(), timeout), cb(tb->rank(), timeout);
+          ca.attach(ta);
+          cb.attach(tb);
+          for (auto* c : {&ca, &cb}) c->set_layout(0, 0, {nbytes});
+          const int pa = ta->rank(), pb = tb->rank();
+          std::thread peer([&] {
+            std::vector<char> buf(nbytes);
+            for (int i = 0; i < iters; ++i) {
+              cb.run_group({{rt::CommOpKind::Wait, pa, 0, 0}}, {}, {{buf.data(), nbytes}});
+              cb.run_group({{rt::CommOpKind::Send, pa, 0, 0}}, {{buf.data(), nbytes}}, {});
+            }
+            cb.drain();
+          });
+          t0 = rt::Clock::now();
+          for (int i = 0; i < iters; ++i) {
+            ca.run_group({{rt::CommOpKind::Send, pb, 0, 0}, {rt::CommOpKind::Post, pb, 0, 0}},
+                         {{x.data(), nbytes}}, {});
+            ca.run_group({{rt::CommOpKind::Wait, pb, 0, 0}}, {}, {{y.data(), nbytes}});
+          }
+          ca.drain();
+          peer.join();
+        } else {
+          rt::Tasks* host = &a.codec;
+          const rt::Layout layout{{rt::DType::U8, {static_cast<int64_t>(nbytes)}}};
+          auto value = [&] {
+            return std::make_shared<rt::HostValue>(
+                rt::Payload{rt::alloc_host_tensor(rt::DType::U8, {static_cast<int64_t>(nbytes)})});
+          };
+          const uint64_t base = uint64_t{1} << 40;
+          std::thread peer([&] {
+            for (int i = 0; i < iters; ++i) {
+              auto r = tb->irecv(ta->rank(), base + 2 * i, "ping", host, 0, layout);
+              tb->flush();
+              r->wait_until(rt::Clock::now() + timeout);
+              auto s = tb->isend(ta->rank(), base + 2 * i + 1, r->take_value(), "pong", host, 0,
+                                 layout);
+              tb->flush();
+              s->wait_until(rt::Clock::now() + timeout);
+            }
+          });
+          t0 = rt::Clock::now();
+          for (int i = 0; i < iters; ++i) {
+            auto s = ta->isend(tb->rank(), base + 2 * i, value(), "ping", host, 0, layout);
+            auto r = ta->irecv(tb->rank(), base + 2 * i + 1, "pong", host, 0, layout);
+            ta->flush();
+            r->wait_until(rt::Clock::now() + timeout);
+            r->check();
+            s->wait_until(rt::Clock::now() + timeout);
+          }
+          peer.join();
+        }
+        return std::chrono::duration<double>(rt::Clock::now() - t0).count() / iters;
+      },
+      "a"_a, "b"_a, "nbytes"_a, "iters"_a, "through_comm"_a);
 
   nb::class_<PyExecutor>(m, "Executor", "Runs one rank's program of a Plan.")
       .def(nb::init<const baton::Plan&, int, PyTransport&, PyTasks&, double, bool, bool>(),

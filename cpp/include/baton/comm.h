@@ -33,6 +33,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -88,6 +89,10 @@ class RankComm {
   // The bytes of each tensor of a (channel, stage) buffer as this rank receives
   // it; required before a POST or WAIT of it.
   void set_layout(int channel, int stage, std::vector<size_t> bytes);
+  // Names of the transfers of one step with `peer` on `channel` in order
+  // (sends when `send`, else receives), e.g. "grad(s1,m0)": error messages then
+  // name the buffer (the k-th transfer of a step is names[k % names.size()]).
+  void set_names(int peer, int channel, bool send, std::vector<std::string> names);
   // Turns event recording on or off (the same program runs either way).
   void record(bool on);
 
@@ -134,6 +139,7 @@ class RankComm {
   std::shared_ptr<Transport> transport_;
   std::unique_ptr<Tasks> host_;  // host-tensor conversions for byte transports
   std::map<std::pair<int, int>, std::vector<size_t>> layouts_;
+  std::map<std::tuple<int, int, bool>, std::vector<std::string>> names_;
   std::map<std::pair<int, int>, uint64_t> send_seq_, recv_seq_;
   std::map<std::pair<int, int>, std::deque<std::pair<uint64_t, Pending>>> posted_;  // FIFO
   std::vector<Pending> sends_;

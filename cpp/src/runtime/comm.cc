@@ -70,6 +70,10 @@ void RankComm::set_layout(int channel, int stage, std::vector<size_t> bytes) {
   layouts_[{channel, stage}] = std::move(bytes);
 }
 
+void RankComm::set_names(int peer, int channel, bool send, std::vector<std::string> names) {
+  names_[{peer, channel, send}] = std::move(names);
+}
+
 void RankComm::record(bool on) {
   std::lock_guard<std::mutex> lock(mu_);
   record_ = on;
@@ -98,6 +102,11 @@ Layout RankComm::layout_of(const std::vector<size_t>& bytes) const {
 }
 
 std::string RankComm::name(const CommOp& op, uint64_t seq) const {
+  const bool send = op.kind == CommOpKind::Send;
+  auto it = names_.find({op.peer, op.channel, send});
+  if (it != names_.end() && !it->second.empty())
+    return fmt::format("{} {} rank {}", it->second[seq % it->second.size()], send ? "to" : "from",
+                       op.peer);
   return fmt::format("{}(stage {}) #{} {} rank {}", channel_name(op.channel), op.stage, seq,
                      op.kind == CommOpKind::Send ? "to" : "from", op.peer);
 }

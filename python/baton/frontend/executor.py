@@ -44,9 +44,13 @@ _SMALL_COPY = 4096  # elements: post-loop values small enough to compute on ever
 
 
 def _placed(x, sh) -> bool:
-    """``x`` is a jax.Array laid out as ``sh`` already (device_put would be a no-op)."""
-    return isinstance(x, jax.Array) and (x.sharding is sh
-                                         or x.sharding.is_equivalent_to(sh, x.ndim))
+    """``x`` is a jax.Array committed to ``sh`` already (device_put would be a no-op). An
+    uncommitted array (``jnp.asarray`` of the first call's parameters) is moved, i.e.
+    committed, even on the right device: jit caches key on committedness, so passing it
+    as is would compile every program again on the second call, whose inputs (the first
+    call's outputs) are committed."""
+    return isinstance(x, jax.Array) and getattr(x, "committed", True) and (
+        x.sharding is sh or x.sharding.is_equivalent_to(sh, x.ndim))
 
 
 @jax.jit
@@ -492,6 +496,8 @@ class CompiledStep:
         (``single_program=False``) or the step is traced or profiled (those read the
         interpreter's per-instruction events)."""
         interp = not self.single_program or self.record or self.capture is not None
+        if not interp:
+            self.last_events = None
         if group is None:
             if interp:
                 return self._run_local(flat_args, timeout)

@@ -668,10 +668,15 @@ class RankProgram(_LoopProgram):
                          _MAX_ITEMS_PER_STAGE * max(1, cs.num_stages), stacked=False)
         self.needs = [o for o in cs._loop_needs[rank] if o not in cs.traced.literals]
         self.mine = [i for i, p in enumerate(cs.parts) if cs.stage_rank[p.stage] == rank]
-        for it in self.items:
-            if it[0] != "run":
-                k, s = it[1], it[2]
+        names: dict[tuple, list[str]] = {}
+        for op, k, s, m, peer in self.items:
+            if op != "run":
                 comm.set_layout(_channel(k), s, [_nbytes(a) for a in self._layout(k, s)])
+            if op in ("send", "post"):
+                names.setdefault((peer, _channel(k), op == "send"), []).append(
+                    f"{k.lower()}(s{s},m{m})")
+        for (peer, chan, send), ns in names.items():
+            comm.set_names(peer, chan, send, ns)
         self.fn = jax.jit(self._program)
         self._compiled = None
 
