@@ -684,9 +684,13 @@ class RankProgram(_LoopProgram):
         """Traces and compiles the program for these inputs."""
         self._compiled = self.fn.lower(self._args(vals)).compile()
 
-    def lowered_text(self, vals) -> str:
-        """The program's StableHLO (tests inspect its custom calls)."""
-        return self.fn.lower(self._args(vals)).as_text()
+    def lowered_text(self) -> str:
+        """The program's StableHLO, lowered from the loop inputs' avals (tests inspect its
+        custom calls)."""
+        sh = self.cs.mesh.replicated(self.rank)
+        avals = [self.cs.traced.avals[o] for o in self.needs]
+        return self.fn.lower([jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+                              for a in avals]).as_text()
 
     def _args(self, vals):
         return self.cs._put_all([vals[o] for o in self.needs], self.rank)

@@ -1,0 +1,81 @@
+"""The compiled engine (one XLA program per rank, transfers as XLA FFI calls): what its
+programs contain, and that steady calls compile nothing. Numerical equality with plain JAX
+for every schedule is in test_e2e.py (one process) and test_mp_e2e.py (one process per
+rank)."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+import baton  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+import gpt  # noqa: E402
+
+_TARGET = re.compile(r'custom_call @(\w+)|call_target_name = "(\w+)"')
+
+
+def targets(text: str) -> set[str]:
+    return {a or b for a, b in _TARGET.findall(text)}
+
+
+@pytest.mark.parametrize("schedule", [baton.OneFOneB(), baton.Interleaved1F1B(2), baton.ZBV()],
+                         ids=["1f1b", "interleaved", "zbv"])
+def test_rank_programs_transfer_through_ffi_not_python(schedule):
+    """Every rank's program moves its buffers with baton_comm custom calls and ends with
+    baton_drain; it holds no Python callback of any kind."""
+    from mlp_step import make
+
+    ps, params, batch = make(schedule, 2, 4)
+    ps(params, batch)
+    step = ps.last
+    assert len(step._local_progs) == 2
+    for rp in step._local_progs:
+        found = targets(rp.lowered_text())
+        assert {"baton_comm", "baton_drain"} <= found, found
+        assert not any("callback" in t for t in found), found
+        # one custom call per stretch of transfers: as many as the items' stretches
+        assert rp.lowered_text().count("baton_comm") >= 1
+
+
+def test_one_rank_program_has_no_callbacks():
+    from mlp_step import make
+
+    ps, params, batch = make(baton.OneFOneB(), 1, 4)
+    ps(params, batch)
+    sp = ps.last._single
+    found = targets(sp.fn.lower(jax.tree.leaves((params, batch))).as_text())
+    assert not any("callback" in t for t in found), found
+
+
+def test_steady_calls_compile_nothing():
+    """Calls 2-5 of a 4-rank GPT step compile nothing, although the first call's
+    parameters are uncommitted (jnp.asarray) and later calls get the committed outputs."""
+    compiles = []
+
+    def listen(name, secs, **kw):
+        if "backend_compile" in name:
+            compiles.append(secs)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    cfg = gpt.GPTConfig(stages=4, layers=4)
+    model, params, opt, st, step, ref = gpt.make(cfg, eps=1e-6)
+    batch = gpt.synthetic_batch(cfg, 8)
+    ps = baton.jit(step, mesh=baton.PipelineMesh(jax.devices()[:4], ranks=4),
+                   schedule=baton.OneFOneB(), microbatches=4)
+    params, st, loss = ps(params, st, batch)
+    assert compiles, "the listener saw no compilation at all"
+    counts = []
+    for _ in range(4):
+        compiles.clear()
+        params, st, loss = ps(params, st, batch)
+        jax.block_until_ready(loss)
+        counts.append(len(compiles))
+    assert counts == [0, 0, 0, 0], counts
