@@ -760,34 +760,44 @@ void init_runtime(nb::module_& root) {
           ca.drain();
           peer.join();
         } else {
-          rt::Tasks* host = &a.codec;
+          // host tensors only: the Tasks defaults convert HostValues (no Python)
+          struct HostCodec : rt::Tasks {
+            std::vector<rt::Value> run(const rt::TaskCall&) override { return {}; }
+            void accumulate(int, int32_t, const rt::Value&) override {}
+          } codec;
+          rt::Tasks* host = &codec;
           const rt::Layout layout{{rt::DType::U8, {static_cast<int64_t>(nbytes)}}};
           auto value = [&] {
             return std::make_shared<rt::HostValue>(
                 rt::Payload{rt::alloc_host_tensor(rt::DType::U8, {static_cast<int64_t>(nbytes)})});
           };
           const uint64_t base = uint64_t{1} << 40;
+          // sends are waited for at the end, as RankComm's are (drain)
           std::thread peer([&] {
+            std::vector<rt::RequestPtr> sent;
             for (int i = 0; i < iters; ++i) {
               auto r = tb->irecv(ta->rank(), base + 2 * i, "ping", host, 0, layout);
               tb->flush();
               r->wait_until(rt::Clock::now() + timeout);
-              auto s = tb->isend(ta->rank(), base + 2 * i + 1, r->take_value(), "pong", host, 0,
-                                 layout);
+              sent.push_back(tb->isend(ta->rank(), base + 2 * i + 1, r->take_value(), "pong",
+                                       host, 0, layout));
               tb->flush();
-              s->wait_until(rt::Clock::now() + timeout);
             }
+            for (auto& s : sent) s->wait_until(rt::Clock::now() + timeout);
           });
           t0 = rt::Clock::now();
+          std::vector<rt::RequestPtr> sent;
           for (int i = 0; i < iters; ++i) {
-            auto s = ta->isend(tb->rank(), base + 2 * i, value(), "ping", host, 0, layout);
+            sent.push_back(ta->isend(tb->rank(), base + 2 * i, value(), "ping", host, 0, layout));
             auto r = ta->irecv(tb->rank(), base + 2 * i + 1, "pong", host, 0, layout);
             ta->flush();
             r->wait_until(rt::Clock::now() + timeout);
             r->check();
-            s->wait_until(rt::Clock::now() + timeout);
           }
+          for (auto& s : sent) s->wait_until(rt::Clock::now() + timeout);
           peer.join();
+          ta->release(host);
+          tb->release(host);
         }
         return std::chrono::duration<double>(rt::Clock::now() - t0).count() / iters;
       },
