@@ -713,6 +713,16 @@ void init_runtime(nb::module_& root) {
           "counts", [](PyComm& c) { return c.comm->counts(); },
           "(sends, receives) posted since attach.")
       .def(
+          "take_marks",
+          [](PyComm& c) {
+            nb::list out;
+            for (const auto& [phase, t] : c.comm->take_marks())
+              out.append(nb::make_tuple(phase, ns(t)));
+            return out;
+          },
+          "(phase 0 begin / 1 end, time_ns) per task boundary since the last call, when "
+          "recording.")
+      .def(
           "take_events",
           [](PyComm& c) {
             nb::list out;
@@ -779,8 +789,8 @@ void init_runtime(nb::module_& root) {
               auto r = tb->irecv(ta->rank(), base + 2 * i, "ping", host, 0, layout);
               tb->flush();
               r->wait_until(rt::Clock::now() + timeout);
-              sent.push_back(tb->isend(ta->rank(), base + 2 * i + 1, r->take_value(), "pong",
-                                       host, 0, layout));
+              sent.push_back(tb->isend(ta->rank(), base + 2 * i + 1, r->take_value(), "pong", host,
+                                       0, layout));
               tb->flush();
             }
             for (auto& s : sent) s->wait_until(rt::Clock::now() + timeout);

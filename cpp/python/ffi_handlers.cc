@@ -6,6 +6,9 @@
 //                attributes: comm (context id), kinds/peers/channels/stages
 //                (one entry per operation, see CommOp)
 //   baton_drain  token -> token: waits for every posted send (end of a step)
+//   baton_mark   token -> token: a task starts (phase 0) or ended (phase 1);
+//                recorded only while the context records (a runtime switch:
+//                traced and untraced steps run the same executable)
 //
 // The token (an int32 scalar) orders the calls among themselves and against
 // the tasks (see program.py); it is passed through unchanged.
@@ -81,7 +84,24 @@ ffi::Error DrainImpl(ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out
   return pass_token(token, token_out);
 }
 
+ffi::Error MarkImpl(ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out, int64_t comm,
+                    int32_t phase) {
+  try {
+    comm_of(comm)->mark(phase);
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(e.what());
+  }
+  return pass_token(token, token_out);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonMark, MarkImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int32_t>("phase"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonComm, CommImpl,
                               ffi::Ffi::Bind()
@@ -107,6 +127,7 @@ void init_ffi(nb::module_& root) {
         nb::dict d;
         d["baton_comm"] = nb::capsule(reinterpret_cast<void*>(&BatonComm));
         d["baton_drain"] = nb::capsule(reinterpret_cast<void*>(&BatonDrain));
+        d["baton_mark"] = nb::capsule(reinterpret_cast<void*>(&BatonMark));
         return d;
       },
       "{target name: PyCapsule of its XLA FFI handler} (register with "

@@ -79,3 +79,29 @@ def test_steady_calls_compile_nothing():
         jax.block_until_ready(loss)
         counts.append(len(compiles))
     assert counts == [0, 0, 0, 0], counts
+
+
+def test_traced_and_untraced_steps_run_the_same_executable():
+    """Tracing is a runtime switch of the programs' task markers and transfer records: a
+    traced call runs the executables the untraced calls run (nothing is compiled for it),
+    and its trace has every rank's tasks in the plan's order."""
+    from mlp_step import make
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: compiles.append(name) if "backend_compile" in name else None)
+    ps, params, batch = make(baton.ZBV(), 2, 4)
+    ps(params, batch)
+    step = ps.last
+    progs = list(step._local_progs)
+    exes = [p._compiled for p in progs]
+    compiles.clear()
+    tr = baton.trace(ps, params, batch)
+    ps(params, batch)
+    assert compiles == []
+    assert step._local_progs == progs and [p._compiled for p in progs] == exes
+    assert "rank_program" in step.last_stats
+    for r in range(2):
+        want = [str(a) for a in step.rank_actions[r]]
+        assert tr.rank_order(r) == want
+    assert len(tr.transfers) > 0 and all(t["end"] >= t["start"] for t in tr.transfers)

@@ -29,13 +29,14 @@ def test_one_f_one_b_rank_programs():
     """2 ranks, 1F1B, 8 microbatches: rank 0's steady state is one scan advancing two
     microbatches per repetition, so each stash is read (B0) before the next repetition's F0
     overwrites its carry slot; rank 1's pattern is rotated so each period's transfers are one
-    callback. Receives are posted ahead of the task before their wait."""
+    call. Receives are posted where the interpreter posts them (Executor::post_ahead: before
+    the task preceding the RECV), so the simulator's memory model holds for the program."""
     cs = _step("1f1b", 2, 8)
     r0 = RankProgram(cs, 0, _core.runtime.RankComm(0), 10.0)
     r1 = RankProgram(cs, 1, _core.runtime.RankComm(1), 10.0)
     assert r0.describe() == (
-        "[F0]; [>Act0]; [+Grad1]; scan 3 x [F0 >Act0 +Grad1 <Grad1 B0 F0 >Act0 +Grad1 <Grad1 "
-        "B0]/2; [F0]; [>Act0]; [+Grad1]; [<Grad1]; [B0]; [<Grad1]; [B0]")
+        "[F0]; [>Act0]; scan 3 x [+Grad1 F0 >Act0 <Grad1 B0 +Grad1 F0 >Act0 <Grad1 B0]/2; "
+        "[+Grad1]; [F0]; [>Act0]; [+Grad1]; [<Grad1]; [B0]; [<Grad1]; [B0]")
     assert r1.describe() == (
         "scan 2 x [+Act0]; [<Act0]; scan 5 x [FB1 >Grad1 +Act0 <Act0]; [FB1]; [>Grad1]; "
         "[+Act0]; scan 2 x [<Act0 FB1 >Grad1]")
@@ -44,11 +45,13 @@ def test_one_f_one_b_rank_programs():
         for (pat, r, d), slots in zip(rp.runs, rp._slots):
             if r > 1:
                 assert _analyze(cs, pat, d).copies == 0, pat  # every carry slot in place
-    # rank 0: Grad1(m) is posted right after Act0(m) is sent, before F0(m+1)
+    # rank 0: Grad1(m) is posted right after Act0(m) is sent, before F0(m+1), and waited on
+    # before B0(m)
     items = rank_items(cs, 0)
-    assert items[:6] == [("run", "F", 0, 0, -1), ("send", "Act", 0, 0, 1),
+    assert items[:7] == [("run", "F", 0, 0, -1), ("send", "Act", 0, 0, 1),
                          ("post", "Grad", 1, 0, 1), ("run", "F", 0, 1, -1),
-                         ("send", "Act", 0, 1, 1), ("post", "Grad", 1, 1, 1)]
+                         ("send", "Act", 0, 1, 1), ("wait", "Grad", 1, 0, 1),
+                         ("run", "B", 0, 0, -1)]
 
 
 # the V schedules at 2 ranks only: 4 ranks would need 8 stages of the test MLP

@@ -109,6 +109,13 @@ class RankComm {
   // Never throws.
   void abort(const std::string& msg, int origin);
 
+  // A task boundary of the program (phase 0: a task starts, 1: it ended): when
+  // recording, its time is kept (the k-th begin/end pair of a step is the
+  // rank's k-th task in stream order). Needs no transport.
+  void mark(int phase);
+  // (phase, time) of the marks recorded since the last call (moved out).
+  std::vector<std::pair<int, Clock::time_point>> take_marks();
+
   // (origin rank, message) of the first failure since attach, if any.
   std::optional<std::pair<int, std::string>> failure() const;
   // Events recorded since the last call (moved out).
@@ -146,6 +153,7 @@ class RankComm {
   std::optional<std::pair<int, std::string>> failure_;
   bool record_ = false;
   std::vector<CommEvent> events_;
+  std::vector<std::pair<int, Clock::time_point>> marks_;
   uint64_t sent_ = 0, received_ = 0;
 };
 

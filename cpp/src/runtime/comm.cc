@@ -60,6 +60,7 @@ void RankComm::detach() {
   std::lock_guard<std::mutex> lock(mu_);
   failure_.reset();
   events_.clear();
+  marks_.clear();
 }
 
 bool RankComm::attached() const { return static_cast<bool>(transport_); }
@@ -300,6 +301,16 @@ void RankComm::drain() {
 std::optional<std::pair<int, std::string>> RankComm::failure() const {
   std::lock_guard<std::mutex> lock(mu_);
   return failure_;
+}
+
+void RankComm::mark(int phase) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (record_) marks_.emplace_back(phase, Clock::now());
+}
+
+std::vector<std::pair<int, Clock::time_point>> RankComm::take_marks() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::move(marks_);
 }
 
 std::vector<CommEvent> RankComm::take_events() {

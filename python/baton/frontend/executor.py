@@ -495,7 +495,11 @@ class CompiledStep:
         rank, transfers as FFI calls) runs it unless the interpreter was chosen
         (``single_program=False``) or the step is traced or profiled (those read the
         interpreter's per-instruction events)."""
-        interp = not self.single_program or self.record or self.capture is not None
+        # A traced multi-rank step runs the same compiled programs (their markers and
+        # transfer events are recorded); profiling (capture) and traced one-rank steps use the
+        # interpreter.
+        interp = (not self.single_program or self.capture is not None
+                  or (self.record and self.num_ranks == 1))
         if not interp:
             self.last_events = None
         if group is None:
@@ -744,6 +748,8 @@ class CompiledStep:
                 self._check_engine(r)
             comms = [_core.runtime.RankComm(r, float(timeout)) for r in range(R)]
             progs = [RankProgram(self, r, comms[r], timeout) for r in range(R)]
+            for p in progs:  # all compiled before any runs (a rank never waits on a compile)
+                p.compile(vals)
             self._local_progs = progs
             self._local_hub = None
         progs = self._local_progs
@@ -769,6 +775,8 @@ class CompiledStep:
         R = self.num_ranks
         finals: list[dict | None] = [None] * R
         errors: list[BaseException | None] = [None] * R
+        for p in progs:
+            p.comm.record(self.record)
 
         def go(r):
             try:
@@ -792,6 +800,9 @@ class CompiledStep:
             first = next((e for r, e in enumerate(errors) if e is not None and r in origins),
                          next(e for e in errors if e is not None))
             raise first
+        if self.record:
+            self.last_events = [p.events() for p in progs]
+            self.last_offsets = [0] * R
         final: dict[int, Any] = {}
         for f in finals:
             final.update(f)
@@ -929,8 +940,14 @@ class CompiledStep:
         prog = self._rank_program(group, router, vals, timeout)
         if prog is not None:  # the loop as one XLA program (program.py)
             self._state = None
+            prog.comm.record(self.record)
             final = prog(vals)
             self.last_stats = {"rank_program": prog.describe()}
+            if self.record:
+                from .tracing import gather_events
+
+                self.last_events, self.last_offsets = gather_events(group, prog.events(),
+                                                                    timeout)
         else:
             errors: list[BaseException | None] = [None] * R
             try:
@@ -984,7 +1001,7 @@ class CompiledStep:
         transport, or None when the interpreter runs it (chosen, or a traced or profiled
         step). A program that cannot be built or compiled raises; the ranks first exchange
         whether they could, so every rank raises instead of waiting on the others."""
-        if not self.single_program or self.record or self.capture is not None:
+        if not self.single_program or self.capture is not None:
             return None
         rp = self._rank_prog
         if rp is not None and rp.transport is group.transport:

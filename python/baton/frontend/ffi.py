@@ -48,3 +48,9 @@ def drain(comm_id: int, token):
     """Waits for every send posted so far; returns the token."""
     call = jax.ffi.ffi_call("baton_drain", _TOKEN, has_side_effect=True)
     return call(token, comm=np.int64(comm_id))
+
+
+def mark(comm_id: int, phase: int, token):
+    """A task boundary (phase 0: start, 1: end), recorded while the context records."""
+    call = jax.ffi.ffi_call("baton_mark", _TOKEN, has_side_effect=True)
+    return call(token, comm=np.int64(comm_id), phase=np.int32(phase))

@@ -147,7 +147,7 @@ def rank_items(cs, rank: int) -> list[Item]:
     missing = [k for k in posted if k not in waited]
     if missing:
         raise ValueError(f"received buffers no task reads: {missing}")
-    out = _hoist_posts(items)
+    out = items
     # The FFI transfers match by order per (peer, buffer kind) (see ffi_handlers.cc): a wait
     # takes the oldest posted receive, so waits must come in the order of their posts.
     order: dict[tuple, list] = {}
@@ -158,26 +158,6 @@ def rank_items(cs, rank: int) -> list[Item]:
         if op == "wait" and got != order[("post", peer, k)]:
             raise ValueError(f"rank {rank}: receives of {k} from rank {peer} are waited on in "
                              f"another order than they are posted: {got}")
-    return out
-
-
-def _hoist_posts(items: list[Item]) -> list[Item]:
-    """Moves a receive posted right after a task into the stretch of transfers just before
-    that task (ahead of its waits): one callback instead of two around the task, and the
-    receive is posted earlier still (rank 0 of a 1F1B: ``>Act0 <Grad1 B0 +Grad1 F0`` becomes
-    ``>Act0 +Grad1 <Grad1 B0 F0``)."""
-    out: list[Item] = []
-    for it in items:
-        if (it[0] == "post" and len(out) >= 2 and out[-1][0] == "run"
-                and out[-2][0] != "run"):
-            j = len(out) - 1  # the task; its stretch ends at j - 1
-            k = j
-            while k > 0 and out[k - 1][0] != "run":
-                k -= 1
-            waits = [i for i in range(k, j) if out[i][0] == "wait"]
-            out.insert(waits[0] if waits else j, it)
-            continue
-        out.append(it)
     return out
 
 
@@ -401,6 +381,8 @@ class _LoopProgram:
     """The microbatch loop of one rank as traced code: items rolled into scans (see the module
     docstring). Subclasses give the items and, for a rank of several, the transfers."""
 
+    marks = False  # task boundary markers (RankProgram: baton_mark calls)
+
     def __init__(self, cs, rank, items, max_period=None, stacked=True):
         self.cs = cs
         self.rank = rank
@@ -480,6 +462,8 @@ class _LoopProgram:
                 def put_(key, v, made=made):
                     made[key] = v
 
+                if self.marks:  # the task starts (recorded only when tracing)
+                    token.dep = ffi.mark(self.comm.id, 0, token.dep)
                 _run_task(cs, kind, s, m, inv, mb, get, put_, add, token.call)
                 if token.dep is not None:  # the task's buffers and sums before what follows
                     a = acc()
@@ -492,6 +476,8 @@ class _LoopProgram:
                         made[k] = v
                 for k, v in made.items():
                     put(k, v)
+                if self.marks:  # after its outputs and sums (tied to the token above)
+                    token.dep = ffi.mark(self.comm.id, 1, token.dep)
                 i += 1
             else:
                 j = i
@@ -658,6 +644,8 @@ class RankProgram(_LoopProgram):
     outputs (part index -> value) once every transfer is done. ``comm`` is the rank's
     ``baton._core.runtime.RankComm``, attached to its transport by the caller."""
 
+    marks = True
+
     def __init__(self, cs, rank, comm, timeout):
         ffi.register()
         self.comm = comm
@@ -669,12 +657,15 @@ class RankProgram(_LoopProgram):
         self.needs = [o for o in cs._loop_needs[rank] if o not in cs.traced.literals]
         self.mine = [i for i, p in enumerate(cs.parts) if cs.stage_rank[p.stage] == rank]
         names: dict[tuple, list[str]] = {}
+        self._order: dict[tuple, list[int]] = {}
         for op, k, s, m, peer in self.items:
             if op != "run":
                 comm.set_layout(_channel(k), s, [_nbytes(a) for a in self._layout(k, s)])
             if op in ("send", "post"):
                 names.setdefault((peer, _channel(k), op == "send"), []).append(
                     f"{k.lower()}(s{s},m{m})")
+                self._order.setdefault((peer, _channel(k), op == "send"), []).append(
+                    cs._buf_id(k, s, m))
         for (peer, chan, send), ns in names.items():
             comm.set_names(peer, chan, send, ns)
         self.fn = jax.jit(self._program)
@@ -721,6 +712,48 @@ class RankProgram(_LoopProgram):
         err = ExecutionError(msg)
         err.failed_rank = origin
         return err
+
+    def events(self) -> list[tuple]:
+        """The last step's recorded events in the interpreter's format (``Executor.events``:
+        instr, op, buffer, peer, posted, started, completed in ns) for its instruction stream:
+        a RUN spans its tasks' begin and end markers, a SEND or RECV is its transfer (matched
+        by order per peer and channel, as the handlers match them), a FREE happens when the
+        RUN before it ended (where the interpreter frees). Empty unless the comm recorded."""
+        cs = self.cs
+        marks = self.comm.take_marks()
+        comm_events = self.comm.take_events()
+        prog = cs.programs[self.rank]
+        ops = [op.split(".")[-1].upper() for op, _, _, _ in prog]
+        tasks_per_run = [len(cs._tasks_of(self.rank, a)) for (_, a, _, _), op in zip(prog, ops)
+                         if op == "RUN"]
+        if not marks or len(marks) != 2 * sum(tasks_per_run):
+            return []
+        spans, pos = [], 0
+        for n in tasks_per_run:
+            spans.append((marks[pos][1], marks[pos + 2 * n - 1][1]))
+            pos += 2 * n
+        instr_of = {(op, b): i for i, ((_, _, b, _), op) in enumerate(zip(prog, ops))
+                    if op in ("SEND", "RECV")}
+        order = self._order  # (peer, channel, send) -> buffer ids of one step, in order
+        out, run_i = [], 0
+        last_end = spans[0][0]
+        for i, ((_, a, b, peer), op) in enumerate(zip(prog, ops)):
+            if op == "RUN":
+                t0, t1 = spans[run_i]
+                out.append((i, "RUN", -1, -1, t0, t0, t1))
+                last_end = t1
+                run_i += 1
+            elif op == "FREE":
+                out.append((i, "FREE", b, -1, last_end, last_end, last_end))
+        for kind, peer, chan, _, seq, po, st, co in comm_events:
+            ids = order.get((peer, chan, kind == 0))
+            if not ids:
+                continue
+            b = ids[seq % len(ids)]
+            op = "SEND" if kind == 0 else "RECV"
+            out.append((instr_of[(op, b)], op, b, peer, po, st or po, co or st or po))
+        out.sort()
+        return out
 
     def _program(self, args):
         cs = self.cs
