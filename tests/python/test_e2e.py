@@ -107,10 +107,18 @@ def make_steps(loss_fn, aux=False):
 
 
 def check_memory(ps):
-    """Measured peak live bytes per rank (a traced step: the interpreter counts every
-    buffer) within the simulator's prediction."""
+    """Measured peak live bytes per rank within the simulator's prediction: one more step on
+    the interpreter, which counts every buffer's arrays (the compiled engine's buffers are
+    XLA's), and the trace of a compiled step replayed with the plan's sizes."""
     if "peak_bytes" not in ps.last.last_stats:
-        baton.trace(ps, *ps.last_args)
+        tr = baton.trace(ps, *ps.last_args)
+        assert all(m <= p for m, p in zip(tr.peak_total, ps.simulate().peak_total))
+        step = ps.last
+        step.single_program = False
+        try:
+            ps(*ps.last_args)
+        finally:
+            step.single_program = True
     sim = ps.simulate()
     measured = ps.last.last_stats["peak_bytes"]
     predicted = list(sim.peak_total)
