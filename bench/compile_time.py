@@ -22,9 +22,11 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
 import jax  # noqa: E402
+from timing import publish  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import baton  # noqa: E402
@@ -89,11 +91,7 @@ def main():
                      f"{part / base:.2f}x | {counts[0][0]} ({counts[0][1]:.2f}) | "
                      f"{sum(c[0] for c in counts[1:])} |")
         print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.md:
-        with open(a.md, "w") as f:
-            f.write(text)
+    publish("\n".join(lines) + "\n", a.md)
 
 
 if __name__ == "__main__":

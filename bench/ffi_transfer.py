@@ -27,12 +27,15 @@ import datetime
 import os
 import platform
 import statistics
+import sys
 import threading
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "2")
 
 import jax  # noqa: E402
+from timing import publish  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import io_callback  # noqa: E402
@@ -230,11 +233,7 @@ def main():
                          f"{r['FFI']:.1f} | {r['io_callback']:.1f} | {r['FFI'] - r['raw']:.1f} | "
                          f"{r['io_callback'] / r['FFI']:.1f}x |")
             print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.md:
-        with open(a.md, "w") as f:
-            f.write(text)
+    publish("\n".join(lines) + "\n", a.md)
 
 
 if __name__ == "__main__":

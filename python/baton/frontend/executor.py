@@ -174,6 +174,26 @@ def _to_host(value):
     return to_host(out)
 
 
+def _on_rank_threads(num_ranks: int, fn) -> list[BaseException | None]:
+    """Runs ``fn(r)`` for every rank on its own thread ("baton-rank-r") and returns each
+    rank's exception (None where it returned)."""
+    errors: list[BaseException | None] = [None] * num_ranks
+
+    def go(r):
+        try:
+            fn(r)
+        except BaseException as e:  # noqa: BLE001  (the caller re-raises)
+            errors[r] = e
+
+    threads = [threading.Thread(target=go, args=(r,), name=f"baton-rank-{r}", daemon=True)
+               for r in range(num_ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
 def _raise_first(errors, st):
     """Raises the error of the rank where the failure started (its Python exception as the
     cause); the other ranks' errors only say that rank failed."""
@@ -774,22 +794,13 @@ class CompiledStep:
         progs = self._local_programs(vals, timeout)
         R = self.num_ranks
         finals: list[dict | None] = [None] * R
-        errors: list[BaseException | None] = [None] * R
         for p in progs:
             p.comm.record(self.record)
 
         def go(r):
-            try:
-                finals[r] = progs[r](vals)
-            except BaseException as e:  # noqa: BLE001  (re-raised below)
-                errors[r] = e
+            finals[r] = progs[r](vals)
 
-        threads = [threading.Thread(target=go, args=(r,), name=f"baton-rank-{r}", daemon=True)
-                   for r in range(R)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        errors = _on_rank_threads(R, go)
         if any(e is not None for e in errors):
             for p in progs:
                 p.comm.detach()
@@ -827,20 +838,7 @@ class CompiledStep:
         exes = [rt.Executor(self.core_plan, r, transports[r], tasks, timeout=timeout,
                             record_events=self.record)
                 for r in range(R)]
-        errors: list[BaseException | None] = [None] * R
-
-        def go(r):
-            try:
-                exes[r].run()
-            except BaseException as e:  # noqa: BLE001  (re-raised below)
-                errors[r] = e
-
-        threads = [threading.Thread(target=go, args=(r,), name=f"baton-rank-{r}", daemon=True)
-                   for r in range(R)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        errors = _on_rank_threads(R, lambda r: exes[r].run())
         stats = [e.stats() for e in exes]
         self.last_events = [e.events() for e in exes] if self.record else None
         self.last_offsets = [0] * R

@@ -17,7 +17,9 @@ at the ping-pong bandwidth) as latency. Tasks run slower inside a step than alon
 inputs are not in cache, other tasks' buffers come and go), and a transfer waits for the
 transport threads on a busy core, so these predict the step better. Then ``steps`` further
 traced calls give the measured step time (median), each rank's bubble and the peak live
-buffers, which ``summary()`` puts next to the simulator's prediction. XLA's memory
+buffers, which ``summary()`` puts next to the simulator's prediction. The capture and the
+isolated timings run on the interpreter; the traced steps run what users run (the compiled
+engine for a multi-rank step: peak bytes are then its trace's replay with the plan's sizes). XLA's memory
 analysis of each task (``compiled.memory_analysis()``) is kept where JAX provides it.
 Multi-process mode: collective; each process times its own stages' tasks and the results are
 exchanged, so every process gets the same cost model.
@@ -310,7 +312,10 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
     sim = step.plan.simulate(cm)
     R = step.num_ranks
     measured = {"step_time": med.step_time, "step_times": [t.step_time for t in traces],
-                "bubble": med.bubble, "peak_bytes": list(step.last_stats["peak_bytes"]),
+                "bubble": med.bubble,
+                # the interpreter counts its buffers' arrays; a compiled step's memory is
+                # XLA's, so its trace's replay (the plan's sizes at measured times) stands in
+                "peak_bytes": list(step.last_stats.get("peak_bytes", med.peak_total)),
                 "peak_activation": [max(t.peak_activation[r] for t in traces) for r in range(R)]}
     runs_ = list(sim.runs)
     predicted = {"step_time": (max(r.end for r in runs_) - min(r.start for r in runs_))
