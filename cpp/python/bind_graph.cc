@@ -93,6 +93,8 @@ void init_graph(nb::module_& m) {
           },
           "body"_a, "outer"_a, "reduce"_a)
       .def_rw("step_outputs", &baton::Program::step_outputs)
+      .def_rw("num_primal_outputs", &baton::Program::num_primal_outputs,
+              "Leading loop outputs that are primal (loss, aux); -1 when unknown.")
       .def_prop_ro("num_values", [](const baton::Program& p) { return p.values.size(); })
       .def_prop_ro("num_ops", [](const baton::Program& p) { return p.ops.size(); })
       .def("value_bytes", [](const baton::Program& p, int v) { return p.values.at(v).bytes; })

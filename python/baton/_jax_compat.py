@@ -80,6 +80,16 @@ def register_abstract_eval(prim: Primitive, rule, impl=None) -> None:
         prim.def_impl(impl)
 
 
+def get_aval(value: Any) -> Any:
+    """The abstract value of a concrete value (``jax.core.get_aval``)."""
+    return jax.core.get_aval(value)
+
+
+def shaped_array(shape, dtype) -> Any:
+    """An abstract array of ``shape`` and ``dtype`` (``jax.core.ShapedArray``)."""
+    return jax.core.ShapedArray(tuple(shape), dtype)
+
+
 def is_literal(atom: Any) -> bool:
     return isinstance(atom, Literal)
 

@@ -218,7 +218,7 @@ def test_gpt_tied_embedding_adamw():
         stages_of.setdefault(p.outer, set()).add(p.stage)
     assert {0, 3} in stages_of.values()
     ps.last_args = (p1, s1, batch)
-    check_memory(ps, interpreter=True)
+    check_memory(ps)
 
 
 def test_data_parallel_inside_stage():

@@ -111,6 +111,13 @@ struct Program {
   std::vector<LoopInput> loop_inputs;
   std::vector<LoopOutput> loop_outputs;
   std::vector<int32_t> step_outputs;  // outer values returned by the step
+  // How many leading loop outputs are primal (the loss and aux of a
+  // value_and_grad), when the frontend knows it from the loop function's
+  // output tree; -1 when unknown. Known, the last stage's forward is what the
+  // primal outputs depend on (data flow, whatever the op order); unknown, the
+  // primal outputs are the shortest prefix produced before the rest in program
+  // order (JAX emits a VJP's forward before its transpose).
+  int32_t num_primal_outputs = -1;
 
   int32_t add_value(Value v);
   int32_t add_op(Op op);

@@ -53,23 +53,55 @@ struct Ctx {
 void infer_stages(Ctx& c) {
   const Program& p = c.p;
   const int nops = static_cast<int>(p.ops.size());
-  // Cut: ops after the last primal loop output are backward. Primal outputs
-  // are the shortest prefix of the loop outputs all produced before the rest.
-  std::vector<int> prod_idx;
-  for (const LoopOutput& o : p.loop_outputs) prod_idx.push_back(c.producer[o.body]);
-  int n = static_cast<int>(prod_idx.size());
-  int cut = nops;
-  for (int k = 1; k <= n; ++k) {
-    int max_pre = -1, min_post = nops;
-    for (int i = 0; i < k; ++i) max_pre = std::max(max_pre, prod_idx[i]);
-    for (int i = k; i < n; ++i) {
-      if (prod_idx[i] >= 0) min_post = std::min(min_post, prod_idx[i]);
+  // Which loop ops are backward (a forward residual they read maps to the
+  // backward of its stage). Nothing marks where the last stage's backward
+  // starts (the cotangent seed is a literal), so the primal loop outputs
+  // decide: with their count known (num_primal_outputs >= 0), every loop op
+  // that no primal output depends on is backward: pure data flow, the same for
+  // any topological order of the ops. Unknown, the primal outputs are the
+  // shortest prefix of the loop outputs all produced before the rest, and the
+  // ops after the last of them are backward.
+  std::vector<char> after_cut(static_cast<size_t>(nops), 0);
+  const int n = static_cast<int>(p.loop_outputs.size());
+  if (p.num_primal_outputs > n)
+    throw TraceError(
+        fmt::format("internal: {} primal loop outputs of {}", p.num_primal_outputs, n));
+  if (p.num_primal_outputs > 0 && p.num_primal_outputs < n) {
+    std::vector<char> needed(p.values.size(), 0);
+    std::vector<int32_t> stack;
+    for (int k = 0; k < p.num_primal_outputs; ++k) stack.push_back(p.loop_outputs[k].body);
+    while (!stack.empty()) {
+      const int32_t v = stack.back();
+      stack.pop_back();
+      if (v < 0 || needed[v]) continue;
+      needed[v] = 1;
+      const int op = c.producer[v];
+      if (op >= 0)
+        for (int32_t in : p.ops[op].inputs) stack.push_back(in);
     }
-    if (max_pre < min_post) {
-      cut = k == n ? nops : max_pre + 1;
-      break;
+    for (int i = 0; i < nops; ++i) {
+      const Op& op = p.ops[i];
+      bool feeds_primal = false;
+      for (int32_t v : op.outputs) feeds_primal = feeds_primal || needed[v];
+      after_cut[i] = op.region == Region::Loop && !feeds_primal;
     }
-  }
+  } else if (p.num_primal_outputs < 0) {
+    std::vector<int> prod_idx;
+    for (const LoopOutput& o : p.loop_outputs) prod_idx.push_back(c.producer[o.body]);
+    int cut = nops;
+    for (int k = 1; k <= n; ++k) {
+      int max_pre = -1, min_post = nops;
+      for (int i = 0; i < k; ++i) max_pre = std::max(max_pre, prod_idx[i]);
+      for (int i = k; i < n; ++i) {
+        if (prod_idx[i] >= 0) min_post = std::min(min_post, prod_idx[i]);
+      }
+      if (max_pre < min_post) {
+        cut = k == n ? nops : max_pre + 1;
+        break;
+      }
+    }
+    for (int i = cut; i < nops; ++i) after_cut[i] = 1;
+  }  // 0 primal outputs or only primal ones: no cut (the backward runs in the forward task)
   c.pos.assign(p.values.size(), kUnplaced);
   c.staged_op.assign(nops, false);
   if (c.S == 1) {
@@ -106,7 +138,7 @@ void infer_stages(Ctx& c) {
     for (int32_t v : op.inputs) {
       int q = c.pos[v];
       // In the backward part of the program a residual of F_s is read by B_s.
-      if (i >= cut && q != kUnplaced && c.is_fwd(q)) q = c.b_pos(q);
+      if (after_cut[i] && q != kUnplaced && c.is_fwd(q)) q = c.b_pos(q);
       lb = std::max(lb, q);
     }
     if (lb == kUnplaced) continue;  // unstaged: placed by its consumers

@@ -84,9 +84,9 @@ def _accumulate_abstract(*avals, body, reduce, microbatches, **_):
     outs = []
     for v, r in zip(body.out_avals, reduce):
         if r == "stack":
-            outs.append(jax.core.ShapedArray((microbatches, *v.shape), v.dtype))
+            outs.append(jc.shaped_array((microbatches, *v.shape), v.dtype))
         else:
-            outs.append(jax.core.ShapedArray(v.shape, v.dtype))
+            outs.append(jc.shaped_array(v.shape, v.dtype))
     return outs
 
 
@@ -100,10 +100,12 @@ jc.register_abstract_eval(accumulate_p, _accumulate_abstract, _accumulate_impl)
 class LoopBody:
     """The traced loop body: a closed jaxpr over (invariants..., microbatch leaves...)."""
 
-    def __init__(self, closed, out_avals, fun):
+    def __init__(self, closed, out_avals, fun, num_primal=-1):
         self.closed = closed
         self.out_avals = out_avals
         self.fun = fun
+        # leading outputs that are primal (the value of a value_and_grad), -1 unknown
+        self.num_primal = num_primal
 
     def __hash__(self):
         return id(self)
@@ -170,6 +172,24 @@ def _expand_reduce(reduce, out_tree_struct, out_leaves_n):
         if r not in REDUCTIONS:
             raise ConfigError(f"accumulate: reduce must be one of {REDUCTIONS} (got {r!r})")
     return tuple(flat)
+
+
+def _num_primal(out, args) -> int:
+    """How many leading output leaves of the loop function are primal: for the
+    ``(value, grads)`` of ``jax.value_and_grad`` (grads shaped like the first argument) the
+    leaves of ``value``; -1 when the outputs do not have that form (the graph passes then
+    find the primal outputs by program order)."""
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and args):
+        return -1
+    value, grads = out
+    params = args[0]
+    if jax.tree.structure(grads) != jax.tree.structure(params):
+        return -1
+    same = [np.shape(g) == np.shape(q) for g, q in zip(jax.tree.leaves(grads),
+                                                        jax.tree.leaves(params))]
+    if not all(same):
+        return -1
+    return len(jax.tree.leaves(value))
 
 
 def accumulate(
@@ -239,8 +259,8 @@ def accumulate(
         raise TraceError("baton.jit supports one baton.accumulate loop per step (found a second)")
     closed = jax.make_jaxpr(flat_fun)(*inv_structs, *mb_structs)
     constvars, consts, invars, outvars, eqns = jc.jaxpr_parts(closed)
-    out_avals = [jax.core.ShapedArray(s.shape, s.dtype) for s in shapes]
-    body = LoopBody(closed, out_avals, None)
+    out_avals = [jc.shaped_array(s.shape, s.dtype) for s in shapes]
+    body = LoopBody(closed, out_avals, None, _num_primal(out_example, args))
     operands = [*consts, *inv_leaves, *mb_leaves]
     _ctx.loops.append(body)
     outs = accumulate_p.bind(

@@ -108,7 +108,7 @@ class _Exporter:
 
     def literal(self, value, aval=None) -> int:
         if aval is None:
-            aval = jax.core.get_aval(value)
+            aval = jc.get_aval(value)
         i = self.new_value(aval, G.ValueKind.Literal)
         self.literals[i] = value
         return i
@@ -187,6 +187,7 @@ class _Exporter:
         all_in = [*constvars, *invars]
         n_inv = p["n_invariant"]
         self.microbatches = p["microbatches"]
+        self.num_primal = body.num_primal
         benv = {}
         # The body's own consts come first among the operands.
         operands = list(eqn.invars)
@@ -294,6 +295,7 @@ def trace_step(fn: Callable, args: tuple, microbatches: int) -> Traced:
     for b, o, r in ex.loop_outputs:
         prog.add_loop_output(b, o, getattr(G.Reduce, _REDUCE[r]))
     prog.step_outputs = step_outputs
+    prog.num_primal_outputs = getattr(ex, "num_primal", -1)
     prog.validate()
     return Traced(
         program=prog,
