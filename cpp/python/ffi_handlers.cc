@@ -6,7 +6,8 @@
 //                attributes: comm (context id), kinds/peers/channels/stages
 //                (one entry per operation, see CommOp)
 //   baton_drain  token -> token: waits for every posted send (end of a step)
-//   baton_mark   token -> token: a task starts (phase 0) or ended (phase 1);
+//   baton_mark   token, after... -> token: a task starts (phase 0) or ended
+//                (phase 1; `after` are its outputs, so it runs once they exist);
 //                recorded only while the context records (a runtime switch:
 //                traced and untraced steps run the same executable)
 //
@@ -84,8 +85,8 @@ ffi::Error DrainImpl(ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out
   return pass_token(token, token_out);
 }
 
-ffi::Error MarkImpl(ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out, int64_t comm,
-                    int32_t phase) {
+ffi::Error MarkImpl(ffi::AnyBuffer token, ffi::RemainingArgs /*after: ordering only*/,
+                    ffi::Result<ffi::AnyBuffer> token_out, int64_t comm, int32_t phase) {
   try {
     comm_of(comm)->mark(phase);
   } catch (const std::exception& e) {
@@ -99,6 +100,7 @@ ffi::Error MarkImpl(ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonMark, MarkImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("comm")
                                   .Attr<int32_t>("phase"));

@@ -50,7 +50,8 @@ def drain(comm_id: int, token):
     return call(token, comm=np.int64(comm_id))
 
 
-def mark(comm_id: int, phase: int, token):
-    """A task boundary (phase 0: start, 1: end), recorded while the context records."""
+def mark(comm_id: int, phase: int, token, after=()):
+    """A task boundary (phase 0: start, 1: end), recorded while the context records; it runs
+    once the arrays ``after`` (read by nothing: a run-time dependency) are computed."""
     call = jax.ffi.ffi_call("baton_mark", _TOKEN, has_side_effect=True)
-    return call(token, comm=np.int64(comm_id), phase=np.int32(phase))
+    return call(token, *after, comm=np.int64(comm_id), phase=np.int32(phase))

@@ -465,6 +465,7 @@ class _LoopProgram:
                 if self.marks:  # the task starts (recorded only when tracing)
                     token.dep = ffi.mark(self.comm.id, 0, token.dep)
                 _run_task(cs, kind, s, m, inv, mb, get, put_, add, token.call)
+                tied = []
                 if token.dep is not None:  # the task's buffers and sums before what follows
                     a = acc()
                     touched = [j for j in _parts_of(cs, kind, s) if j in a]
@@ -476,8 +477,12 @@ class _LoopProgram:
                         made[k] = v
                 for k, v in made.items():
                     put(k, v)
-                if self.marks:  # after its outputs and sums (tied to the token above)
-                    token.dep = ffi.mark(self.comm.id, 1, token.dep)
+                if self.marks:
+                    # the task ended: the mark reads its outputs and sums, so it runs once
+                    # they are computed (an optimization_barrier orders XLA's passes, not its
+                    # run time: a token through one alone would not wait for the compute)
+                    token.dep = ffi.mark(self.comm.id, 1, token.dep,
+                                         jax.tree.leaves(tied))
                 i += 1
             else:
                 j = i
