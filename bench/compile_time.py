@@ -71,7 +71,7 @@ def main():
         ps = baton.jit(step, mesh=baton.PipelineMesh(jax.devices()[:a.ranks], ranks=a.ranks),
                        schedule=sched, microbatches=8)
         times, counts = timed_calls(ps, params, st, batch)
-        rows.append((f"baton.jit {sched.name}, {a.ranks} ranks", times, counts))
+        rows.append((f"baton.jit {name}, {a.ranks} ranks", times, counts))
     base = rows[0][1][0] - statistics.median(rows[0][1][1:])
     lines = [
         f"# First-call and steady-call cost ({datetime.date.today()}, {platform.node()}, "
