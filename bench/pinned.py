@@ -226,9 +226,10 @@ def main():
         "speed-up the median over rounds of the round's baseline step / its step",
         "- step ms: median wall time of a whole step (loop, optimizer, outputs ready), as "
         "`baton.jit` runs it by default (each rank's loop as one XLA program); loop meas/pred: "
-        "the microbatch loop's span, measured in traced steps (median; traced and profiled "
-        "steps run on the executor, which records every instruction) and simulated with the "
-        "profiled task and link costs; bubble and peak activation per rank (r0/r1).",
+        "the microbatch loop's span, measured in traced steps (median; traced steps run the "
+        "same compiled programs with their task markers and transfer records on) and "
+        "simulated with the profiled task and link costs; bubble and peak activation per "
+        "rank (r0/r1).",
         "- machine ceiling: two independent copies of the baseline run at once on the two "
         "cores; its speed-up is their combined throughput (the slower copy's step), a practical "
         "upper bound for any 2-process run on this machine.",

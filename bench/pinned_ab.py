@@ -100,8 +100,7 @@ def worker(args):
     if rank == 0:
         # how each step ran: its loop as one program per rank, or on the executor (and why)
         ran = {k: st.last.last_stats.get("rank_program") and "program"
-               or f"executor ({st.last.single_declined or 'single_program=False'})"
-               for k, st in runners.items()}
+               or "executor (single_program=False)" for k, st in runners.items()}
         print("RESULT " + json.dumps({"times": times, "ran": ran}), flush=True)
 
 
