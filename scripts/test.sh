@@ -11,7 +11,7 @@
 #   BATON_SANITIZE=1 bash scripts/test.sh --cpp-only   # ASan+UBSan build in build/asan
 #
 # Environment: BATON_JOBS (build parallelism, default 2), BATON_PYTEST_TIMEOUT (seconds
-# for the whole pytest run, default 1200).
+# for the whole pytest run, default 2700).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -66,11 +66,11 @@ if ((run_py)); then
   export JAX_NUM_CPU_DEVICES="${JAX_NUM_CPU_DEVICES:-8}"
   export PATH="$ROOT/.venv/bin:$PATH"
   # pytest exits 5 when it collects nothing: that is a failure here too.
-  timeout --kill-after=30 "${BATON_PYTEST_TIMEOUT:-1200}" \
+  timeout --kill-after=30 "${BATON_PYTEST_TIMEOUT:-2700}" \
     "$ROOT/.venv/bin/python" -m pytest -q -p no:cacheprovider "${pytest_args[@]}"
   rc=$?
   if ((rc == 124 || rc == 137)); then
-    log "pytest timed out after ${BATON_PYTEST_TIMEOUT:-1200}s"
+    log "pytest timed out after ${BATON_PYTEST_TIMEOUT:-2700}s"
     failed+=("pytest (timeout)")
   elif ((rc != 0)); then
     failed+=("pytest (exit $rc)")
