@@ -343,8 +343,9 @@ class CompiledStep:
         self.last_offsets: list | None = None
         # The compiled engine (program.py): one rank, the whole step as one XLA program; a
         # rank of several (in this process or one process per rank), its loop as one
-        # program with FFI transfers. The interpreter (the C++ Executor) runs traced and
-        # profiled steps, and every step with single_program=False.
+        # program with FFI transfers (traced too: markers and transfer records switched on).
+        # The interpreter (the C++ Executor) runs profiled steps, traced one-rank steps and
+        # every step with single_program=False.
         self.single_program = bool(single_program)
         self._single = None
         self._rank_prog = None
@@ -513,11 +514,9 @@ class CompiledStep:
         :class:`~baton.frontend.distributed.ProcessGroup`: this process's rank only, over its
         transport (see ``_run_group``). The compiled engine (program.py: one XLA program per
         rank, transfers as FFI calls) runs it unless the interpreter was chosen
-        (``single_program=False``) or the step is traced or profiled (those read the
-        interpreter's per-instruction events)."""
-        # A traced multi-rank step runs the same compiled programs (their markers and
-        # transfer events are recorded); profiling (capture) and traced one-rank steps use the
-        # interpreter.
+        (``single_program=False``), the step is profiled (the capture of each task's
+        arguments), or it is a traced one-rank step. A traced multi-rank step runs the same
+        compiled programs with their markers and transfer records switched on."""
         interp = (not self.single_program or self.capture is not None
                   or (self.record and self.num_ranks == 1))
         if not interp:

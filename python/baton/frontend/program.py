@@ -9,17 +9,19 @@ one jitted function. The schedule still decides the order and so the memory prof
 runs every forward before any backward and keeps every stash, 1F1B (fused) one microbatch at
 a time, ZB-H1 F, I and W.
 
-**One rank of several, one process per rank** (``RankProgram``). The rank's instruction
-stream becomes one jitted program of its microbatch loop: its tasks in the stream's order,
-and its transfers as host callbacks (``io_callback``) that post sends and receives on the
-process's transport and wait for receives where the next task needs them. A scalar token
-threads every task and callback in stream order (``optimization_barrier`` ties a task's
-inputs to the token before it and the token after it to the task's outputs), so XLA keeps
-the schedule's order: a send is posted as soon as its task is done, a receive is waited on
-only where the stream waits. Transfers are the executor's: same transport, one tag per
-(step, buffer), the receiver's layout (no header). What the program saves is the per-task
-host work of the executor (a jit dispatch of ~100 arguments and outputs per task, the
-callbacks, the sums as separate arrays), which on a CPU shares the core with the compute.
+**One rank of several** (``RankProgram``; one process per rank, or several ranks in one
+process, each program on its rank's device). The rank's instruction stream becomes one jitted
+program of its microbatch loop: its tasks in the stream's order, and each stretch of transfers
+between two tasks one XLA FFI custom call (``baton_comm``, ``ffi.py``) that posts sends and
+receives on the transport and waits for receives where the next task needs them, from XLA's
+thread with no Python. A scalar token threads every FFI call in stream order (each reads and
+writes it); sends read the arrays they send, waits produce the arrays tasks read, and each
+task's end marker (``baton_mark``) reads its outputs, so the transfers happen in the stream's
+order and no earlier than their data (the argument is in ``docs/ARCHITECTURE.md``). Transfers
+match by order per (peer, channel), the verifier's FIFO model; the tags need no buffer id.
+What the program saves is the per-task host work of the interpreter (a jit dispatch of ~100
+arguments and outputs per task, the callbacks, the sums as separate arrays) and the Python
+callback per stretch of transfers.
 
 Both roll their item lists into loops: ``roll`` splits the items (tasks, and for a rank's
 loop its sends, receive posts and receive waits) into runs of a repeating pattern whose
@@ -38,8 +40,9 @@ A pattern is rolled only when every buffer a repetition reads is made earlier in
 repetition or in the previous one (a carry slot): a buffer made before the run would have to
 be read from a stack of copies. Items outside any run are called in place.
 
-Tracing and profiling (``record``/``capture``) need per-instruction events, so those steps
-run on the executor as before.
+Traced rank programs record their markers and transfers (a runtime switch of the same
+executable; ``RankProgram.events``); profiling (``capture``) and traced one-rank steps run on
+the interpreter.
 """
 
 from __future__ import annotations
