@@ -275,8 +275,8 @@ def jit(
     Usable as ``baton.jit(step, mesh=..., schedule=..., microbatches=...)`` or
     as a decorator ``@baton.jit(mesh=..., ...)``.
 
-    ``transport``: ``"local"`` runs every rank in this process (one executor thread per
-    rank over the in-process transport; ``mesh`` is a ``PipelineMesh``); ``"gloo"`` makes
+    ``transport``: ``"local"`` runs every rank in this process (one thread per rank over the
+    in-process transport; ``mesh`` is a ``PipelineMesh``); ``"gloo"`` makes
     this process one rank of a multi-process pipeline (``mesh``: this rank's devices, default
     ``jax.local_devices()``); ``None`` picks ``"gloo"`` when the process was started by
     ``python -m baton.launch`` (or SLURM, Open MPI, ``jax.distributed``) with more than one
@@ -294,14 +294,15 @@ def jit(
     block is mapped and unmapped per call, page-faulting it in every time (~10 ms per call on
     a 40 MB working set); the cost is that the process keeps its peak host memory.
     ``False`` leaves malloc alone.
-    ``single_program``: with one rank in this process (nothing to overlap), compile the whole
-    step, the schedule's tasks rolled into ``lax.scan`` loops in the schedule's order, into one
-    XLA program instead of running it on the executor (as Megatron-LM runs a pipeline of size
-    1 without its pipeline engine). With one process per rank (a host transport, one device
-    per rank), compile each rank's microbatch loop into one XLA program whose sends and
-    receives are host callbacks on the transport, in the order of the rank's instruction
-    stream. Traced and profiled steps, and schedules whose program would hand stacked stashes
-    between loops (GPipe), still use the executor. ``False`` always uses the executor.
+    ``single_program``: the engine. ``True`` (default): the compiled engine. With one rank,
+    the whole step, the schedule's tasks rolled into ``lax.scan`` loops in the schedule's
+    order, is one XLA program (as Megatron-LM runs a pipeline of size 1 without its pipeline
+    engine); with several ranks (in this process or one process per rank), each rank's
+    microbatch loop is one XLA program whose sends and receives are XLA FFI calls into the
+    C++ transports, in the order of the rank's instruction stream. A step it cannot run (a
+    multi-rank step whose ranks have several devices; a non-CPU transport) raises
+    ``baton.ConfigError``. ``False``: the interpreter (the C++ executor, one Python callback
+    per task), the reference engine; it also runs ``baton.profile`` and traced one-rank steps.
     """
     if mesh is None and (transport == "local" or
                          (transport is None and launched_world_size() <= 1)):
