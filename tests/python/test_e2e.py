@@ -240,6 +240,20 @@ def test_compiled_engine_refuses_multi_device_ranks():
         run_mlp(baton.OneFOneB(), 2, per_rank=2, steps=1)
 
 
+def test_compiled_engine_names_a_rank_it_cannot_run():
+    """What the engine refuses is said before anything runs (here: a GPU rank, faked)."""
+    ps = run_mlp(baton.OneFOneB(), 2, steps=1)
+    step = ps.last
+    assert step.engine_refusal(0) is None and step.engine_refusal(1, "gloo") is None
+    assert "'nccl'" in step.engine_refusal(0, "nccl")
+
+    class FakeGpu:
+        platform = "gpu"
+
+    step.mesh.rank_devices[1] = [FakeGpu()]
+    assert "rank 1 runs on gpu" in step.engine_refusal(1)
+
+
 def test_checkpoint_and_scan_inside_stage_and_aux():
     run_mlp(baton.OneFOneB(), 4, remat=True, layers_per_stage=2)
     run_mlp(baton.ZBH1(), 2, scan=True, layers_per_stage=3)

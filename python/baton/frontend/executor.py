@@ -536,6 +536,11 @@ class CompiledStep:
                     f"compiled engine moves a rank's values whole, and a value sharded over "
                     f"several devices would cross through one of them; use one device per "
                     f"rank, or the interpreter (baton.jit(..., single_program=False))")
+        platforms = {d.platform for d in self.mesh.rank_devices[rank]}
+        if self.num_ranks > 1 and platforms != {"cpu"}:
+            return (f"rank {rank} runs on {', '.join(sorted(platforms))}: the compiled "
+                    f"engine's transfer handlers are CPU-only so far (the NCCL handlers are "
+                    f"not written); use the interpreter (baton.jit(..., single_program=False))")
         if transport_kind not in ("local", "gloo"):
             return (f"the compiled engine's transfers run on CPU transports (local, gloo), "
                     f"not {transport_kind!r}; use the interpreter "
