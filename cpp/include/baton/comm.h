@@ -134,6 +134,8 @@ class RankComm {
   Layout layout_of(const std::vector<size_t>& bytes) const;
   std::string name(const CommOp& op, uint64_t seq) const;
   void post_recv(const CommOp& op);
+  // Records a posted transfer when recording; its index in events_, else SIZE_MAX.
+  size_t note_posted(CommOpKind kind, const CommOp& op, uint64_t seq, const Request& r);
   void wait_done(const Pending& p, const std::string& doing);
   [[noreturn]] void fail(const std::string& msg, int origin);
   void reap();
@@ -148,7 +150,7 @@ class RankComm {
   std::map<std::pair<int, int>, std::vector<size_t>> layouts_;
   std::map<std::tuple<int, int, bool>, std::vector<std::string>> names_;
   std::map<std::pair<int, int>, uint64_t> send_seq_, recv_seq_;
-  std::map<std::pair<int, int>, std::deque<std::pair<uint64_t, Pending>>> posted_;  // FIFO
+  std::map<std::pair<int, int>, std::deque<Pending>> posted_;  // FIFO per (peer, channel)
   std::vector<Pending> sends_;
   std::optional<std::pair<int, std::string>> failure_;
   bool record_ = false;

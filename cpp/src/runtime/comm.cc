@@ -158,20 +158,22 @@ void RankComm::reap() {
   sends_.resize(keep);
 }
 
+size_t RankComm::note_posted(CommOpKind kind, const CommOp& op, uint64_t seq, const Request& r) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!record_) return SIZE_MAX;
+  events_.push_back({kind, op.peer, op.channel, op.stage, seq, r.posted, {}, {}});
+  return events_.size() - 1;
+}
+
 void RankComm::post_recv(const CommOp& op) {
   const auto key = std::make_pair(op.peer, op.channel);
   const uint64_t seq = recv_seq_[key]++;
   Pending p;
   p.req = transport_->irecv(op.peer, tag(seq, op.channel), name(op, seq), host_.get(), op.channel,
                             layout_of(layout(op.channel, op.stage)));
-  if (record_) {
-    std::lock_guard<std::mutex> lock(mu_);
-    p.event = events_.size();
-    events_.push_back(
-        {CommOpKind::Post, op.peer, op.channel, op.stage, seq, p.req->posted, {}, {}});
-  }
+  p.event = note_posted(CommOpKind::Post, op, seq, *p.req);
   ++received_;
-  posted_[key].emplace_back(seq, std::move(p));
+  posted_[key].push_back(std::move(p));
 }
 
 void RankComm::run_group(const std::vector<CommOp>& ops, const std::vector<ConstBytes>& sends,
@@ -220,12 +222,7 @@ void RankComm::run_group(const std::vector<CommOp>& ops, const std::vector<Const
           p.req = transport_->isend(op.peer, tag(seq, op.channel),
                                     std::make_shared<HostValue>(std::move(payload)), name(op, seq),
                                     host_.get(), op.channel, layout_of(sizes));
-          if (record_) {
-            std::lock_guard<std::mutex> lock(mu_);
-            p.event = events_.size();
-            events_.push_back(
-                {CommOpKind::Send, op.peer, op.channel, op.stage, seq, p.req->posted, {}, {}});
-          }
+          p.event = note_posted(CommOpKind::Send, op, seq, *p.req);
           ++sent_;
           sends_.push_back(std::move(p));
           unflushed = true;
@@ -246,7 +243,7 @@ void RankComm::run_group(const std::vector<CommOp>& ops, const std::vector<Const
             post_recv(op);
             transport_->flush();
           }
-          Pending p = std::move(q.front().second);
+          Pending p = std::move(q.front());
           q.pop_front();
           const std::string doing = fmt::format("receiving {}", p.req->what);
           wait_done(p, doing);
