@@ -361,6 +361,17 @@ void bind_plan(nb::module_& m) {
       .def("num_buffer_ids", &baton::Plan::num_buffer_ids)
       .def("task_inputs", &baton::Plan::task_inputs, "task"_a)
       .def("task_outputs", &baton::Plan::task_outputs, "task"_a)
+      .def("action_inputs", &baton::Plan::action_inputs, "action"_a)
+      .def("action_outputs", &baton::Plan::action_outputs, "action"_a)
+      .def(
+          "receive_posts",
+          [](const baton::Plan& p, int rank) {
+            check_rank(p.schedule, rank);
+            return p.receive_posts(rank);
+          },
+          "rank"_a,
+          "Per instruction of the rank's program: for a RECV, the index of the "
+          "instruction before which it is posted (the last RUN before it); -1 otherwise.")
       .def(
           "describe",
           [](const baton::Plan& p, int rank, int index) {

@@ -4,6 +4,7 @@
 #include <set>
 
 #include "baton/error.h"
+#include "baton/generators.h"
 #include "baton/plan.h"
 #include "baton/verify.h"
 #include "test_plan_util.h"
@@ -285,6 +286,37 @@ TEST(Fingerprint, KnownValueIsStable) {
   // Both values were computed independently (Python) from the documented
   // serialization. Empty plan: just the header.
   EXPECT_EQ(Plan{}.fingerprint(), "e6be220e81782940");
+}
+
+}  // namespace
+}  // namespace baton
+
+namespace baton {
+namespace {
+
+TEST(Plan, ReceivePostsAreTheRunBeforeEachRecv) {
+  for (const char* name : {"1f1b", "interleaved", "zbh1", "dualpipev", "gpipe"}) {
+    const int R = 4, M = 8;
+    Schedule s = make_schedule(name, R, M, std::string(name) == "interleaved" ? 2 : 1);
+    Plan p = lower(s);
+    for (int r = 0; r < R; ++r) {
+      const auto& prog = p.programs[static_cast<size_t>(r)];
+      const auto posts = p.receive_posts(r);
+      ASSERT_EQ(posts.size(), prog.size());
+      int last_run = -1;
+      for (size_t j = 0; j < prog.size(); ++j) {
+        if (prog[j].op == OpCode::Run) last_run = static_cast<int>(j);
+        if (prog[j].op != OpCode::Recv) {
+          EXPECT_EQ(posts[j], -1) << name << " rank " << r << " #" << j;
+          continue;
+        }
+        EXPECT_EQ(posts[j], last_run >= 0 ? last_run : static_cast<int>(j))
+            << name << " rank " << r << " #" << j;
+        EXPECT_LE(posts[j], static_cast<int>(j));
+      }
+    }
+  }
+  EXPECT_THROW(lower(make_schedule("1f1b", 2, 2)).receive_posts(2), ScheduleError);
 }
 
 }  // namespace

@@ -98,6 +98,13 @@ struct Plan {
 
   // "rank 0 #5 RUN F0.1" style description of one instruction.
   std::string describe(int rank, int index) const;
+  // Where `rank`'s receives are posted: for each instruction of its program,
+  // for a RECV the index of the instruction before which the runtime posts it
+  // (the last RUN before it: the receive is in flight while that task
+  // computes; the RECV itself when no RUN precedes it), -1 for the others.
+  // The executor and the compiled rank programs both post here, so the
+  // simulator's receive-buffer lifetimes hold for both.
+  std::vector<int32_t> receive_posts(int rank) const;
   std::string describe_buffer(int32_t id) const;  // e.g. "act(s0,m1)"
   // Full text listing of every rank's program.
   std::string to_text() const;

@@ -390,6 +390,7 @@ class Executor {
   std::vector<std::pair<size_t, RequestPtr>> pending_events_;  // SEND/RECV events
   // early_receives: instruction index -> (request, when posted) of a RECV posted ahead
   std::vector<std::pair<RequestPtr, Clock::time_point>> early_;
+  std::vector<int32_t> posts_;  // Plan::receive_posts(rank_)
   std::vector<std::optional<Layout>> layouts_;  // per buffer (empty: local); see layout_of
   // FREEd buffers whose send is still in flight: released when it completes.
   std::vector<std::pair<RequestPtr, Value>> deferred_;

@@ -145,6 +145,20 @@ std::vector<int32_t> Plan::task_outputs(const Task& t) const {
   return {buf, buf + n};
 }
 
+std::vector<int32_t> Plan::receive_posts(int rank) const {
+  if (rank < 0 || rank >= static_cast<int>(programs.size()))
+    throw ScheduleError(fmt::format("rank {} is out of range (0..{})", rank, programs.size() - 1));
+  const auto& prog = programs[static_cast<size_t>(rank)];
+  std::vector<int32_t> out(prog.size(), -1);
+  int32_t last_run = -1;
+  for (size_t j = 0; j < prog.size(); ++j) {
+    if (prog[j].op == OpCode::Run) last_run = static_cast<int32_t>(j);
+    else if (prog[j].op == OpCode::Recv)
+      out[j] = last_run >= 0 ? last_run : static_cast<int32_t>(j);
+  }
+  return out;
+}
+
 Plan::ActionIO Plan::action_io(const Action& a) const {
   ActionIO io;
   io.n_in = task_in(*this, a.first, io.in);

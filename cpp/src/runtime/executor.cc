@@ -258,12 +258,14 @@ const Layout& Executor::layout_of(int index, int32_t buffer, int receiver) {
 }
 
 void Executor::post_ahead(int index) {
+  // The RECVs the plan posts before RUN `index` (Plan::receive_posts): they
+  // follow it, before the next RUN.
   const auto& prog = plan_.programs[static_cast<size_t>(rank_)];
   bool posted = false;
   for (size_t j = static_cast<size_t>(index) + 1; j < prog.size(); ++j) {
+    if (posts_[j] < 0) continue;
+    if (posts_[j] != index) break;
     const Instr& in = prog[j];
-    if (in.op == OpCode::Run) break;
-    if (in.op != OpCode::Recv) continue;
     const Slot& s = slots_[static_cast<size_t>(in.buffer)];
     // A buffer still held (not yet freed before this point) is received later.
     if (s.present || s.recv) break;
@@ -286,6 +288,7 @@ void Executor::run() {
   if (opts_.record_events) events_.reserve(prog.size());
   const bool ahead = opts_.early_receives && transport_.kind() != "nccl";
   early_.assign(ahead ? prog.size() : 0, {});
+  if (ahead && posts_.size() != prog.size()) posts_ = plan_.receive_posts(rank_);
   for (int i = 0; i < static_cast<int>(prog.size()); ++i) {
     const Instr& in = prog[static_cast<size_t>(i)];
     if (ahead && in.op == OpCode::Run) post_ahead(i);
