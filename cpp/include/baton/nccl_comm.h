@@ -1,0 +1,248 @@
+// Transfers of a compiled rank program on CUDA: the GPU counterpart of
+// RankComm (comm.h), called by the CUDA XLA FFI handlers (baton._core.ffi
+// handlers_cuda) from XLA's thread with XLA's compute stream. Same operations,
+// same matching: SEND / POST / WAIT per (peer, channel), FIFO, the k-th send
+// a->b on a channel pairs with the k-th receive at b from a on it.
+//
+// Staging. XLA may move or copy any value inside a program (scan carries), so
+// NCCL never touches an XLA buffer after the call returns:
+//   SEND  the input is copied (cudaMemcpyAsync, device to device, on the compute
+//         stream) into a staging slot; the link's send stream waits for that copy
+//         (an event) and ncclSend's the slot; the slot goes back to the pool once
+//         the send's completion event fired. The compute stream never waits for
+//         a send.
+//   POST  a slot is taken and ncclRecv'd into on the link's receive stream (a
+//         slot is only reused after every GPU use of it completed, so the
+//         receive stream needs no wait on the compute stream).
+//   WAIT  the compute stream waits (cudaStreamWaitEvent) for the oldest posted
+//         receive of (peer, channel), then copies slot -> XLA result; the slot
+//         goes back once an event recorded after that copy fired.
+// A buffer's tensors are packed into one slot (offsets aligned to 256 bytes):
+// one ncclSend/ncclRecv per transfer.
+//
+// Memory. Slots come from a pool keyed by byte size (SlotPool): a slot is
+// allocated (cudaMalloc) only when no free slot of that size exists, so the
+// first step(s) allocate and later steps reuse; nothing is allocated per
+// transfer in steady state. The pool holds as many slots of a size as were
+// ever in flight at once (about one step's transfers when the host runs a step
+// ahead of the GPU). This is memory outside XLA's allocator, a fixed pool, not
+// zero; it is freed when the context is destroyed.
+//
+// Communicators. One 2-rank NCCL communicator per (src -> dst, channel), rank 0
+// the sender: the only user at src is that link's send stream, at dst its
+// receive stream, so no communicator is used from two streams and FIFO order
+// per (peer, channel) is NCCL's order on one communicator and stream. All are
+// created at construction from the links the plan uses (both ends list a link),
+// unique ids travel through the store, all ncclCommInitRank calls run in one
+// ncclGroupStart/End in canonical order (canonical_links), and then one 1-byte
+// send/receive per communicator, also grouped, makes NCCL connect the peers
+// there, not at the first transfer of a step (a first ncclSend can block the
+// host until the peer connects).
+//
+// Host blocking and timeouts. The XLA thread never waits for data except in
+// drain() (end of a step: polls the sends' events up to the timeout, noticing
+// failures). A WAIT returns once the compute stream is told to wait; a
+// watchdog thread bounds that: when the compute stream has reached a WAIT (an
+// event recorded just before it completed) and the receive has not completed
+// within the timeout, the watchdog aborts every communicator (ncclCommAbort
+// ends the pending NCCL kernels, so the GPU does not hang) and records the
+// failure; the next baton call of the program (at the latest the step's
+// drain) then fails. The watchdog also polls ncclCommGetAsyncError and the
+// store's abort key (set by any rank that fails), so one rank's failure aborts
+// all.
+//
+// Failures. Any CUDA/NCCL error, a timeout or abort(): every communicator is
+// aborted exactly once (AbortOnce), the first failure (message, origin rank)
+// is kept and written to the store. A failed context stays failed; make a new
+// one for the next run.
+//
+// Recording (record(true)): transfers and task marks get CUDA events (timing
+// enabled); take_events/take_marks convert them to host steady-clock times
+// through an anchor event (recorded and synchronized at record(true)), using
+// cudaEventElapsedTime. An event not yet complete when taken reads as 0.
+// `posted` is the host time of the enqueue.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "baton/comm.h"
+#include "baton/runtime.h"
+
+namespace baton::runtime {
+
+// One direction of a (peer, channel) link of this rank, as the plan uses it.
+struct NcclLink {
+  int peer = 0;
+  int channel = 0;
+  bool send = false;  // this rank sends to peer (else receives from it)
+};
+
+// Host-side logic of NcclComm, kept free of CUDA so it is tested without a GPU.
+namespace staging {
+
+// A link as both of its ends name it.
+struct LinkKey {
+  int src = 0, dst = 0, channel = 0;
+  auto operator<=>(const LinkKey&) const = default;
+};
+
+// The links of `rank` as LinkKeys, sorted and without duplicates: the same
+// relative order on every rank (a subsequence of one global order). Throws
+// ConfigError for a peer out of range, the rank itself, or a negative channel.
+std::vector<LinkKey> canonical_links(int rank, int world, const std::vector<NcclLink>& links);
+
+// Offsets of tensors of `bytes` packed into one slot, each aligned to `align`;
+// the last element is the total size.
+std::vector<size_t> packed_offsets(const std::vector<size_t>& bytes, size_t align = 256);
+
+// Staging buffers by byte size. A buffer in use is retired with a fence (an
+// event); it becomes free again once ready(fence) says the fence completed
+// (then release(fence) gives the fence back). Not thread-safe (one caller).
+class SlotPool {
+ public:
+  using Alloc = std::function<void*(size_t)>;
+  using Free = std::function<void(void*)>;
+  using Ready = std::function<bool(void*)>;
+  using Release = std::function<void(void*)>;
+  SlotPool(Alloc alloc, Free free, Ready ready, Release release);
+  ~SlotPool();  // frees every buffer (free or retired: call only once the GPU is idle)
+  SlotPool(const SlotPool&) = delete;
+  SlotPool& operator=(const SlotPool&) = delete;
+
+  // A buffer of `bytes` (null for 0): a free one, after reclaiming retired ones,
+  // else a new allocation.
+  void* take(size_t bytes);
+  // `buf` (from take(bytes)) is free once `fence` completed. A null fence frees it now.
+  void retire(void* buf, size_t bytes, void* fence);
+  // Moves retired buffers whose fence completed to the free lists; how many.
+  size_t reclaim();
+
+  size_t allocations() const { return allocations_; }  // buffers ever allocated
+  size_t free_count() const;
+  size_t retired_count() const { return retired_.size(); }
+
+ private:
+  struct Retired {
+    void* buf;
+    size_t bytes;
+    void* fence;
+  };
+  Alloc alloc_;
+  Free free_;
+  Ready ready_;
+  Release release_;
+  std::map<size_t, std::vector<void*>> free_lists_;
+  std::deque<Retired> retired_;
+  size_t allocations_ = 0;
+};
+
+// Per-(peer, channel) FIFO of posted receives, with the per-direction
+// sequence numbers (the k-th send pairs with the k-th receive).
+template <class T>
+class LinkFifo {
+ public:
+  uint64_t next_send(int peer, int channel) { return send_seq_[{peer, channel}]++; }
+  uint64_t next_recv(int peer, int channel) { return recv_seq_[{peer, channel}]++; }
+  void push(int peer, int channel, T v) { q_[{peer, channel}].push_back(std::move(v)); }
+  bool empty(int peer, int channel) const {
+    auto it = q_.find({peer, channel});
+    return it == q_.end() || it->second.empty();
+  }
+  T pop(int peer, int channel) {  // the oldest; the queue must not be empty
+    auto& q = q_.at({peer, channel});
+    T v = std::move(q.front());
+    q.pop_front();
+    return v;
+  }
+  size_t pending() const {
+    size_t n = 0;
+    for (const auto& [k, q] : q_) n += q.size();
+    return n;
+  }
+
+ private:
+  std::map<std::pair<int, int>, uint64_t> send_seq_, recv_seq_;
+  std::map<std::pair<int, int>, std::deque<T>> q_;
+};
+
+// true for the first caller only (thread-safe): guards ncclCommAbort.
+class AbortOnce {
+ public:
+  bool first() { return !done_.exchange(true); }
+  bool done() const { return done_.load(); }
+
+ private:
+  std::atomic<bool> done_{false};
+};
+
+}  // namespace staging
+
+class NcclComm {
+ public:
+  // Creates the communicators of `links` (every rank of the program constructs
+  // its NcclComm with its own links at the same time). `device` is the CUDA
+  // ordinal XLA runs this rank on. `prefix` namespaces the store keys (unique
+  // per construction when a store is reused). Throws ConfigError when there is
+  // no CUDA device, NCCL cannot be loaded, or Baton was built without CUDA.
+  NcclComm(int rank, int world, int device, std::shared_ptr<Store> store,
+           std::vector<NcclLink> links, std::chrono::milliseconds timeout,
+           std::string prefix = "baton/nccl_comm");
+  ~NcclComm();
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+
+  // True when built with CUDA and NCCL (constructing may still fail).
+  static bool built();
+
+  void set_timeout(std::chrono::milliseconds timeout);
+  void set_layout(int channel, int stage, std::vector<size_t> bytes);
+  void set_names(int peer, int channel, bool send, std::vector<std::string> names);
+  void record(bool on);
+
+  // One group (see RankComm::run_group); `stream` is the compute stream
+  // (cudaStream_t), the byte ranges are device memory. Throws ExecutionError
+  // (after aborting and recording the failure).
+  void run_group(void* stream, const std::vector<CommOp>& ops, const std::vector<ConstBytes>& sends,
+                 const std::vector<MutBytes>& outs);
+  // Waits (bounded, polling) for every send posted so far; fails when a
+  // failure is known (also one the watchdog found).
+  void drain(void* stream);
+  void mark(void* stream, int phase);
+  void abort(const std::string& msg, int origin);  // never throws
+  // Destroys the communicators (aborts them if failed); later calls fail.
+  void close();
+
+  std::optional<std::pair<int, std::string>> failure() const;
+  std::vector<std::pair<int, Clock::time_point>> take_marks();
+  std::vector<CommEvent> take_events();
+  std::pair<uint64_t, uint64_t> counts() const;
+  int rank() const;
+  int world_size() const;
+  int device() const;
+  bool alive() const;  // communicators up and no failure
+  std::vector<NcclLink> links() const;
+  // Staging slots allocated so far (the pool's size; tests and benchmarks).
+  size_t slots_allocated() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// NcclComm contexts by id for the CUDA FFI handlers; ids are never reused and
+// never collide with register_comm's (they start at 2^40).
+int64_t register_nccl_comm(std::shared_ptr<NcclComm> comm);
+void unregister_nccl_comm(int64_t id);
+std::shared_ptr<NcclComm> find_nccl_comm(int64_t id);  // null when unknown
+
+}  // namespace baton::runtime

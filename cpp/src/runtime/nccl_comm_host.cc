@@ -1,0 +1,184 @@
+// Host-side parts of NcclComm (nccl_comm.h) that need no CUDA: link ordering,
+// slot packing, the staging pool's bookkeeping, the registry; and NcclComm
+// itself when Baton is built without CUDA/NCCL (every constructor throws).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <mutex>
+
+#include "baton/nccl_comm.h"
+
+namespace baton::runtime {
+
+namespace staging {
+
+std::vector<LinkKey> canonical_links(int rank, int world, const std::vector<NcclLink>& links) {
+  std::vector<LinkKey> out;
+  out.reserve(links.size());
+  for (const NcclLink& l : links) {
+    if (l.peer < 0 || l.peer >= world || l.peer == rank)
+      throw ConfigError(fmt::format("NCCL link of rank {}: peer {} is invalid (world size {})",
+                                    rank, l.peer, world));
+    if (l.channel < 0)
+      throw ConfigError(fmt::format("NCCL link of rank {}: channel {} is negative", rank,
+                                    l.channel));
+    out.push_back(l.send ? LinkKey{rank, l.peer, l.channel} : LinkKey{l.peer, rank, l.channel});
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+std::vector<size_t> packed_offsets(const std::vector<size_t>& bytes, size_t align) {
+  if (align == 0) align = 1;
+  std::vector<size_t> out;
+  out.reserve(bytes.size() + 1);
+  size_t at = 0;
+  for (size_t n : bytes) {
+    at = (at + align - 1) / align * align;
+    out.push_back(at);
+    at += n;
+  }
+  out.push_back(at);
+  return out;
+}
+
+SlotPool::SlotPool(Alloc alloc, Free free, Ready ready, Release release)
+    : alloc_(std::move(alloc)),
+      free_(std::move(free)),
+      ready_(std::move(ready)),
+      release_(std::move(release)) {}
+
+SlotPool::~SlotPool() {
+  for (const Retired& r : retired_) {
+    if (r.fence) release_(r.fence);
+    free_(r.buf);
+  }
+  for (auto& [n, list] : free_lists_)
+    for (void* p : list) free_(p);
+}
+
+size_t SlotPool::reclaim() {
+  size_t n = 0;
+  // Fences complete roughly in order; test all (a few per step).
+  for (auto it = retired_.begin(); it != retired_.end();) {
+    if (it->fence == nullptr || ready_(it->fence)) {
+      if (it->fence) release_(it->fence);
+      free_lists_[it->bytes].push_back(it->buf);
+      it = retired_.erase(it);
+      ++n;
+    } else {
+      ++it;
+    }
+  }
+  return n;
+}
+
+void* SlotPool::take(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  auto it = free_lists_.find(bytes);
+  if (it == free_lists_.end() || it->second.empty()) {
+    reclaim();
+    it = free_lists_.find(bytes);
+  }
+  if (it != free_lists_.end() && !it->second.empty()) {
+    void* p = it->second.back();
+    it->second.pop_back();
+    return p;
+  }
+  void* p = alloc_(bytes);
+  ++allocations_;
+  return p;
+}
+
+void SlotPool::retire(void* buf, size_t bytes, void* fence) {
+  if (buf == nullptr) {
+    if (fence) release_(fence);
+    return;
+  }
+  if (fence == nullptr) {
+    free_lists_[bytes].push_back(buf);
+    return;
+  }
+  retired_.push_back({buf, bytes, fence});
+}
+
+size_t SlotPool::free_count() const {
+  size_t n = 0;
+  for (const auto& [b, list] : free_lists_) n += list.size();
+  return n;
+}
+
+}  // namespace staging
+
+// ---------------------------------------------------------------- registry
+
+namespace {
+std::mutex g_nccl_mu;
+std::map<int64_t, std::shared_ptr<NcclComm>>& nccl_registry() {
+  static auto* r = new std::map<int64_t, std::shared_ptr<NcclComm>>();  // never destroyed
+  return *r;
+}
+int64_t g_nccl_next = int64_t{1} << 40;  // apart from register_comm's ids
+}  // namespace
+
+int64_t register_nccl_comm(std::shared_ptr<NcclComm> comm) {
+  std::lock_guard<std::mutex> lock(g_nccl_mu);
+  const int64_t id = g_nccl_next++;
+  nccl_registry()[id] = std::move(comm);
+  return id;
+}
+
+void unregister_nccl_comm(int64_t id) {
+  std::shared_ptr<NcclComm> gone;  // destroyed outside the lock
+  std::lock_guard<std::mutex> lock(g_nccl_mu);
+  auto it = nccl_registry().find(id);
+  if (it == nccl_registry().end()) return;
+  gone = std::move(it->second);
+  nccl_registry().erase(it);
+}
+
+std::shared_ptr<NcclComm> find_nccl_comm(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_nccl_mu);
+  auto it = nccl_registry().find(id);
+  return it == nccl_registry().end() ? nullptr : it->second;
+}
+
+// ---------------------------------------------------------------- no CUDA build
+
+#if !defined(BATON_HAVE_NCCL)
+struct NcclComm::Impl {};
+
+NcclComm::NcclComm(int, int, int, std::shared_ptr<Store>, std::vector<NcclLink>,
+                   std::chrono::milliseconds, std::string) {
+  throw ConfigError(
+      "NcclComm is not available: Baton was built without CUDA/nccl.h (rebuild on a machine "
+      "with the CUDA toolkit and NCCL headers)");
+}
+NcclComm::~NcclComm() = default;
+bool NcclComm::built() { return false; }
+void NcclComm::set_timeout(std::chrono::milliseconds) {}
+void NcclComm::set_layout(int, int, std::vector<size_t>) {}
+void NcclComm::set_names(int, int, bool, std::vector<std::string>) {}
+void NcclComm::record(bool) {}
+void NcclComm::run_group(void*, const std::vector<CommOp>&, const std::vector<ConstBytes>&,
+                         const std::vector<MutBytes>&) {
+  throw ExecutionError("NcclComm: built without CUDA");
+}
+void NcclComm::drain(void*) {}
+void NcclComm::mark(void*, int) {}
+void NcclComm::abort(const std::string&, int) {}
+void NcclComm::close() {}
+std::optional<std::pair<int, std::string>> NcclComm::failure() const { return std::nullopt; }
+std::vector<std::pair<int, Clock::time_point>> NcclComm::take_marks() { return {}; }
+std::vector<CommEvent> NcclComm::take_events() { return {}; }
+std::pair<uint64_t, uint64_t> NcclComm::counts() const { return {0, 0}; }
+int NcclComm::rank() const { return -1; }
+int NcclComm::world_size() const { return 0; }
+int NcclComm::device() const { return -1; }
+bool NcclComm::alive() const { return false; }
+std::vector<NcclLink> NcclComm::links() const { return {}; }
+size_t NcclComm::slots_allocated() const { return 0; }
+#endif
+
+}  // namespace baton::runtime

@@ -1,0 +1,224 @@
+// NcclComm's host-side logic (nccl_comm.h, staging::): link ordering, slot
+// packing, the staging pool's bookkeeping with a fake device, FIFO matching,
+// the once-only abort guard; and that constructing NcclComm without a CUDA
+// device (or without CUDA in the build) throws a clear ConfigError.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <map>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "baton/nccl_comm.h"
+
+namespace baton::runtime {
+namespace {
+
+using staging::LinkKey;
+
+TEST(NcclCommLinks, CanonicalOrderIsTheSameOnBothEnds) {
+  // rank 0 sends act to 1, receives grad from 1; rank 1 the reverse; listed in
+  // different orders and with a duplicate.
+  auto r0 = staging::canonical_links(0, 3, {{1, 1, false}, {1, 0, true}, {2, 0, true}, {1, 0, true}});
+  auto r1 = staging::canonical_links(1, 3, {{0, 0, false}, {0, 1, true}});
+  ASSERT_EQ(r0.size(), 3u);
+  EXPECT_EQ(r0[0], (LinkKey{0, 1, 0}));
+  EXPECT_EQ(r0[1], (LinkKey{0, 2, 0}));
+  EXPECT_EQ(r0[2], (LinkKey{1, 0, 1}));
+  ASSERT_EQ(r1.size(), 2u);
+  EXPECT_EQ(r1[0], (LinkKey{0, 1, 0}));
+  EXPECT_EQ(r1[1], (LinkKey{1, 0, 1}));
+  // The links both ranks share appear in the same relative order.
+  std::vector<LinkKey> shared0;
+  for (const auto& k : r0)
+    if ((k.src == 0 && k.dst == 1) || (k.src == 1 && k.dst == 0)) shared0.push_back(k);
+  EXPECT_EQ(shared0, r1);
+}
+
+TEST(NcclCommLinks, RejectsBadPeersAndChannels) {
+  EXPECT_THROW(staging::canonical_links(0, 2, {{0, 0, true}}), ConfigError);   // itself
+  EXPECT_THROW(staging::canonical_links(0, 2, {{2, 0, true}}), ConfigError);   // out of range
+  EXPECT_THROW(staging::canonical_links(0, 2, {{-1, 0, true}}), ConfigError);  // negative
+  EXPECT_THROW(staging::canonical_links(0, 2, {{1, -1, true}}), ConfigError);  // channel
+  EXPECT_TRUE(staging::canonical_links(0, 1, {}).empty());
+}
+
+TEST(NcclCommStaging, PackedOffsetsAreAligned) {
+  auto o = staging::packed_offsets({10, 300, 0, 4});
+  ASSERT_EQ(o.size(), 5u);
+  EXPECT_EQ(o[0], 0u);
+  EXPECT_EQ(o[1], 256u);
+  EXPECT_EQ(o[2], 768u);
+  EXPECT_EQ(o[3], 768u);
+  EXPECT_EQ(o[4], 772u);
+  EXPECT_EQ(staging::packed_offsets({}).back(), 0u);
+  EXPECT_EQ(staging::packed_offsets({7}, 1).back(), 7u);
+}
+
+// A fake device: buffers are host allocations, fences are flags a test flips.
+struct FakeDevice {
+  std::map<void*, size_t> live;
+  std::set<void*> done_fences;
+  std::vector<void*> released;
+  size_t allocs = 0, frees = 0;
+  staging::SlotPool pool() {
+    return staging::SlotPool(
+        [this](size_t n) {
+          void* p = ::operator new(n);
+          live[p] = n;
+          ++allocs;
+          return p;
+        },
+        [this](void* p) {
+          live.erase(p);
+          ++frees;
+          ::operator delete(p);
+        },
+        [this](void* f) { return done_fences.count(f) > 0; },
+        [this](void* f) { released.push_back(f); });
+  }
+};
+
+TEST(NcclCommStaging, SlotsAreReusedBySizeAfterTheirFence) {
+  FakeDevice dev;
+  int fence_a = 0, fence_b = 0, fence_c = 0;
+  {
+    auto pool = dev.pool();
+    EXPECT_EQ(pool.take(0), nullptr);
+    void* a = pool.take(1024);
+    void* b = pool.take(1024);
+    EXPECT_NE(a, b);
+    EXPECT_EQ(pool.allocations(), 2u);
+    pool.retire(a, 1024, &fence_a);
+    pool.retire(b, 1024, &fence_b);
+    // Fences pending: a new slot is allocated.
+    void* c = pool.take(1024);
+    EXPECT_EQ(pool.allocations(), 3u);
+    EXPECT_EQ(pool.retired_count(), 2u);
+    // Fence b completes: b comes back (and its fence is released), a does not.
+    dev.done_fences.insert(&fence_b);
+    EXPECT_EQ(pool.take(1024), b);
+    EXPECT_EQ(pool.allocations(), 3u);
+    EXPECT_EQ(dev.released, std::vector<void*>{&fence_b});
+    EXPECT_EQ(pool.retired_count(), 1u);
+    // Another size never reuses a 1024-byte slot.
+    void* d = pool.take(512);
+    EXPECT_EQ(pool.allocations(), 4u);
+    EXPECT_EQ(dev.live[d], 512u);
+    // A null fence frees at once.
+    pool.retire(c, 1024, nullptr);
+    EXPECT_EQ(pool.free_count(), 1u);
+    EXPECT_EQ(pool.take(1024), c);
+    // Steady state: retire and take again, fences completed: no allocation.
+    for (int step = 0; step < 100; ++step) {
+      pool.retire(c, 1024, &fence_c);
+      dev.done_fences.insert(&fence_c);
+      EXPECT_EQ(pool.take(1024), c);
+    }
+    EXPECT_EQ(pool.allocations(), 4u);
+    pool.retire(d, 512, nullptr);
+    pool.retire(b, 1024, nullptr);
+    pool.retire(c, 1024, nullptr);
+    EXPECT_EQ(pool.reclaim(), 0u);  // a's fence still pending
+    EXPECT_EQ(pool.retired_count(), 1u);
+  }
+  // The destructor frees every buffer (free and retired) and releases pending fences.
+  EXPECT_TRUE(dev.live.empty());
+  EXPECT_EQ(dev.frees, dev.allocs);
+  EXPECT_EQ(dev.released.back(), static_cast<void*>(&fence_a));
+}
+
+TEST(NcclCommStaging, FifoMatchesPerPeerAndChannel) {
+  staging::LinkFifo<int> f;
+  // Sequence numbers per (peer, channel, direction).
+  EXPECT_EQ(f.next_send(1, 0), 0u);
+  EXPECT_EQ(f.next_send(1, 0), 1u);
+  EXPECT_EQ(f.next_send(1, 1), 0u);
+  EXPECT_EQ(f.next_send(2, 0), 0u);
+  EXPECT_EQ(f.next_recv(1, 0), 0u);
+  // The k-th posted receive of (peer, channel) is the k-th waited for,
+  // independent of other links' traffic.
+  EXPECT_TRUE(f.empty(1, 0));
+  f.push(1, 0, 10);
+  f.push(1, 1, 20);
+  f.push(1, 0, 11);
+  f.push(2, 0, 30);
+  EXPECT_EQ(f.pending(), 4u);
+  EXPECT_EQ(f.pop(1, 1), 20);
+  EXPECT_EQ(f.pop(1, 0), 10);
+  EXPECT_EQ(f.pop(2, 0), 30);
+  EXPECT_FALSE(f.empty(1, 0));
+  EXPECT_EQ(f.pop(1, 0), 11);
+  EXPECT_TRUE(f.empty(1, 0));
+  EXPECT_EQ(f.pending(), 0u);
+}
+
+TEST(NcclCommStaging, AbortOnceAcrossThreads) {
+  staging::AbortOnce guard;
+  EXPECT_FALSE(guard.done());
+  std::atomic<int> firsts{0};
+  std::vector<std::thread> ts;
+  for (int i = 0; i < 8; ++i)
+    ts.emplace_back([&] {
+      for (int k = 0; k < 100; ++k)
+        if (guard.first()) ++firsts;
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(firsts.load(), 1);
+  EXPECT_TRUE(guard.done());
+}
+
+TEST(NcclCommRegistry, IdsAreUniqueAndApartFromRankComm) {
+  const int64_t rc = register_comm(std::make_shared<RankComm>(0, std::chrono::milliseconds(10)));
+  // No NcclComm can be built here; the registry takes null for bookkeeping.
+  const int64_t a = register_nccl_comm(nullptr);
+  const int64_t b = register_nccl_comm(nullptr);
+  EXPECT_NE(a, b);
+  EXPECT_GE(a, int64_t{1} << 40);
+  EXPECT_NE(a, rc);
+  EXPECT_EQ(find_nccl_comm(a), nullptr);
+  EXPECT_EQ(find_nccl_comm(rc), nullptr);
+  EXPECT_EQ(find_comm(a), nullptr);
+  unregister_nccl_comm(a);
+  unregister_nccl_comm(b);
+  unregister_comm(rc);
+  EXPECT_GT(register_nccl_comm(nullptr), b);  // never reused
+}
+
+// Without a CUDA device (or without CUDA in the build) construction throws a
+// clear ConfigError, never crashes. No links: with a GPU it simply succeeds
+// (nothing to connect), so the test never waits for a peer.
+TEST(NcclCommConstruct, WithoutADeviceThrowsClearly) {
+  try {
+    NcclComm c(0, 1, 0, make_hash_store(), {}, std::chrono::milliseconds(1000));
+    EXPECT_TRUE(NcclComm::built());
+    EXPECT_TRUE(c.alive());
+    c.close();
+    EXPECT_FALSE(c.alive());
+  } catch (const ConfigError& e) {
+    const std::string msg = e.what();
+    if (!NcclComm::built())
+      EXPECT_NE(msg.find("built without CUDA"), std::string::npos) << msg;
+    else
+      EXPECT_TRUE(msg.find("needs a CUDA device") != std::string::npos ||
+                  msg.find("cannot load NCCL") != std::string::npos)
+          << msg;
+    if (NcclComm::built() && std::getenv("BATON_EXPECT_NO_GPU")) {
+      EXPECT_NE(msg.find("needs a CUDA device"), std::string::npos) << msg;
+    }
+  }
+}
+
+TEST(NcclCommConstruct, BadArgumentsThrowBeforeTouchingCuda) {
+  EXPECT_THROW(NcclComm(0, 2, 0, nullptr, {}, std::chrono::milliseconds(10)), ConfigError);
+  EXPECT_THROW(NcclComm(2, 2, 0, make_hash_store(), {}, std::chrono::milliseconds(10)),
+               ConfigError);
+  EXPECT_THROW(NcclComm(0, 2, 0, make_hash_store(), {{0, 0, true}}, std::chrono::milliseconds(10)),
+               ConfigError);
+}
+
+}  // namespace
+}  // namespace baton::runtime
