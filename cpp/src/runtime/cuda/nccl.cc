@@ -19,32 +19,23 @@
 #include <fmt/format.h>
 #include <nccl.h>
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
 #include "baton/runtime.h"
+#include "nccl_api.h"
 
 namespace baton::runtime {
 
-namespace {
-
-struct NcclApi {
-  void* lib = nullptr;
-  decltype(&ncclGetUniqueId) GetUniqueId = nullptr;
-  decltype(&ncclCommInitRank) CommInitRank = nullptr;
-  decltype(&ncclCommDestroy) CommDestroy = nullptr;
-  decltype(&ncclCommAbort) CommAbort = nullptr;
-  decltype(&ncclCommGetAsyncError) CommGetAsyncError = nullptr;
-  decltype(&ncclSend) Send = nullptr;
-  decltype(&ncclRecv) Recv = nullptr;
-  decltype(&ncclGroupStart) GroupStart = nullptr;
-  decltype(&ncclGroupEnd) GroupEnd = nullptr;
-  decltype(&ncclGetErrorString) GetErrorString = nullptr;
-  std::string error;
-};
+namespace nccl_detail {
 
 const NcclApi& nccl_api() {
   static const NcclApi api = [] {
@@ -57,6 +48,7 @@ const NcclApi& nccl_api() {
       a.error = dlerror();
     }
     if (!a.lib) return a;
+    a.error.clear();
     auto sym = [&](auto& fn, const char* n) {
       fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(a.lib, n));
       if (!fn && a.error.empty()) a.error = fmt::format("symbol {} missing from NCCL", n);
@@ -86,6 +78,56 @@ void nccl_check(ncclResult_t r, const char* what) {
   if (r != ncclSuccess)
     throw ExecutionError(fmt::format("NCCL error in {}: {}", what, nccl_api().GetErrorString(r)));
 }
+
+}  // namespace nccl_detail
+
+namespace {
+
+using nccl_detail::cuda_check;
+using nccl_detail::nccl_api;
+using nccl_detail::nccl_check;
+using nccl_detail::NcclApi;
+
+// Receive buffers, reused by byte size: a received tensor's owner returns its
+// buffer here (not cudaFree) when released, so steady-state receives allocate
+// nothing. A view handed to JAX is released by PJRT only after the work using
+// it completed, so a returned buffer is free to receive into again. Buffers
+// are freed when the pool goes (the transport and every received tensor).
+class RecvPool : public std::enable_shared_from_this<RecvPool> {
+ public:
+  explicit RecvPool(int device) : device_(device) {}
+  ~RecvPool() {
+    for (auto& [n, list] : free_)
+      for (void* p : list) cudaFree(p);
+  }
+  // A buffer of `n` bytes (n > 0) owned by the returned pointer.
+  std::shared_ptr<void> take(size_t n) {
+    void* p = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = free_.find(n);
+      if (it != free_.end() && !it->second.empty()) {
+        p = it->second.back();
+        it->second.pop_back();
+      }
+    }
+    if (p == nullptr) {
+      cuda_check(cudaSetDevice(device_), "cudaSetDevice");
+      cuda_check(cudaMalloc(&p, n), "cudaMalloc (NCCL receive buffer)");
+    }
+    std::shared_ptr<RecvPool> self = shared_from_this();
+    return std::shared_ptr<void>(p, [self, n](void* q) { self->give(q, n); });
+  }
+
+ private:
+  void give(void* p, size_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_[n].push_back(p);
+  }
+  const int device_;
+  std::mutex mu_;
+  std::map<size_t, std::vector<void*>> free_;
+};
 
 struct Op {
   RequestPtr req;
@@ -122,6 +164,7 @@ class NcclTransport : public Transport {
       comms_.push_back(comm);
     }
     cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    pool_ = std::make_shared<RecvPool>(device);
     worker_ = std::thread([this] { loop(); });
     watcher_ = std::thread([this] { watch(); });
   }
@@ -134,12 +177,9 @@ class NcclTransport : public Transport {
     cv_.notify_all();
     worker_.join();
     watcher_.join();
-    for (ncclComm_t c : comms_) {
-      if (failed_)
-        nccl_api().CommAbort(c);
-      else
-        nccl_api().CommDestroy(c);
-    }
+    // Each communicator is aborted (mark_failed) or destroyed here, never both.
+    if (!aborted_comm_.exchange(true))
+      for (ncclComm_t c : comms_) nccl_api().CommDestroy(c);
     cudaStreamDestroy(stream_);
   }
 
@@ -244,8 +284,7 @@ class NcclTransport : public Transport {
       for (auto& r : in_flight_) pending.push_back(r);
     }
     cv_.notify_all();
-    aborted_comm_ = true;
-    for (ncclComm_t c : comms_) nccl_api().CommAbort(c);
+    abort_comms();
     for (auto& r : pending) {
       std::exception_ptr e;
       {
@@ -257,20 +296,33 @@ class NcclTransport : public Transport {
     return true;
   }
 
-  // Waits for the stream; false when the transport failed meanwhile.
+  // Aborts every communicator exactly once (also against the destructor's
+  // ncclCommDestroy). Under nccl_mu_, so no NCCL call of the worker uses a
+  // communicator while it is freed.
+  void abort_comms() {
+    std::lock_guard<std::mutex> lock(nccl_mu_);
+    if (aborted_comm_.exchange(true)) return;
+    for (ncclComm_t c : comms_) nccl_api().CommAbort(c);
+  }
+
+  // Waits for the stream; false when the transport failed or is closing meanwhile.
   bool sync() {
     for (;;) {
       const cudaError_t q = cudaStreamQuery(stream_);
       if (q == cudaSuccess) return true;
       if (q != cudaErrorNotReady) cuda_check(q, "cudaStreamQuery");
-      for (ncclComm_t c : comms_) {
-        ncclResult_t async = ncclSuccess;
-        if (!aborted_comm_) nccl_api().CommGetAsyncError(c, &async);
-        nccl_check(async, "NCCL (asynchronous)");
-      }
       {
         std::lock_guard<std::mutex> lock(mu_);
-        if (failed_) return false;
+        if (failed_ || stop_) return false;
+      }
+      {
+        std::lock_guard<std::mutex> lock(nccl_mu_);
+        if (aborted_comm_) return false;
+        for (ncclComm_t c : comms_) {
+          ncclResult_t async = ncclSuccess;
+          nccl_api().CommGetAsyncError(c, &async);
+          nccl_check(async, "NCCL (asynchronous)");
+        }
       }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
@@ -302,30 +354,33 @@ class NcclTransport : public Transport {
           t.shape = spec.shape;
           t.nbytes = static_cast<size_t>(num_elements(t.shape)) * dtype_size(t.dtype);
           t.device = device_;
-          void* p = nullptr;
-          if (t.nbytes) cuda_check(cudaMallocAsync(&p, t.nbytes, stream_), "cudaMallocAsync");
-          t.data = p;
-          t.owner = std::shared_ptr<void>(p, [](void* q) {
-            if (q) cudaFree(q);
-          });
+          if (t.nbytes) {
+            t.owner = pool_->take(t.nbytes);  // reused across transfers (RecvPool)
+            t.data = t.owner.get();
+          }
           op.payload.push_back(std::move(t));
         }
       }
     }
-    nccl_check(api.GroupStart(), "ncclGroupStart");
-    for (auto& op : ops) {
-      ncclComm_t comm = comms_[static_cast<size_t>(op.channel)];
-      for (Tensor& t : op.payload) {
-        if (t.nbytes == 0) continue;
-        if (op.req->is_send)
-          nccl_check(api.Send(t.data, t.nbytes, ncclUint8, op.req->peer, comm, stream_),
-                     "ncclSend");
-        else
-          nccl_check(api.Recv(t.data, t.nbytes, ncclUint8, op.req->peer, comm, stream_),
-                     "ncclRecv");
+    {
+      // The communicators stay alive while this group is issued (abort_comms).
+      std::lock_guard<std::mutex> nccl_lock(nccl_mu_);
+      if (aborted_comm_) return;
+      nccl_check(api.GroupStart(), "ncclGroupStart");
+      for (auto& op : ops) {
+        ncclComm_t comm = comms_[static_cast<size_t>(op.channel)];
+        for (Tensor& t : op.payload) {
+          if (t.nbytes == 0) continue;
+          if (op.req->is_send)
+            nccl_check(api.Send(t.data, t.nbytes, ncclUint8, op.req->peer, comm, stream_),
+                       "ncclSend");
+          else
+            nccl_check(api.Recv(t.data, t.nbytes, ncclUint8, op.req->peer, comm, stream_),
+                       "ncclRecv");
+        }
       }
+      nccl_check(api.GroupEnd(), "ncclGroupEnd");
     }
-    nccl_check(api.GroupEnd(), "ncclGroupEnd");
     if (!sync()) return;
     for (auto& op : ops) {
       if (op.req->is_send)
@@ -393,7 +448,9 @@ class NcclTransport : public Transport {
   std::deque<Op> queue_;
   std::vector<RequestPtr> in_flight_;
   bool stop_ = false, failed_ = false;
-  std::atomic<bool> aborted_comm_{false};
+  std::atomic<bool> aborted_comm_{false};  // communicators aborted or destroyed
+  std::mutex nccl_mu_;                      // NCCL calls on comms_ vs abort_comms()
+  std::shared_ptr<RecvPool> pool_;
   int failed_origin_ = -1;
   std::string failed_reason_;
   int round_ = 0;
