@@ -8,6 +8,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
@@ -15,6 +16,7 @@
 #include <thread>
 
 #include "baton/comm.h"
+#include "baton/nccl_comm.h"
 #include "baton/plan.h"
 #include "baton/runtime.h"
 
@@ -425,6 +427,19 @@ struct PyComm {
   int64_t id;
 };
 
+// ---- NcclRankComm: the CUDA counterpart of PyComm (nccl_comm.h), registered
+// for the CUDA FFI handlers under `id`.
+struct PyNcclComm {
+  std::shared_ptr<rt::NcclComm> comm;
+  int64_t id = 0;
+  ~PyNcclComm() {
+    nb::gil_scoped_release nogil;
+    if (id) rt::unregister_nccl_comm(id);
+    if (comm) comm->close();
+  }
+};
+// ---- end NcclRankComm
+
 }  // namespace
 
 void init_runtime(nb::module_& root) {
@@ -733,6 +748,121 @@ void init_runtime(nb::module_& root) {
           },
           "(kind 0 send / 1 receive, peer, channel, stage, seq, posted_ns, started_ns, "
           "completed_ns) per transfer since the last call, when recording.");
+
+  // ---- NcclRankComm (CUDA; see nccl_comm.h) --------------------------------------
+  nb::class_<PyNcclComm>(m, "NcclRankComm",
+                         "The transfers of one rank's compiled program on CUDA over NCCL (the "
+                         "CUDA XLA FFI handlers of baton._core.ffi.handlers_cuda call it; `id` is "
+                         "their `comm` attribute). Every rank constructs its own at the same time "
+                         "with the links its plan uses; raises ValueError (ConfigError) without a "
+                         "CUDA device, without NCCL, or when built without CUDA.")
+      .def(
+          "__init__",
+          [](PyNcclComm* self, int rank, int world, int device, PyStore& store,
+             std::vector<std::tuple<int, int, bool>> links, double timeout,
+             const std::string& prefix) {
+            std::vector<rt::NcclLink> ls;
+            ls.reserve(links.size());
+            for (const auto& [peer, channel, send] : links) ls.push_back({peer, channel, send});
+            std::shared_ptr<rt::NcclComm> c;
+            {
+              nb::gil_scoped_release nogil;
+              c = std::make_shared<rt::NcclComm>(rank, world, device, store.store, std::move(ls),
+                                                 ms(timeout), prefix);
+            }
+            new (self) PyNcclComm{c, rt::register_nccl_comm(c)};
+          },
+          "rank"_a, "world_size"_a, "device"_a, "store"_a, "links"_a, "timeout"_a = 60.0,
+          "prefix"_a = "baton/nccl_comm",
+          "links: (peer, channel, send) per direction of a link this rank uses (send=True: this "
+          "rank sends to peer on channel). device: the CUDA ordinal XLA runs this rank on. "
+          "prefix: store key namespace (unique per construction when a store is reused).")
+      .def_static("built", &rt::NcclComm::built, "True when built with CUDA and NCCL.")
+      .def_ro("id", &PyNcclComm::id)
+      .def_prop_ro("rank", [](PyNcclComm& c) { return c.comm->rank(); })
+      .def_prop_ro("world_size", [](PyNcclComm& c) { return c.comm->world_size(); })
+      .def_prop_ro("device", [](PyNcclComm& c) { return c.comm->device(); })
+      .def_prop_ro("alive", [](PyNcclComm& c) { return c.comm->alive(); },
+                   "Communicators up and no failure.")
+      .def_prop_ro("attached", [](PyNcclComm& c) { return c.comm->alive(); },
+                   "As RankComm.attached: usable (same as alive).")
+      .def_prop_ro(
+          "links",
+          [](PyNcclComm& c) {
+            std::vector<std::tuple<int, int, bool>> out;
+            for (const rt::NcclLink& l : c.comm->links()) out.emplace_back(l.peer, l.channel, l.send);
+            return out;
+          },
+          "(peer, channel, send) as given.")
+      .def_prop_ro("slots_allocated", [](PyNcclComm& c) { return c.comm->slots_allocated(); },
+                   "Staging slots allocated so far (the fixed pool's size).")
+      .def(
+          "set_timeout", [](PyNcclComm& c, double t) { c.comm->set_timeout(ms(t)); }, "timeout"_a)
+      .def(
+          "set_layout",
+          [](PyNcclComm& c, int channel, int stage, std::vector<size_t> bytes) {
+            c.comm->set_layout(channel, stage, std::move(bytes));
+          },
+          "channel"_a, "stage"_a, "nbytes"_a)
+      .def(
+          "set_names",
+          [](PyNcclComm& c, int peer, int channel, bool send, std::vector<std::string> names) {
+            c.comm->set_names(peer, channel, send, std::move(names));
+          },
+          "peer"_a, "channel"_a, "send"_a, "names"_a)
+      .def(
+          "record",
+          [](PyNcclComm& c, bool on) {
+            nb::gil_scoped_release nogil;
+            c.comm->record(on);
+          },
+          "on"_a, "Records transfers and task marks with CUDA events (times when taken).")
+      .def(
+          "abort",
+          [](PyNcclComm& c, const std::string& msg, int origin) {
+            nb::gil_scoped_release nogil;
+            c.comm->abort(msg, origin);
+          },
+          "reason"_a, "origin"_a = -1,
+          "Records the failure, aborts the communicators and tells every other rank.")
+      .def(
+          "close",
+          [](PyNcclComm& c) {
+            nb::gil_scoped_release nogil;
+            c.comm->close();
+          },
+          "Destroys the communicators (aborts them when transfers are pending).")
+      .def("failure", [](PyNcclComm& c) { return c.comm->failure(); })
+      .def("counts", [](PyNcclComm& c) { return c.comm->counts(); })
+      .def(
+          "take_marks",
+          [](PyNcclComm& c) {
+            std::vector<std::pair<int, rt::Clock::time_point>> marks;
+            {
+              nb::gil_scoped_release nogil;
+              marks = c.comm->take_marks();
+            }
+            nb::list out;
+            for (const auto& [phase, t] : marks) out.append(nb::make_tuple(phase, ns(t)));
+            return out;
+          },
+          "(phase, time_ns) per task boundary (time 0: its event had not completed).")
+      .def(
+          "take_events",
+          [](PyNcclComm& c) {
+            std::vector<rt::CommEvent> events;
+            {
+              nb::gil_scoped_release nogil;
+              events = c.comm->take_events();
+            }
+            nb::list out;
+            for (const rt::CommEvent& e : events)
+              out.append(nb::make_tuple(static_cast<int>(e.kind), e.peer, e.channel, e.stage, e.seq,
+                                        ns(e.posted), ns(e.started), ns(e.completed)));
+            return out;
+          },
+          "As RankComm.take_events (started/completed from CUDA events; 0 when not complete).");
+  // ---- end NcclRankComm ---------------------------------------------------------
 
   m.def(
       "_pingpong",

@@ -17,6 +17,7 @@
 #include <nanobind/stl/string.h>
 
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -121,6 +122,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     BatonDrain, DrainImpl,
     ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>("comm"));
 
+#if BATON_HAVE_NCCL
+void init_ffi_cuda(nb::module_& m);  // ffi_handlers_cuda.cc: has_cuda, handlers_cuda
+#endif
+
 void init_ffi(nb::module_& root) {
   nb::module_ m = root.def_submodule("ffi", "XLA FFI handlers of rank-program transfers");
   m.def(
@@ -134,4 +139,17 @@ void init_ffi(nb::module_& root) {
       },
       "{target name: PyCapsule of its XLA FFI handler} (register with "
       "jax.ffi.register_ffi_target(name, capsule, platform='cpu')).");
+#if BATON_HAVE_NCCL
+  init_ffi_cuda(m);
+#else
+  m.def("has_cuda", [] { return false; }, "False: built without CUDA/NCCL (no CUDA handlers).");
+  m.def(
+      "handlers_cuda",
+      []() -> nb::dict {
+        throw std::runtime_error(
+            "baton._core was built without CUDA/nccl.h: no CUDA FFI handlers (rebuild on a "
+            "machine with the CUDA toolkit and NCCL headers)");
+      },
+      "Raises: built without CUDA.");
+#endif
 }

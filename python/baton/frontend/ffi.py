@@ -23,14 +23,23 @@ _TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
 
 
 def register() -> None:
-    """Registers the handlers with XLA (once per process; CPU)."""
+    """Registers the handlers with XLA (once per process): the CPU ones (``RankComm``), and
+    the CUDA ones (``NcclRankComm``) when ``_core`` was built with CUDA and NCCL."""
     global _registered
     with _lock:
         if _registered:
             return
         for name, capsule in _core.ffi.handlers().items():
             jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+        if has_cuda():
+            for name, capsule in _core.ffi.handlers_cuda().items():
+                jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
         _registered = True
+
+
+def has_cuda() -> bool:
+    """True when ``_core`` has the CUDA handlers (built with CUDA and NCCL headers)."""
+    return bool(getattr(_core.ffi, "has_cuda", lambda: False)())
 
 
 def comm(comm_id: int, ops: list[tuple[int, int, int, int]], token, sends: list, outs: list):

@@ -1,0 +1,146 @@
+// CUDA XLA FFI handlers of a rank program's transfers (baton._core.ffi
+// handlers_cuda): the same targets, operands, results and attributes as the
+// CPU handlers (ffi_handlers.cc), plus XLA's compute stream, adapted to
+// baton::runtime::NcclComm (nccl_comm.h; the `comm` attribute is an id of
+// register_nccl_comm). Built only with CUDA and NCCL. The handlers are not
+// marked command-buffer compatible, so XLA never captures them into a CUDA
+// graph (they enqueue NCCL work and record events from the host).
+#include <cuda_runtime_api.h>
+#include <nanobind/nanobind.h>
+
+#include <string>
+#include <vector>
+
+#include "baton/nccl_comm.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+namespace ffi = xla::ffi;
+namespace rt = baton::runtime;
+
+namespace {
+
+// The token is a device buffer here: copied on the stream when XLA gave the
+// result its own buffer.
+ffi::Error pass_token(cudaStream_t stream, const ffi::AnyBuffer& in,
+                      ffi::Result<ffi::AnyBuffer>& out) {
+  if (in.size_bytes() != out->size_bytes())
+    return ffi::Error::InvalidArgument("baton: token size mismatch");
+  if (in.untyped_data() != out->untyped_data()) {
+    const cudaError_t e = cudaMemcpyAsync(out->untyped_data(), in.untyped_data(), in.size_bytes(),
+                                          cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess)
+      return ffi::Error::Internal(std::string("baton: token copy: ") + cudaGetErrorString(e));
+  }
+  return ffi::Error::Success();
+}
+
+std::shared_ptr<rt::NcclComm> comm_of(int64_t id) {
+  auto c = rt::find_nccl_comm(id);
+  if (!c)
+    throw rt::ExecutionError(
+        "baton: the NCCL transfer context of this program is gone (the step that compiled it "
+        "was closed)");
+  return c;
+}
+
+ffi::Error CommImpl(cudaStream_t stream, ffi::AnyBuffer token, ffi::RemainingArgs args,
+                    ffi::Result<ffi::AnyBuffer> token_out, ffi::RemainingRets rets, int64_t comm,
+                    ffi::Span<const int32_t> kinds, ffi::Span<const int32_t> peers,
+                    ffi::Span<const int32_t> channels, ffi::Span<const int32_t> stages) {
+  try {
+    if (peers.size() != kinds.size() || channels.size() != kinds.size() ||
+        stages.size() != kinds.size())
+      return ffi::Error::InvalidArgument("baton_comm: attribute lengths differ");
+    std::vector<rt::CommOp> ops(kinds.size());
+    for (size_t i = 0; i < kinds.size(); ++i) {
+      if (kinds[i] < 0 || kinds[i] > 2)
+        return ffi::Error::InvalidArgument("baton_comm: unknown operation kind");
+      ops[i] = rt::CommOp{static_cast<rt::CommOpKind>(kinds[i]), peers[i], channels[i], stages[i]};
+    }
+    std::vector<rt::ConstBytes> sends(args.size());
+    for (size_t i = 0; i < args.size(); ++i) {
+      auto b = args.get<ffi::AnyBuffer>(i);
+      if (b.has_error()) return b.error();
+      sends[i] = {b->untyped_data(), b->size_bytes()};
+    }
+    std::vector<rt::MutBytes> outs(rets.size());
+    for (size_t i = 0; i < rets.size(); ++i) {
+      auto b = rets.get<ffi::AnyBuffer>(i);
+      if (b.has_error()) return b.error();
+      outs[i] = {(*b)->untyped_data(), (*b)->size_bytes()};
+    }
+    comm_of(comm)->run_group(stream, ops, sends, outs);
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(e.what());
+  }
+  return pass_token(stream, token, token_out);
+}
+
+ffi::Error DrainImpl(cudaStream_t stream, ffi::AnyBuffer token,
+                     ffi::Result<ffi::AnyBuffer> token_out, int64_t comm) {
+  try {
+    comm_of(comm)->drain(stream);
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(e.what());
+  }
+  return pass_token(stream, token, token_out);
+}
+
+ffi::Error MarkImpl(cudaStream_t stream, ffi::AnyBuffer token,
+                    ffi::RemainingArgs /*after: ordering only*/,
+                    ffi::Result<ffi::AnyBuffer> token_out, int64_t comm, int32_t phase) {
+  try {
+    comm_of(comm)->mark(stream, phase);
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(e.what());
+  }
+  return pass_token(stream, token, token_out);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonMarkCuda, MarkImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int32_t>("phase"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonCommCuda, CommImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("comm")
+                                  .Attr<ffi::Span<const int32_t>>("kinds")
+                                  .Attr<ffi::Span<const int32_t>>("peers")
+                                  .Attr<ffi::Span<const int32_t>>("channels")
+                                  .Attr<ffi::Span<const int32_t>>("stages"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonDrainCuda, DrainImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("comm"));
+
+void init_ffi_cuda(nb::module_& m) {
+  m.def("has_cuda", [] { return true; }, "True: the CUDA handlers (handlers_cuda) were built.");
+  m.def(
+      "handlers_cuda",
+      [] {
+        nb::dict d;
+        d["baton_comm"] = nb::capsule(reinterpret_cast<void*>(&BatonCommCuda));
+        d["baton_drain"] = nb::capsule(reinterpret_cast<void*>(&BatonDrainCuda));
+        d["baton_mark"] = nb::capsule(reinterpret_cast<void*>(&BatonMarkCuda));
+        return d;
+      },
+      "{target name: PyCapsule of its CUDA XLA FFI handler} (register with "
+      "jax.ffi.register_ffi_target(name, capsule, platform='CUDA')); the `comm` attribute is "
+      "a runtime.NcclRankComm id.");
+}
