@@ -12,8 +12,10 @@
 // (Tasks::recv_layout), so sender and receiver must agree on it. Each channel
 // (buffer kind) has its own communicator, so traffic is FIFO per kind, as in
 // the verifier's Fifo model. Waits poll the stream and the abort flag; abort() calls
-// ncclCommAbort and writes the failure into the store, which a watcher thread
-// on every rank polls.
+// ncclCommAbort (each communicator is aborted or destroyed exactly once) and
+// writes the failure into the store, which a watcher thread on every rank
+// polls. Receive buffers come from a pool by byte size (RecvPool): a received
+// tensor returns its buffer when released, so steady state allocates nothing.
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 #include <fmt/format.h>
