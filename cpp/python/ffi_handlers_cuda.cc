@@ -37,6 +37,10 @@ ffi::Error pass_token(cudaStream_t stream, const ffi::AnyBuffer& in,
 
 std::shared_ptr<rt::NcclComm> comm_of(int64_t id) {
   auto c = rt::find_nccl_comm(id);
+  if (!c && rt::find_comm(id))
+    throw rt::ExecutionError(
+        "baton: a program on CUDA names a CPU transfer context (RankComm); a rank on a GPU "
+        "needs a runtime.NcclRankComm");
   if (!c)
     throw rt::ExecutionError(
         "baton: the NCCL transfer context of this program is gone (the step that compiled it "
