@@ -87,7 +87,7 @@ def test_task_exception_in_one_rank_stops_all(schedule, program):
 
     if program:
         exe.plain = failing
-        step._local_progs = None  # rebuilt with the failing task
+        step.engine.local_progs = None  # rebuilt with the failing task
     else:
         exe.fn = boom
     t0 = time.monotonic()
@@ -104,7 +104,7 @@ def test_task_exception_in_one_rank_stops_all(schedule, program):
     assert info.value.failed_rank == rank
     # a fresh in-process transport after a failure: the next step runs normally
     exe.fn, exe.plain = good
-    step._local_progs = None
+    step.engine.local_progs = None
     got = ps(params, batch)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

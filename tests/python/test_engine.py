@@ -36,8 +36,8 @@ def test_rank_programs_transfer_through_ffi_not_python(schedule):
     ps, params, batch = make(schedule, 2, 4)
     ps(params, batch)
     step = ps.last
-    assert len(step._local_progs) == 2
-    for rp in step._local_progs:
+    assert len(step.engine.local_progs) == 2
+    for rp in step.engine.local_progs:
         found = targets(rp.lowered_text())
         assert {"baton_comm", "baton_drain"} <= found, found
         assert not any("callback" in t for t in found), found
@@ -50,7 +50,7 @@ def test_one_rank_program_has_no_callbacks():
 
     ps, params, batch = make(baton.OneFOneB(), 1, 4)
     ps(params, batch)
-    sp = ps.last._single
+    sp = ps.last.engine.single
     found = targets(sp.fn.lower(jax.tree.leaves((params, batch))).as_text())
     assert not any("callback" in t for t in found), found
 
@@ -93,13 +93,13 @@ def test_traced_and_untraced_steps_run_the_same_executable():
     ps, params, batch = make(baton.ZBV(), 2, 4)
     ps(params, batch)
     step = ps.last
-    progs = list(step._local_progs)
-    exes = [p._compiled for p in progs]
+    progs = list(step.engine.local_progs)
+    exes = [p.compiled for p in progs]
     compiles.clear()
     tr = baton.trace(ps, params, batch)
     ps(params, batch)
     assert compiles == []
-    assert step._local_progs == progs and [p._compiled for p in progs] == exes
+    assert step.engine.local_progs == progs and [p.compiled for p in progs] == exes
     assert "rank_program" in step.last_stats
     for r in range(2):
         want = [str(a) for a in step.rank_actions[r]]

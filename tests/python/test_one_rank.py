@@ -99,7 +99,7 @@ def test_gpipe_runs_as_one_program_without_stacked_buffers():
     got = ps(params, batch)
     step = ps.last
     assert step.last_stats["single_program"] == "[F0]; [F0]; [F0]; [F0]; [B0]; [B0]; [B0]; [B0]"
-    assert step._single.stacked_buffers() == []
+    assert step.engine.single.stacked_buffers() == []
     ps2, _, _ = make(baton.GPipe(), 1, 4, single_program=False)
     want = ps2(params, batch)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

@@ -13,7 +13,7 @@ from .. import _core
 from ..errors import ConfigError, TraceError
 from .distributed import Remote, gather, launched_world_size, local_devices, process_group
 from .distributed import process_mesh
-from .executor import CompiledStep
+from .step import CompiledStep
 from .mesh import PipelineMesh
 from .trace import trace_step
 

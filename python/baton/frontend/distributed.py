@@ -67,7 +67,7 @@ class ProcessGroup:
         """Drops every executor built on the transport (then closing it says goodbye to the
         peers instead of leaving executors alive at interpreter exit)."""
         for step in self.steps:
-            step._group_exec = None
+            step.interpreter.forget_group()
         self.steps.clear()
 
 

@@ -56,7 +56,7 @@ import numpy as np
 from .. import _core
 from ..errors import ExecutionError
 from . import ffi
-from .executor import buffer_reads
+from .tasks import buffer_reads, final_part, parts_of, task_exes
 
 G = _core.graph
 _MAX_PERIOD_PER_STAGE = 4
@@ -69,34 +69,23 @@ Item = tuple
 
 def task_list(cs, rank: int = 0) -> list[tuple[str, int, int]]:
     """A rank's tasks in program order: (kind, stage, microbatch); fused F+B as ``FB``."""
-    return [t for a in range(len(cs.rank_actions[rank])) for t in cs._tasks_of(rank, a)]
+    b = cs.buffers
+    return [t for a in range(len(b.rank_actions[rank])) for t in b.tasks_of(rank, a)]
 
 
 def _exes(cs, kind, s):
-    """The task executables a task runs: one, or I then W for a B the partition split."""
-    if kind == "B" and ("B", s) not in cs.tasks:
-        return [cs.tasks[("I", s)], cs.tasks[("W", s)]]
-    return [cs.tasks[(kind, s)]]
+    return task_exes(cs.tasks, kind, s)
 
 
 def reads(cs, kind, s, m) -> list[tuple[str, int, int]]:
-    """Buffers (kind, stage, microbatch) a task reads (as ``CompiledStep._task_args``)."""
+    """Buffers (kind, stage, microbatch) a task passes to its function (``buffer_reads``)."""
     return buffer_reads(_exes(cs, kind, s)[0], s, m)
 
 
 def writes(cs, kind, s, m) -> list[tuple[str, int, int]]:
-    """Buffers a task makes (as ``CompiledStep._run_task``)."""
-    last = cs.num_stages - 1
-    out = []
-    if kind in ("F", "FB") and s < last:
-        out.append(("Act", s, m))
-    if kind == "F":
-        out.append(("Stash", s, m))
-    if kind in ("FB", "B", "I") and s > 0:
-        out.append(("Grad", s, m))
-    if kind == "I":
-        out.append(("WStash", s, m))
-    return out
+    """Buffers a task makes (the plan's, ``Buffers.writes``), but its weight gradients: a
+    program adds them to its sums directly."""
+    return [key for key in cs.buffers.writes(kind, s, m) if key[0] != "WGrad"]
 
 
 def item_reads(cs, it: Item) -> list[tuple[str, int, int]]:
@@ -119,32 +108,38 @@ def _shift(it: Item, d: int) -> Item:
 
 def rank_items(cs, rank: int) -> list[Item]:
     """A rank's instruction stream as items: its tasks, its sends where the stream sends, its
-    receives posted where the executor posts them (before the task preceding the RECV, as
-    ``Executor::post_ahead``) and waited on just before the first task that reads them."""
+    receives posted where the plan posts them (``Plan.receive_posts``: before the RUN that
+    precedes the RECV, as the executor does) and waited on just before the first task that
+    reads them."""
     items: list[Item] = []
     posted: dict[tuple, Item] = {}
     waited: set = set()
-    last_run = -1  # index in items of the latest task's first item (waits included)
-    for op, a, b, peer in cs.programs[rank]:
+    bufs = cs.buffers
+    posts = bufs.receive_posts(rank)
+    run_at: dict[int, int] = {}  # RUN index -> where its items start (waits included)
+    for j, (op, a, b, peer) in enumerate(cs.programs[rank]):
         op = op.split(".")[-1].upper()
         if op == "RUN":
-            start = len(items)
-            for kind, s, m in cs._tasks_of(rank, a):
+            run_at[j] = len(items)
+            for kind, s, m in bufs.tasks_of(rank, a):
                 for key in reads(cs, kind, s, m):
                     if key in posted and key not in waited:
                         waited.add(key)
                         items.append(("wait", *key, posted[key][4]))
                 items.append(("run", kind, s, m, -1))
-            last_run = start
         elif op == "SEND":
-            items.append(("send", *cs._bkey(b), peer))
+            items.append(("send", *bufs.key(b), peer))
         elif op == "RECV":
-            key = cs._bkey(b)
+            key = bufs.key(b)
             it = ("post", *key, peer)
             posted[key] = it
-            if last_run >= 0:  # posted before the task before it (and its waits)
-                items.insert(last_run, it)
-                last_run += 1
+            at = run_at.get(posts[j])
+            if at is not None:  # before that RUN's items; later posts there after it
+                if posts[j] != max(run_at):
+                    raise ValueError(f"rank {rank}: receive #{j} is posted before RUN "
+                                     f"#{posts[j]}, which is not the latest task")
+                items.insert(at, it)
+                run_at[posts[j]] = at + 1
             else:
                 items.append(it)
     missing = [k for k in posted if k not in waited]
@@ -340,9 +335,9 @@ def _run_task(cs, kind, s, m, inv, mb, get, put, add, call):
         wargs = [inv(v) for v in we.in_groups[0]] + [mb(v, m) for v in we.in_groups[1]]
         got["wgrad"] = we.split(call(we.plain, wargs + got["wstash"]))["wgrad"]
         wgrad_parts = we.body[0]
-    for k, bs, bm in writes(cs, kind, s, m):
-        put((k, bs, bm), got["act"] if k == "Act" else got["grad"] if k == "Grad"
-            else got["stash"] if k == "Stash" else got["wstash"])
+    for key, v in cs.buffers.outputs(kind, s, m, got):
+        if key[0] != "WGrad":  # (summed below)
+            put(key, v)
     for i, x in zip(wgrad_parts, got["wgrad"]):
         add(i, m, x)
     for i, x in zip(mb_parts, got["mb"]):
@@ -350,11 +345,7 @@ def _run_task(cs, kind, s, m, inv, mb, get, put, add, call):
 
 
 def _parts_of(cs, kind, s):
-    """The loop-output parts (weight gradients, per-microbatch outputs) a task adds to."""
-    out = []
-    for exe in _exes(cs, kind, s):
-        out += list(exe.body[0]) + list(exe.body[1])
-    return out
+    return parts_of(cs.tasks, kind, s)
 
 
 class _Token:
@@ -562,16 +553,8 @@ class _LoopProgram:
     def _final_parts(self, env, idx):
         """The loop's outputs ``idx``: parts reduced (mean, sum or stack)."""
         cs = self.cs
-        final: dict[int, Any] = {}
-        for i in idx:
-            part = cs.parts[i]
-            if part.reduce == G.Reduce.Stack:
-                final[i] = env.stacked_part(i, cs.M)
-            elif part.reduce == G.Reduce.Mean:
-                final[i] = env.acc[i] / cs.M
-            else:
-                final[i] = env.acc[i]
-        return final
+        return {i: final_part(cs.parts[i], env.acc.get(i),
+                              lambda i=i: env.stacked_part(i, cs.M), cs.M) for i in idx}
 
     def _whole_mb(self, outer, split):
         cs = self.cs
@@ -610,7 +593,7 @@ class SingleProgram(_LoopProgram):
 
     def __call__(self, flat_args):
         cs = self.cs
-        args = cs._put_all(list(flat_args), 0)
+        args = cs.put_all(list(flat_args), 0)
         outs = self.fn(args)
         tr = cs.traced
         it = iter(outs)
@@ -626,14 +609,14 @@ class SingleProgram(_LoopProgram):
                 vals[v] = x
 
         def outer(v):
-            o, _ = cs._loop_src[v]
+            o, _ = cs.loop_src[v]
             return vals[o] if o in vals else lits[o]
 
         env = _Env()
         self._loop(env, outer, self._whole_mb(outer, {}), _Token(None))
         # the loop's outputs: parts reduced, then combined per outer value (as _combine)
         final = self._final_parts(env, range(len(cs.parts)))
-        for o, idx in cs._by_outer.items():
+        for o, idx in cs.by_outer.items():
             total = None
             for i in idx:
                 total = final[i] if total is None else total + final[i]
@@ -662,7 +645,7 @@ class RankProgram(_LoopProgram):
         # no stacked buffers between loops: runs that would need them stay unrolled
         super().__init__(cs, rank, rank_items(cs, rank),
                          _MAX_ITEMS_PER_STAGE * max(1, cs.num_stages), stacked=False)
-        self.needs = [o for o in cs._loop_needs[rank] if o not in cs.traced.literals]
+        self.needs = [o for o in cs.loop_needs[rank] if o not in cs.traced.literals]
         self.mine = [i for i, p in enumerate(cs.parts) if cs.stage_rank[p.stage] == rank]
         names: dict[tuple, list[str]] = {}
         self._order: dict[tuple, list[int]] = {}
@@ -673,15 +656,21 @@ class RankProgram(_LoopProgram):
                 names.setdefault((peer, _channel(k), op == "send"), []).append(
                     f"{k.lower()}(s{s},m{m})")
                 self._order.setdefault((peer, _channel(k), op == "send"), []).append(
-                    cs._buf_id(k, s, m))
+                    cs.buffers.id(k, s, m))
         for (peer, chan, send), ns in names.items():
             comm.set_names(peer, chan, send, ns)
         self.fn = jax.jit(self._program)
-        self._compiled = None
+        self.compiled = None  # the executable (compile)
+
+    def set_timeout(self, timeout) -> None:
+        """Bounds every wait of the next steps (seconds)."""
+        if self.timeout != float(timeout):
+            self.timeout = float(timeout)
+            self.comm.set_timeout(self.timeout)
 
     def compile(self, vals):
         """Traces and compiles the program for these inputs."""
-        self._compiled = self.fn.lower(self._args(vals)).compile()
+        self.compiled = self.fn.lower(self._args(vals)).compile()
 
     def lowered_text(self) -> str:
         """The program's StableHLO, lowered from the loop inputs' avals (tests inspect its
@@ -692,13 +681,13 @@ class RankProgram(_LoopProgram):
                               for a in avals]).as_text()
 
     def _args(self, vals):
-        return self.cs._put_all([vals[o] for o in self.needs], self.rank)
+        return self.cs.put_all([vals[o] for o in self.needs], self.rank)
 
     def __call__(self, vals) -> dict[int, Any]:
         """Runs one step; a failure (here or on another rank) raises ``ExecutionError``
         naming the rank where it started."""
         try:
-            outs = (self._compiled or self.fn)(self._args(vals))
+            outs = (self.compiled or self.fn)(self._args(vals))
             jax.block_until_ready(outs)
         except BaseException as e:
             raise self.error(e) from e
@@ -732,7 +721,7 @@ class RankProgram(_LoopProgram):
         comm_events = self.comm.take_events()
         prog = cs.programs[self.rank]
         ops = [op.split(".")[-1].upper() for op, _, _, _ in prog]
-        tasks_per_run = [len(cs._tasks_of(self.rank, a)) for (_, a, _, _), op in zip(prog, ops)
+        tasks_per_run = [len(cs.buffers.tasks_of(self.rank, a)) for (_, a, _, _), op in zip(prog, ops)
                          if op == "RUN"]
         if not marks or len(marks) != 2 * sum(tasks_per_run):
             return []
@@ -769,7 +758,7 @@ class RankProgram(_LoopProgram):
         vals = dict(zip(self.needs, args))
 
         def outer(v):
-            o, _ = cs._loop_src[v]
+            o, _ = cs.loop_src[v]
             return vals[o] if o in vals else lits[o]
 
         env = _Env()
@@ -782,7 +771,7 @@ class RankProgram(_LoopProgram):
 
     # -- transfers -------------------------------------------------------------------------
     def _layout(self, k, s):
-        return self.cs._recv_layout(self.rank, self.cs._buf_id(k, s, 0))
+        return self.cs.buffers.layout(k, s)
 
     def _comm(self, group, base, get, put, token):
         """One ``baton_comm`` custom call for a stretch of transfers: it posts the stretch's

@@ -1,0 +1,276 @@
+"""``CompiledStep``: one traced training step (one set of shapes) made runnable.
+
+It holds the C++ partition and plan, the task functions (``tasks.build_tasks``), the code
+before and after the loop as per-stage segments (``tasks.Segments``), the plan's buffer
+facts (``tasks.Buffers``), and two engines that run the loop:
+
+* ``engine`` (``engine.ProgramEngine``, the default): each rank's loop as one XLA program
+  whose transfers are FFI calls into the C++ transports (``program.py``);
+* ``interpreter`` (``interpreter.Interpreter``, the reference engine): the C++ executor
+  calling the jitted tasks; chosen with ``single_program=False``, and it runs profiled
+  steps and traced one-rank steps.
+
+``run`` does the code outside the loop, hands the loop to an engine, and combines the loop's
+outputs: in one process for every rank, or (``group``) for this process's rank, moving the
+values that cross ranks outside the loop with a ``distributed.Router``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import _core
+from ..errors import ExecutionError
+from . import engine as engine_mod
+from .engine import ProgramEngine
+from .interpreter import Interpreter
+from .mesh import PipelineMesh
+from .tasks import Buffers, Segments, build_tasks
+from .trace import Traced
+
+G = _core.graph
+
+
+def _placed(x, sh) -> bool:
+    """``x`` is a jax.Array committed to ``sh`` already (device_put would be a no-op). An
+    uncommitted array (``jnp.asarray`` of the first call's parameters) is moved, i.e.
+    committed, even on the right device: jit caches key on committedness, so passing it
+    as is would compile every program again on the second call, whose inputs (the first
+    call's outputs) are committed."""
+    return isinstance(x, jax.Array) and getattr(x, "committed", True) and (
+        x.sharding is sh or x.sharding.is_equivalent_to(sh, x.ndim))
+
+
+class CompiledStep:
+    def __init__(self, traced: Traced, plan: Any, mesh: PipelineMesh, split_backward: bool,
+                 remat: bool = True, single_program: bool = True):
+        self.traced = traced
+        self.mesh = mesh
+        self.plan = plan  # baton.Plan (python wrapper)
+        core = plan.core if hasattr(plan, "core") else plan
+        self.core_plan = core
+        self.partition = G.partition(traced.program, split_backward, remat)
+        sched = core.schedule
+        self.num_stages = sched.num_stages
+        self.num_ranks = sched.num_ranks
+        self.M = sched.num_microbatches
+        self.stage_rank = list(sched.stage_rank)
+        # A readable, immutable copy of the per-rank programs the executor runs.
+        self.programs = tuple(tuple((str(i.opcode), i.action, i.buffer, i.peer) for i in prog)
+                              for prog in core.programs)
+        self.parts = list(self.partition.parts)
+        self.tasks = build_tasks(traced, self.partition, self.parts, self.num_stages)
+        self.buffers = Buffers(core, traced, self.partition, self.tasks)
+        self.rank_actions = self.buffers.rank_actions
+        self.op_stage = list(self.partition.op_stage)
+        segs = Segments(traced, self.op_stage, self.num_stages)
+        self.pre_segments, self.post_segments = segs.pre, segs.post
+        # loop input value -> (the outer value it reads, per microbatch?)
+        self.loop_src = {b: (o, mb) for b, o, mb in traced.loop_inputs}
+        # outer value -> the loop-output parts summed into it
+        self.by_outer: dict[int, list[int]] = {}
+        for i, part in enumerate(self.parts):
+            self.by_outer.setdefault(part.outer, []).append(i)
+        # Loop inputs (outer values) each rank's tasks read; outputs every process receives
+        # in multi-process mode (per-microbatch outputs: the loss, aux values).
+        self.loop_needs: list[list[int]] = []
+        for r in range(self.num_ranks):
+            need = set()
+            for (kind, s), exe in self.tasks.items():
+                if self.stage_rank[s] == r:
+                    need.update(self.loop_src[v][0] for v in exe.in_groups[0] + exe.in_groups[1])
+            self.loop_needs.append(sorted(need))
+        self._broadcast = {self.parts[i].outer for t in self.partition.tasks for i in t.mb_out}
+        self.last_stats: dict[str, Any] = {}
+        # Measurement (tracing.py, profile.py): ``record`` makes the engines record
+        # per-instruction events (``last_events``: per rank, ``last_offsets``: clock offsets
+        # to rank 0 in ns); ``block`` makes every interpreted task wait for its outputs, so a
+        # RUN spans its compute; ``capture`` (a dict) keeps each task's first arguments.
+        self.record = False
+        self.block = False
+        self.capture: dict | None = None
+        self.last_events: list | None = None
+        self.last_offsets: list | None = None
+        self.single_program = bool(single_program)
+        self.engine = ProgramEngine(self)
+        self.interpreter = Interpreter(self)
+
+    # -- placement --------------------------------------------------------------------------
+    def put(self, x, rank, batch=False):
+        if batch:
+            sh = self.mesh.batch_sharded(rank, np.shape(x))
+        else:
+            sh = self.mesh.replicated(rank)
+        return x if _placed(x, sh) else jax.device_put(x, sh)
+
+    def put_all(self, xs, rank):
+        """``put`` of many values (replicated on ``rank``): arrays already there are kept
+        (``device_put`` costs ~20 us per array even then: ~10 ms per step for the optimizer's
+        inputs and the parameters), the rest moved in one batched ``device_put``."""
+        sh = self.mesh.replicated(rank)
+        out = list(xs)
+        move = [i for i, x in enumerate(out) if not _placed(x, sh)]
+        if move:
+            for i, y in zip(move, jax.device_put([out[i] for i in move], [sh] * len(move))):
+                out[i] = y
+        return out
+
+    def _run_segments(self, segs, vals):
+        for seg in segs:
+            rank = self.stage_rank[seg.stage]
+            args = self.put_all([vals[v] for v in seg.inputs], rank)
+            for v, x in zip(seg.outputs, seg.fn(*args)):
+                vals[v] = x
+
+    # -- the loop's outputs --------------------------------------------------------------------
+    def home(self, idx):
+        """The rank that holds a loop output made of parts ``idx`` (its smallest stage)."""
+        return self.stage_rank[self.parts[min(idx, key=lambda i: self.parts[i].stage)].stage]
+
+    def combine(self, idx, final):
+        """The outer value made of parts ``idx`` (their sum, on its home rank)."""
+        rank = self.home(idx)
+        total = None
+        for i in idx:
+            x = final[i]
+            if len(idx) > 1:
+                x = jax.device_put(x, self.mesh.replicated(rank))
+            total = x if total is None else total + x
+        return total
+
+    # -- one step ------------------------------------------------------------------------------
+    def _interpreted(self) -> bool:
+        return (not self.single_program or self.capture is not None
+                or (self.record and self.num_ranks == 1))
+
+    def engine_refusal(self, rank: int, transport_kind: str = "local") -> str | None:
+        """Why the compiled engine cannot run ``rank`` of this step, or None."""
+        return engine_mod.refusal(self, rank, transport_kind)
+
+    def run(self, flat_args: list[Any], group: Any = None, timeout: float = 120.0) -> list[Any]:
+        """One step. ``group`` None: every rank in this process; a
+        :class:`~baton.frontend.distributed.ProcessGroup`: this process's rank only, over its
+        transport (see ``_run_group``). The compiled engine runs the loop unless the
+        interpreter was chosen (``single_program=False``), the step is profiled (the capture
+        of each task's arguments), or it is a traced one-rank step. A traced multi-rank step
+        runs the same compiled programs with their markers and transfer records on."""
+        interp = self._interpreted()
+        if not interp:
+            self.last_events = None
+        if group is not None:
+            return self._run_group(flat_args, group, timeout)
+        if not interp and self.num_ranks == 1:
+            return self.engine.run_single(flat_args)
+        tr = self.traced
+        vals: dict[Any, Any] = dict(zip(tr.step_inputs, flat_args))
+        self._run_segments(self.pre_segments, vals)
+        if interp:
+            final = self.interpreter.run_local(vals, timeout)
+        else:
+            final = self.engine.run_local(vals, timeout)
+        for outer, idx in self.by_outer.items():
+            vals[outer] = self.combine(idx, {i: final[i] for i in idx})
+        self._run_segments(self.post_segments, vals)
+        return [vals[v] if v in vals else tr.literals[v] for v in tr.step_outputs]
+
+    # -- one process per rank -------------------------------------------------------
+    def _run_group(self, flat_args, group, timeout):
+        try:
+            return self._run_group_body(flat_args, group, timeout)
+        except ExecutionError:
+            raise
+        except BaseException as e:
+            # e.g. code outside the loop raised: tell the other ranks instead of letting them
+            # wait out the timeout.
+            if not group.transport.closed:
+                group.transport.abort(f"rank {group.rank}: {type(e).__name__}: {e}")
+            raise
+
+    def _run_group_body(self, flat_args, group, timeout):
+        """This process runs rank ``group.rank``: the code outside the loop of its stages,
+        its loop over ``group.transport``, and the transfers of values that cross ranks
+        outside the loop (inputs another rank holds, partial sums of a value shared by stages
+        on several ranks, per-microbatch outputs sent to every process). Every process walks
+        the same sequence of transfers, so they pair up."""
+        from .distributed import Remote, Router
+
+        tr = self.traced
+        lits = tr.literals
+        me, R = group.rank, self.num_ranks
+        router = Router(group, timeout)
+        vals: dict[Any, Any] = {}
+        where = router.holders(tr.step_inputs, flat_args, vals)
+        self._group_segments(self.pre_segments, vals, where, router, me)
+        for r in range(R):
+            router.need([o for o in self.loop_needs[r] if o not in lits], r, vals, where)
+        if self.single_program and self.capture is None:
+            final = self.engine.run_rank(group, router, vals, timeout)
+        else:
+            final = self.interpreter.run_rank(group, router, vals, timeout)
+        for i, p in enumerate(self.parts):
+            where[("part", i)] = {self.stage_rank[p.stage]}
+            if i in final:
+                vals[("part", i)] = final[i]
+        for outer, idx in self.by_outer.items():
+            home = self.home(idx)
+            if len(idx) > 1:
+                router.need([("part", i) for i in idx], home, vals, where)
+            if me == home:
+                vals[outer] = self.combine(idx, {i: vals[("part", i)] for i in idx})
+            where[outer] = {home}
+        self._group_segments(self.post_segments, vals, where, router, me)
+        seen = set()
+        for v in tr.step_outputs:
+            if v in self._broadcast and v not in seen:
+                seen.add(v)
+                for q in range(R):
+                    router.need([v], q, vals, where)
+        outs = []
+        for v in tr.step_outputs:
+            if v in lits:
+                outs.append(lits[v])
+            elif me in where[v]:
+                outs.append(vals[v])
+            else:
+                aval = tr.avals[v]
+                outs.append(Remote(tuple(aval.shape), np.dtype(aval.dtype), min(where[v])))
+        router.finish()
+        return outs
+
+    def _group_segments(self, segs, vals, where, router, me):
+        lits = self.traced.literals
+        for seg in segs:
+            r = self.stage_rank[seg.stage]
+            router.need([v for v in seg.inputs if v not in lits], r, vals, where)
+            if r == me:
+                self._run_segments([seg], vals)
+            for v in seg.outputs:  # a value copied on several stages is held by each
+                where.setdefault(v, set()).add(r)
+
+    # -- planning data -----------------------------------------------------------
+    def stage_costs(self) -> list[dict]:
+        p = self.traced.program
+        out = []
+        for s in range(self.num_stages):
+            ts = {t.kind: t for t in self.partition.tasks if t.stage == s}
+            f = ts["F"]
+            b = ts.get("B")
+            i = ts.get("I")
+            w = ts.get("W")
+            bsum = (b.cost if b else i.cost + w.cost)
+            wg = b if b else w
+            out.append(dict(
+                f=f.cost, b=bsum, i=(i.cost if i else bsum / 2), w=(w.cost if w else bsum / 2),
+                act_bytes=sum(p.value_bytes(v) for v in f.act_out),
+                stash_bytes=sum(p.value_bytes(v) for v in f.stash_out),
+                grad_bytes=sum(p.value_bytes(v) for v in (b or i).grad_out),
+                wstash_bytes=sum(p.value_bytes(v) for v in (i.wstash_out if i else [])),
+                # summed weight gradients go straight into the running sums (interpreter:
+                # tasks._with_acc): a WGrad buffer holds only stacked parts
+                wgrad_bytes=sum(p.value_bytes(self.parts[j].body) for j in wg.wgrad_out
+                                if self.parts[j].reduce == G.Reduce.Stack),
+            ))
+        return out

@@ -1,0 +1,416 @@
+"""What a compiled step is made of, shared by both engines: the task functions, the code
+outside the loop as per-stage segments, and the plan's facts about tasks and buffers.
+
+A *task* (``TaskExe``) is one (kind, stage) of the C++ partition as a function of its
+invariant inputs, its microbatch inputs and the buffers it reads, returning its outputs
+by group (``OUT_GROUPS``); the same function is jitted per task (the interpreter) or
+traced into a rank's program (``program.py``). Which buffers a task reads and writes
+comes from the C++ plan (``Plan.action_inputs`` / ``action_outputs``, see
+``Buffers``), as does where receives are posted (``Plan.receive_posts``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _core
+from .. import _jax_compat as jc
+from ..errors import TraceError
+from .trace import Traced
+
+G = _core.graph
+REGION_PRE, REGION_POST = "pre", "post"
+OUT_GROUPS = ("act", "grad", "stash", "wstash", "wgrad", "mb")
+# the output group that holds each buffer kind a task writes
+_GROUP_OF = {"Act": "act", "Grad": "grad", "Stash": "stash", "WStash": "wstash",
+             "WGrad": "wgrad"}
+_SMALL_COPY = 4096  # elements: post-loop values small enough to compute on every stage
+
+
+def make_fn(traced: Traced, op_ids: list[int], in_ids: list[int], out_ids: list[int]):
+    """The ops ``op_ids`` (program order) as a plain function from ``in_ids`` to
+    ``out_ids``."""
+    ops = [traced.ops[i] for i in op_ids]
+    lits = traced.literals
+
+    def fn(*args):
+        env = dict(zip(in_ids, args))
+
+        def read(v):
+            if v in env:
+                return env[v]
+            return lits[v]
+
+        for op in ops:
+            outs = jc.eval_eqn(op.prim, op.params, op.ctx, [read(v) for v in op.inputs])
+            for v, x in zip(op.outputs, outs):
+                env[v] = x
+        return [read(v) for v in out_ids]
+
+    return fn
+
+
+def _with_acc(fn, pos: list[int]):
+    """``fn`` with the running sums fused in: ``g(acc, *args)`` returns ``fn(*args)`` with
+    output ``pos[k]`` replaced by ``acc[k] + output``: XLA adds inside the task's program
+    instead of a separate pass over parameter-sized buffers per microbatch. (Donating ``acc``
+    was measured no faster here, and slower in some steps: see docs/ARCHITECTURE.md.)"""
+
+    def g(acc, *args):
+        outs = list(fn(*args))
+        for k, j in enumerate(pos):
+            outs[j] = acc[k] + outs[j]
+        return outs
+
+    return g
+
+
+def _with_acc_mean(g, pos: list[int], mean: list[bool]):
+    """``g`` (see _with_acc) for the last microbatch: the sums of mean-reduced parts also
+    divided by ``count`` (a traced scalar), so no separate pass over the gradients follows
+    the loop."""
+
+    def h(count, acc, *args):
+        outs = g(acc, *args)
+        for k, j in enumerate(pos):
+            if mean[k]:
+                outs[j] = outs[j] / jnp.asarray(count, outs[j].dtype)
+        return outs
+
+    return h
+
+
+@dataclasses.dataclass
+class TaskExe:
+    kind: str
+    stage: int
+    fn: Any
+    in_groups: tuple  # (invariant, microbatch, act, grad, stash, wstash) value ids
+    n_out: dict  # group name -> count
+    body: Any  # (weight-gradient parts, per-microbatch output parts)
+    # Tasks that output weight gradients: the positions (in the outputs) of the summed ones,
+    # their part indices, and the task with the running sums fused in (see _with_acc):
+    # ``fn_acc`` is its jit, ``acc_body`` the plain function.
+    acc_pos: list = dataclasses.field(default_factory=list)
+    acc_parts: list = dataclasses.field(default_factory=list)
+    fn_acc: Any = None
+    acc_body: Any = None
+    # The last microbatch's variant (see _with_acc_mean); None when no summed part is a mean.
+    fn_acc_mean: Any = None
+    acc_mean: list = dataclasses.field(default_factory=list)
+    plain: Any = None  # the task as a plain function (traced into programs, program.py)
+
+    def split(self, outs) -> dict[str, list]:
+        """One call's outputs by group (``OUT_GROUPS``: act, grad, stash, wstash, wgrad, mb)."""
+        got, pos = {}, 0
+        for k in OUT_GROUPS:
+            got[k] = list(outs[pos:pos + self.n_out[k]])
+            pos += self.n_out[k]
+        return got
+
+
+def buffer_reads(exe: TaskExe, s: int, m: int) -> list[tuple[str, int, int]]:
+    """The buffers (kind, stage, microbatch) task ``exe`` of stage ``s`` passes as arguments
+    for microbatch ``m``, in argument order after its invariant and microbatch inputs (the
+    groups it has; a subset of what the plan says it reads, see ``Buffers.reads``)."""
+    _, _, act, grad, stash, wstash = exe.in_groups
+    return [(k, bs, m) for present, k, bs in ((act, "Act", s - 1), (grad, "Grad", s + 1),
+                                              (stash, "Stash", s), (wstash, "WStash", s))
+            if present]
+
+
+def _task_exe(traced, parts, kind, stage, ops, groups, outs, wgrad_parts, mb_parts) -> TaskExe:
+    """One task's jit: ``ops`` (program order) from the value ids in ``groups`` to the
+    outputs in ``OUT_GROUPS`` order, with the running-sum variant when it has summed
+    weight gradients (see _with_acc)."""
+    outs = dict(outs, wgrad=[parts[i].body for i in wgrad_parts],
+                mb=[parts[i].body for i in mb_parts])
+    in_ids = [v for g in groups for v in g]
+    out_ids = [v for k in OUT_GROUPS for v in outs[k]]
+    body = make_fn(traced, ops, in_ids, out_ids)
+    exe = TaskExe(kind, stage, jax.jit(body), groups, {k: len(v) for k, v in outs.items()},
+                  (wgrad_parts, mb_parts), plain=body)
+    off = sum(len(outs[k]) for k in OUT_GROUPS[:OUT_GROUPS.index("wgrad")])
+    summed = [(off + j, i) for j, i in enumerate(wgrad_parts)
+              if parts[i].reduce != G.Reduce.Stack]
+    if summed:
+        exe.acc_pos = [j for j, _ in summed]
+        exe.acc_parts = [i for _, i in summed]
+        exe.acc_body = _with_acc(body, exe.acc_pos)
+        exe.fn_acc = jax.jit(exe.acc_body)
+        exe.acc_mean = [parts[i].reduce == G.Reduce.Mean for i in exe.acc_parts]
+        if any(exe.acc_mean):
+            exe.fn_acc_mean = jax.jit(_with_acc_mean(exe.acc_body, exe.acc_pos, exe.acc_mean))
+    return exe
+
+
+def build_tasks(traced: Traced, partition, parts, num_stages: int) -> dict[tuple[str, int],
+                                                                           TaskExe]:
+    """Every task of the partition, plus ``("FB", s)``: F and B of one microbatch as one
+    function (the fused actions of fuse_forward_backward), no stash leaving it."""
+    tasks: dict[tuple[str, int], TaskExe] = {}
+    by_kind = {(t.kind, t.stage): t for t in partition.tasks}
+    for t in partition.tasks:
+        groups = (list(t.invariant_in), list(t.microbatch_in), list(t.act_in),
+                  list(t.grad_in), list(t.stash_in), list(t.wstash_in))
+        outs = {"act": list(t.act_out), "grad": list(t.grad_out),
+                "stash": list(t.stash_out), "wstash": list(t.wstash_out)}
+        tasks[(t.kind, t.stage)] = _task_exe(traced, parts, t.kind, t.stage, list(t.ops),
+                                             groups, outs, list(t.wgrad_out), list(t.mb_out))
+    for s in range(num_stages):
+        f, b = by_kind.get(("F", s)), by_kind.get(("B", s))
+        if f is None or b is None:
+            continue
+        groups = (sorted(set(f.invariant_in) | set(b.invariant_in)),
+                  sorted(set(f.microbatch_in) | set(b.microbatch_in)),
+                  list(f.act_in), list(b.grad_in), [], [])
+        outs = {"act": list(f.act_out), "grad": list(b.grad_out), "stash": [], "wstash": []}
+        tasks[("FB", s)] = _task_exe(traced, parts, "FB", s, sorted(set(f.ops) | set(b.ops)),
+                                     groups, outs, list(b.wgrad_out), list(f.mb_out))
+    return tasks
+
+
+def task_exes(tasks, kind, s) -> list[TaskExe]:
+    """The task functions a task runs: one, or I then W for a B the partition split."""
+    if kind == "B" and ("B", s) not in tasks:
+        return [tasks[("I", s)], tasks[("W", s)]]
+    return [tasks[(kind, s)]]
+
+
+def parts_of(tasks, kind, s) -> list[int]:
+    """The loop-output parts (weight gradients, per-microbatch outputs) a task adds to."""
+    out = []
+    for exe in task_exes(tasks, kind, s):
+        out += list(exe.body[0]) + list(exe.body[1])
+    return out
+
+
+class Buffers:
+    """The plan's facts about buffers, asked of the C++ plan once and cached: ids and keys
+    ``(kind name, stage, microbatch)``, which buffers a task (``F``, ``B``, ``I``, ``W``,
+    or ``FB``: F and B fused) reads and writes (``Plan.action_inputs`` /
+    ``action_outputs``), the tasks of a rank's action, where a rank's receives are posted
+    (``Plan.receive_posts``), and the layout (avals) a receiver expects."""
+
+    def __init__(self, core_plan, traced: Traced, partition, tasks):
+        self.plan = core_plan
+        sched = core_plan.schedule
+        self.rank_actions = [list(a) for a in sched.rank_actions]
+        self._tasks = tasks
+        self._key: dict[int, tuple] = {}
+        self._id: dict[tuple, int] = {}
+        self._io: dict[tuple[str, int], tuple[list, list]] = {}
+        self._actions: dict[tuple, list] = {}
+        # What crosses ranks: Act(s, m) holds F(s)'s act outputs, Grad(s, m) B(s)'s (or
+        # I(s)'s) input gradients; their avals are the layouts receivers expect.
+        self._avals: dict[tuple[str, int], list] = {}
+        for t in partition.tasks:
+            if t.kind == "F":
+                self._avals[("Act", t.stage)] = [traced.avals[v] for v in t.act_out]
+            elif t.kind in ("B", "I"):
+                self._avals[("Grad", t.stage)] = [traced.avals[v] for v in t.grad_out]
+
+    def key(self, b: int) -> tuple[str, int, int]:
+        k = self._key.get(b)
+        if k is None:
+            bk = self.plan.buffer_key(b)
+            k = self._key[b] = (str(bk.kind).split(".")[-1], bk.stage, bk.microbatch)
+        return k
+
+    def id(self, kind: str, stage: int, m: int) -> int:
+        key = (kind, stage, m)
+        b = self._id.get(key)
+        if b is None:
+            b = self._id[key] = self.plan.buffer_id(getattr(_core.BufKind, kind), stage, m)
+        return b
+
+    def _task_io(self, kind: str, s: int) -> tuple[list, list]:
+        """(reads, writes) of a task at microbatch 0 as (kind, stage) pairs."""
+        io = self._io.get((kind, s))
+        if io is None:
+            TK = _core.TaskKind
+            if kind == "FB":
+                act = _core.Action(_core.Task(TK.F, s, 0), _core.Task(TK.B, s, 0))
+            else:
+                act = _core.Action(_core.Task(getattr(TK, kind), s, 0), None)
+            io = self._io[(kind, s)] = (
+                [self.key(b)[:2] for b in self.plan.action_inputs(act)],
+                [self.key(b)[:2] for b in self.plan.action_outputs(act)])
+        return io
+
+    def reads(self, kind: str, s: int, m: int) -> list[tuple[str, int, int]]:
+        """The buffers a task reads (an ``FB`` reads none of the stash it makes). Its
+        function takes the ones of them it has groups for (``buffer_reads``)."""
+        return [(k, bs, m) for k, bs in self._task_io(kind, s)[0]]
+
+    def writes(self, kind: str, s: int, m: int) -> list[tuple[str, int, int]]:
+        """The buffers a task makes: ``Act``, ``Grad``, ``Stash``, ``WStash``, ``WGrad``
+        (an ``FB``'s stash is empty: it never leaves the task)."""
+        return [(k, bs, m) for k, bs in self._task_io(kind, s)[1]]
+
+    def outputs(self, kind: str, s: int, m: int, got: dict) -> list[tuple[tuple, list]]:
+        """``(buffer, value)`` for each buffer the task writes, from its outputs by group
+        (``TaskExe.split``; the FB stash: empty)."""
+        out = []
+        for key in self.writes(kind, s, m):
+            out.append((key, [] if kind == "FB" and key[0] == "Stash"
+                        else got[_GROUP_OF[key[0]]]))
+        return out
+
+    def tasks_of(self, rank: int, a: int) -> list[tuple[str, int, int]]:
+        """The tasks of action ``a`` of ``rank``: (kind, stage, microbatch); F+B of one
+        microbatch fused as ``FB`` where the step has that task."""
+        key = (rank, a)
+        ts = self._actions.get(key)
+        if ts is None:
+            act = self.rank_actions[rank][a]
+            raw = [act.first] + ([act.second] if act.is_fused else [])
+            ts = [(str(t.kind).split(".")[-1], t.stage, t.microbatch) for t in raw]
+            if (len(ts) == 2 and (ts[0][0], ts[1][0]) == ("F", "B") and ts[0][1:] == ts[1][1:]
+                    and ("FB", ts[0][1]) in self._tasks):
+                ts = [("FB", ts[0][1], ts[0][2])]
+            self._actions[key] = ts
+        return ts
+
+    def receive_posts(self, rank: int) -> list[int]:
+        return list(self.plan.receive_posts(rank))
+
+    def layout(self, kind: str, stage: int) -> list:
+        """The avals of a ``kind`` buffer of ``stage`` as its receiver gets them (the byte
+        transports send no header; NCCL needs them)."""
+        return self._avals.get((kind, stage), [])
+
+
+@dataclasses.dataclass
+class Segment:
+    stage: int
+    fn: Any
+    inputs: list[int]
+    outputs: list[int]
+
+
+class Segments:
+    """The code before and after the loop as per-stage jitted segments (``pre``, ``post``),
+    in dependency waves."""
+
+    def __init__(self, traced: Traced, op_stage: list[int], num_stages: int):
+        self.traced = traced
+        self.op_stage = op_stage
+        self.num_stages = num_stages
+        tr = traced
+        ops = tr.ops
+        pre = [i for i, op in enumerate(ops) if op.region == REGION_PRE]
+        post = [i for i, op in enumerate(ops) if op.region == REGION_POST]
+        self.pre = self._segments(pre, set(tr.step_inputs))
+        avail = set(tr.step_inputs)
+        for s in self.pre:
+            avail.update(s.outputs)
+        avail.update(o for _, o, _ in tr.loop_outputs)
+        self.post = self._segments(post, avail, self._small_free_copies(post))
+
+    def _small_free_copies(self, post: list[int]) -> dict[int, set[int]]:
+        """Post-loop ops that read only step inputs, literals and each other and make small
+        values (the optimizer's step count and bias corrections): op -> the other stages whose
+        post-loop ops read them. Each of those stages computes its own copy, so its optimizer
+        update does not wait for the stage the op was placed on (which finishes its loop
+        last)."""
+        tr = self.traced
+        ops = tr.ops
+        free_vals = set(tr.step_inputs) | set(tr.literals)
+        free_by_val: dict[int, int] = {}
+        for i in post:
+            op = ops[i]
+            small = all(int(np.prod(tr.avals[v].shape)) <= _SMALL_COPY for v in op.outputs)
+            if small and all(v in free_vals for v in op.inputs):
+                free_vals.update(op.outputs)
+                for v in op.outputs:
+                    free_by_val[v] = i
+        copies: dict[int, set[int]] = {}
+
+        def need(i, stage):
+            if stage == self.op_stage[i] or stage in copies.setdefault(i, set()):
+                return
+            copies[i].add(stage)
+            for v in ops[i].inputs:
+                if v in free_by_val:
+                    need(free_by_val[v], stage)
+
+        for j in post:
+            if j in free_by_val.values():
+                continue
+            for v in ops[j].inputs:
+                if v in free_by_val:
+                    need(free_by_val[v], self.op_stage[j])
+        return {i: st for i, st in copies.items() if st}
+
+    def _segments(self, op_ids: list[int], avail: set[int],
+                  copies: dict[int, set[int]] | None = None) -> list[Segment]:
+        """Per-stage jitted segments in dependency waves. ``copies``: op -> extra stages that
+        compute their own copy of it (see _small_free_copies); a value such an op makes is
+        read on a stage only from that stage's own copy."""
+        tr = self.traced
+        ops = tr.ops
+        lits = tr.literals
+        copies = copies or {}
+        copied_vals = {v for i in copies for v in ops[i].outputs}
+        local: dict[int, set[int]] = {s: set() for s in range(self.num_stages)}
+        # Values read after each op: by later ops, the loop, the step outputs.
+        uses: dict[int, set] = {}
+        for i, op in enumerate(ops):
+            for v in op.inputs:
+                uses.setdefault(v, set()).add(i)
+        external = set(tr.step_outputs) | {o for _, o, _ in tr.loop_inputs}
+        # (op, stage) items: every op on its own stage, plus the copies
+        remaining = sorted([(i, self.op_stage[i]) for i in op_ids]
+                           + [(i, st) for i in op_ids for st in sorted(copies.get(i, ()))])
+        avail = set(avail)
+        segs = []
+
+        def ready(v, stage, produced):
+            if v in lits or v in produced:
+                return True
+            if v in copied_vals:
+                return v in local[stage]
+            return v in avail
+
+        while remaining:
+            progress = False
+            for stage in range(self.num_stages):
+                seg, produced = [], set()
+                for i, st in remaining:
+                    if st != stage:
+                        continue
+                    if all(ready(v, stage, produced) for v in ops[i].inputs):
+                        seg.append(i)
+                        produced.update(ops[i].outputs)
+                if not seg:
+                    continue
+                progress = True
+                seg_set = set(seg)
+                remaining = [(i, st) for i, st in remaining if not (st == stage and i in seg_set)]
+                ins = sorted({v for i in seg for v in ops[i].inputs
+                              if v not in produced and v not in lits})
+                outs = sorted(v for v in produced
+                              if v in external or any(u not in seg_set for u in uses.get(v, ())))
+                fn = jax.jit(make_fn(tr, seg, ins, outs))
+                segs.append(Segment(stage, fn, ins, outs))
+                avail.update(produced)
+                local[stage].update(produced)
+            if not progress:
+                raise TraceError("internal: code outside the loop could not be ordered by stage")
+        return segs
+
+
+def final_part(part, acc, stacked, M: int):
+    """A loop output part's value after the loop, from its running sum ``acc`` (Mean: /M;
+    Sum: as is) or its per-microbatch values ``stacked()`` (Stack)."""
+    if part.reduce == G.Reduce.Stack:
+        return stacked()
+    if part.reduce == G.Reduce.Mean:
+        return acc / jnp.asarray(M, acc.dtype)
+    return acc
