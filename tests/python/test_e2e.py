@@ -47,7 +47,7 @@ def mesh(ranks, per_rank=1):
 
 
 def run_mlp(schedule, ranks, microbatches=4, steps=3, per_rank=1, remat=False, scan=False,
-            aux=False, layers_per_stage=1, single_program=True):
+            aux=False, layers_per_stage=1, single_program=True, transport=None):
     stages = schedule.stages(ranks)
     key = jax.random.PRNGKey(stages)
     params = mlp.init_params(key, stages, layers_per_stage, scan=scan)
@@ -55,7 +55,7 @@ def run_mlp(schedule, ranks, microbatches=4, steps=3, per_rank=1, remat=False, s
     loss_fn = mlp.make_loss(remat=remat, scan=scan, aux=aux)
     step, ref = make_steps(loss_fn, aux)
     ps = baton.jit(step, mesh=mesh(ranks, per_rank), schedule=schedule, microbatches=microbatches,
-                   single_program=single_program)
+                   single_program=single_program, transport=transport)
     ref = jax.jit(ref)
     p1 = p2 = params
     s1 = s2 = OPT.init(params)
@@ -250,8 +250,21 @@ def test_compiled_engine_names_a_rank_it_cannot_run():
     class FakeGpu:
         platform = "gpu"
 
-    step.mesh.rank_devices[1] = [FakeGpu()]
-    assert "rank 1 runs on gpu" in step.engine_refusal(1)
+    gpu = FakeGpu()
+    step.mesh.rank_devices[1] = [gpu]
+    assert "rank 1 runs on a GPU" in step.engine_refusal(1)
+    assert "not 'local'" in step.engine_refusal(1)
+    if baton.frontend.ffi.has_cuda():  # the NCCL handlers are built: a GPU per rank runs
+        assert step.engine_refusal(1, "nccl") is None
+        step.mesh.rank_devices[0] = [gpu]
+        assert "ranks 0 and 1 share GPU" in step.engine_refusal(1, "nccl")
+    else:
+        assert "no CUDA transfer handlers" in step.engine_refusal(1, "nccl")
+
+
+def test_nccl_transport_on_cpus_is_refused_by_name():
+    with pytest.raises(baton.ConfigError, match="rank 0 runs on CPU.*not 'nccl'"):
+        run_mlp(baton.OneFOneB(), 2, steps=1, transport="nccl")
 
 
 def test_checkpoint_and_scan_inside_stage_and_aux():

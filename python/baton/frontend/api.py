@@ -33,20 +33,23 @@ class PipelinedFunction:
                  transport: str | None = None, timeout: float = 120.0, trace: bool = False,
                  remat: bool = True, fuse_forward_backward: bool = True,
                  retain_host_memory: bool = True, single_program: bool = True):
-        if transport not in (None, "local", "gloo"):
+        if transport not in (None, "local", "gloo", "nccl"):
             raise ConfigError(
-                f"baton.jit: transport must be None (automatic), 'local' or 'gloo' "
+                f"baton.jit: transport must be None (automatic), 'local', 'gloo' or 'nccl' "
                 f"(got {transport!r})")
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ConfigError(
                 f"baton.jit: microbatches must be a positive integer (got {microbatches!r})"
             )
-        if transport is None:
-            transport = "gloo" if launched_world_size() > 1 else "local"
-        self.transport = transport
+        # Multi-process mode: this process is one rank (launched with several processes, or
+        # transport="gloo"); its group's Gloo transport carries what crosses ranks outside
+        # the loop. The loop's transport: NCCL between GPUs, else Gloo across processes and
+        # the in-process transport in one process.
+        self.multi = transport == "gloo" or (transport != "local" and launched_world_size() > 1)
+        self.transport = transport  # None: chosen from the devices (loop_transport)
         self.timeout = float(timeout)
         self.group = None  # ProcessGroup, connected at the first call (multi-process mode)
-        if transport == "local":
+        if not self.multi:
             if mesh is None:
                 raise ConfigError("baton.jit: pass mesh=baton.PipelineMesh(devices, ranks=R)")
             if not isinstance(mesh, PipelineMesh):
@@ -74,8 +77,20 @@ class PipelinedFunction:
     def _key(self, flat, tree):
         return (tree, tuple(map(_leaf_key, flat)))
 
+    def loop_transport(self) -> str:
+        """The transport of the loop's transfers: ``transport=`` when given, else ``"nccl"``
+        when the ranks run on GPUs, ``"gloo"`` across CPU processes, ``"local"`` in one
+        process."""
+        if self.transport is not None:
+            return self.transport
+        devs = (self.mesh.rank_devices[0] if isinstance(self.mesh, PipelineMesh)
+                else list(self.mesh))
+        if devs and all(d.platform in ("gpu", "cuda") for d in devs):
+            return "nccl"
+        return "gloo" if self.multi else "local"
+
     def _connect(self):
-        if self.transport == "gloo" and self.group is None:
+        if self.multi and self.group is None:
             self.group = process_group("gloo")
             self.mesh = process_mesh(self.mesh, self.group.world_size)
         return self.group
@@ -137,8 +152,8 @@ class PipelinedFunction:
 
             rt.retain_host_memory()
         return CompiledStep(traced, plan, self.mesh, bool(sched.split_backward()),
-                            remat=self.remat,
-                            single_program=self.single_program)
+                            remat=self.remat, single_program=self.single_program,
+                            transport=self.loop_transport())
 
     def __call__(self, *args):
         return self._call(args, self.trace)
@@ -151,7 +166,7 @@ class PipelinedFunction:
         # In one process every task waits for its outputs (XLA's queue never runs ahead of
         # the instruction stream: measured faster, and traced and untraced steps then run
         # alike); across processes a SEND already waits for its value.
-        step.block = bool(record) or self.transport == "local"
+        step.block = bool(record) or not self.multi
         try:
             outs = step.run(flat, self.group, self.timeout)
         finally:
@@ -178,14 +193,14 @@ class PipelinedFunction:
     @property
     def rank(self) -> int | None:
         """This process's pipeline rank in multi-process mode (None in single-process mode)."""
-        return self._connect().rank if self.transport == "gloo" else None
+        return self._connect().rank if self.multi else None
 
     def gather(self, tree: Any) -> Any:
         """Full values of ``tree`` as numpy arrays, e.g. parameters for checking or
         checkpointing. Multi-process mode: a collective (call it in every process); each
         ``Remote`` leaf is fetched from the process that holds it. Single-process mode:
         ``jax.device_get(tree)``."""
-        if self.transport != "gloo":
+        if not self.multi:
             return jax.device_get(tree)
         return gather(self._connect(), tree, self.timeout)
 
@@ -275,12 +290,16 @@ def jit(
     Usable as ``baton.jit(step, mesh=..., schedule=..., microbatches=...)`` or
     as a decorator ``@baton.jit(mesh=..., ...)``.
 
-    ``transport``: ``"local"`` runs every rank in this process (one thread per rank over the
-    in-process transport; ``mesh`` is a ``PipelineMesh``); ``"gloo"`` makes
-    this process one rank of a multi-process pipeline (``mesh``: this rank's devices, default
-    ``jax.local_devices()``); ``None`` picks ``"gloo"`` when the process was started by
-    ``python -m baton.launch`` (or SLURM, Open MPI, ``jax.distributed``) with more than one
-    process, else ``"local"``. ``timeout``: seconds one instruction may wait for a transfer.
+    ``transport``: how the loop's activations and gradients move between ranks. ``"local"``
+    runs every rank in this process (one thread per rank over the in-process transport;
+    ``mesh`` is a ``PipelineMesh``); ``"gloo"`` makes this process one rank of a
+    multi-process pipeline over TCP (``mesh``: this rank's devices, default
+    ``jax.local_devices()``); ``"nccl"``: between GPUs (one GPU per rank; in one process, or
+    one process per rank when launched with several). ``None`` picks ``"nccl"`` when the
+    ranks run on GPUs, else ``"gloo"`` when the process was started by ``python -m
+    baton.launch`` (or SLURM, Open MPI, ``jax.distributed``) with more than one process,
+    else ``"local"``. An impossible choice (``"nccl"`` on CPUs, two ranks on one GPU) raises
+    ``baton.ConfigError`` at the first call. ``timeout``: seconds one instruction may wait for a transfer.
     ``trace``: record every call (``.last_trace``, ``.write_trace(path)``; see ``baton.trace``).
     ``remat``: shrink each stage's stash by recomputing cheap forward ops (elementwise, casts,
     reshapes) in the backward task instead of keeping their outputs (a minimum cut over the
@@ -300,12 +319,12 @@ def jit(
     engine); with several ranks (in this process or one process per rank), each rank's
     microbatch loop is one XLA program whose sends and receives are XLA FFI calls into the
     C++ transports, in the order of the rank's instruction stream. A step it cannot run (a
-    multi-rank step whose ranks have several devices; a non-CPU transport) raises
-    ``baton.ConfigError``. ``False``: the interpreter (the C++ executor, one Python callback
+    multi-rank step whose ranks have several devices; a transport the devices cannot use)
+    raises ``baton.ConfigError``. ``False``: the interpreter (the C++ executor, one Python callback
     per task), the reference engine; it also runs ``baton.profile`` and traced one-rank steps.
     """
     if mesh is None and (transport == "local" or
-                         (transport is None and launched_world_size() <= 1)):
+                         (transport in (None, "nccl") and launched_world_size() <= 1)):
         raise ConfigError("baton.jit: pass mesh=baton.PipelineMesh(devices, ranks=R)")
 
     def wrap(f):

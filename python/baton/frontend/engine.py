@@ -20,31 +20,80 @@ from ..errors import ConfigError
 from .interpreter import on_rank_threads
 
 
-def refusal(step, rank: int, transport_kind: str = "local") -> str | None:
-    """Why the compiled engine cannot run ``rank`` of ``step``, or None."""
+_GPU = ("gpu", "cuda")
+
+
+def refusal(step, rank: int, transport_kind: str | None = None) -> str | None:
+    """Why the compiled engine cannot run ``rank`` of ``step`` over ``transport_kind``
+    (default: the step's, ``step.transport``), or None."""
+    kind = transport_kind or step.transport
     devs = step.mesh.rank_devices[rank]
-    if len(devs) > 1 and step.num_ranks > 1:
+    if step.num_ranks == 1:
+        return None  # one program, no transfers
+    if len(devs) > 1:
         return (f"rank {rank} has {len(devs)} devices: the compiled engine moves a rank's "
                 f"values whole, and a value sharded over several devices would cross "
                 f"through one of them; use one device per rank, or the interpreter "
                 f"(baton.jit(..., single_program=False))")
     platforms = {d.platform for d in devs}
-    if step.num_ranks > 1 and platforms != {"cpu"}:
-        return (f"rank {rank} runs on {', '.join(sorted(platforms))}: the compiled engine's "
-                f"transfer handlers for several ranks in one step run on CPU transports "
-                f"(the CUDA handlers in baton._core.ffi are built but not yet wired to "
-                f"baton.jit); use the interpreter (baton.jit(..., single_program=False))")
-    if transport_kind not in ("local", "gloo"):
-        return (f"the compiled engine's transfers run on CPU transports (local, gloo), "
-                f"not {transport_kind!r}; use the interpreter "
-                f"(baton.jit(..., single_program=False))")
-    return None
+    if platforms == {"cpu"}:
+        if kind not in ("local", "gloo"):
+            return (f"rank {rank} runs on CPU, whose transfers go over the 'local' (one "
+                    f"process) or 'gloo' (several) transports, not {kind!r}")
+        return None
+    if platforms <= set(_GPU):
+        if kind != "nccl":
+            return (f"rank {rank} runs on a GPU: its transfers go over NCCL "
+                    f"(transport='nccl', the default on GPUs), not {kind!r}")
+        from . import ffi
+
+        if not ffi.has_cuda():
+            return ("this build of baton has no CUDA transfer handlers (it was built "
+                    "without the CUDA toolkit and nccl.h); rebuild on a machine that has them")
+        mine = devs[0]
+        for q in range(step.num_ranks):
+            if q != rank and mine in step.mesh.rank_devices[q]:
+                return (f"ranks {min(q, rank)} and {max(q, rank)} share GPU {mine}: NCCL "
+                        f"cannot connect two ranks on one GPU, and one device runs one "
+                        f"program at a time, so the ranks could not overlap; give each rank "
+                        f"its own GPU, or use one rank (a one-rank step is one program)")
+        return None
+    return (f"rank {rank} runs on {', '.join(sorted(platforms))}: the compiled engine's "
+            f"transfers run on CPUs (local, gloo) and NVIDIA GPUs (nccl)")
 
 
-def check(step, rank: int, transport_kind: str = "local") -> None:
+def check(step, rank: int, transport_kind: str | None = None) -> None:
     why = refusal(step, rank, transport_kind)
     if why is not None:
         raise ConfigError(f"baton.jit: {why}")
+
+
+def links(step, rank: int) -> list[tuple[int, int, bool]]:
+    """(peer, channel, send) of every direction of a link ``rank``'s loop uses."""
+    from .program import channel, rank_items
+
+    return sorted({(peer, channel(k), op == "send") for op, k, _, _, peer in
+                   rank_items(step, rank) if op in ("send", "post")})
+
+
+def nccl_comms(step, ranks, store, timeout, prefix) -> list:
+    """A ``NcclRankComm`` for each rank in ``ranks`` (of this process), constructed at once
+    (NCCL's setup is collective: each waits for its peers)."""
+    R = step.num_ranks
+    out = [None] * len(ranks)
+
+    def make(i):
+        r = ranks[i]
+        dev = step.mesh.rank_devices[r][0]
+        out[i] = _core.runtime.NcclRankComm(r, R, int(dev.local_hardware_id), store,
+                                            links(step, r), float(timeout), prefix)
+
+    errors = on_rank_threads(len(ranks), make)
+    bad = [(ranks[i], e) for i, e in enumerate(errors) if e is not None]
+    if bad:
+        raise ConfigError("baton.jit: NCCL setup failed: " + "; ".join(
+            f"rank {r}: {type(e).__name__}: {e}" for r, e in bad)) from bad[0][1]
+    return out
 
 
 class ProgramEngine:
@@ -56,6 +105,7 @@ class ProgramEngine:
         self.local_progs = None  # one process, several ranks: RankProgram per rank
         self._local_hub = None  # their in-process transports
         self.rank_prog = None  # one process per rank: this rank's RankProgram
+        self._nccl_builds = 0
 
     # -- one rank -----------------------------------------------------------------------
     def run_single(self, flat_args) -> list[Any]:
@@ -79,14 +129,23 @@ class ProgramEngine:
         if self.local_progs is None:
             for r in range(R):
                 check(step, r)
-            comms = [_core.runtime.RankComm(r, float(timeout)) for r in range(R)]
+            if step.transport == "nccl":
+                import tempfile
+
+                from .. import runtime as rt
+
+                self._nccl_builds += 1
+                comms = nccl_comms(step, list(range(R)), rt.file_store(tempfile.mkdtemp(
+                    prefix="baton-nccl-")), timeout, f"baton/local{self._nccl_builds}")
+            else:
+                comms = [_core.runtime.RankComm(r, float(timeout)) for r in range(R)]
             progs = [RankProgram(step, r, comms[r], timeout) for r in range(R)]
             for p in progs:  # all compiled before any runs (a rank never waits on a compile)
                 p.compile(vals)
             self.local_progs = progs
             self._local_hub = None
         progs = self.local_progs
-        if self._local_hub is None:
+        if self._local_hub is None and step.transport != "nccl":
             hub = _core.runtime.LocalHub(R)
             self._local_hub = [hub.transport(r) for r in range(R)]
             for p, t in zip(progs, self._local_hub):
@@ -110,11 +169,16 @@ class ProgramEngine:
 
         errors = on_rank_threads(R, go)
         if any(e is not None for e in errors):
-            for p in progs:
-                p.comm.detach()
-            for t in self._local_hub or ():
-                t.close()
-            self._local_hub = None
+            if step.transport == "nccl":  # a failed NCCL context stays failed: built anew
+                for p in progs:
+                    p.comm.close()
+                self.local_progs = None
+            else:
+                for p in progs:
+                    p.comm.detach()
+                for t in self._local_hub or ():
+                    t.close()
+                self._local_hub = None
             origins = [getattr(e, "failed_rank", r) for r, e in enumerate(errors) if e]
             first = next((e for r, e in enumerate(errors) if e is not None and r in origins),
                          next(e for e in errors if e is not None))
@@ -136,7 +200,8 @@ class ProgramEngine:
         the others."""
         step = self.step
         rp = self.rank_prog
-        if rp is None or rp.transport is not group.transport:
+        if (rp is None or rp.transport is not group.transport
+                or not rp.comm.attached):  # (a failed NCCL context stays failed)
             rp = self._build_rank(group, router, vals, timeout)
         rp.set_timeout(timeout)
         rp.comm.record(step.record)
@@ -152,13 +217,22 @@ class ProgramEngine:
         from .program import RankProgram
 
         me = group.rank
-        why = refusal(self.step, me, group.transport.kind) or ""
+        step = self.step
+        why = refusal(step, me) or ""
         rp = None
         if not why:
             try:
-                comm = _core.runtime.RankComm(me, float(timeout))
-                comm.attach(group.transport)
-                rp = RankProgram(self.step, me, comm, timeout)
+                if step.transport == "nccl":  # the loop over NCCL, the rest over the group
+                    from ..runtime import rendezvous
+
+                    self._nccl_builds += 1
+                    comm = nccl_comms(step, [me], rendezvous.make_store(
+                        rendezvous.rank_info().store), timeout,
+                        f"baton/{step.core_plan.fingerprint()}/{self._nccl_builds}")[0]
+                else:
+                    comm = _core.runtime.RankComm(me, float(timeout))
+                    comm.attach(group.transport)
+                rp = RankProgram(step, me, comm, timeout)
                 rp.transport = group.transport
                 rp.compile(vals)
             except Exception as e:  # noqa: BLE001  (raised below, on every rank)

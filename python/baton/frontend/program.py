@@ -651,11 +651,11 @@ class RankProgram(_LoopProgram):
         self._order: dict[tuple, list[int]] = {}
         for op, k, s, m, peer in self.items:
             if op != "run":
-                comm.set_layout(_channel(k), s, [_nbytes(a) for a in self._layout(k, s)])
+                comm.set_layout(channel(k), s, [_nbytes(a) for a in self._layout(k, s)])
             if op in ("send", "post"):
-                names.setdefault((peer, _channel(k), op == "send"), []).append(
+                names.setdefault((peer, channel(k), op == "send"), []).append(
                     f"{k.lower()}(s{s},m{m})")
-                self._order.setdefault((peer, _channel(k), op == "send"), []).append(
+                self._order.setdefault((peer, channel(k), op == "send"), []).append(
                     cs.buffers.id(k, s, m))
         for (peer, chan, send), ns in names.items():
             comm.set_names(peer, chan, send, ns)
@@ -779,7 +779,7 @@ class RankProgram(_LoopProgram):
         sends = [x for op, k, s, m, _ in group if op == "send" for x in get((k, s, m))]
         outs = [jax.ShapeDtypeStruct(a.shape, a.dtype)
                 for op, k, s, _, _ in group if op == "wait" for a in self._layout(k, s)]
-        token.dep, got = ffi.comm(self.comm.id, [(_OP_KIND[op], peer, _channel(k), s)
+        token.dep, got = ffi.comm(self.comm.id, [(_OP_KIND[op], peer, channel(k), s)
                                                  for op, k, s, _, peer in group],
                                   token.dep, sends, outs)
         pos = 0
@@ -793,7 +793,7 @@ class RankProgram(_LoopProgram):
 _OP_KIND = {"send": 0, "post": 1, "wait": 2}  # CommOpKind (cpp/include/baton/comm.h)
 
 
-def _channel(kind: str) -> int:
+def channel(kind: str) -> int:
     """The transfer channel of a buffer kind: its ``BufKind`` value (act 0, grad 1)."""
     return getattr(_core.BufKind, kind).value
 

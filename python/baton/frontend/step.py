@@ -46,7 +46,7 @@ def _placed(x, sh) -> bool:
 
 class CompiledStep:
     def __init__(self, traced: Traced, plan: Any, mesh: PipelineMesh, split_backward: bool,
-                 remat: bool = True, single_program: bool = True):
+                 remat: bool = True, single_program: bool = True, transport: str = "local"):
         self.traced = traced
         self.mesh = mesh
         self.plan = plan  # baton.Plan (python wrapper)
@@ -95,6 +95,8 @@ class CompiledStep:
         self.last_events: list | None = None
         self.last_offsets: list | None = None
         self.single_program = bool(single_program)
+        # the loop's transport: "local" (one process), "gloo" (CPU processes), "nccl" (GPUs)
+        self.transport = transport
         self.engine = ProgramEngine(self)
         self.interpreter = Interpreter(self)
 
@@ -146,7 +148,7 @@ class CompiledStep:
         return (not self.single_program or self.capture is not None
                 or (self.record and self.num_ranks == 1))
 
-    def engine_refusal(self, rank: int, transport_kind: str = "local") -> str | None:
+    def engine_refusal(self, rank: int, transport_kind: str | None = None) -> str | None:
         """Why the compiled engine cannot run ``rank`` of this step, or None."""
         return engine_mod.refusal(self, rank, transport_kind)
 
