@@ -6,8 +6,8 @@
 #   b. a one-rank pipelined GPT step (baton.jit, 1-rank mesh) against the monolithic jax.jit of
 #      the same step: ms/step of both, results equal to rtol 1e-5 (f32 matmuls at "highest"
 #      precision in both, so TF32 rounding does not differ between the two programs);
-#   c. two ranks over NCCL through the FFI path: needs 2 GPUs and a frontend that launches
-#      transport="nccl" (INFO otherwise);
+#   c. two ranks over NCCL through the FFI path, one process with one GPU per rank (1F1B and
+#      ZB-H1 GPT steps equal to jax.jit, ms/step): needs 2 GPUs (INFO otherwise);
 #   d. an NCCL transport send/recv to self (one GPU can only be one rank).
 # Prints a table. Usage, from the repository root:   bash bench/gpu_check.sh [python]
 # Environment: BUILD_DIR (default build/gpu), JOBS (default nproc).
@@ -176,16 +176,41 @@ EOF
   fi
 fi
 
-# 3c. Two ranks over NCCL through the FFI path ----------------------------------------------
+# 3c. Two ranks over NCCL through the FFI path (one process, one GPU per rank) ---------------
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if [ "${NGPU:-0}" -lt 2 ]; then
-  row "two ranks over NCCL (FFI)" INFO "needs 2 GPUs (found ${NGPU:-0})"
-elif ! grep -q "NcclRankComm(" python/baton/frontend/*.py; then
-  row "two ranks over NCCL (FFI)" INFO "$NGPU GPUs, but the frontend does not use NcclRankComm yet (GPU ranks of multi-rank steps are refused)"
-else
-  # One process per GPU; the frontend picks the NCCL engine for GPU ranks (adjust once wired).
-  TWO_OUT=$(BATON_TRANSPORT=nccl timeout 300 "$PY" -m baton.launch --nprocs 2 --timeout 280 \
-    examples/train_demo.py --ranks 2 --steps 3 2>&1)
+  row "two ranks over NCCL (FFI)" INFO "needs 2 GPUs (found ${NGPU:-0}): NCCL cannot connect two ranks on one GPU"
+elif [ -f "$STAGE/baton/__init__.py" ]; then
+  TWO_OUT=$(PYTHONPATH="$PWD/examples:$PYTHONPATH" timeout 300 "$PY" - <<'EOF' 2>&1
+import statistics, time
+import jax
+jax.config.update("jax_default_matmul_precision", "highest")
+import numpy as np
+import baton, gpt
+m, mb = 8, 8
+cfg = gpt.GPTConfig(vocab=512, seq=128, dim=256, heads=4, layers=4, stages=2)
+model, params, opt, opt_state, train_step, _ = gpt.make(cfg)
+batch = gpt.synthetic_batch(cfg, mb * m)
+base = jax.jit(gpt.scan_step(model, opt, m))
+rows = []
+for sched in (baton.OneFOneB(), baton.ZBH1()):
+    step = baton.jit(train_step, schedule=sched, microbatches=m,
+                     mesh=baton.PipelineMesh(jax.devices()[:2], ranks=2), timeout=120)
+    assert step.loop_transport() == "nccl", step.loop_transport()
+    want = jax.block_until_ready(base(params, opt_state, batch))
+    got = jax.block_until_ready(step(params, opt_state, batch))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                                   rtol=1e-5, atol=1e-7)
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        jax.block_until_ready(step(params, opt_state, batch))
+        ts.append(time.perf_counter() - t)
+    rows.append(f"{type(sched).__name__} {statistics.median(ts) * 1e3:.2f} ms/step")
+print("two ranks: equal to jax.jit (rtol 1e-5); " + "; ".join(rows))
+EOF
+)
   RC=$?
   if [ $RC -eq 0 ]; then row "two ranks over NCCL (FFI)" PASS "$(echo "$TWO_OUT" | tail -1)"; else row "two ranks over NCCL (FFI)" FAIL "rc=$RC $(echo "$TWO_OUT" | tail -3 | tr '\n' ' ')"; fi
 fi

@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import _core
 from ..errors import ConfigError
-from .interpreter import on_rank_threads
+from .interpreter import on_rank_threads, raise_first
 
 
 _GPU = ("gpu", "cuda")
@@ -140,8 +140,14 @@ class ProgramEngine:
             else:
                 comms = [_core.runtime.RankComm(r, float(timeout)) for r in range(R)]
             progs = [RankProgram(step, r, comms[r], timeout) for r in range(R)]
-            for p in progs:  # all compiled before any runs (a rank never waits on a compile)
-                p.compile(vals)
+            # all compiled before any runs (a rank never waits on a compile): traced one by
+            # one (Python), compiled in parallel (XLA releases the GIL)
+            lowered = [p.lower(vals) for p in progs]
+
+            def comp(r):
+                progs[r].compiled = lowered[r].compile()
+
+            raise_first(on_rank_threads(R, comp))
             self.local_progs = progs
             self._local_hub = None
         progs = self.local_progs

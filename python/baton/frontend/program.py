@@ -670,7 +670,12 @@ class RankProgram(_LoopProgram):
 
     def compile(self, vals):
         """Traces and compiles the program for these inputs."""
-        self.compiled = self.fn.lower(self._args(vals)).compile()
+        self.compiled = self.lower(vals).compile()
+
+    def lower(self, vals):
+        """Traces the program for these inputs (``jax.stages.Lowered``; its ``compile()``
+        runs in XLA without the GIL, so several ranks' programs compile in parallel)."""
+        return self.fn.lower(self._args(vals))
 
     def lowered_text(self) -> str:
         """The program's StableHLO, lowered from the loop inputs' avals (tests inspect its
