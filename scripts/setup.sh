@@ -6,13 +6,19 @@
 #   3. Baton itself (C++ core, bindings, baton-plan) pip-installed into .venv, rebuilt
 #      only when the sources changed since the last install.
 # Environment: BATON_FORCE_INSTALL=1 reinstalls Baton; PYTHON=/path/to/python3.12
-# chooses the interpreter used to create .venv.
+# chooses the interpreter used to create .venv. BATON_VENV=DIR sets up DIR instead of .venv
+# (its own build directory, build/py-<name>); BATON_JAX="jax==X jaxlib==X" pins JAX there
+# (scripts/test.sh --jax-oldest: the oldest JAX Baton supports).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-VENV="$ROOT/.venv"
+VENV="${BATON_VENV:-$ROOT/.venv}"
+[[ "$VENV" = /* ]] || VENV="$ROOT/$VENV"
+VNAME="$(basename "$VENV")"
 STAMPS="$ROOT/.stamps"
+BUILD_PY="build/py"
+[[ "$VNAME" == ".venv" ]] || BUILD_PY="build/py-${VNAME#.}"
 
 log() { echo "[setup] $*" >&2; }
 die() { echo "[setup] error: $*" >&2; exit 1; }
@@ -63,7 +69,7 @@ VPY="$VENV/bin/python"
   || die "$VENV uses Python $("$VPY" -V 2>&1); Baton needs >= 3.12 (remove .venv to recreate)"
 
 # Minimum versions; pip installs only what is missing or too old.
-PY_REQUIREMENTS=("jax>=0.11" "flax>=0.10" "optax>=0.2" "numpy>=1.26" "pytest>=8"
+PY_REQUIREMENTS=("jax>=0.11" "flax>=0.10" "optax>=0.2" "numpy>=1.26" "pytest>=8" "pytest-xdist>=3"
                  "hypothesis>=6" "nanobind>=2.4" "scikit-build-core>=0.10")
 mapfile -t need < <("$VPY" - "${PY_REQUIREMENTS[@]}" <<'EOF'
 import re, sys
@@ -82,9 +88,17 @@ for req in sys.argv[1:]:
     print(req)
 EOF
 )
+if [[ -n "${BATON_JAX:-}" ]]; then
+  # shellcheck disable=SC2206
+  pins=(${BATON_JAX})
+  if ! "$VPY" -m pip freeze 2>/dev/null | grep -qxF "${pins[0]}"; then
+    log "installing ${pins[*]} (pinned)"
+    "$VPY" -m pip install -q --disable-pip-version-check "${pins[@]}"
+  fi
+fi
 if ((${#need[@]})); then
   log "installing Python packages: ${need[*]}"
-  "$VPY" -m pip install -q --disable-pip-version-check "${need[@]}"
+  "$VPY" -m pip install -q --disable-pip-version-check "${need[@]}" ${BATON_JAX:-}
 fi
 
 # --- 3. Baton itself ---------------------------------------------------------------
@@ -103,18 +117,18 @@ source_hash() {
 
 mkdir -p "$STAMPS"
 HASH="$(source_hash)"
-STAMP="$STAMPS/baton-install"
+STAMP="$STAMPS/baton-install${VNAME#.venv}"
 installed_ok() {
   [[ -f "$STAMP" && "$(cat "$STAMP")" == "$HASH" ]] || return 1
   [[ -x "$VENV/bin/baton-plan" ]] || return 1
   compgen -G "$VENV/lib/python3*/site-packages/baton/_core*.so" >/dev/null
 }
 if [[ "${BATON_FORCE_INSTALL:-0}" == 1 ]] || ! installed_ok; then
-  log "building and installing Baton into $VENV (build dir build/py; first build takes minutes)"
+  log "building and installing Baton into $VENV (build dir $BUILD_PY; first build takes minutes)"
   rm -f "$STAMP"
   "$VPY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
-    -Cbuild-dir=build/py -Ccmake.define.BATON_BIND_PLANNER=ON \
+    -Cbuild-dir="$BUILD_PY" -Ccmake.define.BATON_BIND_PLANNER=ON \
     -Ccmake.define.BATON_BIND_GRAPH=ON -Ccmake.define.BATON_BIND_RUNTIME=ON "$ROOT"
   echo "$HASH" >"$STAMP"
 fi
-log "ready: $VENV ($("$VPY" -V 2>&1))"
+log "ready: $VENV ($("$VPY" -V 2>&1), jax $("$VPY" -c 'import jax; print(jax.__version__)'))"

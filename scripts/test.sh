@@ -6,12 +6,15 @@
 #   bash scripts/test.sh                 # everything
 #   bash scripts/test.sh --cpp-only      # C++ tests only
 #   bash scripts/test.sh --py-only       # Python tests only
+#   bash scripts/test.sh --py-only --jax-oldest      # Python tests against the oldest JAX
+#                                        # Baton supports (its own venv, .venv-jax-oldest)
 #   bash scripts/test.sh --py-only -- -k planner   # arguments after -- go to pytest
 #                                        # (default: the testpaths of pyproject.toml)
 #   BATON_SANITIZE=1 bash scripts/test.sh --cpp-only   # ASan+UBSan build in build/asan
 #
 # Environment: BATON_JOBS (build parallelism, default 2), BATON_PYTEST_TIMEOUT (seconds
-# for the whole pytest run, default 2700).
+# for the whole pytest run, default 2700), BATON_PYTEST_WORKERS (pytest-xdist processes,
+# default 2; 0 runs in one process).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -24,8 +27,11 @@ while (($#)); do
   case "$1" in
     --cpp-only) run_py=0 ;;
     --py-only) run_cpp=0 ;;
+    --jax-oldest)
+      # The oldest JAX Baton supports (README "Requirements"); the newest is what pip picks.
+      export BATON_VENV=.venv-jax-oldest BATON_JAX="jax==0.11.0 jaxlib==0.11.0" ;;
     --) shift; pytest_args=("$@"); break ;;
-    *) echo "usage: $0 [--cpp-only | --py-only] [-- pytest args]" >&2; exit 64 ;;
+    *) echo "usage: $0 [--cpp-only | --py-only] [--jax-oldest] [-- pytest args]" >&2; exit 64 ;;
   esac
   shift
 done
@@ -64,10 +70,13 @@ fi
 if ((run_py)); then
   log "Python: pytest"
   export JAX_NUM_CPU_DEVICES="${JAX_NUM_CPU_DEVICES:-8}"
-  export PATH="$ROOT/.venv/bin:$PATH"
+  VENV="$ROOT/${BATON_VENV:-.venv}"
+  export PATH="$VENV/bin:$PATH"
+  workers=()
+  ((${BATON_PYTEST_WORKERS:-2} > 0)) && workers=(-n "${BATON_PYTEST_WORKERS:-2}")
   # pytest exits 5 when it collects nothing: that is a failure here too.
   timeout --kill-after=30 "${BATON_PYTEST_TIMEOUT:-2700}" \
-    "$ROOT/.venv/bin/python" -m pytest -q -p no:cacheprovider "${pytest_args[@]}"
+    "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${workers[@]}" "${pytest_args[@]}"
   rc=$?
   if ((rc == 124 || rc == 137)); then
     log "pytest timed out after ${BATON_PYTEST_TIMEOUT:-2700}s"
