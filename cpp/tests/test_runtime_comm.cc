@@ -5,8 +5,12 @@
 #include <chrono>
 #include <cstring>
 #include <future>
+#include <map>
 #include <numeric>
+#include <set>
+#include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "baton/comm.h"
@@ -203,6 +207,259 @@ TEST(RuntimeComm, GlooTransfersBetweenTwoRanks) {
   EXPECT_EQ(g, h);
   a.detach();
   b.detach();
+}
+
+// ---------------------------------------------------------------- shards
+
+// One step of a 2-rank exchange on `shard` (its own thread): rank a sends three act
+// tensors and one grad buffer (two tensors) and waits for one act back; rank b posts,
+// waits in FIFO order and sends back. Payloads depend on shard and step.
+void shard_step_a(RankComm& a, int shard, int step, size_t n, std::vector<float>& back) {
+  const float base = 10000.0f * static_cast<float>(shard) + 100.0f * static_cast<float>(step);
+  const auto x0 = iota(n, base), x1 = iota(n, base + 10), x2 = iota(n, base + 20);
+  const auto g0 = iota(n, -base - 1), g1 = iota(n, -base - 2);
+  a.run_group({op(CommOpKind::Send, 1), op(CommOpKind::Post, 1)}, {in(x0)}, {}, shard);
+  a.run_group({op(CommOpKind::Send, 1, 1, 1), op(CommOpKind::Send, 1)}, {in(g0), in(g1), in(x1)},
+              {}, shard);
+  a.run_group({op(CommOpKind::Send, 1), op(CommOpKind::Wait, 1)}, {in(x2)}, {out(back)}, shard);
+}
+
+void shard_step_b(RankComm& b, int shard, size_t n, std::vector<std::vector<float>>& got) {
+  got.assign(6, std::vector<float>(n));
+  b.run_group({op(CommOpKind::Post, 0), op(CommOpKind::Post, 0), op(CommOpKind::Post, 0, 1, 1)}, {},
+              {}, shard);
+  b.run_group({op(CommOpKind::Wait, 0, 1, 1), op(CommOpKind::Wait, 0)}, {},
+              {out(got[3]), out(got[4]), out(got[0])}, shard);
+  b.run_group({op(CommOpKind::Wait, 0), op(CommOpKind::Wait, 0)}, {}, {out(got[1]), out(got[2])},
+              shard);
+  // sends back the sum of what it got on act
+  got[5] = got[0];
+  for (size_t i = 0; i < n; ++i) got[5][i] += got[1][i] + got[2][i];
+  b.run_group({op(CommOpKind::Send, 0)}, {in(got[5])}, {}, shard);
+}
+
+void run_sharded_steps(RankComm& a, RankComm& b, int shards, int steps, size_t n) {
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(static_cast<size_t>(2 * shards));
+  for (int s = 0; s < shards; ++s) {
+    threads.emplace_back([&, s] {
+      try {
+        for (int step = 0; step < steps; ++step) {
+          std::vector<float> back(n);
+          shard_step_a(a, s, step, n, back);
+          const float base = 10000.0f * static_cast<float>(s) + 100.0f * static_cast<float>(step);
+          std::vector<float> want(n);
+          for (size_t i = 0; i < n; ++i)
+            want[i] = 3 * (base + static_cast<float>(i)) + 30;  // x0 + x1 + x2
+          EXPECT_EQ(back, want) << "shard " << s << " step " << step;
+          a.drain(s);
+        }
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(s)] = e.what();
+      }
+    });
+    threads.emplace_back([&, s] {
+      try {
+        for (int step = 0; step < steps; ++step) {
+          std::vector<std::vector<float>> got;
+          shard_step_b(b, s, n, got);
+          const float base = 10000.0f * static_cast<float>(s) + 100.0f * static_cast<float>(step);
+          EXPECT_EQ(got[0], iota(n, base)) << "shard " << s << " step " << step;
+          EXPECT_EQ(got[1], iota(n, base + 10));
+          EXPECT_EQ(got[2], iota(n, base + 20));
+          EXPECT_EQ(got[3], iota(n, -base - 1));
+          EXPECT_EQ(got[4], iota(n, -base - 2));
+          b.drain(s);
+        }
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(shards + s)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+}
+
+TEST(RuntimeComm, ShardsExchangeWithTheSameShardOfThePeer) {
+  auto p = local_pair(16);
+  // the ranks' devices differ (ordinals 4, 5 and 6, 7); shard i meets shard i
+  p.a->set_shards({4, 5});
+  p.b->set_shards({7, 6});
+  EXPECT_EQ(p.a->num_shards(), 2);
+  EXPECT_EQ(p.a->shard_of(5), 1);
+  EXPECT_EQ(p.b->shard_of(7), 0);
+  EXPECT_THROW(p.a->shard_of(6), ExecutionError);
+  p.a->record(true);
+  p.b->record(true);
+  run_sharded_steps(*p.a, *p.b, 2, 20, 16);
+  // per step and shard: a sends 4 (3 act, 1 grad), posts 1; b posts 4, sends 1
+  EXPECT_EQ(p.a->counts(), std::make_pair(uint64_t{2 * 20 * 4}, uint64_t{2 * 20 * 1}));
+  EXPECT_EQ(p.b->counts(), std::make_pair(uint64_t{2 * 20 * 1}, uint64_t{2 * 20 * 4}));
+  // events: every shard's, each with its own seq numbering
+  const auto ea = p.a->take_events();
+  ASSERT_EQ(ea.size(), 2u * 20 * 5);
+  std::map<std::tuple<int, int, int, int>, uint64_t> next;  // (shard, kind, peer, channel)
+  for (const CommEvent& e : ea) {
+    ASSERT_TRUE(e.shard == 0 || e.shard == 1);
+    auto& want = next[{e.shard, static_cast<int>(e.kind), e.peer, e.channel}];
+    EXPECT_EQ(e.seq, want++);
+    EXPECT_LE(e.posted, e.completed);
+  }
+  EXPECT_EQ((next[{0, 0, 1, 0}]), 60u);
+  EXPECT_EQ((next[{1, 0, 1, 0}]), 60u);
+  EXPECT_EQ((next[{1, 0, 1, 1}]), 20u);
+  EXPECT_EQ((next[{1, 1, 1, 0}]), 20u);
+  EXPECT_FALSE(p.a->failure().has_value());
+}
+
+TEST(RuntimeComm, ShardsOverGloo) {
+  auto store = make_hash_store();
+  GlooOptions o;
+  o.connect_timeout = milliseconds(20000);
+  std::shared_ptr<Transport> t0, t1;
+  std::thread th([&] { t1 = make_gloo_transport(1, 2, store, o); });
+  t0 = make_gloo_transport(0, 2, store, o);
+  th.join();
+  const size_t n = 4096;
+  RankComm a(0, milliseconds(10000)), b(1, milliseconds(10000));
+  a.attach(t0);
+  b.attach(t1);
+  for (RankComm* c : {&a, &b}) {
+    c->set_shards({0, 1, 2});
+    c->set_layout(0, 0, {n * sizeof(float)});
+    c->set_layout(1, 1, {n * sizeof(float), n * sizeof(float)});
+  }
+  run_sharded_steps(a, b, 3, 5, n);
+  EXPECT_FALSE(a.failure().has_value());
+  a.detach();
+  b.detach();
+}
+
+TEST(RuntimeComm, AFailureOnOneShardFailsTheOtherShardsWaitsAtOnce) {
+  auto p = local_pair(4, milliseconds(30000));
+  p.a->set_shards({0, 1});
+  p.b->set_shards({2, 3});
+  std::vector<float> y1(4), y0(4);
+  auto wait_on = [](RankComm& c, int shard, int peer, std::vector<float>& y) {
+    return std::async(std::launch::async, [&c, shard, peer, &y] {
+      try {
+        c.run_group({op(CommOpKind::Post, peer), op(CommOpKind::Wait, peer)}, {}, {out(y)}, shard);
+      } catch (const ExecutionError& e) {
+        return e.failed_rank;
+      }
+      return -100;
+    });
+  };
+  auto b1 = wait_on(*p.b, 1, 0, y1);  // rank 1's other shard
+  auto a0 = wait_on(*p.a, 0, 1, y0);  // the peer's shard 0
+  std::this_thread::sleep_for(milliseconds(50));
+  const auto t0 = Clock::now();
+  const auto x = iota(5, 0);  // 20 bytes, the layout says 16
+  try {
+    p.b->run_group({op(CommOpKind::Send, 0)}, {in(x)}, {}, 0);
+    FAIL() << "no error";
+  } catch (const ExecutionError& e) {
+    EXPECT_EQ(e.failed_rank, 1);
+  }
+  EXPECT_EQ(b1.get(), 1);
+  EXPECT_EQ(a0.get(), 1);
+  EXPECT_LT(Clock::now() - t0, milliseconds(2000));
+  // recorded once: the first failure (the size mismatch), on both ranks' side
+  ASSERT_TRUE(p.b->failure().has_value());
+  EXPECT_NE(p.b->failure()->second.find("has 20 bytes, the receiver expects 16"), std::string::npos)
+      << p.b->failure()->second;
+  EXPECT_EQ(p.b->failure()->first, 1);
+  // a shard's later call fails at once
+  const auto t1 = Clock::now();
+  EXPECT_THROW(p.b->run_group({op(CommOpKind::Wait, 0)}, {}, {out(y1)}, 1), ExecutionError);
+  EXPECT_LT(Clock::now() - t1, milliseconds(1000));
+}
+
+TEST(RuntimeComm, ShardTimeoutNamesTheShardAndFailsTheOthers) {
+  auto p = local_pair(4, milliseconds(300));
+  p.b->set_shards({0, 1});
+  std::vector<float> y0(4), y1(4);
+  std::string m0, m1;
+  std::thread th([&] {
+    try {
+      p.b->run_group({op(CommOpKind::Wait, 0)}, {}, {out(y1)}, 1);
+    } catch (const ExecutionError& e) {
+      m1 = e.what();
+    }
+  });
+  try {
+    p.b->run_group({op(CommOpKind::Wait, 0)}, {}, {out(y0)}, 0);
+  } catch (const ExecutionError& e) {
+    m0 = e.what();
+  }
+  th.join();
+  // one of them timed out first (its shard named); the other failed through the abort
+  ASSERT_TRUE(p.b->failure().has_value());
+  const std::string first = p.b->failure()->second;
+  EXPECT_NE(
+      first.find("rank 1: timed out after 0.3 s receiving act(stage 0) #0 from rank 0 (shard "),
+      std::string::npos)
+      << first;
+  EXPECT_FALSE(m0.empty());
+  EXPECT_FALSE(m1.empty());
+}
+
+TEST(RuntimeComm, TagsOfDifferentShardsNeverCollide) {
+  std::set<uint64_t> seen;
+  for (uint64_t seq = 0; seq < 40; ++seq)
+    for (int ch = 0; ch < kCommChannels; ++ch)
+      for (int sh = 0; sh < kCommShards; ++sh) {
+        const uint64_t t = comm_tag(seq, ch, sh);
+        EXPECT_GE(t, kCommTagBase);
+        EXPECT_LT(t, uint64_t{1} << 44);  // below the Router's
+        EXPECT_TRUE(seen.insert(t).second) << seq << " " << ch << " " << sh;
+      }
+  EXPECT_EQ(comm_tag(0, 0, 0), kCommTagBase);
+  // the largest tag stays within the program range [2^42, 2^43)
+  const uint64_t top = (uint64_t{1} << 31) - 1;
+  EXPECT_EQ(comm_tag(top, kCommChannels - 1, kCommShards - 1), (uint64_t{1} << 43) - 1);
+  // seq wraps (transfers in flight are never 2^31 apart), as before shards
+  EXPECT_EQ(comm_tag(top + 1, 3, 9), comm_tag(0, 3, 9));
+  EXPECT_THROW(comm_tag(0, 0, kCommShards), ExecutionError);
+  EXPECT_THROW(comm_tag(0, kCommChannels, 0), ExecutionError);
+  EXPECT_THROW(comm_tag(0, -1, 0), ExecutionError);
+  EXPECT_THROW(comm_tag(0, 0, -1), ExecutionError);
+}
+
+TEST(RuntimeComm, SetShardsChecksTheOrdinals) {
+  RankComm c(0, milliseconds(100));
+  EXPECT_TRUE(c.shards().empty());
+  EXPECT_EQ(c.num_shards(), 1);
+  EXPECT_EQ(c.shard_of(0), 0);
+  EXPECT_EQ(c.shard_of(17), 0);  // one shard: any device
+  EXPECT_THROW(c.set_shards({0, 1, 0}), ConfigError);
+  EXPECT_THROW(c.set_shards({-1}), ConfigError);
+  std::vector<int> many(static_cast<size_t>(kCommShards) + 1);
+  std::iota(many.begin(), many.end(), 0);
+  EXPECT_THROW(c.set_shards(many), ConfigError);
+  many.pop_back();
+  c.set_shards(many);
+  EXPECT_EQ(c.num_shards(), kCommShards);
+  EXPECT_EQ(c.shard_of(255), 255);
+  c.set_shards({});
+  EXPECT_EQ(c.num_shards(), 1);
+  EXPECT_EQ(c.shard_of(3), 0);
+  EXPECT_THROW(c.drain(1), ExecutionError);  // no such shard
+}
+
+TEST(RuntimeComm, MarksAreShardZeros) {
+  RankComm c(0, milliseconds(100));
+  c.set_shards({3, 2});
+  c.record(true);
+  c.mark(0, 0);
+  c.mark(0, 1);
+  c.mark(1, 1);
+  c.mark(1, 0);
+  const auto m = c.take_marks();
+  ASSERT_EQ(m.size(), 2u);
+  EXPECT_EQ(m[0].first, 0);
+  EXPECT_EQ(m[1].first, 1);
+  EXPECT_TRUE(c.take_marks().empty());
 }
 
 }  // namespace

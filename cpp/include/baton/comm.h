@@ -24,7 +24,37 @@
 // the transport, so every other rank's waiting call fails at once, and is kept
 // as the context's failure (message and origin rank) for the Python layer to
 // raise as an ExecutionError.
+//
+// Shards (a rank on several devices). A rank's program may run SPMD over the
+// rank's devices (jax.shard_map): XLA then calls each handler once per device,
+// concurrently (XLA:CPU runs each device's instance of the program on its own
+// thread), each call with that device's local shard. XLA FFI tells a handler
+// its device (ffi::Ctx<ffi::DeviceOrdinal>; on CPU the ordinal is the jax
+// device's id, checked empirically with jax 0.12: a shard_map over devices
+// [3, 2, 1, 0] gave ordinals 3, 2, 1, 0, one per instance, all four instances
+// inside the handler at once). set_shards(ordinals) maps ordinal ordinals[i] to
+// shard i. Device i of rank a exchanges with device i of rank b: every shard
+// has its own counters, posted-receive FIFOs and pending sends, and the shard
+// is part of the tag (see comm_tag), so shard i only ever matches shard i. A
+// shard's own calls are sequential (its instance's token orders them); shards
+// call concurrently. With no set_shards (or an empty list) there is one shard
+// and every ordinal maps to it: the one-device rank.
+//
+// Thread safety of the transports (the shards call isend/irecv/flush from their
+// own threads at once, and wait on their own requests): LocalHub's transport
+// keeps all its state under the hub's mutex, and Gloo's under its own mutexes
+// (the transfer list, the worker threads; the Gloo tcp context and pairs lock
+// themselves and are already used from several threads: the posting thread,
+// the wait threads, the control listeners); Requests lock themselves. Both are
+// therefore called without further locking. Any other transport (NCCL's groups
+// are per thread of issue) gets its isend/irecv/flush calls serialized by
+// RankComm (post_mu_, never held while waiting).
+//
+// Failures with shards: a failure on any shard aborts the transport and is
+// recorded once (the first wins); the other shards' pending waits fail at once
+// and their later calls fail immediately.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -44,6 +74,13 @@ namespace baton::runtime {
 // Tags of program transfers: [kCommTagBase, kCommTagBase + 2^42), above the
 // executor's (step * buffers + buffer) and below the frontend Router's (2^44).
 inline constexpr uint64_t kCommTagBase = uint64_t{1} << 42;
+inline constexpr int kCommChannels = 8;  // channels 0..7
+inline constexpr int kCommShards = 256;  // shards 0..255
+// The tag of the seq-th transfer (per peer, channel, shard and direction):
+// kCommTagBase + ((seq mod 2^31) * 8 + channel) * 256 + shard. Distinct for
+// distinct (seq mod 2^31, channel, shard); seq wraps (transfers in flight are
+// never 2^31 apart). Throws ExecutionError for a channel or shard out of range.
+uint64_t comm_tag(uint64_t seq, int channel, int shard);
 
 enum class CommOpKind : int32_t { Send = 0, Post = 1, Wait = 2 };
 
@@ -68,8 +105,9 @@ struct MutBytes {
 struct CommEvent {
   CommOpKind kind = CommOpKind::Send;
   int peer = 0, channel = 0, stage = 0;
-  uint64_t seq = 0;  // per (peer, channel, direction)
+  uint64_t seq = 0;  // per (peer, channel, direction, shard)
   Clock::time_point posted{}, started{}, completed{};
+  int shard = 0;  // the shard (device of the rank) that made the transfer
 };
 
 class RankComm {
@@ -95,15 +133,25 @@ class RankComm {
   void set_names(int peer, int channel, bool send, std::vector<std::string> names);
   // Turns event recording on or off (the same program runs either way).
   void record(bool on);
+  // The rank's devices: the call of device ordinal ordinals[i] is shard i
+  // (distinct, >= 0, at most kCommShards). Empty: one shard, any ordinal.
+  // Resets every shard's counters and pending transfers (as attach does); call
+  // it while no program runs.
+  void set_shards(std::vector<int> ordinals);
+  const std::vector<int>& shards() const { return ordinals_; }
+  int num_shards() const { return static_cast<int>(shards_.size()); }
+  // The shard of a call from device `ordinal` (0 when no shards are set).
+  // Throws ExecutionError when the ordinal is not one of the rank's devices.
+  int shard_of(int ordinal) const;
 
-  // Runs one group. `sends` are the SEND operations' tensors in order (the
-  // layout of each SEND is its (channel, stage) layout); `outs` the WAIT
-  // operations' result tensors in order. Throws ExecutionError (after aborting
-  // the transport and recording the failure).
+  // Runs one group of `shard` (see shard_of). `sends` are the SEND operations'
+  // tensors in order (the layout of each SEND is its (channel, stage) layout);
+  // `outs` the WAIT operations' result tensors in order. Throws ExecutionError
+  // (after aborting the transport and recording the failure).
   void run_group(const std::vector<CommOp>& ops, const std::vector<ConstBytes>& sends,
-                 const std::vector<MutBytes>& outs);
-  // Waits (bounded) for every send posted so far: the end of a step.
-  void drain();
+                 const std::vector<MutBytes>& outs, int shard = 0);
+  // Waits (bounded) for every send `shard` posted so far: the end of a step.
+  void drain(int shard = 0);
   // Records `msg` as the failure (unless one is known) and aborts the transport
   // so every other rank's waits fail at once (e.g. a task of this rank raised).
   // Never throws.
@@ -111,8 +159,9 @@ class RankComm {
 
   // A task boundary of the program (phase 0: a task starts, 1: it ended): when
   // recording, its time is kept (the k-th begin/end pair of a step is the
-  // rank's k-th task in stream order). Needs no transport.
-  void mark(int phase);
+  // rank's k-th task in stream order). Needs no transport. Only shard 0's
+  // marks are kept (every shard has the same task boundaries).
+  void mark(int phase, int shard = 0);
   // (phase, time) of the marks recorded since the last call (moved out).
   std::vector<std::pair<int, Clock::time_point>> take_marks();
 
@@ -121,42 +170,59 @@ class RankComm {
   // Events recorded since the last call (moved out).
   std::vector<CommEvent> take_events();
   int rank() const { return rank_; }
-  // Transfers posted since attach (sends, receives).
+  // Transfers posted since attach (sends, receives), all shards together.
   std::pair<uint64_t, uint64_t> counts() const;
 
  private:
   struct Pending {
     RequestPtr req;
-    size_t event = SIZE_MAX;  // index into events_, when recording
+    size_t event = SIZE_MAX;  // event number (events_base_ + index in events_), when recording
   };
-  uint64_t tag(uint64_t seq, int channel) const;
+  // What one shard's calls use; only that shard's thread touches it while a
+  // program runs (attach, detach and set_shards run while none does).
+  struct Shard {
+    std::map<std::pair<int, int>, uint64_t> send_seq, recv_seq;
+    std::map<std::pair<int, int>, std::deque<Pending>> posted;  // FIFO per (peer, channel)
+    std::vector<Pending> sends;
+  };
+  Shard& shard_state(int shard);
   const std::vector<size_t>& layout(int channel, int stage) const;
   Layout layout_of(const std::vector<size_t>& bytes) const;
-  std::string name(const CommOp& op, uint64_t seq) const;
-  void post_recv(const CommOp& op);
-  // Records a posted transfer when recording; its index in events_, else SIZE_MAX.
-  size_t note_posted(CommOpKind kind, const CommOp& op, uint64_t seq, const Request& r);
+  std::string name(const CommOp& op, uint64_t seq, int shard) const;
+  void post_recv(Shard& sh, const CommOp& op, int shard);
+  // Transport calls that post (serialized by post_mu_ unless the transport is
+  // known to be thread safe; see the header comment).
+  RequestPtr t_isend(int peer, uint64_t tag, Value v, const std::string& what, int channel,
+                     const Layout& layout);
+  RequestPtr t_irecv(int peer, uint64_t tag, const std::string& what, int channel,
+                     const Layout& layout);
+  void t_flush();
+  // Records a posted transfer when recording; its event number, else SIZE_MAX.
+  size_t note_posted(CommOpKind kind, const CommOp& op, uint64_t seq, int shard, const Request& r);
   void wait_done(const Pending& p, const std::string& doing);
   [[noreturn]] void fail(const std::string& msg, int origin);
-  void reap();
+  void reap(Shard& sh);
+  void reset_shards();
 
   const int rank_;
   std::chrono::milliseconds timeout_;
-  // A program's groups run one at a time (its token orders them); mu_ guards
-  // only what other threads read: the failure and the events.
+  // A shard's groups run one at a time (its token orders them); mu_ guards
+  // only what several threads touch: the failure, the events and the marks.
   mutable std::mutex mu_;
+  std::mutex post_mu_;         // serializes posts on transports not known thread safe
+  bool serial_posts_ = false;  // set by attach
   std::shared_ptr<Transport> transport_;
   std::unique_ptr<Tasks> host_;  // host-tensor conversions for byte transports
   std::map<std::pair<int, int>, std::vector<size_t>> layouts_;
   std::map<std::tuple<int, int, bool>, std::vector<std::string>> names_;
-  std::map<std::pair<int, int>, uint64_t> send_seq_, recv_seq_;
-  std::map<std::pair<int, int>, std::deque<Pending>> posted_;  // FIFO per (peer, channel)
-  std::vector<Pending> sends_;
+  std::vector<int> ordinals_;                   // set_shards; empty: one shard
+  std::vector<std::unique_ptr<Shard>> shards_;  // at least one
   std::optional<std::pair<int, std::string>> failure_;
   bool record_ = false;
   std::vector<CommEvent> events_;
+  size_t events_base_ = 0;  // events taken so far (event numbers stay valid across take_events)
   std::vector<std::pair<int, Clock::time_point>> marks_;
-  uint64_t sent_ = 0, received_ = 0;
+  std::atomic<uint64_t> sent_{0}, received_{0};
 };
 
 // Contexts by id, for the FFI handlers (an attribute of the custom call names

@@ -2,6 +2,7 @@
 #include "baton/comm.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cstring>
 
@@ -35,8 +36,29 @@ double seconds(std::chrono::milliseconds t) { return static_cast<double>(t.count
 
 }  // namespace
 
+uint64_t comm_tag(uint64_t seq, int channel, int shard) {
+  if (channel < 0 || channel >= kCommChannels)
+    throw ExecutionError(
+        fmt::format("internal: transfer channel {} out of range [0, {})", channel, kCommChannels));
+  if (shard < 0 || shard >= kCommShards)
+    throw ExecutionError(
+        fmt::format("internal: shard {} out of range [0, {})", shard, kCommShards));
+  constexpr uint64_t kSeqs = (uint64_t{1} << 42) / (uint64_t{kCommChannels} * kCommShards);
+  return kCommTagBase +
+         ((seq % kSeqs) * kCommChannels + static_cast<uint64_t>(channel)) * kCommShards +
+         static_cast<uint64_t>(shard);
+}
+
 RankComm::RankComm(int rank, std::chrono::milliseconds timeout)
-    : rank_(rank), timeout_(timeout), host_(std::make_unique<HostOnly>()) {}
+    : rank_(rank), timeout_(timeout), host_(std::make_unique<HostOnly>()) {
+  reset_shards();
+}
+
+void RankComm::reset_shards() {
+  shards_.clear();
+  const size_t n = ordinals_.empty() ? 1 : ordinals_.size();
+  for (size_t i = 0; i < n; ++i) shards_.push_back(std::make_unique<Shard>());
+}
 
 RankComm::~RankComm() { detach(); }
 
@@ -46,19 +68,20 @@ void RankComm::attach(std::shared_ptr<Transport> transport) {
     throw ConfigError(fmt::format("RankComm of rank {} attached to the transport of rank {}", rank_,
                                   transport->rank()));
   detach();
+  const std::string kind = transport->kind();
+  serial_posts_ = kind != "local" && kind != "gloo";  // see comm.h
   transport_ = std::move(transport);
 }
 
 void RankComm::detach() {
   if (transport_) transport_->release(host_.get());
   transport_.reset();
-  send_seq_.clear();
-  recv_seq_.clear();
-  posted_.clear();
-  sends_.clear();
-  sent_ = received_ = 0;
+  reset_shards();
+  sent_ = 0;
+  received_ = 0;
   std::lock_guard<std::mutex> lock(mu_);
   failure_.reset();
+  events_base_ += events_.size();
   events_.clear();
   marks_.clear();
 }
@@ -80,10 +103,60 @@ void RankComm::record(bool on) {
   record_ = on;
 }
 
-uint64_t RankComm::tag(uint64_t seq, int channel) const {
-  constexpr uint64_t kSpan = uint64_t{1} << 42;
-  constexpr uint64_t kChannels = 8;
-  return kCommTagBase + (seq * kChannels + static_cast<uint64_t>(channel)) % kSpan;
+void RankComm::set_shards(std::vector<int> ordinals) {
+  if (ordinals.size() > static_cast<size_t>(kCommShards))
+    throw ConfigError(fmt::format("rank {}: {} shards, at most {} are supported", rank_,
+                                  ordinals.size(), kCommShards));
+  for (size_t i = 0; i < ordinals.size(); ++i) {
+    if (ordinals[i] < 0)
+      throw ConfigError(
+          fmt::format("rank {}: shard {} has device ordinal {} (< 0)", rank_, i, ordinals[i]));
+    for (size_t j = 0; j < i; ++j)
+      if (ordinals[j] == ordinals[i])
+        throw ConfigError(fmt::format("rank {}: device ordinal {} is given to shards {} and {}",
+                                      rank_, ordinals[i], j, i));
+  }
+  ordinals_ = std::move(ordinals);
+  reset_shards();
+}
+
+int RankComm::shard_of(int ordinal) const {
+  if (ordinals_.empty()) return 0;
+  for (size_t i = 0; i < ordinals_.size(); ++i)
+    if (ordinals_[i] == ordinal) return static_cast<int>(i);
+  throw ExecutionError(
+      fmt::format("rank {}: a transfer ran on device ordinal {}, which is not one of this rank's "
+                  "devices {} (RankComm.set_shards)",
+                  rank_, ordinal, fmt::join(ordinals_, ", ")),
+      rank_);
+}
+
+RankComm::Shard& RankComm::shard_state(int shard) {
+  if (shard < 0 || static_cast<size_t>(shard) >= shards_.size())
+    throw ExecutionError(
+        fmt::format("rank {}: internal: shard {} of {}", rank_, shard, shards_.size()), rank_);
+  return *shards_[static_cast<size_t>(shard)];
+}
+
+RequestPtr RankComm::t_isend(int peer, uint64_t tag, Value v, const std::string& what, int channel,
+                             const Layout& layout) {
+  if (!serial_posts_)
+    return transport_->isend(peer, tag, std::move(v), what, host_.get(), channel, layout);
+  std::lock_guard<std::mutex> lock(post_mu_);
+  return transport_->isend(peer, tag, std::move(v), what, host_.get(), channel, layout);
+}
+
+RequestPtr RankComm::t_irecv(int peer, uint64_t tag, const std::string& what, int channel,
+                             const Layout& layout) {
+  if (!serial_posts_) return transport_->irecv(peer, tag, what, host_.get(), channel, layout);
+  std::lock_guard<std::mutex> lock(post_mu_);
+  return transport_->irecv(peer, tag, what, host_.get(), channel, layout);
+}
+
+void RankComm::t_flush() {
+  if (!serial_posts_) return transport_->flush();
+  std::lock_guard<std::mutex> lock(post_mu_);
+  transport_->flush();
 }
 
 const std::vector<size_t>& RankComm::layout(int channel, int stage) const {
@@ -102,14 +175,16 @@ Layout RankComm::layout_of(const std::vector<size_t>& bytes) const {
   return out;
 }
 
-std::string RankComm::name(const CommOp& op, uint64_t seq) const {
+std::string RankComm::name(const CommOp& op, uint64_t seq, int shard) const {
   const bool send = op.kind == CommOpKind::Send;
+  // "(shard 1)" only when the rank has several: one-device messages stay as they were
+  const std::string of = shards_.size() > 1 ? fmt::format(" (shard {})", shard) : std::string();
   auto it = names_.find({op.peer, op.channel, send});
   if (it != names_.end() && !it->second.empty())
-    return fmt::format("{} {} rank {}", it->second[seq % it->second.size()], send ? "to" : "from",
-                       op.peer);
-  return fmt::format("{}(stage {}) #{} {} rank {}", channel_name(op.channel), op.stage, seq,
-                     op.kind == CommOpKind::Send ? "to" : "from", op.peer);
+    return fmt::format("{} {} rank {}{}", it->second[seq % it->second.size()], send ? "to" : "from",
+                       op.peer, of);
+  return fmt::format("{}(stage {}) #{} {} rank {}{}", channel_name(op.channel), op.stage, seq,
+                     op.kind == CommOpKind::Send ? "to" : "from", op.peer, of);
 }
 
 void RankComm::abort(const std::string& msg, int origin) {
@@ -139,45 +214,51 @@ void RankComm::wait_done(const Pending& p, const std::string& doing) {
   }
   if (p.event != SIZE_MAX) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (p.event < events_.size()) {
-      events_[p.event].started = r.started_at();
-      events_[p.event].completed = r.completed_at();
+    if (p.event >= events_base_ && p.event - events_base_ < events_.size()) {
+      CommEvent& e = events_[p.event - events_base_];
+      e.started = r.started_at();
+      e.completed = r.completed_at();
     }
   }
 }
 
-void RankComm::reap() {
+void RankComm::reap(Shard& sh) {
+  auto& sends = sh.sends;
   size_t keep = 0;
-  for (size_t i = 0; i < sends_.size(); ++i) {
-    if (sends_[i].req->done()) {
-      wait_done(sends_[i], fmt::format("sending {}", sends_[i].req->what));
+  for (size_t i = 0; i < sends.size(); ++i) {
+    if (sends[i].req->done()) {
+      wait_done(sends[i], fmt::format("sending {}", sends[i].req->what));
     } else {
-      sends_[keep++] = std::move(sends_[i]);
+      sends[keep++] = std::move(sends[i]);
     }
   }
-  sends_.resize(keep);
+  sends.resize(keep);
 }
 
-size_t RankComm::note_posted(CommOpKind kind, const CommOp& op, uint64_t seq, const Request& r) {
+size_t RankComm::note_posted(CommOpKind kind, const CommOp& op, uint64_t seq, int shard,
+                             const Request& r) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!record_) return SIZE_MAX;
-  events_.push_back({kind, op.peer, op.channel, op.stage, seq, r.posted, {}, {}});
-  return events_.size() - 1;
+  events_.push_back({kind, op.peer, op.channel, op.stage, seq, r.posted, {}, {}, shard});
+  return events_base_ + events_.size() - 1;
 }
 
-void RankComm::post_recv(const CommOp& op) {
+void RankComm::post_recv(Shard& sh, const CommOp& op, int shard) {
   const auto key = std::make_pair(op.peer, op.channel);
-  const uint64_t seq = recv_seq_[key]++;
+  const uint64_t seq = sh.recv_seq[key];
+  const uint64_t tg = comm_tag(seq, op.channel, shard);
+  ++sh.recv_seq[key];
   Pending p;
-  p.req = transport_->irecv(op.peer, tag(seq, op.channel), name(op, seq), host_.get(), op.channel,
-                            layout_of(layout(op.channel, op.stage)));
-  p.event = note_posted(CommOpKind::Post, op, seq, *p.req);
+  p.req = t_irecv(op.peer, tg, name(op, seq, shard), op.channel,
+                  layout_of(layout(op.channel, op.stage)));
+  p.event = note_posted(CommOpKind::Post, op, seq, shard, *p.req);
   ++received_;
-  posted_[key].push_back(std::move(p));
+  sh.posted[key].push_back(std::move(p));
 }
 
 void RankComm::run_group(const std::vector<CommOp>& ops, const std::vector<ConstBytes>& sends,
-                         const std::vector<MutBytes>& outs) {
+                         const std::vector<MutBytes>& outs, int shard) {
+  Shard& sh = shard_state(shard);
   if (!transport_)
     throw ExecutionError(
         fmt::format("rank {}: internal: a rank program ran with no transport attached", rank_),
@@ -189,11 +270,16 @@ void RankComm::run_group(const std::vector<CommOp>& ops, const std::vector<Const
   size_t in = 0, out = 0;
   bool unflushed = false;
   try {
-    reap();
+    reap(sh);
     for (const CommOp& op : ops) {
       if (op.peer < 0 || op.peer >= transport_->world_size() || op.peer == rank_)
         throw ExecutionError(
             fmt::format("rank {}: internal: transfer peer {} out of range", rank_, op.peer), rank_);
+      if (op.channel < 0 || op.channel >= kCommChannels)
+        throw ExecutionError(fmt::format("rank {}: internal: transfer channel {} out of range "
+                                         "[0, {})",
+                                         rank_, op.channel, kCommChannels),
+                             rank_);
       switch (op.kind) {
         case CommOpKind::Send: {
           const auto& sizes = layout(op.channel, op.stage);
@@ -217,31 +303,32 @@ void RankComm::run_group(const std::vector<CommOp>& ops, const std::vector<Const
             payload.push_back(std::move(t));
           }
           const auto key = std::make_pair(op.peer, op.channel);
-          const uint64_t seq = send_seq_[key]++;
+          const uint64_t seq = sh.send_seq[key];
+          const uint64_t tg = comm_tag(seq, op.channel, shard);
+          ++sh.send_seq[key];
           Pending p;
-          p.req = transport_->isend(op.peer, tag(seq, op.channel),
-                                    std::make_shared<HostValue>(std::move(payload)), name(op, seq),
-                                    host_.get(), op.channel, layout_of(sizes));
-          p.event = note_posted(CommOpKind::Send, op, seq, *p.req);
+          p.req = t_isend(op.peer, tg, std::make_shared<HostValue>(std::move(payload)),
+                          name(op, seq, shard), op.channel, layout_of(sizes));
+          p.event = note_posted(CommOpKind::Send, op, seq, shard, *p.req);
           ++sent_;
-          sends_.push_back(std::move(p));
+          sh.sends.push_back(std::move(p));
           unflushed = true;
           break;
         }
         case CommOpKind::Post:
-          post_recv(op);
+          post_recv(sh, op, shard);
           unflushed = true;
           break;
         case CommOpKind::Wait: {
           if (unflushed) {
-            transport_->flush();
+            t_flush();
             unflushed = false;
           }
           const auto key = std::make_pair(op.peer, op.channel);
-          auto& q = posted_[key];
+          auto& q = sh.posted[key];
           if (q.empty()) {  // not posted ahead: post it now
-            post_recv(op);
-            transport_->flush();
+            post_recv(sh, op, shard);
+            t_flush();
           }
           Pending p = std::move(q.front());
           q.pop_front();
@@ -270,7 +357,7 @@ void RankComm::run_group(const std::vector<CommOp>& ops, const std::vector<Const
         }
       }
     }
-    if (unflushed) transport_->flush();
+    if (unflushed) t_flush();
   } catch (const ExecutionError& e) {
     bool known = false;
     {
@@ -289,10 +376,11 @@ void RankComm::run_group(const std::vector<CommOp>& ops, const std::vector<Const
          rank_);
 }
 
-void RankComm::drain() {
+void RankComm::drain(int shard) {
+  Shard& sh = shard_state(shard);
   if (!transport_) return;
-  for (const Pending& p : sends_) wait_done(p, fmt::format("sending {}", p.req->what));
-  sends_.clear();
+  for (const Pending& p : sh.sends) wait_done(p, fmt::format("sending {}", p.req->what));
+  sh.sends.clear();
 }
 
 std::optional<std::pair<int, std::string>> RankComm::failure() const {
@@ -300,19 +388,25 @@ std::optional<std::pair<int, std::string>> RankComm::failure() const {
   return failure_;
 }
 
-void RankComm::mark(int phase) {
+void RankComm::mark(int phase, int shard) {
+  if (shard != 0) return;  // every shard has the same task boundaries
   std::lock_guard<std::mutex> lock(mu_);
   if (record_) marks_.emplace_back(phase, Clock::now());
 }
 
 std::vector<std::pair<int, Clock::time_point>> RankComm::take_marks() {
   std::lock_guard<std::mutex> lock(mu_);
-  return std::move(marks_);
+  std::vector<std::pair<int, Clock::time_point>> out = std::move(marks_);
+  marks_.clear();
+  return out;
 }
 
 std::vector<CommEvent> RankComm::take_events() {
   std::lock_guard<std::mutex> lock(mu_);
-  return std::move(events_);
+  events_base_ += events_.size();
+  std::vector<CommEvent> out = std::move(events_);
+  events_.clear();
+  return out;
 }
 
 std::pair<uint64_t, uint64_t> RankComm::counts() const { return {sent_, received_}; }
