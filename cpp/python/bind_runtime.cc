@@ -722,6 +722,16 @@ void init_runtime(nb::module_& root) {
       .def(
           "record", [](PyComm& c, bool on) { c.comm->record(on); }, "on"_a)
       .def(
+          "set_shards",
+          [](PyComm& c, std::vector<int> ordinals) { c.comm->set_shards(std::move(ordinals)); },
+          "ordinals"_a,
+          "The rank's devices: the handler call of device ordinal ordinals[i] (the jax device id "
+          "on CPU) is shard i, which exchanges with shard i of the peers. [] (the default): one "
+          "shard, any device. Resets the shards' counters; call it while no program runs.")
+      .def_prop_ro(
+          "shards", [](PyComm& c) { return c.comm->shards(); },
+          "The device ordinals given to set_shards ([]: one shard, any device).")
+      .def(
           "failure", [](PyComm& c) { return c.comm->failure(); },
           "(origin rank, message) of the first failure since attach, else None.")
       .def(
@@ -739,15 +749,23 @@ void init_runtime(nb::module_& root) {
           "recording.")
       .def(
           "take_events",
-          [](PyComm& c) {
+          [](PyComm& c, bool with_shard) {
             nb::list out;
-            for (const rt::CommEvent& e : c.comm->take_events())
-              out.append(nb::make_tuple(static_cast<int>(e.kind), e.peer, e.channel, e.stage, e.seq,
-                                        ns(e.posted), ns(e.started), ns(e.completed)));
+            for (const rt::CommEvent& e : c.comm->take_events()) {
+              if (with_shard)
+                out.append(nb::make_tuple(static_cast<int>(e.kind), e.peer, e.channel, e.stage,
+                                          e.seq, ns(e.posted), ns(e.started), ns(e.completed),
+                                          e.shard));
+              else
+                out.append(nb::make_tuple(static_cast<int>(e.kind), e.peer, e.channel, e.stage,
+                                          e.seq, ns(e.posted), ns(e.started), ns(e.completed)));
+            }
             return out;
           },
+          "with_shard"_a = false,
           "(kind 0 send / 1 receive, peer, channel, stage, seq, posted_ns, started_ns, "
-          "completed_ns) per transfer since the last call, when recording.");
+          "completed_ns[, shard when with_shard]) per transfer of every shard since the last "
+          "call, when recording (seq counts per shard).");
 
   // ---- NcclRankComm (CUDA; see nccl_comm.h) --------------------------------------
   nb::class_<PyNcclComm>(m, "NcclRankComm",

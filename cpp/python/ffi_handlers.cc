@@ -13,6 +13,15 @@
 //
 // The token (an int32 scalar) orders the calls among themselves and against
 // the tasks (see program.py); it is passed through unchanged.
+//
+// Shards: every handler also reads the calling device's ordinal
+// (ffi::Ctx<ffi::DeviceOrdinal>; on CPU the jax device id) and the context maps
+// it to a shard (RankComm::set_shards; one shard by default). Under
+// jax.shard_map over a rank's devices XLA calls the handlers once per device,
+// concurrently; each device's calls use that shard's counters and tags.
+//
+//   baton_device_ordinal  token -> int32 (one element): the calling device's
+//                ordinal (a debugging aid: checks what the handlers see)
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
@@ -48,9 +57,10 @@ std::shared_ptr<rt::RankComm> comm_of(int64_t id) {
 }
 
 ffi::Error CommImpl(ffi::AnyBuffer token, ffi::RemainingArgs args,
-                    ffi::Result<ffi::AnyBuffer> token_out, ffi::RemainingRets rets, int64_t comm,
-                    ffi::Span<const int32_t> kinds, ffi::Span<const int32_t> peers,
-                    ffi::Span<const int32_t> channels, ffi::Span<const int32_t> stages) {
+                    ffi::Result<ffi::AnyBuffer> token_out, ffi::RemainingRets rets,
+                    int32_t device_ordinal, int64_t comm, ffi::Span<const int32_t> kinds,
+                    ffi::Span<const int32_t> peers, ffi::Span<const int32_t> channels,
+                    ffi::Span<const int32_t> stages) {
   try {
     if (peers.size() != kinds.size() || channels.size() != kinds.size() ||
         stages.size() != kinds.size())
@@ -70,16 +80,19 @@ ffi::Error CommImpl(ffi::AnyBuffer token, ffi::RemainingArgs args,
       if (b.has_error()) return b.error();
       outs[i] = {(*b)->untyped_data(), (*b)->size_bytes()};
     }
-    comm_of(comm)->run_group(ops, sends, outs);
+    auto c = comm_of(comm);
+    c->run_group(ops, sends, outs, c->shard_of(device_ordinal));
   } catch (const std::exception& e) {
     return ffi::Error::Internal(e.what());
   }
   return pass_token(token, token_out);
 }
 
-ffi::Error DrainImpl(ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out, int64_t comm) {
+ffi::Error DrainImpl(ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out,
+                     int32_t device_ordinal, int64_t comm) {
   try {
-    comm_of(comm)->drain();
+    auto c = comm_of(comm);
+    c->drain(c->shard_of(device_ordinal));
   } catch (const std::exception& e) {
     return ffi::Error::Internal(e.what());
   }
@@ -87,13 +100,23 @@ ffi::Error DrainImpl(ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out
 }
 
 ffi::Error MarkImpl(ffi::AnyBuffer token, ffi::RemainingArgs /*after: ordering only*/,
-                    ffi::Result<ffi::AnyBuffer> token_out, int64_t comm, int32_t phase) {
+                    ffi::Result<ffi::AnyBuffer> token_out, int32_t device_ordinal, int64_t comm,
+                    int32_t phase) {
   try {
-    comm_of(comm)->mark(phase);
+    auto c = comm_of(comm);
+    c->mark(phase, c->shard_of(device_ordinal));
   } catch (const std::exception& e) {
     return ffi::Error::Internal(e.what());
   }
   return pass_token(token, token_out);
+}
+
+ffi::Error DeviceOrdinalImpl(ffi::AnyBuffer /*token*/, ffi::Result<ffi::Buffer<ffi::S32>> out,
+                             int32_t device_ordinal) {
+  if (out->element_count() != 1)
+    return ffi::Error::InvalidArgument("baton_device_ordinal: the result must have one element");
+  out->typed_data()[0] = device_ordinal;
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -103,6 +126,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonMark, MarkImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("comm")
                                   .Attr<int32_t>("phase"));
 
@@ -112,15 +136,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonComm, CommImpl,
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .RemainingRets()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("comm")
                                   .Attr<ffi::Span<const int32_t>>("kinds")
                                   .Attr<ffi::Span<const int32_t>>("peers")
                                   .Attr<ffi::Span<const int32_t>>("channels")
                                   .Attr<ffi::Span<const int32_t>>("stages"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonDrain, DrainImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("comm"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    BatonDrain, DrainImpl,
-    ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>("comm"));
+    BatonDeviceOrdinal, DeviceOrdinalImpl,
+    ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::S32>>().Ctx<ffi::DeviceOrdinal>());
 
 #if BATON_HAVE_NCCL
 void init_ffi_cuda(nb::module_& m);  // ffi_handlers_cuda.cc: has_cuda, handlers_cuda
@@ -135,6 +167,7 @@ void init_ffi(nb::module_& root) {
         d["baton_comm"] = nb::capsule(reinterpret_cast<void*>(&BatonComm));
         d["baton_drain"] = nb::capsule(reinterpret_cast<void*>(&BatonDrain));
         d["baton_mark"] = nb::capsule(reinterpret_cast<void*>(&BatonMark));
+        d["baton_device_ordinal"] = nb::capsule(reinterpret_cast<void*>(&BatonDeviceOrdinal));
         return d;
       },
       "{target name: PyCapsule of its XLA FFI handler} (register with "
@@ -142,7 +175,8 @@ void init_ffi(nb::module_& root) {
 #if BATON_HAVE_NCCL
   init_ffi_cuda(m);
 #else
-  m.def("has_cuda", [] { return false; }, "False: built without CUDA/NCCL (no CUDA handlers).");
+  m.def(
+      "has_cuda", [] { return false; }, "False: built without CUDA/NCCL (no CUDA handlers).");
   m.def(
       "handlers_cuda",
       []() -> nb::dict {
