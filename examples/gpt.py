@@ -96,6 +96,40 @@ def scan_step(model: GPT, opt, microbatches: int):
     return step
 
 
+def param_specs(params, tensor: str | None = None, fsdp: str | None = None):
+    """``PartitionSpec``s for ``params`` (pass as ``baton.jit(param_shardings=...)``).
+
+    ``tensor``: Megatron-style tensor parallelism over that mesh axis: attention heads
+    (query/key/value kernels split by head, the output projection by its head input) and the
+    MLP (first kernel by its output columns, second by its input rows), the embedding by
+    vocabulary; XLA inserts the all-reduces. ``fsdp``: every parameter also split over that
+    axis along a dimension tensor parallelism leaves alone (ZeRO-3 / FSDP: gathered where a
+    task uses it, gradients reduce-scattered). Either may be None.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    t, f = tensor, fsdp
+    both = tuple(a for a in (t, f) if a) or None  # a dimension split over both axes
+
+    def spec(path, x):
+        name = jax.tree_util.keystr(path)
+        if "Dense_0" in name:
+            return P(f, t) if x.ndim == 2 else P(both)
+        if "Dense_1" in name:
+            return P(t, f) if x.ndim == 2 else P(f)
+        if any(k in name for k in ("['query']", "['key']", "['value']")):
+            return P(f, t, None)
+        if "['out']" in name:
+            return P(t, None, f)
+        if "embedding" in name:
+            return P(t, f)
+        if x.ndim == 2:  # pos
+            return P(None, f)
+        return P(f)  # LayerNorm scales and biases
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
 def make(cfg: GPTConfig, lr: float = 1e-3, seed: int = 0, eps: float = 1e-8):
     """Returns (model, params, optimizer, opt_state, train_step, reference_step)."""
     model = GPT(cfg)

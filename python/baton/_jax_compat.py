@@ -33,6 +33,7 @@ __all__ = [
     "jaxpr_parts",
     "sub_jaxprs",
     "eval_eqn",
+    "map_eqn_params",
     "is_drop_var",
     "instantiate_zeros",
     "jax_version",
@@ -126,6 +127,42 @@ def call_jaxpr(eqn: Any):
         j = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
         return j
     return None
+
+
+def map_eqn_params(name: str, params: dict, fix) -> dict:
+    """``params`` of a ``name`` equation with ``fix(name, params) -> params`` applied to it
+    and to every equation of the jaxprs nested in it (scan bodies, checkpoint, jit callees),
+    rebuilt with ``replace`` (``Jaxpr``, ``JaxprEqn``, 0.11's ``ClosedJaxpr``). Returns the
+    same dict when nothing changed."""
+
+    def jaxpr(j):
+        if hasattr(j, "eqns"):
+            eqns = []
+            changed = False
+            for e in j.eqns:
+                p = map_eqn_params(e.primitive.name, e.params, fix)
+                changed |= p is not e.params
+                eqns.append(e.replace(params=p) if p is not e.params else e)
+            return j.replace(eqns=eqns) if changed else j
+        if hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):  # ClosedJaxpr (0.11)
+            inner = jaxpr(j.jaxpr)
+            return j.replace(jaxpr=inner) if inner is not j.jaxpr else j
+        return j
+
+    out = {}
+    changed = False
+    for k, v in params.items():
+        if isinstance(v, (tuple, list)) and any(hasattr(x, "eqns") or hasattr(x, "jaxpr")
+                                                for x in v):
+            nv = type(v)(jaxpr(x) for x in v)
+            changed |= any(a is not b for a, b in zip(nv, v))
+        else:
+            nv = jaxpr(v)
+            changed |= nv is not v
+        out[k] = nv
+    base = out if changed else params
+    fixed = fix(name, base)
+    return fixed
 
 
 def eval_eqn(prim: Primitive, params: dict, ctx: Any, vals: list) -> list:

@@ -37,7 +37,8 @@ def test_has_cuda_is_a_bool():
 @needs_cuda_build
 def test_cuda_handlers_match_the_cpu_ones():
     cpu, cuda = _core.ffi.handlers(), _core.ffi.handlers_cuda()
-    assert set(cuda) == set(cpu) == {"baton_comm", "baton_drain", "baton_mark"}
+    # the CPU build also has a debugging target (baton_device_ordinal)
+    assert set(cuda) == {"baton_comm", "baton_drain", "baton_mark"} <= set(cpu)
     for name in cuda:
         assert type(cuda[name]).__name__ == "PyCapsule"
         assert cuda[name] is not cpu[name]

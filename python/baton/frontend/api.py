@@ -32,7 +32,9 @@ class PipelinedFunction:
     def __init__(self, fn: Callable, mesh: Any, schedule: Any, microbatches: int,
                  transport: str | None = None, timeout: float = 120.0, trace: bool = False,
                  remat: bool = True, fuse_forward_backward: bool = True,
-                 retain_host_memory: bool = True, single_program: bool = True):
+                 retain_host_memory: bool = True, single_program: bool = True,
+                 param_shardings: Any = None):
+        self.param_shardings = param_shardings
         if transport not in (None, "local", "gloo", "nccl"):
             raise ConfigError(
                 f"baton.jit: transport must be None (automatic), 'local', 'gloo' or 'nccl' "
@@ -118,6 +120,7 @@ class PipelinedFunction:
         # Remote placeholders (multi-process mode) trace as their shape and dtype.
         args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
                             if isinstance(x, Remote) else x, args)
+        in_specs = self._input_specs(args)  # (a bad sharding is named before tracing)
         traced = trace_step(self.fn, args, self.microbatches)
         ranks = self.mesh.num_ranks
         want = self.spec.stages(ranks)
@@ -153,7 +156,55 @@ class PipelinedFunction:
             rt.retain_host_memory()
         return CompiledStep(traced, plan, self.mesh, bool(sched.split_backward()),
                             remat=self.remat, single_program=self.single_program,
-                            transport=self.loop_transport())
+                            transport=self.loop_transport(),
+                            in_specs=in_specs)
+
+    def _input_specs(self, args) -> list:
+        """Per flat argument, its ``PartitionSpec`` on the ranks' sub-meshes, or None
+        (replicated): from ``param_shardings`` (for the first argument, and for every
+        sub-tree of the other arguments with the first argument's structure: optax's ``mu``,
+        ``nu``, ...), else from the argument's own ``NamedSharding``. Raises ``ConfigError``
+        naming the argument path for a spec that names an axis the mesh lacks or does not
+        divide the value's shape."""
+        leaves = jax.tree_util.tree_flatten_with_path(args)[0]
+        specs: dict[int, Any] = {}
+        if self.param_shardings is not None:
+            ptree = jax.tree.structure(args[0])
+            try:
+                pspecs = ptree.flatten_up_to(self.param_shardings)
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"baton.jit: param_shardings does not match the structure of "
+                                  f"the first argument (the parameters): {e}") from None
+            # every sub-tree (of any argument) with the parameters' structure takes their specs
+
+            def is_params(y):
+                return ptree.num_leaves > 1 and jax.tree.structure(y) == ptree
+
+            pos = 0
+            for part in jax.tree.leaves(args, is_leaf=is_params):
+                n = len(jax.tree.leaves(part))
+                if is_params(part) or (pos == 0 and n == ptree.num_leaves):
+                    for j, sp in enumerate(pspecs):
+                        specs[pos + j] = sp
+                pos += n
+        out = []
+        mesh = self.mesh
+        for i, (path, x) in enumerate(leaves):
+            where = f"baton.jit: argument {jax.tree_util.keystr(path)}"
+            sp = specs.get(i)
+            if sp is None:
+                sh = getattr(x, "sharding", None)
+                from jax.sharding import NamedSharding
+
+                if isinstance(sh, NamedSharding) and sh.spec:
+                    sp = sh
+            if sp is None:
+                out.append(None)
+                continue
+            spec = mesh.spec_on_ranks(sp, where)
+            mesh.check_spec(spec, np.shape(x), where)
+            out.append(spec if spec else None)
+        return out
 
     def __call__(self, *args):
         return self._call(args, self.trace)
@@ -284,6 +335,7 @@ def jit(
     fuse_forward_backward: bool = True,
     retain_host_memory: bool = True,
     single_program: bool = True,
+    param_shardings: Any = None,
 ):
     """Pipelines ``fn`` (a training step containing one ``baton.accumulate``).
 
@@ -313,6 +365,12 @@ def jit(
     block is mapped and unmapped per call, page-faulting it in every time (~10 ms per call on
     a 40 MB working set); the cost is that the process keeps its peak host memory.
     ``False`` leaves malloc alone.
+    ``param_shardings``: a pytree of ``PartitionSpec``s (or ``NamedSharding``s, or None for
+    replicated) with the structure of ``fn``'s first argument (the parameters), naming axes of
+    the ``PipelineMesh``'s sub-meshes (e.g. ``"tensor"``, ``"fsdp"``); the pipe axis, if
+    named, is dropped. Every sub-tree of the other arguments with the parameters' structure
+    (optax's ``mu``, ``nu``) takes the same shardings. Without it, arguments that are already
+    ``NamedSharding``-ed keep their specs; the rest is replicated on each rank.
     ``single_program``: the engine. ``True`` (default): the compiled engine. With one rank,
     the whole step, the schedule's tasks rolled into ``lax.scan`` loops in the schedule's
     order, is one XLA program (as Megatron-LM runs a pipeline of size 1 without its pipeline
@@ -330,6 +388,6 @@ def jit(
     def wrap(f):
         return PipelinedFunction(f, mesh, schedule, microbatches, transport, timeout, trace,
                                  remat, fuse_forward_backward, retain_host_memory,
-                                 single_program)
+                                 single_program, param_shardings)
 
     return wrap if fn is None else wrap(fn)

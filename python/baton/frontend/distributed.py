@@ -97,13 +97,22 @@ def process_group(kind: str = "gloo", connect_timeout: float = 60.0) -> ProcessG
     return _GROUP
 
 
-def local_devices(mesh: Any) -> list:
+def local_devices(mesh: Any) -> Any:
     """The devices of this process's rank: ``None`` -> ``jax.local_devices()``; a list of
-    devices; or a ``PipelineMesh`` with one rank."""
+    devices; a ``PipelineMesh`` with one rank; or a ``jax.sharding.Mesh`` of this process's
+    devices with named axes (kept: the rank's sub-mesh)."""
+    from jax.sharding import Mesh
+
     from .mesh import PipelineMesh
 
     if mesh is None:
         return list(jax.local_devices())
+    if isinstance(mesh, Mesh):
+        if "pipe" in mesh.axis_names:
+            raise ConfigError(
+                "multi-process baton.jit: each process is one rank, so its mesh is the rank's "
+                f"sub-mesh, without a 'pipe' axis (got axes {mesh.axis_names})")
+        return mesh
     if isinstance(mesh, PipelineMesh):
         if mesh.num_ranks != 1:
             raise ConfigError(
@@ -114,17 +123,21 @@ def local_devices(mesh: Any) -> list:
     return list(mesh)
 
 
-def process_mesh(devices: Sequence[Any], world_size: int):
+def process_mesh(devices: Any, world_size: int):
     """A PipelineMesh of ``world_size`` ranks in which every rank is this process's
-    devices (a process only ever places values for its own rank)."""
+    devices (a process only ever places values for its own rank): ``devices`` a list (one
+    ``"data"`` axis) or a ``jax.sharding.Mesh`` (its named axes)."""
     from jax.sharding import Mesh
 
-    from .mesh import DATA_AXIS, PipelineMesh
+    from .mesh import BATCH_AXES, DATA_AXIS, PipelineMesh
 
     m = PipelineMesh.__new__(PipelineMesh)
-    m.rank_devices = [list(devices)] * world_size
-    mesh = Mesh(np.array(list(devices)), (DATA_AXIS,))
+    mesh = devices if isinstance(devices, Mesh) else Mesh(np.array(list(devices)),
+                                                          (DATA_AXIS,))
+    m.rank_devices = [list(mesh.devices.flat)] * world_size
     m.meshes = [mesh] * world_size
+    m.axis = "pipe"
+    m.batch_axes = tuple(n for n in mesh.axis_names if n in BATCH_AXES)
     return m
 
 

@@ -30,12 +30,23 @@ def refusal(step, rank: int, transport_kind: str | None = None) -> str | None:
     devs = step.mesh.rank_devices[rank]
     if step.num_ranks == 1:
         return None  # one program, no transfers
-    if len(devs) > 1:
-        return (f"rank {rank} has {len(devs)} devices: the compiled engine moves a rank's "
-                f"values whole, and a value sharded over several devices would cross "
-                f"through one of them; use one device per rank, or the interpreter "
-                f"(baton.jit(..., single_program=False))")
     platforms = {d.platform for d in devs}
+    if len(devs) > 1 and kind == "local":
+        return (f"rank {rank} has {len(devs)} devices: in one process XLA:CPU runs one "
+                f"multi-device program at a time (its client serializes them), so ranks of "
+                f"several devices cannot overlap their programs here; run one process per "
+                f"rank (python -m baton.launch; each rank's program then runs SPMD on its "
+                f"devices, transfers shard to shard), or the interpreter "
+                f"(baton.jit(..., single_program=False)), which moves shards device to device")
+    if len(devs) > 1 and platforms != {"cpu"}:
+        return (f"rank {rank} has {len(devs)} GPUs: shard-to-shard transfers between ranks "
+                f"of several devices run on CPU transports so far (the NCCL context is one "
+                f"device per rank); use one GPU per rank, or the interpreter "
+                f"(baton.jit(..., single_program=False))")
+    shapes = {tuple(m.shape.items()) for m in step.mesh.meshes}
+    if len(shapes) > 1:
+        return (f"the ranks' sub-meshes differ ({', '.join(map(str, sorted(shapes)))}): "
+                f"shard-to-shard transfers need the same axes and sizes on every rank")
     if platforms == {"cpu"}:
         if kind not in ("local", "gloo"):
             return (f"rank {rank} runs on CPU, whose transfers go over the 'local' (one "

@@ -161,7 +161,7 @@ class Interpreter:
         if key not in st.inv_cache:
             o, _ = self.step.loop_src[v]
             x = st.vals[o] if o in st.vals else self.step.traced.literals[o]
-            st.inv_cache[key] = self.step.put(x, rank)
+            st.inv_cache[key] = self.step.place([o], [x], rank)[0]
         return st.inv_cache[key]
 
     def _microbatch(self, v, m, rank):

@@ -52,6 +52,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from .. import _core
 from ..errors import ExecutionError
@@ -421,6 +422,9 @@ class _LoopProgram:
     def _comm(self, group, base, get, put, token):
         raise ValueError("internal: this program has no transfers")
 
+    def _mark(self, phase, dep, after):
+        raise ValueError("internal: this program has no markers")
+
     # -- the traced loop ------------------------------------------------------------------
     def _loop(self, env, outer, whole_mb, token):
         """Traces the loop into ``env`` (its sums, stacked parts and buffers)."""
@@ -457,7 +461,7 @@ class _LoopProgram:
                     made[key] = v
 
                 if self.marks:  # the task starts (recorded only when tracing)
-                    token.dep = ffi.mark(self.comm.id, 0, token.dep)
+                    token.dep = self._mark(0, token.dep, [])
                 _run_task(cs, kind, s, m, inv, mb, get, put_, add, token.call)
                 tied = []
                 if token.dep is not None:  # the task's buffers and sums before what follows
@@ -475,8 +479,7 @@ class _LoopProgram:
                     # the task ended: the mark reads its outputs and sums, so it runs once
                     # they are computed (an optimization_barrier orders XLA's passes, not its
                     # run time: a token through one alone would not wait for the compute)
-                    token.dep = ffi.mark(self.comm.id, 1, token.dep,
-                                         jax.tree.leaves(tied))
+                    token.dep = self._mark(1, token.dep, jax.tree.leaves(tied))
                 i += 1
             else:
                 j = i
@@ -563,15 +566,10 @@ class _LoopProgram:
             if v not in split:
                 x = jnp.asarray(outer(v))
                 x = x.reshape((cs.M, x.shape[0] // cs.M, *x.shape[1:]))
-                devs = cs.mesh.rank_devices[self.rank]
-                if len(devs) > 1 and x.shape[1] % len(devs) == 0:
-                    from jax.sharding import NamedSharding, PartitionSpec
-
-                    from .mesh import DATA_AXIS
-
+                spec = cs.mesh.batch_spec(x.shape[1:])  # each microbatch over the batch axes
+                if spec:
                     x = jax.lax.with_sharding_constraint(
-                        x, NamedSharding(cs.mesh.meshes[self.rank],
-                                         PartitionSpec(None, DATA_AXIS)))
+                        x, cs.mesh.sharding(self.rank, PartitionSpec(None, *spec)))
                 split[v] = x
             return split[v]
 
@@ -593,7 +591,7 @@ class SingleProgram(_LoopProgram):
 
     def __call__(self, flat_args):
         cs = self.cs
-        args = cs.put_all(list(flat_args), 0)
+        args = cs.place(cs.traced.step_inputs, list(flat_args), 0)
         outs = self.fn(args)
         tr = cs.traced
         it = iter(outs)
@@ -649,9 +647,16 @@ class RankProgram(_LoopProgram):
         self.mine = [i for i, p in enumerate(cs.parts) if cs.stage_rank[p.stage] == rank]
         names: dict[tuple, list[str]] = {}
         self._order: dict[tuple, list[int]] = {}
+        # A rank of several devices runs SPMD: each transfer is called per device (shard_map
+        # over the rank's sub-mesh) on its local shard, and device i of one rank exchanges
+        # with device i of the other (the same block of the same spec: shard to shard).
+        self.sub = cs.mesh.meshes[rank]
+        self.D = int(self.sub.devices.size)
+        if self.D > 1:
+            comm.set_shards([int(d.id) for d in self.sub.devices.flat])
         for op, k, s, m, peer in self.items:
             if op != "run":
-                comm.set_layout(channel(k), s, [_nbytes(a) for a in self._layout(k, s)])
+                comm.set_layout(channel(k), s, [_nbytes(a) for a in self._local(k, s)])
             if op in ("send", "post"):
                 names.setdefault((peer, channel(k), op == "send"), []).append(
                     f"{k.lower()}(s{s},m{m})")
@@ -680,13 +685,14 @@ class RankProgram(_LoopProgram):
     def lowered_text(self) -> str:
         """The program's StableHLO, lowered from the loop inputs' avals (tests inspect its
         custom calls)."""
-        sh = self.cs.mesh.replicated(self.rank)
-        avals = [self.cs.traced.avals[o] for o in self.needs]
-        return self.fn.lower([jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
-                              for a in avals]).as_text()
+        cs = self.cs
+        return self.fn.lower([jax.ShapeDtypeStruct(cs.traced.avals[o].shape,
+                                                   cs.traced.avals[o].dtype,
+                                                   sharding=cs.sharding(o, self.rank))
+                              for o in self.needs]).as_text()
 
     def _args(self, vals):
-        return self.cs.put_all([vals[o] for o in self.needs], self.rank)
+        return self.cs.place(self.needs, [vals[o] for o in self.needs], self.rank)
 
     def __call__(self, vals) -> dict[int, Any]:
         """Runs one step; a failure (here or on another rank) raises ``ExecutionError``
@@ -771,22 +777,81 @@ class RankProgram(_LoopProgram):
         self._loop(env, outer, self._whole_mb(outer, {}), token)
         final = self._final_parts(env, self.mine)
         # every send delivered before the program ends
-        done = ffi.drain(self.comm.id, token.dep)
+        cid = self.comm.id
+        if self.D == 1:
+            done = ffi.drain(cid, token.dep)
+        else:  # every device drains its own sends
+            done = self._per_device(lambda t: (ffi.drain(cid, t),), [token.dep],
+                                    [PartitionSpec()], [PartitionSpec()])[0]
         return [done] + [final[i] for i in self.mine]
 
     # -- transfers -------------------------------------------------------------------------
     def _layout(self, k, s):
         return self.cs.buffers.layout(k, s)
 
+    def _specs(self, k, s) -> list[PartitionSpec]:
+        """How a (k, s) buffer's arrays are laid out on a rank's devices when they cross:
+        split over the batch axes along their leading (batch) dimension where it divides,
+        else replicated; the same on both ranks, so device i sends to device i."""
+        return [self.cs.mesh.batch_spec(a.shape) for a in self._layout(k, s)]
+
+    def _local(self, k, s) -> list:
+        """The per-device (shard) avals of a (k, s) buffer."""
+        out = []
+        for a, spec in zip(self._layout(k, s), self._specs(k, s)):
+            shape = list(a.shape)
+            for dim, entry in enumerate(spec):
+                if entry is not None:
+                    names = entry if isinstance(entry, tuple) else (entry,)
+                    for n in names:
+                        shape[dim] //= int(self.sub.shape[n])
+            out.append(jax.ShapeDtypeStruct(tuple(shape), a.dtype))
+        return out
+
+    def _per_device(self, fn, args, in_specs, out_specs):
+        """``fn`` called on every device of the rank with its shards (``shard_map`` over the
+        rank's sub-mesh): how the transfer calls run on a rank of several devices."""
+        return jax.shard_map(fn, mesh=self.sub, in_specs=tuple(in_specs),
+                             out_specs=tuple(out_specs), check_vma=False)(*args)
+
+    def _mark(self, phase, dep, after):
+        """A task boundary marker (``baton_mark``) that runs after ``after`` (the task's
+        outputs) exist. On several devices it is called on each (only shard 0's is kept),
+        reading one element of each output (a whole sharded output would be gathered)."""
+        cid = self.comm.id
+        if self.D == 1:
+            return ffi.mark(cid, phase, dep, after)
+        small = [x.reshape(-1)[:1] for x in after if x.size]
+        return self._per_device(lambda t, *xs: (ffi.mark(cid, phase, t, list(xs)),),
+                                [dep, *small], [PartitionSpec()] * (1 + len(small)),
+                                [PartitionSpec()])[0]
+
     def _comm(self, group, base, get, put, token):
         """One ``baton_comm`` custom call for a stretch of transfers: it posts the stretch's
-        sends and receives and returns the arrays of the receives it waits on."""
+        sends and receives and returns the arrays of the receives it waits on. On a rank of
+        several devices, one call per device (``shard_map``) on its shards."""
         sends = [x for op, k, s, m, _ in group if op == "send" for x in get((k, s, m))]
-        outs = [jax.ShapeDtypeStruct(a.shape, a.dtype)
-                for op, k, s, _, _ in group if op == "wait" for a in self._layout(k, s)]
-        token.dep, got = ffi.comm(self.comm.id, [(_OP_KIND[op], peer, channel(k), s)
-                                                 for op, k, s, _, peer in group],
-                                  token.dep, sends, outs)
+        ops = [(_OP_KIND[op], peer, channel(k), s) for op, k, s, _, peer in group]
+        if self.D == 1:
+            outs = [jax.ShapeDtypeStruct(a.shape, a.dtype)
+                    for op, k, s, _, _ in group if op == "wait" for a in self._layout(k, s)]
+            token.dep, got = ffi.comm(self.comm.id, ops, token.dep, sends, outs)
+        else:
+            outs = [a for op, k, s, _, _ in group if op == "wait" for a in self._local(k, s)]
+            send_specs = [sp for op, k, s, _, _ in group if op == "send"
+                          for sp in self._specs(k, s)]
+            recv_specs = [sp for op, k, s, _, _ in group if op == "wait"
+                          for sp in self._specs(k, s)]
+            cid = self.comm.id
+
+            def per_device(tok, *xs):
+                t, got = ffi.comm(cid, ops, tok, list(xs), outs)
+                return (t, *got)
+
+            res = self._per_device(per_device, [token.dep, *sends],
+                                   [PartitionSpec(), *send_specs],
+                                   [PartitionSpec(), *recv_specs])
+            token.dep, got = res[0], list(res[1:])
         pos = 0
         for op, k, s, m, _ in group:
             if op == "wait":

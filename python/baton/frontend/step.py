@@ -28,7 +28,7 @@ from . import engine as engine_mod
 from .engine import ProgramEngine
 from .interpreter import Interpreter
 from .mesh import PipelineMesh
-from .tasks import Buffers, Segments, build_tasks
+from .tasks import Buffers, Segments, build_tasks, on_rank
 from .trace import Traced
 
 G = _core.graph
@@ -46,7 +46,8 @@ def _placed(x, sh) -> bool:
 
 class CompiledStep:
     def __init__(self, traced: Traced, plan: Any, mesh: PipelineMesh, split_backward: bool,
-                 remat: bool = True, single_program: bool = True, transport: str = "local"):
+                 remat: bool = True, single_program: bool = True, transport: str = "local",
+                 in_specs: list | None = None):
         self.traced = traced
         self.mesh = mesh
         self.plan = plan  # baton.Plan (python wrapper)
@@ -62,12 +63,19 @@ class CompiledStep:
         self.programs = tuple(tuple((str(i.opcode), i.action, i.buffer, i.peer) for i in prog)
                               for prog in core.programs)
         self.parts = list(self.partition.parts)
-        self.tasks = build_tasks(traced, self.partition, self.parts, self.num_stages)
+        fixes = {r: on_rank(mesh, r) for r in set(self.stage_rank)}
+        fix_of = (lambda s: fixes[self.stage_rank[s]])  # noqa: E731
+        self.tasks = build_tasks(traced, self.partition, self.parts, self.num_stages, fix_of)
         self.buffers = Buffers(core, traced, self.partition, self.tasks)
         self.rank_actions = self.buffers.rank_actions
         self.op_stage = list(self.partition.op_stage)
-        segs = Segments(traced, self.op_stage, self.num_stages)
+        segs = Segments(traced, self.op_stage, self.num_stages, fix_of)
         self.pre_segments, self.post_segments = segs.pre, segs.post
+        # step input value -> its PartitionSpec on the ranks' sub-meshes (the user's
+        # shardings: baton.jit(param_shardings=...) or the input arrays' own); every other
+        # value is replicated when it has to be moved
+        self.in_specs = {v: sp for v, sp in zip(traced.step_inputs, in_specs or ())
+                         if sp is not None}
         # loop input value -> (the outer value it reads, per microbatch?)
         self.loop_src = {b: (o, mb) for b, o, mb in traced.loop_inputs}
         # outer value -> the loop-output parts summed into it
@@ -108,22 +116,41 @@ class CompiledStep:
             sh = self.mesh.replicated(rank)
         return x if _placed(x, sh) else jax.device_put(x, sh)
 
-    def put_all(self, xs, rank):
-        """``put`` of many values (replicated on ``rank``): arrays already there are kept
-        (``device_put`` costs ~20 us per array even then: ~10 ms per step for the optimizer's
-        inputs and the parameters), the rest moved in one batched ``device_put``."""
-        sh = self.mesh.replicated(rank)
+    def sharding(self, v, rank):
+        """Where value ``v`` lives on ``rank`` when it has to be moved there: its user spec
+        (a step input), else replicated."""
+        sp = self.in_specs.get(v)
+        return self.mesh.sharding(rank, sp) if sp is not None else self.mesh.replicated(rank)
+
+    def place(self, vs, xs, rank):
+        """Values ``xs`` (ids ``vs``) on ``rank``: a step input with a spec is put in that
+        sharding; any other array already on the rank's devices is kept as XLA laid it out
+        (a sharded gradient stays sharded for the optimizer); the rest is moved, replicated.
+        Arrays already in place cost nothing (``device_put`` costs ~20 us per array even
+        then: ~10 ms per step for the optimizer's inputs and the parameters); the rest moves
+        in one batched ``device_put``."""
         out = list(xs)
-        move = [i for i, x in enumerate(out) if not _placed(x, sh)]
+        devs = self.mesh.meshes[rank].devices
+        move, to = [], []
+        for i, (v, x) in enumerate(zip(vs, out)):
+            sh = self.sharding(v, rank)
+            if _placed(x, sh):
+                continue
+            if (v not in self.in_specs and isinstance(x, jax.Array)
+                    and getattr(x, "committed", True)
+                    and x.sharding.device_set == set(devs.flat)):
+                continue
+            move.append(i)
+            to.append(sh)
         if move:
-            for i, y in zip(move, jax.device_put([out[i] for i in move], [sh] * len(move))):
+            for i, y in zip(move, jax.device_put([out[i] for i in move], to)):
                 out[i] = y
         return out
 
     def _run_segments(self, segs, vals):
         for seg in segs:
             rank = self.stage_rank[seg.stage]
-            args = self.put_all([vals[v] for v in seg.inputs], rank)
+            args = self.place(seg.inputs, [vals[v] for v in seg.inputs], rank)
             for v, x in zip(seg.outputs, seg.fn(*args)):
                 vals[v] = x
 

@@ -32,10 +32,45 @@ _GROUP_OF = {"Act": "act", "Grad": "grad", "Stash": "stash", "WStash": "wstash",
 _SMALL_COPY = 4096  # elements: post-loop values small enough to compute on every stage
 
 
-def make_fn(traced: Traced, op_ids: list[int], in_ids: list[int], out_ids: list[int]):
+def on_rank(mesh, rank: int):
+    """The equation-parameter fix (``_jax_compat.map_eqn_params``) that moves what the model
+    names of the device mesh onto ``rank``'s sub-mesh: the shardings of
+    ``with_sharding_constraint`` and the mesh and specs of ``shard_map``, the pipe axis
+    dropped (``PipelineMesh.spec_on_ranks``; an axis the sub-mesh lacks raises
+    ``ConfigError``)."""
+    from jax.sharding import Mesh, NamedSharding
+
+    sub = mesh.meshes[rank]
+
+    def fix(name, params):
+        if name == "sharding_constraint":
+            sh = params.get("sharding")
+            if isinstance(sh, NamedSharding) and sh.mesh != sub:
+                return dict(params, sharding=NamedSharding(
+                    sub, mesh.spec_on_ranks(sh.spec, "with_sharding_constraint")))
+        elif name == "shard_map":
+            m = params.get("mesh")
+            if isinstance(m, Mesh) and m != sub:
+                new = dict(params, mesh=sub)
+                for k in ("in_specs", "out_specs"):
+                    new[k] = tuple(mesh.spec_on_ranks(sp, "shard_map") for sp in params[k])
+                for k in ("newly_manual_axes", "manual_axes", "auto"):
+                    if k in params and isinstance(params[k], frozenset):
+                        new[k] = frozenset(a for a in params[k] if a in sub.axis_names)
+                return new
+        return params
+
+    return fix
+
+
+def make_fn(traced: Traced, op_ids: list[int], in_ids: list[int], out_ids: list[int],
+            fix=None):
     """The ops ``op_ids`` (program order) as a plain function from ``in_ids`` to
-    ``out_ids``."""
+    ``out_ids``; ``fix``: applied to every equation's parameters first (``on_rank``)."""
     ops = [traced.ops[i] for i in op_ids]
+    if fix is not None:
+        ops = [_Op(op.prim, jc.map_eqn_params(op.prim.name, op.params, fix), op.ctx,
+                   op.inputs, op.outputs) for op in ops]
     lits = traced.literals
 
     def fn(*args):
@@ -53,6 +88,15 @@ def make_fn(traced: Traced, op_ids: list[int], in_ids: list[int], out_ids: list[
         return [read(v) for v in out_ids]
 
     return fn
+
+
+@dataclasses.dataclass
+class _Op:
+    prim: Any
+    params: dict
+    ctx: Any
+    inputs: list
+    outputs: list
 
 
 def _with_acc(fn, pos: list[int]):
@@ -124,7 +168,8 @@ def buffer_reads(exe: TaskExe, s: int, m: int) -> list[tuple[str, int, int]]:
             if present]
 
 
-def _task_exe(traced, parts, kind, stage, ops, groups, outs, wgrad_parts, mb_parts) -> TaskExe:
+def _task_exe(traced, parts, kind, stage, ops, groups, outs, wgrad_parts, mb_parts,
+              fix=None) -> TaskExe:
     """One task's jit: ``ops`` (program order) from the value ids in ``groups`` to the
     outputs in ``OUT_GROUPS`` order, with the running-sum variant when it has summed
     weight gradients (see _with_acc)."""
@@ -132,7 +177,7 @@ def _task_exe(traced, parts, kind, stage, ops, groups, outs, wgrad_parts, mb_par
                 mb=[parts[i].body for i in mb_parts])
     in_ids = [v for g in groups for v in g]
     out_ids = [v for k in OUT_GROUPS for v in outs[k]]
-    body = make_fn(traced, ops, in_ids, out_ids)
+    body = make_fn(traced, ops, in_ids, out_ids, fix)
     exe = TaskExe(kind, stage, jax.jit(body), groups, {k: len(v) for k, v in outs.items()},
                   (wgrad_parts, mb_parts), plain=body)
     off = sum(len(outs[k]) for k in OUT_GROUPS[:OUT_GROUPS.index("wgrad")])
@@ -149,10 +194,11 @@ def _task_exe(traced, parts, kind, stage, ops, groups, outs, wgrad_parts, mb_par
     return exe
 
 
-def build_tasks(traced: Traced, partition, parts, num_stages: int) -> dict[tuple[str, int],
-                                                                           TaskExe]:
+def build_tasks(traced: Traced, partition, parts, num_stages: int,
+                fix_of=lambda stage: None) -> dict[tuple[str, int], TaskExe]:
     """Every task of the partition, plus ``("FB", s)``: F and B of one microbatch as one
-    function (the fused actions of fuse_forward_backward), no stash leaving it."""
+    function (the fused actions of fuse_forward_backward), no stash leaving it. ``fix_of``:
+    stage -> the equation fix of its rank (``on_rank``)."""
     tasks: dict[tuple[str, int], TaskExe] = {}
     by_kind = {(t.kind, t.stage): t for t in partition.tasks}
     for t in partition.tasks:
@@ -161,7 +207,8 @@ def build_tasks(traced: Traced, partition, parts, num_stages: int) -> dict[tuple
         outs = {"act": list(t.act_out), "grad": list(t.grad_out),
                 "stash": list(t.stash_out), "wstash": list(t.wstash_out)}
         tasks[(t.kind, t.stage)] = _task_exe(traced, parts, t.kind, t.stage, list(t.ops),
-                                             groups, outs, list(t.wgrad_out), list(t.mb_out))
+                                             groups, outs, list(t.wgrad_out), list(t.mb_out),
+                                             fix_of(t.stage))
     for s in range(num_stages):
         f, b = by_kind.get(("F", s)), by_kind.get(("B", s))
         if f is None or b is None:
@@ -171,7 +218,7 @@ def build_tasks(traced: Traced, partition, parts, num_stages: int) -> dict[tuple
                   list(f.act_in), list(b.grad_in), [], [])
         outs = {"act": list(f.act_out), "grad": list(b.grad_out), "stash": [], "wstash": []}
         tasks[("FB", s)] = _task_exe(traced, parts, "FB", s, sorted(set(f.ops) | set(b.ops)),
-                                     groups, outs, list(b.wgrad_out), list(f.mb_out))
+                                     groups, outs, list(b.wgrad_out), list(f.mb_out), fix_of(s))
     return tasks
 
 
@@ -298,7 +345,9 @@ class Segments:
     """The code before and after the loop as per-stage jitted segments (``pre``, ``post``),
     in dependency waves."""
 
-    def __init__(self, traced: Traced, op_stage: list[int], num_stages: int):
+    def __init__(self, traced: Traced, op_stage: list[int], num_stages: int,
+                 fix_of=lambda stage: None):
+        self.fix_of = fix_of
         self.traced = traced
         self.op_stage = op_stage
         self.num_stages = num_stages
@@ -397,7 +446,7 @@ class Segments:
                               if v not in produced and v not in lits})
                 outs = sorted(v for v in produced
                               if v in external or any(u not in seg_set for u in uses.get(v, ())))
-                fn = jax.jit(make_fn(tr, seg, ins, outs))
+                fn = jax.jit(make_fn(tr, seg, ins, outs, self.fix_of(stage)))
                 segs.append(Segment(stage, fn, ins, outs))
                 avail.update(produced)
                 local[stage].update(produced)

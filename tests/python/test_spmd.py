@@ -1,0 +1,171 @@
+"""Pipelines composed with SPMD inside stages: named meshes, the user's parameter shardings
+(Megatron-style tensor parallelism, FSDP), the batch over data axes, shard-to-shard transfers
+between ranks of several devices. Every run is checked against plain JAX
+(``jax.value_and_grad`` on one device, the unsharded model) over 3 AdamW steps.
+
+In one process XLA:CPU runs one multi-device program at a time, so ranks of several devices
+run here on the interpreter (chosen: ``single_program=False``; the compiled engine refuses
+them by name); the compiled engine runs them one process per rank
+(``test_mp_e2e.py::test_tensor_parallel_stages_across_processes``), and its lowered program
+is inspected here."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import baton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+import gpt  # noqa: E402
+
+if len(jax.devices()) < 8:
+    pytest.skip("needs 8 devices (JAX_NUM_CPU_DEVICES=8)", allow_module_level=True)
+
+
+def named_mesh(pipe, **axes):
+    names = ("pipe", *axes)
+    shape = (pipe, *axes.values())
+    n = int(np.prod(shape))
+    return Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
+
+
+def run_gpt(mesh, schedule, tensor=None, fsdp=None, steps=3, microbatches=4, mb=4,
+            single_program=False):
+    """Trains the GPT pipelined and plainly; returns the pipelined function and the final
+    parameters and optimizer state (after asserting they match)."""
+    pm = baton.PipelineMesh(mesh)
+    stages = schedule.stages(pm.num_ranks)
+    cfg = gpt.GPTConfig(vocab=64, seq=16, dim=32, heads=4, layers=stages, stages=stages)
+    model, params, opt, opt_state, train_step, ref_step = gpt.make(cfg, eps=1e-6)
+    batch = gpt.synthetic_batch(cfg, mb * microbatches)
+    specs = gpt.param_specs(params, tensor=tensor, fsdp=fsdp)
+    ps = baton.jit(train_step, mesh=pm, schedule=schedule, microbatches=microbatches,
+                   param_shardings=specs, single_program=single_program)
+    ref = jax.jit(ref_step)
+    p1 = p2 = params
+    s1 = s2 = opt_state
+    for i in range(steps):
+        p1, s1, l1 = ps(p1, s1, batch)
+        p2, s2, l2 = ref(p2, s2, batch)
+        np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=1e-5,
+                                   err_msg=f"loss of step {i}")
+        # rtol 1e-5, with an atol of 1e-5 of each array's largest magnitude: SPMD sums in
+        # another order, so an element much smaller than its array's scale (a gradient near
+        # zero, its Adam moments) carries the array's rounding; for the parameters at least
+        # 5e-5 (5% of one lr=1e-3 step: Adam's g / (sqrt(v) + eps) of a near-zero g moves
+        # with the last bits of g; seen: 1.1e-5)
+        for what, got, want in (("optimizer state", s1, s2), ("parameters", p1, p2)):
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                a, b = np.asarray(a), np.asarray(b)
+                scale = float(np.max(np.abs(b))) if b.size else 0.0
+                atol = max(1e-5 * scale, 5e-5 if what == "parameters" else 0.0)
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=atol,
+                                           err_msg=f"{what}, step {i}")
+    return ps, p1, s1, specs
+
+
+def test_named_mesh_ranks_keep_their_axes():
+    pm = baton.PipelineMesh(named_mesh(2, data=2, tensor=2))
+    assert pm.num_ranks == 2 and pm.axis_names == ("data", "tensor")
+    assert pm.batch_axes == ("data",)
+    assert [d.id for d in pm.rank_devices[1]] == [4, 5, 6, 7]
+    assert pm.meshes[1].shape == {"data": 2, "tensor": 2}
+    assert pm.batch_spec((8, 3)) == P("data") and pm.batch_spec((3, 3)) == P()
+    pm = baton.PipelineMesh(named_mesh(2, fsdp=2, expert=2))
+    assert pm.batch_axes == ("fsdp", "expert") and pm.batch_spec((8,)) == P(("fsdp", "expert"))
+    short = baton.PipelineMesh(jax.devices()[:8], ranks=4)
+    assert short.axis_names == ("data",) and short.devices_per_rank() == 2
+    assert pm.spec_on_ranks(P("pipe", "fsdp")) == P(None, "fsdp")
+
+
+def test_a_sharding_naming_a_missing_axis_or_not_dividing_names_the_parameter():
+    mesh = named_mesh(2, data=2, tensor=2)
+    cfg = gpt.GPTConfig(vocab=64, seq=16, dim=32, heads=4, layers=2, stages=2)
+    model, params, opt, opt_state, train_step, _ = gpt.make(cfg)
+    batch = gpt.synthetic_batch(cfg, 8)
+    bad = gpt.param_specs(params, tensor="model")
+    ps = baton.jit(train_step, mesh=baton.PipelineMesh(mesh), schedule=baton.OneFOneB(),
+                   microbatches=2, param_shardings=bad)
+    with pytest.raises(baton.ConfigError, match=r"\['block0'\].*'model'"):
+        ps(params, opt_state, batch)
+    cfg = gpt.GPTConfig(vocab=66, seq=16, dim=32, heads=4, layers=2, stages=2)
+    model, params, opt, opt_state, train_step, _ = gpt.make(cfg)
+    bad = gpt.param_specs(params, tensor="tensor")  # the vocabulary (66) over tensor=2: fine
+    bad["embed"]["embedding"] = P(("data", "tensor"))  # 66 rows over 4 devices: not
+    ps = baton.jit(train_step, mesh=baton.PipelineMesh(mesh), schedule=baton.OneFOneB(),
+                   microbatches=2, param_shardings=bad)
+    with pytest.raises(baton.ConfigError,
+                       match=r"\['embed'\]\['embedding'\].*dimension 0 .*size 4 of axis "
+                             r"data.tensor"):
+        ps.compile(params, opt_state, gpt.synthetic_batch(cfg, 8))
+
+
+@pytest.mark.parametrize("schedule", [baton.OneFOneB(), baton.ZBH1()],
+                         ids=["1f1b", "zbh1"])
+def test_pipe2_data2_tensor2_matches_plain_jax(schedule):
+    ps, p1, _, _ = run_gpt(named_mesh(2, data=2, tensor=2), schedule, tensor="tensor")
+    # the parameters stayed in the user's shardings on their rank's devices
+    w = p1["block0"]["Dense_0"]["kernel"]
+    assert w.sharding.spec == P(None, "tensor") and len(w.sharding.device_set) == 4
+
+
+def test_one_process_compiled_engine_refuses_multi_device_ranks_by_name():
+    pm = baton.PipelineMesh(named_mesh(2, data=2, tensor=2))
+    cfg = gpt.GPTConfig(vocab=64, seq=16, dim=32, heads=4, layers=2, stages=2)
+    model, params, opt, opt_state, train_step, _ = gpt.make(cfg)
+    ps = baton.jit(train_step, mesh=pm, schedule=baton.OneFOneB(), microbatches=2)
+    with pytest.raises(baton.ConfigError, match="rank 0 has 4 devices.*one process per rank"):
+        ps(params, opt_state, gpt.synthetic_batch(cfg, 8))
+
+
+def test_boundary_values_cross_shard_to_shard():
+    """In a rank program of several devices, each transfer is a per-device call
+    (``shard_map``) on the device's shard: the custom call sees local shapes, and nothing
+    gathers the activation first."""
+    from baton.frontend.program import RankProgram
+
+    pm = baton.PipelineMesh(named_mesh(2, data=2, tensor=2))
+    cfg = gpt.GPTConfig(vocab=64, seq=16, dim=32, heads=4, layers=2, stages=2)
+    model, params, opt, opt_state, train_step, _ = gpt.make(cfg)
+    ps = baton.jit(train_step, mesh=pm, schedule=baton.OneFOneB(), microbatches=4,
+                   param_shardings=gpt.param_specs(params, tensor="tensor"),
+                   single_program=False)
+    step = ps.compile(params, opt_state, gpt.synthetic_batch(cfg, 16))
+    for r in range(2):
+        comm = baton._core.runtime.RankComm(r, 10.0)
+        prog = RankProgram(step, r, comm, 10.0)
+        assert comm.shards == [d.id for d in pm.meshes[r].devices.flat]
+        text = prog.lowered_text()
+        calls = [ln for ln in text.splitlines() if "@baton_comm" in ln]
+        # microbatch 4 x seq 16 x dim 32, split over data=2: each device moves 2 x 16 x 32
+        joined = "\n".join(calls)
+        assert "2x16x32xf32" in joined and "4x16x32xf32" not in joined, joined[:2000]
+
+
+@pytest.mark.parametrize("schedule", [baton.Interleaved1F1B(2), baton.DualPipeV()],
+                         ids=["interleaved", "dualpipev"])
+def test_pipe2_fsdp4_shards_parameters_and_optimizer_state(schedule):
+    ps, p1, s1, specs = run_gpt(named_mesh(2, fsdp=4), schedule, fsdp="fsdp")
+    # per-device bytes of parameters + optimizer state = total / 4 (the fsdp axis), within 1%
+    total = sum(x.nbytes for x in jax.tree.leaves((p1, s1)))
+    per_dev: dict = {}
+    for x in jax.tree.leaves((p1, s1)):
+        for sh in x.addressable_shards:
+            per_dev[sh.device] = per_dev.get(sh.device, 0) + sh.data.nbytes
+    # each parameter lives on its stage's rank (4 devices): over all 8 devices the bytes sum
+    # to the total, and each rank's 4 devices hold equal quarters of that rank's part
+    assert abs(sum(per_dev.values()) - total) <= 0.01 * total
+    for r, devs in enumerate(ps.last.mesh.rank_devices):
+        got = [per_dev.get(d, 0) for d in devs]
+        assert max(got) <= 1.01 * min(got), (r, got)
+
+
+def test_pipe4_data2_matches_plain_jax():
+    run_gpt(named_mesh(4, data=2), baton.OneFOneB(), steps=2, microbatches=4, mb=2)
