@@ -169,3 +169,55 @@ def test_pipe2_fsdp4_shards_parameters_and_optimizer_state(schedule):
 
 def test_pipe4_data2_matches_plain_jax():
     run_gpt(named_mesh(4, data=2), baton.OneFOneB(), steps=2, microbatches=4, mb=2)
+
+
+@pytest.mark.parametrize("schedule", [baton.OneFOneB(), baton.ZBH1()], ids=["1f1b", "zbh1"])
+def test_moe_gpt_pipe2_expert2_data2_matches_plain_jax(schedule):
+    """The MoE GPT (examples/moe_gpt.py): top-2 routing over 4 experts split over the expert
+    axis (the dispatch and combine einsums become all-to-alls inside each stage), the router's
+    load-balancing loss added to the loss, against plain JAX's gradient accumulation over the
+    same microbatches (``baton.accumulate`` outside ``baton.jit`` is a ``lax.scan``; the
+    load-balancing loss is per microbatch, so a whole-batch step would differ)."""
+    import moe_gpt
+
+    mesh = named_mesh(2, expert=2, data=2)
+    pm = baton.PipelineMesh(mesh)
+    assert pm.batch_axes == ("expert", "data")
+    cfg = moe_gpt.MoEConfig(expert_axis="expert")  # capacity 2 x tokens x 2 / 4: no drops
+    moe_gpt.use_mesh(mesh)
+    try:
+        model, params, opt, st, train_step, _ = moe_gpt.make(cfg)
+        batch = moe_gpt.synthetic_batch(cfg, 16)
+        ps = baton.jit(train_step, mesh=pm, schedule=schedule, microbatches=4,
+                       param_shardings=moe_gpt.param_specs(params), single_program=False)
+        p1, s1 = params, st
+        for _ in range(3):
+            p1, s1, l1 = ps(p1, s1, batch)
+    finally:
+        moe_gpt.use_mesh(None)
+    ref = jax.jit(train_step_scan(model, opt, 4))
+    p2, s2 = params, st
+    for _ in range(3):
+        p2, s2, l2 = ref(p2, s2, batch)
+    np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p2, s2))):
+        b = np.asarray(b)
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5,
+                                   atol=max(1e-5 * float(np.max(np.abs(b))), 5e-5 * (b.size > 1)))
+    w1 = p1["block0"]["MoE_0"]["w1"]
+    assert w1.sharding.spec == P("expert") and len(w1.sharding.device_set) == 4
+
+
+def train_step_scan(model, opt, microbatches):
+    import optax
+
+    import moe_gpt
+
+    def step(params, opt_state, batch):
+        loss, grads = baton.accumulate(
+            jax.value_and_grad(lambda p, b: moe_gpt.loss_fn(model, p, b)), params, batch=batch,
+            microbatches=microbatches)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
