@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "baton/nccl_comm.h"
+#include "ffi_group.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -53,28 +54,11 @@ ffi::Error CommImpl(cudaStream_t stream, ffi::AnyBuffer token, ffi::RemainingArg
                     ffi::Span<const int32_t> kinds, ffi::Span<const int32_t> peers,
                     ffi::Span<const int32_t> channels, ffi::Span<const int32_t> stages) {
   try {
-    if (peers.size() != kinds.size() || channels.size() != kinds.size() ||
-        stages.size() != kinds.size())
-      return ffi::Error::InvalidArgument("baton_comm: attribute lengths differ");
-    std::vector<rt::CommOp> ops(kinds.size());
-    for (size_t i = 0; i < kinds.size(); ++i) {
-      if (kinds[i] < 0 || kinds[i] > 2)
-        return ffi::Error::InvalidArgument("baton_comm: unknown operation kind");
-      ops[i] = rt::CommOp{static_cast<rt::CommOpKind>(kinds[i]), peers[i], channels[i], stages[i]};
-    }
-    std::vector<rt::ConstBytes> sends(args.size());
-    for (size_t i = 0; i < args.size(); ++i) {
-      auto b = args.get<ffi::AnyBuffer>(i);
-      if (b.has_error()) return b.error();
-      sends[i] = {b->untyped_data(), b->size_bytes()};
-    }
-    std::vector<rt::MutBytes> outs(rets.size());
-    for (size_t i = 0; i < rets.size(); ++i) {
-      auto b = rets.get<ffi::AnyBuffer>(i);
-      if (b.has_error()) return b.error();
-      outs[i] = {(*b)->untyped_data(), (*b)->size_bytes()};
-    }
-    comm_of(comm)->run_group(stream, ops, sends, outs);
+    baton::python::CommGroup g;
+    if (ffi::Error e = baton::python::read_group(args, rets, kinds, peers, channels, stages, g);
+        e.failure())
+      return e;
+    comm_of(comm)->run_group(stream, g.ops, g.sends, g.outs);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(e.what());
   }

@@ -49,6 +49,22 @@ Pair local_pair(size_t n, milliseconds timeout = milliseconds(5000)) {
   return p;
 }
 
+// Two contexts (rank 0 and 1, 10 s timeout) attached to Gloo transports over one hash store.
+Pair gloo_pair() {
+  auto store = make_hash_store();
+  GlooOptions o;
+  o.connect_timeout = milliseconds(20000);
+  std::shared_ptr<Transport> t0, t1;
+  std::thread th([&] { t1 = make_gloo_transport(1, 2, store, o); });
+  t0 = make_gloo_transport(0, 2, store, o);
+  th.join();
+  Pair p{std::make_shared<RankComm>(0, milliseconds(10000)),
+         std::make_shared<RankComm>(1, milliseconds(10000))};
+  p.a->attach(t0);
+  p.b->attach(t1);
+  return p;
+}
+
 TEST(RuntimeComm, SendPostWaitMovesTheBytes) {
   auto p = local_pair(64);
   const auto x = iota(64, 1.0f);
@@ -176,17 +192,9 @@ TEST(RuntimeComm, RecordsTransferEvents) {
 }
 
 TEST(RuntimeComm, GlooTransfersBetweenTwoRanks) {
-  auto store = make_hash_store();
-  GlooOptions o;
-  o.connect_timeout = milliseconds(20000);
-  std::shared_ptr<Transport> t0, t1;
-  std::thread th([&] { t1 = make_gloo_transport(1, 2, store, o); });
-  t0 = make_gloo_transport(0, 2, store, o);
-  th.join();
+  auto p = gloo_pair();
+  RankComm &a = *p.a, &b = *p.b;
   const size_t n = 1 << 16;  // 256 KiB
-  RankComm a(0, milliseconds(10000)), b(1, milliseconds(10000));
-  a.attach(t0);
-  b.attach(t1);
   a.set_layout(0, 0, {n * sizeof(float)});
   b.set_layout(0, 0, {n * sizeof(float)});
   a.set_layout(1, 1, {n * sizeof(float)});
@@ -313,17 +321,9 @@ TEST(RuntimeComm, ShardsExchangeWithTheSameShardOfThePeer) {
 }
 
 TEST(RuntimeComm, ShardsOverGloo) {
-  auto store = make_hash_store();
-  GlooOptions o;
-  o.connect_timeout = milliseconds(20000);
-  std::shared_ptr<Transport> t0, t1;
-  std::thread th([&] { t1 = make_gloo_transport(1, 2, store, o); });
-  t0 = make_gloo_transport(0, 2, store, o);
-  th.join();
+  auto p = gloo_pair();
+  RankComm &a = *p.a, &b = *p.b;
   const size_t n = 4096;
-  RankComm a(0, milliseconds(10000)), b(1, milliseconds(10000));
-  a.attach(t0);
-  b.attach(t1);
   for (RankComm* c : {&a, &b}) {
     c->set_shards({0, 1, 2});
     c->set_layout(0, 0, {n * sizeof(float)});

@@ -82,6 +82,29 @@ inline constexpr int kCommShards = 256;  // shards 0..255
 // never 2^31 apart). Throws ExecutionError for a channel or shard out of range.
 uint64_t comm_tag(uint64_t seq, int channel, int shard);
 
+// A channel's name in messages: 0 "act", 1 "grad", any other "buffer".
+inline const char* comm_channel_name(int channel) {
+  switch (channel) {
+    case 0:
+      return "act";
+    case 1:
+      return "grad";
+    default:
+      return "buffer";
+  }
+}
+
+// A duration in seconds, for messages.
+inline double comm_seconds(std::chrono::milliseconds t) {
+  return static_cast<double>(t.count()) / 1000.0;
+}
+
+// Bytes of each tensor of a (channel, stage) buffer (set_layout), by (channel, stage).
+using CommLayouts = std::map<std::pair<int, int>, std::vector<size_t>>;
+// The (channel, stage) entry of `layouts`; ExecutionError of `rank` when there is none.
+const std::vector<size_t>& comm_layout(const CommLayouts& layouts, int rank, int channel,
+                                       int stage);
+
 enum class CommOpKind : int32_t { Send = 0, Post = 1, Wait = 2 };
 
 struct CommOp {
@@ -213,7 +236,7 @@ class RankComm {
   bool serial_posts_ = false;  // set by attach
   std::shared_ptr<Transport> transport_;
   std::unique_ptr<Tasks> host_;  // host-tensor conversions for byte transports
-  std::map<std::pair<int, int>, std::vector<size_t>> layouts_;
+  CommLayouts layouts_;
   std::map<std::tuple<int, int, bool>, std::vector<std::string>> names_;
   std::vector<int> ordinals_;                   // set_shards; empty: one shard
   std::vector<std::unique_ptr<Shard>> shards_;  // at least one
@@ -230,5 +253,37 @@ class RankComm {
 int64_t register_comm(std::shared_ptr<RankComm> comm);
 void unregister_comm(int64_t id);
 std::shared_ptr<RankComm> find_comm(int64_t id);  // null when unknown
+
+// A process-wide id -> context registry (register_comm, register_nccl_comm):
+// ids count up from `first` and are never reused; thread-safe.
+template <class T>
+class CommRegistry {
+ public:
+  explicit CommRegistry(int64_t first) : next_(first) {}
+  int64_t add(std::shared_ptr<T> comm) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t id = next_++;
+    map_[id] = std::move(comm);
+    return id;
+  }
+  void remove(int64_t id) {
+    std::shared_ptr<T> gone;  // destroyed outside the lock
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = map_.find(id);
+    if (it == map_.end()) return;
+    gone = std::move(it->second);
+    map_.erase(it);
+  }
+  std::shared_ptr<T> find(int64_t id) const {  // null when unknown
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = map_.find(id);
+    return it == map_.end() ? nullptr : it->second;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<int64_t, std::shared_ptr<T>> map_;
+  int64_t next_;
+};
 
 }  // namespace baton::runtime

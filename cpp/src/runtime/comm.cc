@@ -21,20 +21,17 @@ class HostOnly : public Tasks {
   }
 };
 
-const char* channel_name(int c) {
-  switch (c) {
-    case 0:
-      return "act";
-    case 1:
-      return "grad";
-    default:
-      return "buffer";
-  }
-}
-
-double seconds(std::chrono::milliseconds t) { return static_cast<double>(t.count()) / 1000.0; }
-
 }  // namespace
+
+const std::vector<size_t>& comm_layout(const CommLayouts& layouts, int rank, int channel,
+                                       int stage) {
+  auto it = layouts.find({channel, stage});
+  if (it == layouts.end())
+    throw ExecutionError(fmt::format("rank {}: internal: no layout for the {} buffer of stage {}",
+                                     rank, comm_channel_name(channel), stage),
+                         rank);
+  return it->second;
+}
 
 uint64_t comm_tag(uint64_t seq, int channel, int shard) {
   if (channel < 0 || channel >= kCommChannels)
@@ -160,12 +157,7 @@ void RankComm::t_flush() {
 }
 
 const std::vector<size_t>& RankComm::layout(int channel, int stage) const {
-  auto it = layouts_.find({channel, stage});
-  if (it == layouts_.end())
-    throw ExecutionError(fmt::format("rank {}: internal: no layout for the {} buffer of stage {}",
-                                     rank_, channel_name(channel), stage),
-                         rank_);
-  return it->second;
+  return comm_layout(layouts_, rank_, channel, stage);
 }
 
 Layout RankComm::layout_of(const std::vector<size_t>& bytes) const {
@@ -183,7 +175,7 @@ std::string RankComm::name(const CommOp& op, uint64_t seq, int shard) const {
   if (it != names_.end() && !it->second.empty())
     return fmt::format("{} {} rank {}{}", it->second[seq % it->second.size()], send ? "to" : "from",
                        op.peer, of);
-  return fmt::format("{}(stage {}) #{} {} rank {}{}", channel_name(op.channel), op.stage, seq,
+  return fmt::format("{}(stage {}) #{} {} rank {}{}", comm_channel_name(op.channel), op.stage, seq,
                      op.kind == CommOpKind::Send ? "to" : "from", op.peer, of);
 }
 
@@ -203,7 +195,8 @@ void RankComm::fail(const std::string& msg, int origin) {
 void RankComm::wait_done(const Pending& p, const std::string& doing) {
   const Request& r = *p.req;
   if (!p.req->wait_until(Clock::now() + timeout_))
-    fail(fmt::format("rank {}: timed out after {:g} s {}", rank_, seconds(timeout_), doing), rank_);
+    fail(fmt::format("rank {}: timed out after {:g} s {}", rank_, comm_seconds(timeout_), doing),
+         rank_);
   try {
     r.check();
   } catch (const ExecutionError& e) {
@@ -294,7 +287,7 @@ void RankComm::run_group(const std::vector<CommOp>& ops, const std::vector<Const
               throw ExecutionError(
                   fmt::format("rank {}: sending the {} buffer of stage {} to rank {}: tensor {} "
                               "has {} bytes, the receiver expects {}",
-                              rank_, channel_name(op.channel), op.stage, op.peer, i, b.size,
+                              rank_, comm_channel_name(op.channel), op.stage, op.peer, i, b.size,
                               sizes[i]),
                   rank_);
             // XLA may reuse its buffer once this call returns: the transport gets a copy.
@@ -414,36 +407,16 @@ std::pair<uint64_t, uint64_t> RankComm::counts() const { return {sent_, received
 // ---------------------------------------------------------------- registry
 
 namespace {
-std::mutex g_mu;
-std::map<int64_t, std::shared_ptr<RankComm>>& registry() {
-  static auto* r = new std::map<int64_t, std::shared_ptr<RankComm>>();  // never destroyed
+CommRegistry<RankComm>& registry() {
+  static auto* r = new CommRegistry<RankComm>(1);  // never destroyed
   return *r;
 }
-int64_t g_next = 1;
 }  // namespace
 
-int64_t register_comm(std::shared_ptr<RankComm> comm) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  const int64_t id = g_next++;
-  registry()[id] = std::move(comm);
-  return id;
-}
+int64_t register_comm(std::shared_ptr<RankComm> comm) { return registry().add(std::move(comm)); }
 
-void unregister_comm(int64_t id) {
-  std::shared_ptr<RankComm> gone;
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    auto it = registry().find(id);
-    if (it == registry().end()) return;
-    gone = std::move(it->second);
-    registry().erase(it);
-  }
-}
+void unregister_comm(int64_t id) { registry().remove(id); }
 
-std::shared_ptr<RankComm> find_comm(int64_t id) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = registry().find(id);
-  return it == registry().end() ? nullptr : it->second;
-}
+std::shared_ptr<RankComm> find_comm(int64_t id) { return registry().find(id); }
 
 }  // namespace baton::runtime

@@ -114,35 +114,20 @@ size_t SlotPool::free_count() const {
 // ---------------------------------------------------------------- registry
 
 namespace {
-std::mutex g_nccl_mu;
-std::map<int64_t, std::shared_ptr<NcclComm>>& nccl_registry() {
-  static auto* r = new std::map<int64_t, std::shared_ptr<NcclComm>>();  // never destroyed
+CommRegistry<NcclComm>& nccl_registry() {
+  // never destroyed; ids apart from register_comm's
+  static auto* r = new CommRegistry<NcclComm>(int64_t{1} << 40);
   return *r;
 }
-int64_t g_nccl_next = int64_t{1} << 40;  // apart from register_comm's ids
 }  // namespace
 
 int64_t register_nccl_comm(std::shared_ptr<NcclComm> comm) {
-  std::lock_guard<std::mutex> lock(g_nccl_mu);
-  const int64_t id = g_nccl_next++;
-  nccl_registry()[id] = std::move(comm);
-  return id;
+  return nccl_registry().add(std::move(comm));
 }
 
-void unregister_nccl_comm(int64_t id) {
-  std::shared_ptr<NcclComm> gone;  // destroyed outside the lock
-  std::lock_guard<std::mutex> lock(g_nccl_mu);
-  auto it = nccl_registry().find(id);
-  if (it == nccl_registry().end()) return;
-  gone = std::move(it->second);
-  nccl_registry().erase(it);
-}
+void unregister_nccl_comm(int64_t id) { nccl_registry().remove(id); }
 
-std::shared_ptr<NcclComm> find_nccl_comm(int64_t id) {
-  std::lock_guard<std::mutex> lock(g_nccl_mu);
-  auto it = nccl_registry().find(id);
-  return it == nccl_registry().end() ? nullptr : it->second;
-}
+std::shared_ptr<NcclComm> find_nccl_comm(int64_t id) { return nccl_registry().find(id); }
 
 // ---------------------------------------------------------------- no CUDA build
 

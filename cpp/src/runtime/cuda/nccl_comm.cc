@@ -22,23 +22,6 @@ using nccl_detail::nccl_api;
 using nccl_detail::nccl_check;
 using staging::LinkKey;
 
-namespace {
-
-const char* channel_name(int c) {
-  switch (c) {
-    case 0:
-      return "act";
-    case 1:
-      return "grad";
-    default:
-      return "buffer";
-  }
-}
-
-double seconds(std::chrono::milliseconds t) { return static_cast<double>(t.count()) / 1000.0; }
-
-}  // namespace
-
 struct NcclComm::Impl {
   // One direction of a link: its communicator (rank 0 sends, rank 1 receives)
   // and the only stream that uses it on this rank.
@@ -114,7 +97,7 @@ struct NcclComm::Impl {
   std::atomic<int64_t> timeout_ms_;
 
   std::map<LinkKey, Link> links_;
-  std::map<std::pair<int, int>, std::vector<size_t>> layouts_;
+  CommLayouts layouts_;
   std::map<std::tuple<int, int, bool>, std::vector<std::string>> names_;
   staging::LinkFifo<PendingRecv> fifo_;
   std::vector<PendingSend> sends_;
@@ -248,7 +231,7 @@ NcclComm::Impl::Impl(int rank, int world, int device, std::shared_ptr<Store> sto
         if (Clock::now() > deadline)
           throw ExecutionError(fmt::format("rank {}: NCCL link {}->{} channel {} did not connect "
                                            "within {:g} s",
-                                           rank_, k.src, k.dst, k.channel, seconds(connect)),
+                                           rank_, k.src, k.dst, k.channel, comm_seconds(connect)),
                                rank_);
         std::this_thread::sleep_for(std::chrono::microseconds(200));
       }
@@ -423,19 +406,14 @@ NcclComm::Impl::Link& NcclComm::Impl::link(int src, int dst, int channel, const 
     throw ExecutionError(
         fmt::format("rank {}: internal: {} of the {} buffer of stage {} {} rank {} uses the NCCL "
                     "link {}->{} channel {}, which was not given when the context was made",
-                    rank_, src == rank_ ? "a send" : "a receive", channel_name(channel), op.stage,
-                    src == rank_ ? "to" : "from", op.peer, src, dst, channel),
+                    rank_, src == rank_ ? "a send" : "a receive", comm_channel_name(channel),
+                    op.stage, src == rank_ ? "to" : "from", op.peer, src, dst, channel),
         rank_);
   return it->second;
 }
 
 const std::vector<size_t>& NcclComm::Impl::layout(int channel, int stage) const {
-  auto it = layouts_.find({channel, stage});
-  if (it == layouts_.end())
-    throw ExecutionError(fmt::format("rank {}: internal: no layout for the {} buffer of stage {}",
-                                     rank_, channel_name(channel), stage),
-                         rank_);
-  return it->second;
+  return comm_layout(layouts_, rank_, channel, stage);
 }
 
 std::string NcclComm::Impl::name(const CommOp& op, uint64_t seq) const {
@@ -444,7 +422,7 @@ std::string NcclComm::Impl::name(const CommOp& op, uint64_t seq) const {
   if (it != names_.end() && !it->second.empty())
     return fmt::format("{} {} rank {}", it->second[seq % it->second.size()], send ? "to" : "from",
                        op.peer);
-  return fmt::format("{}(stage {}) #{} {} rank {}", channel_name(op.channel), op.stage, seq,
+  return fmt::format("{}(stage {}) #{} {} rank {}", comm_channel_name(op.channel), op.stage, seq,
                      send ? "to" : "from", op.peer);
 }
 
@@ -460,7 +438,7 @@ void NcclComm::Impl::reap(bool all) {
         check_failed();  // the watchdog or another rank failed: stop waiting
         if (Clock::now() > deadline)
           fail(fmt::format("rank {}: timed out after {:g} s sending {}", rank_,
-                           seconds(std::chrono::milliseconds(timeout_ms_.load())), s.what),
+                           comm_seconds(std::chrono::milliseconds(timeout_ms_.load())), s.what),
                rank_);
         std::this_thread::sleep_for(std::chrono::microseconds(spins++ < 100 ? 10 : 200));
         q = cudaEventQuery(s.done);
@@ -490,8 +468,8 @@ void NcclComm::Impl::send(cudaStream_t stream, const CommOp& op,
       throw ExecutionError(
           fmt::format("rank {}: sending the {} buffer of stage {} to rank {}: tensor {} has {} "
                       "bytes, the receiver expects {}",
-                      rank_, channel_name(op.channel), op.stage, op.peer, i, sends[in + i].size,
-                      sizes[i]),
+                      rank_, comm_channel_name(op.channel), op.stage, op.peer, i,
+                      sends[in + i].size, sizes[i]),
           rank_);
   Link& l = link(rank_, op.peer, op.channel, op);
   const std::vector<size_t> offs = staging::packed_offsets(sizes);
@@ -648,7 +626,7 @@ void NcclComm::Impl::watchdog() {
         } else if (now - w.since > limit && timed_out.empty() && !failure_) {
           timed_out = fmt::format("rank {}: timed out after {:g} s receiving {} (the compute "
                                   "stream waited for it; NCCL communicators aborted)",
-                                  rank_, seconds(limit), w.what);
+                                  rank_, comm_seconds(limit), w.what);
         }
         if (keep != i) watched_[keep] = std::move(watched_[i]);
         ++keep;
