@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 import baton
+from gpt import synthetic_batch  # noqa: F401  (the same synthetic tokens: cfg.seq, cfg.vocab)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,12 +141,6 @@ def loss_fn(model: MoEGPT, params, batch):
     logp = jax.nn.log_softmax(logits)
     nll = -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
     return nll + model.cfg.aux_weight * aux / model.cfg.layers
-
-
-def synthetic_batch(cfg: MoEConfig, batch: int, seed: int = 0):
-    key = jax.random.PRNGKey(seed)
-    seq = jax.random.randint(key, (batch, cfg.seq + 1), 0, cfg.vocab)
-    return seq[:, :-1], seq[:, 1:]
 
 
 def param_specs(params, expert: str | None = "expert"):
