@@ -221,3 +221,28 @@ def train_step_scan(model, opt, microbatches):
         return optax.apply_updates(params, updates), opt_state, loss
 
     return step
+
+
+def test_moe_dispatch_is_an_all_to_all_inside_the_rank_program():
+    """XLA partitions the MoE dispatch and combine (tokens split over expert x data, expert
+    weights over expert) into all-to-alls within each rank: the compiled rank program has
+    them."""
+    import moe_gpt
+    from baton.frontend.program import RankProgram
+
+    mesh = named_mesh(2, expert=2, data=2)
+    moe_gpt.use_mesh(mesh)
+    try:
+        cfg = moe_gpt.MoEConfig(expert_axis="expert")
+        model, params, opt, st, step, _ = moe_gpt.make(cfg)
+        batch = moe_gpt.synthetic_batch(cfg, 16)
+        ps = baton.jit(step, mesh=baton.PipelineMesh(mesh), schedule=baton.OneFOneB(),
+                       microbatches=4, param_shardings=moe_gpt.param_specs(params),
+                       single_program=False)
+        s = ps.compile(params, st, batch)
+        prog = RankProgram(s, 0, baton._core.runtime.RankComm(0, 10.0), 10.0)
+        vals = dict(zip(s.traced.step_inputs, jax.tree.leaves((params, st, batch))))
+        text = prog.lower(vals).compile().as_text()
+    finally:
+        moe_gpt.use_mesh(None)
+    assert "all-to-all" in text
