@@ -290,11 +290,14 @@ def check_against_single_process(tmp_path, name, ranks, devices, exact):
     for k in got:
         for other, what in ((single, "single-process"), (ref, "plain JAX")):
             # Versus plain JAX the optimizer update (one fused jit there, per-stage segments
-            # here) may round differently: parameters and optimizer state to rtol 1e-6.
+            # here) may round differently: parameters and optimizer state to rtol 1e-6. With
+            # several devices per rank the gradients are all-reduced across them (SPMD, in
+            # another order than one device sums): rtol 1e-5 (seen: 2.4e-6 on JAX 0.11.0).
             if exact and (other is single or k.startswith(("loss", "grad"))):
                 np.testing.assert_array_equal(got[k], other[k], err_msg=f"{name} {k} vs {what}")
             else:
-                np.testing.assert_allclose(got[k], other[k], rtol=1e-6, atol=1e-7,
+                tol = dict(rtol=1e-6, atol=1e-7) if devices == 1 else dict(rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(got[k], other[k], **tol,
                                            err_msg=f"{name} {k} vs {what}")
     for r in range(ranks):  # every process saw the same losses
         np.testing.assert_array_equal(np.load(tmp_path / f"{name}-loss-rank{r}.npy"),
