@@ -180,6 +180,21 @@ def gpt_config(world, tp=False):
     return params, st, step, ref, gpt.synthetic_batch(cfg, 8)
 
 
+def train_and_save(ps, params, st, batch, rank, outdir, name):
+    """3 steps of ``ps``; saves how the loop ran (``{name}-mode-rank{rank}.txt``) and, on rank
+    0, the gathered parameters and optimizer state (``{name}.npz``)."""
+    for _ in range(3):
+        params, st, loss = ps(params, st, batch)
+    stats = ps.last.last_stats
+    how = "program: " + stats["rank_program"] if "rank_program" in stats else "executor"
+    (pathlib.Path(outdir) / f"{name}-mode-rank{rank}.txt").write_text(how)
+    full = ps.gather((params, st))
+    if rank == 0:
+        np.savez(os.path.join(outdir, f"{name}.npz"),
+                 **{f"x{j}": np.asarray(x) for j, x in enumerate(jax.tree.leaves(full))})
+    print(f"rank {rank} {name} ok", flush=True)
+
+
 def gpt_tp_main(rank, world, outdir):
     import gpt
     from jax.sharding import Mesh
@@ -188,16 +203,7 @@ def gpt_tp_main(rank, world, outdir):
     mesh = Mesh(np.array(jax.local_devices()).reshape(2, 2), ("data", "tensor"))
     ps = baton.jit(step, mesh=mesh, schedule=baton.OneFOneB(), microbatches=4,
                    param_shardings=gpt.param_specs(params, tensor="tensor"))
-    for _ in range(3):
-        params, st, loss = ps(params, st, batch)
-    how = "program: " + ps.last.last_stats["rank_program"] if (
-        "rank_program" in ps.last.last_stats) else "executor"
-    (pathlib.Path(outdir) / f"gpt-tp-mode-rank{rank}.txt").write_text(how)
-    full = ps.gather((params, st))
-    if rank == 0:
-        np.savez(os.path.join(outdir, "gpt-tp.npz"),
-                 **{f"x{j}": np.asarray(x) for j, x in enumerate(jax.tree.leaves(full))})
-    print(f"rank {rank} gpt-tp ok", flush=True)
+    train_and_save(ps, params, st, batch, rank, outdir, "gpt-tp")
 
 
 def moe_config():
@@ -219,16 +225,7 @@ def moe_main(rank, world, outdir):
     model, opt, params, st, step, batch = moe_config()
     ps = baton.jit(step, mesh=mesh, schedule=baton.OneFOneB(), microbatches=4,
                    param_shardings=moe_gpt.param_specs(params))
-    for _ in range(3):
-        params, st, loss = ps(params, st, batch)
-    how = "program: " + ps.last.last_stats["rank_program"] if (
-        "rank_program" in ps.last.last_stats) else "executor"
-    (pathlib.Path(outdir) / f"moe-mode-rank{rank}.txt").write_text(how)
-    full = ps.gather((params, st))
-    if rank == 0:
-        np.savez(os.path.join(outdir, "moe.npz"),
-                 **{f"x{j}": np.asarray(x) for j, x in enumerate(jax.tree.leaves(full))})
-    print(f"rank {rank} moe ok", flush=True)
+    train_and_save(ps, params, st, batch, rank, outdir, "moe")
 
 
 def gpt_main(rank, world, outdir):

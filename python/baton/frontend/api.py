@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from .. import _core
 from ..errors import ConfigError, TraceError
@@ -194,8 +195,6 @@ class PipelinedFunction:
             sp = specs.get(i)
             if sp is None:
                 sh = getattr(x, "sharding", None)
-                from jax.sharding import NamedSharding
-
                 if isinstance(sh, NamedSharding) and sh.spec:
                     sp = sh
             if sp is None:
