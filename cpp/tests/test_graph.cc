@@ -241,23 +241,28 @@ TEST(Graph, ErrorsNameTheProblem) {
     EXPECT_TRUE(part.task(TaskKind::B, 0).ops.empty());
   }
   {
-    // Skip connection: stage 1's value used in stage 2. (A value computed from
-    // the batch alone is not an error: each stage recomputes it.)
+    // Skip connections are relayed: stage 0's h used in stage 2 travels with
+    // the activations through stage 1 (act_out of F0 and F1); stage 1's h1,
+    // passed through boundary 1 and also used directly, is relayed too.
     Builder b;
     int x = b.loop_in(ValueKind::LoopMicrobatch);
-    int h = b.op("tanh", {x});
+    int h = b.op("dot_general", {x});  // stage 0's work (a cheap op would be recomputed)
     int a = b.marker(0, false, h);
     int h1 = b.op("tanh", {a});
     int a1 = b.marker(1, false, h1);
     int y = b.op("add", {a1, h1});
-    b.loop_out(y, Reduce::Sum);
-    try {
-      partition(b.p, false);
-      FAIL();
-    } catch (const TraceError& e) {
-      EXPECT_NE(std::string(e.what()).find("without passing a stage_boundary"), std::string::npos)
-          << e.what();
-    }
+    int z = b.op("mul", {y, h});
+    b.loop_out(z, Reduce::Sum);
+    Partition part = partition(b.p, false);
+    ASSERT_EQ(part.num_stages, 3);
+    const TaskBody& f0 = part.task(TaskKind::F, 0);
+    const TaskBody& f1 = part.task(TaskKind::F, 1);
+    const TaskBody& f2 = part.task(TaskKind::F, 2);
+    EXPECT_EQ(f0.act_out, (std::vector<int32_t>{h, h}));
+    EXPECT_EQ(f1.act_in, (std::vector<int32_t>{a, h}));
+    EXPECT_EQ(f1.act_out, (std::vector<int32_t>{h1, h, h1}));
+    EXPECT_EQ(f2.act_in, (std::vector<int32_t>{a1, h, h1}));
+    EXPECT_EQ(f2.ops.size(), 2u) << part.to_text(b.p);
   }
   {
     // Empty stage: two boundaries in a row.
@@ -302,10 +307,11 @@ TEST(Graph, BackwardRecomputeMapsToItsOwnStage) {
 
 TEST(Graph, BatchOnlyValueIsRecomputedPerStage) {
   // A value computed from the batch alone (labels preprocessing) used by the
-  // first and the last stage is computed by both, not sent.
+  // first and the last stage is computed by both, not sent (cheap ops; stage
+  // 0's expensive work on the way to its boundary is sent instead).
   Builder b;
   int x = b.loop_in(ValueKind::LoopMicrobatch);
-  int lab = b.op("one_hot", {x});
+  int lab = b.op("eq", {x});  // one_hot: eq of an iota, then a convert
   int a0 = b.marker(0, false, b.op("mul", {x, lab}));
   int y = b.op("mul", {a0, lab});
   b.loop_out(y, Reduce::Sum);

@@ -114,6 +114,39 @@ void infer_stages(Ctx& c) {
       if (p.values[in.body].kind == ValueKind::LoopMicrobatch) c.pos[in.body] = c.f_pos(0);
     }
   }
+  // With several stages, values computed from the batch alone are left
+  // unstaged (each stage that reads them recomputes them: positions, masks),
+  // except the expensive ones that stage 0 computes on the way to its
+  // boundary (embeddings, its layers): those are stage 0's work, and a later
+  // stage that reads them receives them (relayed) instead of rerunning them.
+  std::vector<char> seed(static_cast<size_t>(nops), 0);
+  if (c.S > 1 && c.fwd_marker[0] >= 0) {
+    std::vector<char> batch(p.values.size(), 0);
+    for (const LoopInput& in : p.loop_inputs) {
+      if (p.values[in.body].kind == ValueKind::LoopMicrobatch) batch[in.body] = 1;
+    }
+    for (int i = 0; i < nops; ++i) {
+      const Op& op = p.ops[i];
+      if (op.region != Region::Loop) continue;
+      bool any = false;
+      for (int32_t v : op.inputs) any = any || batch[v];
+      for (int32_t v : op.outputs) batch[v] = any;
+    }
+    std::vector<char> seen(p.values.size(), 0);
+    std::vector<int32_t> stack(p.ops[c.fwd_marker[0]].inputs.begin(),
+                               p.ops[c.fwd_marker[0]].inputs.end());
+    while (!stack.empty()) {
+      const int32_t v = stack.back();
+      stack.pop_back();
+      if (seen[v]) continue;
+      seen[v] = 1;
+      const int op = c.producer[v];
+      if (op < 0 || p.ops[op].region != Region::Loop || p.ops[op].kind == OpKind::Boundary)
+        continue;
+      if (batch[v] && !is_recomputable(p.ops[op])) seed[op] = 1;
+      for (int32_t u : p.ops[op].inputs) stack.push_back(u);
+    }
+  }
   for (int i = 0; i < nops; ++i) {
     const Op& op = p.ops[i];
     if (op.region != Region::Loop) continue;
@@ -134,13 +167,21 @@ void infer_stages(Ctx& c) {
       c.staged_op[i] = true;
       continue;
     }
-    int lb = kUnplaced;
+    // In the backward part of the program a residual of F_s is read by B_s,
+    // unless the op also reads cotangents of a later stage j > s: then it runs
+    // in B_j and the residual is relayed forward to stage j and stashed there
+    // (an encoder output read by a decoder stage's backward).
+    int lb = kUnplaced, res = kUnplaced;
     for (int32_t v : op.inputs) {
       int q = c.pos[v];
-      // In the backward part of the program a residual of F_s is read by B_s.
-      if (after_cut[i] && q != kUnplaced && c.is_fwd(q)) q = c.b_pos(q);
-      lb = std::max(lb, q);
+      if (after_cut[i] && q != kUnplaced && c.is_fwd(q)) {
+        res = std::max(res, c.b_pos(q));
+      } else {
+        lb = std::max(lb, q);
+      }
     }
+    if (lb == kUnplaced) lb = res;
+    if (lb == kUnplaced && seed[i]) lb = c.f_pos(0);
     if (lb == kUnplaced) continue;  // unstaged: placed by its consumers
     c.staged_op[i] = true;
     for (int32_t v : op.outputs) c.pos[v] = lb;
@@ -235,6 +276,57 @@ struct TaskWork {
   std::set<int> needed;         // values this task must output
 };
 
+// Step 5a: values that cross stages without a marker. A value of stage i
+// read by stage j > i (a skip connection: an encoder output read by every
+// decoder stage, a U-Net skip) travels with the activations through the
+// boundaries i..j-1: appended to act_out of F(k) and act_in of F(k+1) for
+// i <= k < j (the stages in between pass it on untouched); stage j's backward
+// then finds it in its stash like any activation. Its cotangent contributions
+// travel back the same way (grad_out of B(k+1), grad_in of B(k)) to where
+// they are summed. Forward markers consume values of their own stage k and
+// backward markers values of stage k+1, so values read by a marker from
+// farther away are relayed up to it. Every buffer stays point to point
+// between neighbouring stages, so plans, schedules and the verifier are
+// unchanged; the cost is the bytes relayed through the stages in between.
+void add_relays(const Ctx& c, std::vector<std::array<TaskWork, 3>>& work) {
+  const Program& p = c.p;
+  const int S = c.S;
+  std::vector<std::set<int>> fwd(S), bwd(S);  // [k]: values crossing boundary k
+  auto relay = [&](int v, int user_pos, int user_stage) {
+    int q = c.pos[v];
+    if (q == kUnplaced) return;
+    int i = c.stage_of(q);
+    if (c.is_fwd(q)) {
+      for (int k = i; k < user_stage; ++k) fwd[k].insert(v);
+    } else if (!c.is_fwd(user_pos)) {
+      for (int k = user_stage; k < i; ++k) bwd[k].insert(v);
+    }
+  };
+  for (int u = 0; u < static_cast<int>(p.ops.size()); ++u) {
+    const Op& op = p.ops[u];
+    if (op.region != Region::Loop || !c.staged_op[u]) continue;
+    if (op.kind == OpKind::Boundary) {
+      int k = op.boundary;
+      int user_pos = op.backward ? c.b_pos(k + 1) : c.f_pos(k);
+      for (int32_t v : op.inputs) relay(v, user_pos, c.stage_of(user_pos));
+      continue;
+    }
+    if (op.outputs.empty()) continue;
+    int position = c.pos[op.outputs[0]];
+    for (int32_t v : op.inputs) relay(v, position, c.stage_of(position));
+  }
+  for (int k = 0; k + 1 < S; ++k) {
+    for (int v : fwd[k]) {
+      work[k][0].body.act_out.push_back(v);
+      work[k + 1][0].body.act_in.push_back(v);
+    }
+    for (int v : bwd[k]) {
+      work[k + 1][1].body.grad_out.push_back(v);
+      work[k][1].body.grad_in.push_back(v);
+    }
+  }
+}
+
 // Step 5: task formation, interfaces and DCE.
 std::vector<TaskBody> form_tasks(Ctx& c, const std::vector<OutputPart>& parts) {
   const Program& p = c.p;
@@ -279,6 +371,12 @@ std::vector<TaskBody> form_tasks(Ctx& c, const std::vector<OutputPart>& parts) {
       work[s][1].body.grad_in.assign(p.ops[c.bwd_marker[s]].outputs.begin(),
                                      p.ops[c.bwd_marker[s]].outputs.end());
     }
+  }
+  add_relays(c, work);
+  std::vector<std::set<int>> act_in(S), grad_in(S);
+  for (int s = 0; s < S; ++s) {
+    act_in[s].insert(work[s][0].body.act_in.begin(), work[s][0].body.act_in.end());
+    grad_in[s].insert(work[s][1].body.grad_in.begin(), work[s][1].body.grad_in.end());
   }
   for (int i = 0; i < static_cast<int>(parts.size()); ++i) {
     const OutputPart& part = parts[i];
@@ -329,6 +427,18 @@ std::vector<TaskBody> form_tasks(Ctx& c, const std::vector<OutputPart>& parts) {
         w.body.microbatch_in.push_back(v);
         continue;
       }
+      // Values that reach stage s with its activations (marker outputs and
+      // relayed values) are F's inputs and, for the backward, F's stash;
+      // those that reach it with the input gradients are I's inputs and, for
+      // W, I's wstash.
+      if (act_in[s].count(v)) {
+        if (slot > 0) from_f.insert(v);
+        continue;
+      }
+      if (slot > 0 && grad_in[s].count(v)) {
+        if (slot == 2) from_i.insert(v);
+        continue;
+      }
       int op = c.producer[v];
       if (op < 0) {
         throw TraceError(
@@ -351,15 +461,13 @@ std::vector<TaskBody> form_tasks(Ctx& c, const std::vector<OutputPart>& parts) {
         src_slot = slot_of(position);
       }
       bool ok = src_stage == s && src_slot >= 0 && src_slot < slot;
-      // A task's own boundary inputs (act_in, grad_in) are available directly.
-      if (src_stage == s && src_slot == slot && o.kind == OpKind::Boundary) continue;
       if (!ok) {
         std::string where =
             src_stage < 0 ? std::string("outside any stage") : fmt::format("stage {}", src_stage);
         throw TraceError(fmt::format(
-            "value {} produced by {} in {} is used by the {} task of stage {} without passing "
-            "a stage_boundary (skip connections across stages are not supported; route the "
-            "value through the boundaries)",
+            "value {} produced by {} in {} is used by the {} task of stage {}, which cannot "
+            "receive it (a value flows forward to later stages and its gradient backward; a "
+            "backward computation that reads a forward value of a later stage is not supported)",
             c.val_label(v), c.op_label(op), where, task_kind_char(w.body.kind), s));
       }
       if (src_slot == 0) {
