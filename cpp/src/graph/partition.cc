@@ -49,6 +49,55 @@ struct Ctx {
   }
 };
 
+// Sinking (part of step 2). Positions are the earliest stage an op can run
+// in; a forward op whose outputs only later forward stages read (the keys and
+// values a decoder stage projects from the encoder output) moves to the
+// earliest of its readers, when its staged inputs are no larger than its
+// outputs: what crosses the stages is then the inputs (often relayed anyway)
+// instead of the outputs, and the work runs where the model's code put it.
+// Reverse program order, so chains sink together. Values read by a backward
+// op do not hold an op back (the backward op follows the residual); loop
+// outputs and values a backward marker reads stay.
+void sink_forward(Ctx& c, const std::vector<char>& after_cut) {
+  const Program& p = c.p;
+  std::vector<char> loop_out(p.values.size(), 0);
+  for (const LoopOutput& o : p.loop_outputs) loop_out[o.body] = 1;
+  for (int i = static_cast<int>(p.ops.size()) - 1; i >= 0; --i) {
+    const Op& op = p.ops[i];
+    if (op.region != Region::Loop || op.kind == OpKind::Boundary || !c.staged_op[i] ||
+        after_cut[i] || op.outputs.empty())
+      continue;
+    const int from = c.pos[op.outputs[0]];
+    if (!c.is_fwd(from)) continue;
+    int to = std::numeric_limits<int>::max();
+    bool movable = true;
+    int64_t out_bytes = 0, in_bytes = 0;
+    for (int32_t v : op.outputs) {
+      out_bytes += p.values[v].bytes;
+      if (loop_out[v]) movable = false;
+      for (int u : c.consumers[v]) {
+        const Op& reader = p.ops[u];
+        if (reader.region != Region::Loop || (reader.kind == OpKind::Boundary && reader.backward)) {
+          movable = false;
+        } else if (reader.kind == OpKind::Boundary) {
+          to = std::min(to, c.f_pos(reader.boundary));
+        } else if (!after_cut[u] && c.staged_op[u] && !reader.outputs.empty()) {
+          to = std::min(to, c.pos[reader.outputs[0]]);
+        } else if (!after_cut[u]) {
+          movable = false;
+        }
+      }
+    }
+    for (int32_t v : op.inputs) {
+      if (c.pos[v] != kUnplaced) in_bytes += p.values[v].bytes;
+    }
+    if (!movable || to == std::numeric_limits<int>::max() || to <= from || !c.is_fwd(to) ||
+        in_bytes > out_bytes)
+      continue;
+    for (int32_t v : op.outputs) c.pos[v] = to;
+  }
+}
+
 // Steps 1 and 2: which body ops are staged, and their chain positions.
 void infer_stages(Ctx& c) {
   const Program& p = c.p;
@@ -147,9 +196,9 @@ void infer_stages(Ctx& c) {
       for (int32_t u : p.ops[op].inputs) stack.push_back(u);
     }
   }
-  for (int i = 0; i < nops; ++i) {
+  auto place = [&](int i) {
     const Op& op = p.ops[i];
-    if (op.region != Region::Loop) continue;
+    if (op.region != Region::Loop) return;
     if (op.kind == OpKind::Boundary) {
       int k = op.boundary;
       int limit = op.backward ? c.b_pos(k + 1) : c.f_pos(k);
@@ -165,7 +214,7 @@ void infer_stages(Ctx& c) {
       int out = op.backward ? c.b_pos(k) : c.f_pos(k + 1);
       for (int32_t v : op.outputs) c.pos[v] = out;
       c.staged_op[i] = true;
-      continue;
+      return;
     }
     // In the backward part of the program a residual of F_s is read by B_s,
     // unless the op also reads cotangents of a later stage j > s: then it runs
@@ -182,9 +231,19 @@ void infer_stages(Ctx& c) {
     }
     if (lb == kUnplaced) lb = res;
     if (lb == kUnplaced && seed[i]) lb = c.f_pos(0);
-    if (lb == kUnplaced) continue;  // unstaged: placed by its consumers
+    if (lb == kUnplaced) return;  // unstaged: placed by its consumers
     c.staged_op[i] = true;
     for (int32_t v : op.outputs) c.pos[v] = lb;
+  };
+  // Forward ops first (no forward op reads a backward one), then forward ops
+  // sink towards their readers, then the backward ops, whose residuals are
+  // read where the forward values finally are.
+  for (int i = 0; i < nops; ++i) {
+    if (!after_cut[i]) place(i);
+  }
+  sink_forward(c, after_cut);
+  for (int i = 0; i < nops; ++i) {
+    if (after_cut[i]) place(i);
   }
 }
 
