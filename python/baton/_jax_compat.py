@@ -38,6 +38,9 @@ __all__ = [
     "instantiate_zeros",
     "jax_version",
     "distributed_client",
+    "wire_aval",
+    "to_wire",
+    "from_wire",
 ]
 
 jax_version = tuple(int(x) for x in jax.__version__.split(".")[:2])
@@ -190,3 +193,47 @@ def distributed_client():
     from jax._src import distributed
 
     return getattr(distributed.global_state, "client", None)
+
+
+# -- values on the wire ------------------------------------------------------------------
+# The transports move plain bytes. Typed PRNG key arrays (``jax.random.key``: an extended
+# dtype numpy cannot describe) travel as their key data (uint32, trailing key dimensions),
+# 4-bit integers as 8-bit ones (XLA may pack them; one byte each on the wire), and float0
+# (the cotangent of an integer or key value: no data) as the bools XLA holds for it.
+_WIDE = {"int4": "int8", "uint4": "uint8", "int2": "int8", "uint2": "uint8"}
+
+
+def _is_key(dtype) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def wire_aval(aval) -> Any:
+    """The (shape, dtype) a value of ``aval`` has on the wire."""
+    if _is_key(aval.dtype):
+        impl = aval.dtype._impl  # the PRNG implementation behind a key dtype (private)
+        return jax.ShapeDtypeStruct(tuple(aval.shape) + tuple(impl.key_shape), jax.numpy.uint32)
+    if aval.dtype == jax.dtypes.float0:
+        return jax.ShapeDtypeStruct(tuple(aval.shape), jax.numpy.bool_)
+    wide = _WIDE.get(str(aval.dtype))
+    return jax.ShapeDtypeStruct(tuple(aval.shape), wide or aval.dtype)
+
+
+def to_wire(x) -> Any:
+    """``x`` as the transports carry it (see wire_aval)."""
+    if _is_key(x.dtype):
+        return jax.random.key_data(x)
+    if x.dtype == jax.dtypes.float0:
+        return jax.numpy.zeros(x.shape, jax.numpy.bool_)
+    wide = _WIDE.get(str(x.dtype))
+    return x if wide is None else x.astype(wide)
+
+
+def from_wire(x, dtype) -> Any:
+    """A value received as ``x`` (wire_aval) back in its own ``dtype``."""
+    if _is_key(dtype):
+        return jax.random.wrap_key_data(x, impl=dtype._impl)
+    if dtype == jax.dtypes.float0:
+        import numpy as np
+
+        return np.zeros(x.shape, dtype)
+    return x if x.dtype == dtype else x.astype(dtype)

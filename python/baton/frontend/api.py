@@ -287,7 +287,7 @@ def _leaf_key(x) -> tuple:
 def _dtype_name(x) -> str:
     dt = getattr(x, "dtype", None)  # arrays, Remote, ShapeDtypeStruct: no dispatch
     if dt is not None and not isinstance(x, (int, float, complex, bool)):
-        return str(np.dtype(dt))
+        return str(dt)  # also extended dtypes (typed PRNG keys: key<fry>), which numpy lacks
     return str(jax.numpy.result_type(x))  # Python scalars: JAX's weak type rules
 
 

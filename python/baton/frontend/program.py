@@ -55,6 +55,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from .. import _core
+from .. import _jax_compat as jc
 from ..errors import ExecutionError
 from . import ffi
 from .tasks import buffer_reads, final_part, parts_of, task_exes
@@ -787,7 +788,9 @@ class RankProgram(_LoopProgram):
 
     # -- transfers -------------------------------------------------------------------------
     def _layout(self, k, s):
-        return self.cs.buffers.layout(k, s)
+        """The avals of a (k, s) buffer as they cross (``_jax_compat.wire_aval``: typed keys
+        as their key data)."""
+        return [jc.wire_aval(a) for a in self.cs.buffers.layout(k, s)]
 
     def _specs(self, k, s) -> list[PartitionSpec]:
         """How a (k, s) buffer's arrays are laid out on a rank's devices when they cross:
@@ -830,7 +833,8 @@ class RankProgram(_LoopProgram):
         """One ``baton_comm`` custom call for a stretch of transfers: it posts the stretch's
         sends and receives and returns the arrays of the receives it waits on. On a rank of
         several devices, one call per device (``shard_map``) on its shards."""
-        sends = [x for op, k, s, m, _ in group if op == "send" for x in get((k, s, m))]
+        sends = [jc.to_wire(x) for op, k, s, m, _ in group if op == "send"
+                 for x in get((k, s, m))]
         ops = [(_OP_KIND[op], peer, channel(k), s) for op, k, s, _, peer in group]
         if self.D == 1:
             outs = [jax.ShapeDtypeStruct(a.shape, a.dtype)
@@ -855,9 +859,10 @@ class RankProgram(_LoopProgram):
         pos = 0
         for op, k, s, m, _ in group:
             if op == "wait":
-                n = len(self._layout(k, s))
-                put((k, s, m), list(got[pos:pos + n]))
-                pos += n
+                avals = self.cs.buffers.layout(k, s)
+                put((k, s, m), [jc.from_wire(x, a.dtype)
+                                for x, a in zip(got[pos:pos + len(avals)], avals)])
+                pos += len(avals)
 
 
 _OP_KIND = {"send": 0, "post": 1, "wait": 2}  # CommOpKind (cpp/include/baton/comm.h)
