@@ -155,25 +155,19 @@ def test_error_stage_count_mismatch_and_divisibility():
         baton.jit(step, mesh=_mesh(2), schedule=baton.OneFOneB(), microbatches=3)(*args)
 
 
-def test_error_empty_stage_and_skip_connection():
+def test_error_empty_stage():
+    """(A skip across stages is not an error: see test_stage_graph.py.)"""
     def loss_empty(p, b):
         h = baton.stage_boundary(jnp.tanh(b @ p))
         h = baton.stage_boundary(h)
         return jnp.mean(jnp.tanh(h @ p))
 
-    def loss_skip(p, b):
-        h = baton.stage_boundary(jnp.tanh(b @ p))
-        h1 = jnp.tanh(h @ p)
-        h2 = baton.stage_boundary(h1)
-        return jnp.mean(jnp.tanh(h2 @ p) + h1)
+    def step(p, bb):
+        return baton.accumulate(jax.value_and_grad(loss_empty), p, batch=bb)
 
-    w = jnp.eye(4)
-    b = jnp.ones((8, 4))
-    for fn, msg in ((loss_empty, "stage 1 has no work"), (loss_skip, "without passing a stage")):
-        def step(p, bb, fn=fn):
-            return baton.accumulate(jax.value_and_grad(fn), p, batch=bb)
-        with pytest.raises(baton.TraceError, match=msg):
-            baton.jit(step, mesh=_mesh(3), schedule=baton.GPipe(), microbatches=2)(w, b)
+    with pytest.raises(baton.TraceError, match="stage 1 has no work"):
+        baton.jit(step, mesh=_mesh(3), schedule=baton.GPipe(), microbatches=2)(
+            jnp.eye(4), jnp.ones((8, 4)))
 
 
 def test_error_pytree_structure_change():
