@@ -136,5 +136,16 @@ void init_graph(nb::module_& m) {
 
   g.def("partition", &baton::partition, "program"_a, "split_backward"_a, "remat"_a = true);
   g.def("count_stages", &baton::count_stages, "program"_a);
+  g.def(
+      "is_cheap",
+      [](const std::string& name) {
+        baton::Op op;
+        op.name = name;
+        op.outputs = {0};
+        return baton::is_recomputable(op);
+      },
+      "primitive"_a,
+      "Whether a one-output equation of this primitive is cheap elementwise/shape work (what "
+      "the stash rematerialization may recompute).");
   nb::register_exception_translator(&translate_trace_error);
 }

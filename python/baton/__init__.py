@@ -60,6 +60,9 @@ from .frontend import (  # noqa: F401,E402
 # --- layer stacks under lax.scan, cut into stages ---
 from .stacks import Stacked, join_stacks, scan_stages, split_stacks  # noqa: F401,E402
 
+# --- stage boundaries proposed by Baton ---
+from .autostage import auto_stage  # noqa: F401,E402
+
 # --- measurement (traces of real steps, profile-driven costs) ---
 from .frontend.profile import Profile, profile  # noqa: F401,E402
 from .frontend.tracing import Trace, trace  # noqa: F401,E402

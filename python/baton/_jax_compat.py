@@ -38,6 +38,7 @@ __all__ = [
     "instantiate_zeros",
     "jax_version",
     "distributed_client",
+    "source_summary",
     "wire_aval",
     "to_wire",
     "from_wire",
@@ -193,6 +194,17 @@ def distributed_client():
     from jax._src import distributed
 
     return getattr(distributed.global_state, "client", None)
+
+
+def source_summary(source_info) -> str:
+    """``file:line (function)`` of an equation's user frame, for messages; "?" if unknown
+    (``jax._src.source_info_util``, private)."""
+    try:
+        from jax._src import source_info_util
+
+        return source_info_util.summarize(source_info)
+    except Exception:  # noqa: BLE001
+        return "?"
 
 
 # -- values on the wire ------------------------------------------------------------------
