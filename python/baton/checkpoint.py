@@ -152,20 +152,22 @@ def _as_args(state):
 
 
 def _input_stages(step) -> dict[int, list[int]]:
-    """Step input value -> the stages whose code reads it (directly, or as a loop input)."""
+    """Step input value -> the stages that read it: the stages of the code before and after the
+    loop whose segments take it (a small value such as the optimizer's step count is copied
+    into every stage that uses it), and the stages whose loop tasks read it (as an invariant or
+    per microbatch). These are the values the step moves to a stage's rank."""
     tr = step.traced
-    ins = set(tr.step_inputs)
-    body_to_outer = {b: o for b, o, _ in tr.loop_inputs}
     stages: dict[int, set[int]] = {v: set() for v in tr.step_inputs}
-    for i, op in enumerate(tr.ops):
-        s = step.op_stage[i]
-        if s is None or s < 0:
-            continue
-        for u in op.inputs:
-            u = body_to_outer.get(u, u)
-            if u in ins:
-                stages[u].add(int(s))
-    return {v: sorted(s) for v, s in stages.items()}
+    for seg in list(step.pre_segments) + list(step.post_segments):
+        for v in seg.inputs:
+            if v in stages:
+                stages[v].add(int(seg.stage))
+    for (_, s), exe in step.tasks.items():
+        for b in list(exe.in_groups[0]) + list(exe.in_groups[1]):
+            o = step.loop_src[b][0]
+            if o in stages:
+                stages[o].add(int(s))
+    return {v: sorted(x) for v, x in stages.items()}
 
 
 def _compiled(fn, what: str):
@@ -227,9 +229,11 @@ def _ocp():
     return ocp
 
 
-def _mp_options(ocp):
-    """Each process writes its own item: under ``jax.distributed`` (several JAX processes),
-    Orbax must not coordinate with the others."""
+def _mp_options(ocp) -> dict:
+    """Each process writes and reads its own items: under ``jax.distributed`` (several JAX
+    processes) Orbax must not coordinate with the others (every process its own primary host,
+    barriers among itself only). Empty in Baton's own multi-process mode, where each process
+    is a one-process JAX world."""
     if jax.process_count() <= 1:
         return {}
     me = jax.process_index()
@@ -241,11 +245,19 @@ _SAVER = None
 
 
 def _saver():
+    """This process's Orbax ``AsyncCheckpointer`` (one save in flight at a time)."""
     global _SAVER
     if _SAVER is None:
         ocp = _ocp()
-        _SAVER = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(), **_mp_options(ocp))
+        mp = _mp_options(ocp)
+        _SAVER = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(**mp), **mp)
     return _SAVER
+
+
+def _reader():
+    ocp = _ocp()
+    mp = _mp_options(ocp)
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**mp), **mp)
 
 
 # -- save --------------------------------------------------------------------------------
@@ -327,7 +339,16 @@ def _at_exit():
         _log.error("baton.checkpoint: a save in flight at exit was not committed: %s", e)
 
 
-atexit.register(_at_exit)
+_AT_EXIT: set = set()
+
+
+def _register_at_exit(group) -> None:
+    """Commits saves still in flight at interpreter exit. Registered after the process group
+    connects (atexit runs last-registered first), so it runs while the transport is open."""
+    key = id(group)
+    if key not in _AT_EXIT:
+        _AT_EXIT.add(key)
+        atexit.register(_at_exit)
 
 
 def _write_atomic(name: str, text: str) -> None:
@@ -345,6 +366,13 @@ def _write_atomic(name: str, text: str) -> None:
             os.close(fd)
     except OSError:
         pass
+
+
+def _metadata_text(meta: dict) -> str:
+    """JSON, one line per leaf."""
+    head = json.dumps({k: v for k, v in meta.items() if k != "leaves"}, indent=1)
+    leaves = ",\n  ".join(json.dumps(m) for m in meta["leaves"])
+    return head[:-2] + ',\n "leaves": [\n  ' + leaves + "\n ]\n}\n"
 
 
 def _exchange(group, blob: str, timeout: float) -> list[str]:
@@ -466,7 +494,7 @@ def save(path, step: int, state: Any, fn: Any = None, *, overwrite: bool = False
     d = _step_dir(path, step)
     if me == 0:
         os.makedirs(d, exist_ok=True)
-        _write_atomic(os.path.join(d, METADATA), json.dumps(meta, indent=1) + "\n")
+        _write_atomic(os.path.join(d, METADATA), _metadata_text(meta))
     _exchange(group, "dir", timeout)  # the directory exists before anyone writes into it
     item: dict[str, dict[str, Any]] = {}
     for i, x in enumerate(leaves):
@@ -481,6 +509,7 @@ def save(path, step: int, state: Any, fn: Any = None, *, overwrite: bool = False
         _saver().save(os.path.join(d, _item_name(me)), args=ocp.args.PyTreeSave(item))
     handle = SaveHandle(path, step, group, timeout, me, items, writing)
     _PENDING.append(handle)
+    _register_at_exit(group)
     _test_hook("writing", step=step, process=me)
     if wait:
         handle.wait()
@@ -616,7 +645,7 @@ def _read(d: str, ms: list[dict], shardings: list) -> list:
     for j, m in enumerate(ms):
         by_item.setdefault(_item_name(m["process"]), []).append(j)
     out = [None] * len(ms)
-    ck = ocp.PyTreeCheckpointer(**_mp_options(ocp))
+    ck = _reader()
     for name, js in by_item.items():
         item: dict[str, dict] = {}
         rargs: dict[str, dict] = {}

@@ -311,3 +311,69 @@ def test_killed_during_save_leaves_previous_checkpoint(tmp_path, event, victim):
     ckpt.save(path, 2, (p0, OPT.init(p0)), wait=True)
     assert ckpt.latest_step(path) == 2
     leaves_equal(ckpt.restore(path, target=(p0, OPT.init(p0))), (p0, OPT.init(p0)), "step 2")
+
+
+def test_restore_into_tensor_parallel_ranks(two_rank_run, tmp_path):
+    """Onto pipe 2 x tensor 2 (each weight split over its rank's two devices): every array in
+    the step's own sharding, bit-identical; saved from there (sharded arrays) and read back as
+    plain JAX, bit-identical again."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    path, _, state3, _ = two_rank_run
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("pipe", "tensor"))
+    specs = {"layers": [{"w": P(None, "tensor"), "b": P("tensor")}] * LAYERS}
+    ps = baton.jit(make_step(2), schedule=baton.OneFOneB(), microbatches=M,
+                   mesh=baton.PipelineMesh(mesh), param_shardings=specs, single_program=False)
+    p = init_params()
+    ps.compile(p, OPT.init(p), batch(0))
+    state = ckpt.restore(path, SAVE_AT, fn=ps)
+    leaves_equal(state, state3, "tensor parallel")
+    for j, layer in enumerate(state[0]["layers"]):
+        for x in (layer["w"], state[1][0].nu["layers"][j]["w"]):
+            sh = x.sharding
+            assert isinstance(sh, NamedSharding) and sh.spec == P(None, "tensor"), sh
+            assert sh.device_set == set(ps.mesh.rank_devices[j // 2]), (j, sh)
+    ckpt.save(tmp_path, SAVE_AT, state, ps, wait=True)
+    assert ckpt.metadata(tmp_path)["items"] == ["process-0"]
+    leaves_equal(ckpt.restore(tmp_path, target=(p, OPT.init(p))), state3, "saved sharded")
+
+
+def test_tied_weight_stage_map(tmp_path):
+    """A weight tied across stages (read by the first stage and by the last, like a GPT's
+    embedding and LM head) and Adam's step count (read by every stage's update) are on every
+    stage that reads them in the stage map, and restored on the first one's rank. (Compiled
+    steps, not run: saving and restoring need the plan, not a call.)"""
+    def loss_fn(params, b):
+        x, y = b
+        x = x @ params["embed"]
+        for i, p in enumerate(params["layers"]):
+            x = jnp.tanh(x @ p["w"] + p["b"])
+            if i < len(params["layers"]) - 1:
+                x = baton.stage_boundary(x)
+        return jnp.mean((x @ params["embed"].T - y) ** 2)
+
+    vg = jax.value_and_grad(loss_fn)
+
+    def step(params, opt_state, b):
+        loss, grads = baton.accumulate(vg, params, batch=b)
+        updates, opt_state = OPT.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = dict(init_params(layers=2), embed=jnp.eye(DIM) * 0.5)
+    st = OPT.init(params)
+    ps = baton.jit(step, mesh=baton.PipelineMesh(jax.devices()[:2], ranks=2),
+                   schedule=baton.OneFOneB(), microbatches=M)
+    ps.compile(params, st, batch(0))
+    ckpt.save(tmp_path, 0, (params, st), ps, wait=True)
+    meta = {m["path"]: m for m in ckpt.metadata(tmp_path)["leaves"]}
+    assert meta["[0]['embed']"]["stages"] == [0, 1]
+    assert meta["[1][0].count"]["stages"] == [0, 1]
+    assert meta["[0]['layers'][1]['w']"]["stages"] == [1]
+    assert meta["[1][0].mu['embed']"]["stages"] == [0]  # the update runs on the owner's rank
+    ps2 = baton.jit(step, mesh=baton.PipelineMesh(jax.devices()[2:4], ranks=2),
+                    schedule=baton.ZBH1(), microbatches=M)
+    ps2.compile(params, st, batch(0))
+    got = ckpt.restore(tmp_path, fn=ps2)
+    leaves_equal(got, (params, st), "tied")
+    assert got[0]["embed"].sharding.device_set == {jax.devices()[2]}
+    assert got[0]["layers"][1]["w"].sharding.device_set == {jax.devices()[3]}
