@@ -89,13 +89,14 @@ def metadata(path, step: int | None = None) -> dict:
     """The metadata of a committed checkpoint (``baton.json``): ``plan`` (fingerprint,
     schedule, ranks, stages, ``stage_rank``), ``tree``, ``leaves`` (path, dtype, shape,
     stages, rank, process, key of every leaf) and ``stage_map`` (stage -> leaf paths)."""
-    step = _committed_step(path, step)
+    step = _committed_step(path, step, finish=False)
     with open(os.path.join(_step_dir(path, step), METADATA)) as f:
         return json.load(f)
 
 
-def _committed_step(path, step):
-    wait_until_finished()
+def _committed_step(path, step, finish: bool = True):
+    if finish:  # this process's saves in flight first (collective in multi-process mode)
+        wait_until_finished()
     if step is None:
         step = latest_step(path)
         if step is None:
@@ -266,7 +267,8 @@ class SaveHandle:
     process) finishes this process's write and commits the checkpoint; returns the step
     directory. ``done`` tells whether it was committed."""
 
-    def __init__(self, path, step, group, timeout, process, expected_items, writing):
+    def __init__(self, path, step, group, timeout, process, expected_items, writing,
+                 failed=""):
         self.path = os.fspath(path)
         self.step = int(step)
         self.dir = _step_dir(path, step)
@@ -275,6 +277,7 @@ class SaveHandle:
         self.process = process
         self.expected_items = expected_items
         self.writing = writing
+        self.failed = failed  # this process's Orbax save did not start: why
         self.done = False
         self.error: BaseException | None = None
 
@@ -295,7 +298,7 @@ class SaveHandle:
     wait_until_finished = wait
 
     def _finish(self) -> str:
-        status = "ok"
+        status = self.failed or "ok"
         if self.writing:
             try:
                 _saver().wait_until_finished()
@@ -448,10 +451,10 @@ def save(path, step: int, state: Any, fn: Any = None, *, overwrite: bool = False
                 raise ConfigError(f"baton.checkpoint.save: step {step} under {path} exists "
                                   f"(pass overwrite=True to replace it)")
             shutil.rmtree(d)  # an uncommitted (killed) save, or overwrite
-    except ConfigError as e:
+    except Exception as e:  # noqa: BLE001  (told to every process, which all raise)
         if group is None:
             raise
-        error = str(e)
+        error = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
     blobs = _exchange(group, json.dumps({"have": "" if error else have, "error": error}),
                       timeout)
     errors = [(p, json.loads(b)["error"]) for p, b in enumerate(blobs) if json.loads(b)["error"]]
@@ -504,10 +507,16 @@ def save(path, step: int, state: Any, fn: Any = None, *, overwrite: bool = False
                 x = np.asarray(x)
             item.setdefault(f"rank{r}", {})[f"a{i}"] = x
     writing = bool(item)
+    failed = ""
     if writing:
         ocp = _ocp()
-        _saver().save(os.path.join(d, _item_name(me)), args=ocp.args.PyTreeSave(item))
-    handle = SaveHandle(path, step, group, timeout, me, items, writing)
+        try:
+            _saver().save(os.path.join(d, _item_name(me)), args=ocp.args.PyTreeSave(item))
+        except Exception as e:  # noqa: BLE001  (reported to every process by wait())
+            if group is None:
+                raise
+            failed, writing = f"{type(e).__name__}: {e}", False
+    handle = SaveHandle(path, step, group, timeout, me, items, writing, failed)
     _PENDING.append(handle)
     _register_at_exit(group)
     _test_hook("writing", step=step, process=me)

@@ -377,3 +377,26 @@ def test_tied_weight_stage_map(tmp_path):
     leaves_equal(got, (params, st), "tied")
     assert got[0]["embed"].sharding.device_set == {jax.devices()[2]}
     assert got[0]["layers"][1]["w"].sharding.device_set == {jax.devices()[3]}
+
+
+def test_readme_checkpoints_example(tmp_path):
+    """The README's "Checkpoints" example, as written, after its pipelining example."""
+    import re
+
+    text = (HERE.parent.parent / "README.md").read_text()
+
+    def block(heading):
+        return re.search(r"```python\n(.*?)```", text[text.index(heading):], re.S).group(1)
+
+    k = jax.random.split(jax.random.key(0), 6)
+    params = {"layers": [jax.random.normal(k[i], (16, 16)) * 0.3 for i in range(4)]}
+    b = {"x": jax.random.normal(k[4], (32, 16)), "y": jax.random.normal(k[5], (32, 16))}
+    ns = {"params": params, "opt_state": optax.adamw(1e-3).init(params), "batch": b,
+          "path": str(tmp_path)}
+    exec(block("## Pipelining a JAX training step"), ns)  # noqa: S102 - our own README
+    trained = jax.device_get((ns["params"], ns["opt_state"]))
+    exec(block("## Checkpoints"), ns)  # noqa: S102
+    assert ns["step"] == 6 and ckpt.all_steps(tmp_path) == [3, 6]
+    leaves_equal((ns["params"], ns["opt_state"]), ckpt.restore(tmp_path, 6, target=trained),
+                 "readme")
+    leaves_equal(ns["full"][0], ns["params"], "readme full")
