@@ -15,8 +15,8 @@ On disk, under ``path``::
 
 Each process writes only the leaves its own ranks hold (no gather), asynchronously (Orbax's
 ``AsyncCheckpointer``). The commit is collective: ``SaveHandle.wait()`` (or the next
-``save``, ``wait_until_finished()``, a ``restore`` of the path, or interpreter exit) waits for
-this process's write, exchanges every process's status over Baton's process group, and then
+``save``, ``wait_until_finished()`` or ``restore``; not interpreter exit, so call one before
+the program ends) waits for this process's write, exchanges every process's status over Baton's process group, and then
 process 0 writes ``COMMITTED``. A step directory without it is not a checkpoint:
 ``latest_step`` and ``restore`` skip it, and the next ``save`` of that step replaces it.
 Killing a run at any point of a save leaves the previous checkpoint as it was.
@@ -336,22 +336,15 @@ def wait_until_finished() -> None:
 
 
 def _at_exit():
-    try:
-        wait_until_finished()
-    except Exception as e:  # noqa: BLE001
-        _log.error("baton.checkpoint: a save in flight at exit was not committed: %s", e)
+    """A save still in flight at exit cannot be committed any more (Orbax finishes its writes
+    on threads, and Python starts no thread once it is shutting down): says so."""
+    for h in _PENDING:
+        _log.warning("baton.checkpoint: step %d under %s was not committed (the program ended "
+                     "before handle.wait() or baton.checkpoint.wait_until_finished()); "
+                     "latest_step and restore ignore it", h.step, h.path)
 
 
-_AT_EXIT: set = set()
-
-
-def _register_at_exit(group) -> None:
-    """Commits saves still in flight at interpreter exit. Registered after the process group
-    connects (atexit runs last-registered first), so it runs while the transport is open."""
-    key = id(group)
-    if key not in _AT_EXIT:
-        _AT_EXIT.add(key)
-        atexit.register(_at_exit)
+atexit.register(_at_exit)
 
 
 def _write_atomic(name: str, text: str) -> None:
@@ -402,7 +395,8 @@ def save(path, step: int, state: Any, fn: Any = None, *, overwrite: bool = False
     map go into the metadata; None saves a plain JAX state (one process, no stage map).
     Each process writes only the leaves it holds; the write is asynchronous and the
     checkpoint is committed by ``handle.wait()`` (``wait=True`` waits here), the next
-    ``save``, :func:`wait_until_finished`, or at exit. In multi-process mode ``save`` and
+    ``save`` or :func:`wait_until_finished` (not at exit: a save still in flight when the
+    program ends is not committed, and a warning says so). In multi-process mode ``save`` and
     ``wait`` are collective (call them in every process, in the same order). A committed
     ``step`` that exists raises ``ConfigError`` unless ``overwrite``; an uncommitted one (a
     save that was killed) is replaced.
@@ -518,7 +512,6 @@ def save(path, step: int, state: Any, fn: Any = None, *, overwrite: bool = False
             failed, writing = f"{type(e).__name__}: {e}", False
     handle = SaveHandle(path, step, group, timeout, me, items, writing, failed)
     _PENDING.append(handle)
-    _register_at_exit(group)
     _test_hook("writing", step=step, process=me)
     if wait:
         handle.wait()

@@ -8,8 +8,8 @@ order in every run), AdamW.
 * Saved by 4 processes (4 ranks, one per process: ``baton.launch`` runs one rank per
   process), restored there (resume), on 2 ranks in one process, and as plain JAX: parameters
   and optimizer state bit-identical to what the run held (``step.gather``).
-* Resuming from step 3 of 6 gives the uninterrupted run's losses bit for bit (4 processes;
-  2 ranks in one process, also onto another schedule).
+* Resuming from step 3 of 6 gives the uninterrupted run's losses and final state bit for bit
+  (4 processes; 2 ranks in one process, also onto another schedule).
 * A checkpoint that does not match the target model raises ``baton.ConfigError`` naming the
   parameter path.
 * A process SIGKILLed in the middle of a save (its Orbax write in flight; or process 0 just
@@ -127,7 +127,9 @@ def worker_main(mode: str, outdir: str) -> None:
             held = not isinstance(x, baton.Remote)
             assert held == (j // 2 == rank), (rank, j, x)  # layer j // 2 is stage j // 2's
         leaves_equal(ps.gather(restored), full3, "restored in place")
-        _, l3 = train(ps, restored, SAVE_AT, STEPS)
+        resumed, l3 = train(ps, restored, SAVE_AT, STEPS)
+        ckpt.save(path, 60, resumed, ps)
+        ckpt.wait_until_finished()  # (a save in flight when the program ends is not committed)
         np.save(out / f"losses-rank{rank}.npy", np.concatenate([l1, l2]))
         np.save(out / f"resumed-rank{rank}.npy", l3)
         if rank == 0:
@@ -196,7 +198,7 @@ def test_save_on_four_ranks_restore_on_two_ranks_and_plain_jax(tmp_path):
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-6000:]
     path = tmp_path / "ckpt"
-    assert ckpt.all_steps(path) == [SAVE_AT, STEPS]
+    assert ckpt.all_steps(path) == [SAVE_AT, STEPS, 60]  # 60: the resumed run's step 6
     meta = ckpt.metadata(path, STEPS)
     assert meta["plan"]["ranks"] == 4 and meta["processes"] == 4
     assert meta["items"] == [f"process-{r}" for r in range(4)]  # each wrote its own stage
@@ -211,6 +213,8 @@ def test_save_on_four_ranks_restore_on_two_ranks_and_plain_jax(tmp_path):
                                       losses[SAVE_AT:])
     saved = {s: list(np.load(tmp_path / f"step{s}.npz").values()) for s in (SAVE_AT, STEPS)}
     p0 = init_params()
+    # the resumed run's final state (saved as step 60) is the uninterrupted one's
+    leaves_equal(ckpt.restore(path, 60, target=(p0, OPT.init(p0))), saved[STEPS], "resumed")
     for s in (SAVE_AT, STEPS):
         # plain JAX, in the target's structure, and with no target (nested dicts and lists)
         leaves_equal(ckpt.restore(path, s, target=(p0, OPT.init(p0))), saved[s], f"plain {s}")
