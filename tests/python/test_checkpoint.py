@@ -381,6 +381,12 @@ def test_tied_weight_stage_map(tmp_path):
     leaves_equal(got, (params, st), "tied")
     assert got[0]["embed"].sharding.device_set == {jax.devices()[2]}
     assert got[0]["layers"][1]["w"].sharding.device_set == {jax.devices()[3]}
+    # the parameters alone (one pytree: the step's first argument)
+    ckpt.save(tmp_path, 1, params, ps, wait=True)
+    got = ckpt.restore(tmp_path, 1, fn=ps2)
+    assert isinstance(got, dict) and got["embed"].sharding.device_set == {jax.devices()[2]}
+    leaves_equal(got, params, "params alone")
+    assert ckpt.metadata(tmp_path, 1)["leaves"][0]["path"] == "['embed']"
 
 
 def test_readme_checkpoints_example(tmp_path):
