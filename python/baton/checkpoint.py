@@ -16,8 +16,8 @@ On disk, under ``path``::
 Each process writes only the leaves its own ranks hold (no gather), asynchronously (Orbax's
 ``AsyncCheckpointer``). The commit is collective: ``SaveHandle.wait()`` (or the next
 ``save``, ``wait_until_finished()`` or ``restore``; not interpreter exit, so call one before
-the program ends) waits for this process's write, exchanges every process's status over Baton's process group, and then
-process 0 writes ``COMMITTED``. A step directory without it is not a checkpoint:
+the program ends) waits for this process's write, exchanges every process's status over
+Baton's process group, and then process 0 writes ``COMMITTED``. A step directory without it is not a checkpoint:
 ``latest_step`` and ``restore`` skip it, and the next ``save`` of that step replaces it.
 Killing a run at any point of a save leaves the previous checkpoint as it was.
 
@@ -584,7 +584,7 @@ def restore(path, step: int | None = None, *, target: Any = None, fn: Any = None
     for i, n in enumerate(names):
         m = saved.get(n)
         if m is None:
-            near = [p for p in saved if p.split("[")[0] == n.split("[")[0]][:4]
+            near = [p for p, x in saved.items() if x["keys"][:-1] == keys[i][:-1]][:4]
             raise ConfigError(f"baton.checkpoint.restore: {n} of the target model is not in the "
                               f"checkpoint of step {step} under {path}"
                               + (f" (it has e.g. {', '.join(near)})" if near else ""))

@@ -278,6 +278,14 @@ def test_mismatched_model_raises_config_error(two_rank_run):
                        match=r"\[0\]\['layers'\]\[0\]\['b'\] is float32\[16\] in the checkpoint "
                              r"but float32\[8\]"):
         ckpt.restore(path, target=(p8, OPT.init(p8)))
+    # a parameter the checkpoint does not have
+    p4 = init_params()
+    p4["layers"][1]["scale"] = jnp.ones((DIM,))
+    with pytest.raises(baton.ConfigError,
+                       match=r"\[0\]\['layers'\]\[1\]\['scale'\] of the target model is not in "
+                             r"the checkpoint of step 6 .* "
+                             r"\(it has e\.g\. \[0\]\['layers'\]\[1\]\['b'\]"):
+        ckpt.restore(path, target=(p4, OPT.init(p4)))
     # the same tree cut into 4 stages: restorable (re-split), but not with same_stages
     ps4 = pipelined(2, baton.Interleaved1F1B(virtual_stages=2))
     ckpt.restore(path, fn=ps4)
