@@ -17,9 +17,10 @@ Each process writes only the leaves its own ranks hold (no gather), asynchronous
 ``AsyncCheckpointer``). The commit is collective: ``SaveHandle.wait()`` (or the next
 ``save``, ``wait_until_finished()`` or ``restore``; not interpreter exit, so call one before
 the program ends) waits for this process's write, exchanges every process's status over
-Baton's process group, and then process 0 writes ``COMMITTED``. A step directory without it is not a checkpoint:
-``latest_step`` and ``restore`` skip it, and the next ``save`` of that step replaces it.
-Killing a run at any point of a save leaves the previous checkpoint as it was.
+Baton's process group, and then process 0 writes ``COMMITTED``. A step directory without it
+is not a checkpoint: ``latest_step`` and ``restore`` skip it, and the next ``save`` of that
+step replaces it. Killing a run at any point of a save leaves the previous checkpoint as it
+was.
 
 In multi-process mode every process is its own JAX world (``jax.process_count() == 1``), so
 Orbax's own multi-host coordination has nothing to do: each process's item is a complete
