@@ -69,8 +69,9 @@ VPY="$VENV/bin/python"
   || die "$VENV uses Python $("$VPY" -V 2>&1); Baton needs >= 3.12 (remove .venv to recreate)"
 
 # Minimum versions; pip installs only what is missing or too old.
-PY_REQUIREMENTS=("jax>=0.11" "flax>=0.10" "optax>=0.2" "numpy>=1.26" "pytest>=8" "pytest-xdist>=3"
-                 "hypothesis>=6" "nanobind>=2.4" "scikit-build-core>=0.10")
+PY_REQUIREMENTS=("jax>=0.11" "flax>=0.10" "optax>=0.2" "orbax-checkpoint>=0.12" "numpy>=1.26"
+                 "pytest>=8" "pytest-xdist>=3" "hypothesis>=6" "nanobind>=2.4"
+                 "scikit-build-core>=0.10")
 mapfile -t need < <("$VPY" - "${PY_REQUIREMENTS[@]}" <<'EOF'
 import re, sys
 from importlib.metadata import PackageNotFoundError, version

@@ -67,4 +67,7 @@ from .autostage import auto_stage  # noqa: F401,E402
 from .frontend.profile import Profile, profile  # noqa: F401,E402
 from .frontend.tracing import Trace, trace  # noqa: F401,E402
 
+# --- checkpoints on Orbax (baton.checkpoint.save / restore / latest_step) ---
+from . import checkpoint  # noqa: F401,E402
+
 __version__ = "0.1.0"
