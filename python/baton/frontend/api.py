@@ -34,8 +34,9 @@ class PipelinedFunction:
                  transport: str | None = None, timeout: float = 120.0, trace: bool = False,
                  remat: bool = True, fuse_forward_backward: bool = True,
                  retain_host_memory: bool = True, single_program: bool = True,
-                 param_shardings: Any = None):
+                 param_shardings: Any = None, boundaries: Any = None):
         self.param_shardings = param_shardings
+        self.boundaries = None if boundaries is None else [int(b) for b in boundaries]
         if transport not in (None, "local", "gloo", "nccl"):
             raise ConfigError(
                 f"baton.jit: transport must be None (automatic), 'local', 'gloo' or 'nccl' "
@@ -61,7 +62,15 @@ class PipelinedFunction:
             mesh = local_devices(mesh)  # this process's rank; made a mesh at the first call
         self.fn = fn
         self.mesh = mesh
-        self.spec = _schedule_spec(schedule)
+        from ..autoplan import Auto
+
+        self.auto = schedule if isinstance(schedule, Auto) else None
+        if self.auto is not None and self.multi:
+            raise ConfigError(
+                "baton.jit: schedule=baton.Auto(...) plans in one process; with several "
+                "processes, plan with baton.autoplan in one process and pin the chosen "
+                "schedule, microbatches, remat and boundaries (Candidate.jit_kwargs())")
+        self.spec = None if self.auto is not None else _schedule_spec(schedule)
         self.microbatches = microbatches
         self.remat = bool(remat)
         self.fuse_fb = bool(fuse_forward_backward)
@@ -122,7 +131,12 @@ class PipelinedFunction:
         args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
                             if isinstance(x, Remote) else x, args)
         in_specs = self._input_specs(args)  # (a bad sharding is named before tracing)
-        traced = trace_step(self.fn, args, self.microbatches)
+        if self.auto is not None and self.spec is None:  # plan once, at the first call
+            best = self.auto.plan(self.fn, args, self.mesh.num_ranks)
+            kw = best.jit_kwargs()
+            self.spec, self.microbatches = kw["schedule"], kw["microbatches"]
+            self.remat, self.boundaries = kw["remat"], kw["boundaries"]
+        traced = trace_step(self.fn, args, self.microbatches, self.boundaries)
         ranks = self.mesh.num_ranks
         want = self.spec.stages(ranks)
         if traced.num_stages == 1 and want != 1:
@@ -335,6 +349,7 @@ def jit(
     retain_host_memory: bool = True,
     single_program: bool = True,
     param_shardings: Any = None,
+    boundaries: Any = None,
 ):
     """Pipelines ``fn`` (a training step containing one ``baton.accumulate``).
 
@@ -379,6 +394,9 @@ def jit(
     multi-rank step whose ranks have several devices; a transport the devices cannot use)
     raises ``baton.ConfigError``. ``False``: the interpreter (the C++ executor, one Python callback
     per task), the reference engine; it also runs ``baton.profile`` and traced one-rank steps.
+    ``boundaries``: the indices (0-based, in forward order) of the ``stage_boundary`` calls
+    that end stages; the others are identities. For a model marked at a finer grain than its
+    stages (a boundary after every layer); ``baton.autoplan`` chooses them. Default: all.
     """
     if mesh is None and (transport == "local" or
                          (transport in (None, "nccl") and launched_world_size() <= 1)):
@@ -387,6 +405,6 @@ def jit(
     def wrap(f):
         return PipelinedFunction(f, mesh, schedule, microbatches, transport, timeout, trace,
                                  remat, fuse_forward_backward, retain_host_memory,
-                                 single_program, param_shardings)
+                                 single_program, param_shardings, boundaries)
 
     return wrap if fn is None else wrap(fn)

@@ -239,7 +239,10 @@ _REGION = {"pre": None, "loop": None, "post": None}
 _REDUCE = {"sum": "Sum", "mean": "Mean", "stack": "Stack"}
 
 
-def trace_step(fn: Callable, args: tuple, microbatches: int) -> Traced:
+def trace_step(fn: Callable, args: tuple, microbatches: int,
+               boundaries: list[int] | None = None) -> Traced:
+    """``boundaries``: which stage_boundary calls (0-based, forward order) end stages; the
+    others are identities (candidate cut points the planner did not choose). None: all."""
     flat, in_tree = jax.tree.flatten(args)
     structs = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) for x in flat]
     box = []
@@ -271,6 +274,19 @@ def trace_step(fn: Callable, args: tuple, microbatches: int) -> Traced:
         )
     step_outputs = [ex.read(env, o) for o in outvars]
     n_markers = _number_markers(ex.ops)
+    if boundaries is not None:
+        keep = sorted(set(int(b) for b in boundaries))
+        if keep and (keep[0] < 0 or keep[-1] >= n_markers):
+            raise TraceError(f"boundaries={list(boundaries)}: the step has {n_markers} "
+                             f"stage_boundary calls (indices 0..{n_markers - 1})")
+        index = {b: j for j, b in enumerate(keep)}
+        for op in ex.ops:
+            if op.kind == "boundary":
+                if op.boundary in index:
+                    op.boundary = index[op.boundary]
+                else:  # an identity: runs inside its stage's task
+                    op.kind, op.boundary = "compute", -1
+        n_markers = len(keep)
 
     prog = G.Program()
     for aval, kind in zip(ex.avals, ex.kinds):

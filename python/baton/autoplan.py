@@ -1,0 +1,343 @@
+"""Automatic pipeline planning: stage cuts, schedule, microbatches and rematerialization chosen
+together under a memory budget.
+
+    rows = baton.autoplan(train_step, params, opt_state, batch, ranks=4,
+                          memory_per_device="2GiB")
+    print(rows)                       # ranked candidates: cuts, schedule, M, remat, time, memory
+    step = rows.best.jit(train_step, mesh=mesh)          # pin it (or copy its arguments)
+
+    step = baton.jit(train_step, mesh=mesh, schedule=baton.Auto(memory_per_device="2GiB"))
+
+The model marks *candidate* cut points with ``stage_boundary`` at a finer grain than the stages
+it wants (e.g. after every layer), or none at all with ``baton.auto_stage(loss_fn)`` (Baton
+proposes them). The pieces between consecutive candidates are *segments*. Baton measures each
+segment once on one device (``measure_segments``: forward and backward seconds from
+``baton.profile`` of a one-rank pipeline with every candidate a stage boundary, input-/weight-
+gradient split and rematerialization costs from the traced flops, activation, stash, parameter,
+optimizer-state and XLA temporary bytes from the partition and XLA's memory analysis) at two
+microbatch sizes (a fixed per-task overhead plus a part proportional to the microbatch), caches
+the costs on disk by the traced program's fingerprint, and hands them to the C++ search
+(``baton-plan --auto`` runs the same search on a cost file; see docs/ARCHITECTURE.md,
+"Automatic planning").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _core
+from .errors import ConfigError
+from .frontend.mesh import PipelineMesh
+from .frontend.trace import trace_step
+
+__all__ = ["measure_segments", "autoplan", "Auto", "Candidate", "Candidates"]
+
+G = _core.graph
+def _task(part, kind, s):
+    for t in part.tasks:
+        if t.kind == kind and t.stage == s:
+            return t
+    return None
+
+
+def _bytes(prog, vals) -> int:
+    return int(sum(prog.value_bytes(v) for v in vals))
+
+
+def _batch_size(traced) -> int:
+    for _, outer, is_mb in traced.loop_inputs:
+        if is_mb:
+            return int(traced.avals[outer].shape[0])
+    raise ConfigError("autoplan: the step's microbatch loop has no batch input")
+
+
+def _fingerprint(traced, device) -> str:
+    h = hashlib.sha256()
+    h.update(traced.program.to_text().encode())
+    h.update(repr([(tuple(getattr(a, "shape", ())), str(getattr(a, "dtype", "")))
+                   for a in traced.avals]).encode())
+    h.update(f"{device.platform}/{device.device_kind}/{jax.__version__}".encode())
+    return h.hexdigest()[:24]
+
+
+def _cache_dir(cache_dir) -> str:
+    if cache_dir is not None:
+        return os.fspath(cache_dir)
+    return os.environ.get("BATON_CACHE_DIR",
+                          os.path.join(os.path.expanduser("~"), ".cache", "baton"))
+
+
+def _profile_at(fn, args, device, stages: int, microbatches: int, runs: int):
+    """Per-stage seconds (f, b) and XLA temporaries of ``fn`` as a one-rank pipeline with
+    every candidate boundary a stage, ``microbatches`` per step."""
+    from . import profile
+    from .frontend.api import PipelinedFunction
+    from .schedules import Interleaved1F1B
+
+    probe = PipelinedFunction(fn, PipelineMesh([device], ranks=1),
+                              Interleaved1F1B(virtual_stages=stages) if stages > 1 else "1f1b",
+                              microbatches, remat=False, fuse_forward_backward=False)
+    prof = profile(probe, *args, runs=runs, warmup=1, steps=1, costs="isolated")
+    out = []
+    for s in range(stages):
+        sc = prof.cost_model.stages[s]
+        temp = max([int(prof.xla_memory.get(f"{k}{s}", {}).get("temp_size_in_bytes", 0))
+                    for k in ("F", "B")] + [0])
+        out.append((float(sc.f), float(sc.b), temp))
+    return out, probe.last
+
+
+def measure_segments(fn, *args, microbatches=(4, 8), runs: int = 3, device=None,
+                     cache_dir=None, use_cache: bool = True) -> dict:
+    """The segment costs of ``fn`` (a training step with one ``baton.accumulate`` whose model
+    marks candidate cut points with ``stage_boundary``) in the layout of
+    ``baton-plan --auto --segments`` (see ``cpp/include/baton/autoplan.h``). Measured on
+    ``device`` (default: the first device) at the microbatch counts ``microbatches`` (one or
+    two of them: two give each segment's fixed per-task overhead); cached under
+    ``cache_dir`` (``$BATON_CACHE_DIR``, default ``~/.cache/baton``) by the traced program's
+    fingerprint: a second call for the same step is a file read."""
+    device = device or jax.devices()[0]
+    ms = sorted(set(int(m) for m in microbatches))[:2] if np.ndim(microbatches) else [
+        int(microbatches)]
+    traced = trace_step(fn, args, ms[0])
+    batch = _batch_size(traced)
+    for m in ms:
+        if m < 1 or batch % m:
+            raise ConfigError(f"autoplan: {m} microbatches do not divide the batch of {batch}")
+    key = f"segments-{_fingerprint(traced, device)}-{'-'.join(map(str, ms))}-{runs}.json"
+    path = os.path.join(_cache_dir(cache_dir), key)
+    if use_cache and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            out = json.load(f)
+        out["cached"] = path
+        return out
+    t0 = time.perf_counter()
+    S = traced.num_stages
+    measured = {m: _profile_at(fn, args, device, S, m, runs) for m in ms}
+    ref = ms[-1]  # costs are given at the smallest microbatch (most microbatches)
+    times, step = measured[ref]
+    prog = step.traced.program
+    keep = G.partition(prog, False, False)
+    small = G.partition(prog, False, True)
+    split = G.partition(prog, True, False)
+    params = {outer for _, outer, is_mb in step.traced.loop_inputs if not is_mb}
+    opt_by_stage: dict[int, set] = {}
+    inputs = set(step.traced.step_inputs)
+    for seg in step.post_segments:
+        opt_by_stage.setdefault(seg.stage, set()).update(
+            v for v in seg.inputs if v in inputs and v not in params)
+    segments = []
+    for s in range(S):
+        f_t, b_t, temp = times[s]
+        F, B = _task(keep, "F", s), _task(keep, "B", s)
+        Fm, Bm = _task(small, "F", s), _task(small, "B", s)
+        Ii, Ww = _task(split, "I", s), _task(split, "W", s)
+        overhead = 0.0
+        if len(ms) == 2:  # t = overhead + rate * microbatch size, from the two sizes
+            f_big, b_big, _ = measured[ms[0]][0][s]
+            k = (batch // ms[-1]) / (batch // ms[0])  # small / big microbatch
+            for t_small, t_big in ((f_t, f_big), (b_t, b_big)):
+                o = (t_small - k * t_big) / (1 - k) if k < 1 else 0.0
+                overhead = max(overhead, min(max(o, 0.0), t_small))
+            overhead = min(overhead, f_t, b_t)
+        share = Ii.cost / (Ii.cost + Ww.cost) if Ii.cost + Ww.cost > 0 else 0.5
+        recompute = max(Bm.cost - B.cost, 0.0)
+        param_vals = set(F.invariant_in) | set(B.invariant_in)
+        segments.append({
+            "name": f"segment {s}",
+            "f": f_t, "b": b_t, "i": b_t * share, "w": b_t * (1 - share),
+            "overhead": overhead,
+            "act_bytes": _bytes(prog, F.act_out),
+            "stash_bytes": _bytes(prog, F.stash_out),
+            "min_stash_bytes": _bytes(prog, Fm.stash_out),
+            "min_recompute": f_t * recompute / F.cost if F.cost > 0 else 0.0,
+            "wstash_bytes": _bytes(prog, Ii.wstash_out),
+            "param_bytes": _bytes(prog, param_vals),
+            "opt_bytes": _bytes(prog, opt_by_stage.get(s, ())),
+            "temp_bytes": int(temp),
+        })
+    link = _measure_link(max([s["act_bytes"] for s in segments] + [8]), runs)
+    out = {"batch": batch, "ref_microbatch": batch // ref, "link": link, "fused_factor": 1.0,
+           "segments": segments,
+           "measured": {"microbatches": ms, "seconds": time.perf_counter() - t0,
+                        "device": str(device)}}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + f".tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1)
+    os.replace(tmp, path)
+    return out
+
+
+def _measure_link(nbytes: int, runs: int) -> dict:
+    """Latency and bandwidth of a device-to-device copy between the first two devices (none
+    with one device)."""
+    devs = jax.devices()
+    if len(devs) < 2:
+        return {"latency": 0.0, "bandwidth": 0.0}
+    pts = []
+    for n in (4, max(nbytes, 8)):
+        x = jax.device_put(np.zeros(max(n // 4, 1), np.float32), devs[0])
+        jax.block_until_ready(jax.device_put(x, devs[1]))
+        ts = []
+        for _ in range(max(runs, 3)):
+            t = time.perf_counter()
+            jax.block_until_ready(jax.device_put(x, devs[1]))
+            ts.append(time.perf_counter() - t)
+        pts.append((n, float(np.median(ts))))
+    (n0, t0), (n1, t1) = pts
+    bw = (n1 - n0) / (t1 - t0) if n1 > n0 and t1 > t0 else 0.0
+    return {"latency": max(t0, 0.0), "bandwidth": bw}
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One ranked plan: the stage cuts (first segment of each stage), schedule, microbatches
+    and rematerialization, with the simulator's step time, bubble and peak memory per rank."""
+
+    schedule: str
+    virtual_stages: int
+    microbatches: int
+    cuts: list
+    remat: list
+    step_time: float
+    bubble: float
+    peak_memory: list
+    fits: bool
+
+    @property
+    def boundaries(self) -> list[int]:
+        """The candidate ``stage_boundary`` calls (indices) that end stages."""
+        return [c - 1 for c in self.cuts[1:]]
+
+    def spec(self):
+        from .schedules import schedule_from_name
+
+        v = self.virtual_stages if self.schedule == "interleaved" else None
+        return schedule_from_name(self.schedule, v)
+
+    def jit_kwargs(self) -> dict:
+        """``baton.jit`` arguments that run this plan (pin them in a script)."""
+        return {"schedule": self.spec(), "microbatches": self.microbatches,
+                "remat": all(r == "min" for r in self.remat), "boundaries": self.boundaries}
+
+    def jit(self, fn, mesh, **kwargs):
+        from .frontend.api import jit
+
+        return jit(fn, mesh=mesh, **self.jit_kwargs(), **kwargs)
+
+
+class Candidates(list):
+    """Ranked :class:`Candidate` rows (best first), with ``segments`` (the measured costs)
+    and ``stats`` (search statistics, planning seconds)."""
+
+    segments: dict
+    stats: dict
+
+    @property
+    def best(self) -> Candidate:
+        return self[0]
+
+    def __str__(self) -> str:
+        head = ("| # | schedule | M | stage cuts (first segment) | remat | step (ms) | bubble | "
+                "peak per rank (MiB) | fits |\n|---|---|---|---|---|---|---|---|---|")
+        rows = []
+        for k, c in enumerate(self):
+            name = c.schedule + (f" v{c.virtual_stages}" if c.schedule == "interleaved" else "")
+            rows.append(
+                f"| {k} | {name} | {c.microbatches} | {c.cuts} | {c.remat[0]} | "
+                f"{c.step_time * 1e3:.2f} | {c.bubble:.1%} | "
+                f"{', '.join(f'{b / 2**20:.1f}' for b in c.peak_memory)} | "
+                f"{'yes' if c.fits else 'no'} |")
+        return "\n".join([head, *rows])
+
+
+def _search_costs(costs: dict) -> dict:
+    return {k: v for k, v in costs.items() if k not in ("measured", "cached")}
+
+
+def autoplan(fn, *args, ranks: int, memory_per_device=None, microbatches=None,
+             families=None, remat=("keep", "min"), top: int = 10, runs: int = 3,
+             measure_at=None, device=None, cache_dir=None, use_cache: bool = True,
+             gap: float = 0.0) -> Candidates:
+    """Ranked plans for ``fn`` (a training step whose model marks candidate cut points with
+    ``stage_boundary``, or uses ``baton.auto_stage``) on ``ranks`` pipeline ranks under
+    ``memory_per_device`` (bytes or e.g. ``"20GiB"``; None: unlimited). Searches every
+    contiguous grouping of the segments into stages, the schedule ``families`` (default: all
+    eight), the microbatch counts ``microbatches`` (default: the divisors of the batch up to
+    4 x ranks) and the rematerialization modes ``remat`` (one per plan: "keep" every residual
+    or Baton's "min" stash, what ``baton.jit(remat=...)`` runs), minimising the simulated step
+    time (exact branch and bound, C++). Segment costs are measured once (``measure_segments``,
+    at ``measure_at``: two microbatch counts, default the smallest and largest candidates) and
+    cached. Raises ``ConfigError`` naming the smallest peak and its rank when nothing fits."""
+    from .planning import autoplan_segments
+
+    t0 = time.perf_counter()
+    traced = trace_step(fn, args, 1)
+    batch = _batch_size(traced)
+    if microbatches is None:
+        microbatches = [m for m in range(1, 4 * ranks + 1) if batch % m == 0]
+    microbatches = sorted(set(int(m) for m in microbatches))
+    if measure_at is None:
+        measure_at = (microbatches[0], microbatches[-1])
+    costs = measure_segments(fn, *args, microbatches=measure_at, runs=runs, device=device,
+                             cache_dir=cache_dir, use_cache=use_cache)
+    t1 = time.perf_counter()
+    rows: list[Candidate] = []
+    stats: dict = {}
+    errors = []
+    for mode in remat:
+        try:
+            found = autoplan_segments(_search_costs(costs), ranks, memory_per_device, top=top,
+                                      families=families, microbatches=microbatches,
+                                      remat=[mode], gap=gap)
+        except ConfigError as e:  # nothing fits with this mode
+            errors.append(str(e))
+            continue
+        for k, v in found.stats.items():
+            stats[f"{mode}.{k}"] = v
+        for r in found:
+            rows.append(Candidate(r["schedule"], int(r["virtual_stages"]),
+                                  int(r["microbatches"]), list(r["cuts"]), list(r["remat"]),
+                                  float(r["step_time"]), float(r["bubble_fraction"]),
+                                  [int(b) for b in r["peak_memory"]], bool(r["fits"])))
+    if not rows:
+        raise ConfigError("autoplan: no plan fits: " + "; ".join(errors))
+    rows.sort(key=lambda c: (not c.fits, c.step_time))
+    out = Candidates(rows[:top])
+    out.segments = costs
+    stats["measure_seconds"] = t1 - t0
+    stats["search_seconds"] = time.perf_counter() - t1
+    out.stats = stats
+    return out
+
+
+@dataclasses.dataclass
+class Auto:
+    """``baton.jit(schedule=baton.Auto(...))``: plan on the first call (``autoplan`` with these
+    arguments and the mesh's rank count) and run the best plan. ``.chosen`` holds it."""
+
+    memory_per_device: Any = None
+    microbatches: Any = None
+    families: Any = None
+    remat: tuple = ("keep", "min")
+    runs: int = 3
+    cache_dir: Any = None
+    chosen: Any = None
+    candidates: Any = None
+
+    def plan(self, fn, args, ranks: int) -> Candidate:
+        self.candidates = autoplan(fn, *args, ranks=ranks,
+                                   memory_per_device=self.memory_per_device,
+                                   microbatches=self.microbatches, families=self.families,
+                                   remat=self.remat, runs=self.runs, cache_dir=self.cache_dir)
+        self.chosen = self.candidates.best
+        return self.chosen

@@ -1,0 +1,106 @@
+"""Automatic planning end to end (``baton.autoplan``, ``baton.Auto``).
+
+A model with a heavy first and last layer and a boundary marked after every layer (6
+segments); Baton measures the segments once (cached on disk), searches cuts x schedules x
+microbatches x remat on 2 ranks, and the chosen plan trains like plain JAX.
+"""
+
+import os
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+
+import baton  # noqa: E402
+
+D, WIDE = 16, 256
+OPT = optax.adamw(1e-2, eps=1e-6, weight_decay=0.01)
+
+
+def loss_fn(params, batch):
+    x = jnp.tanh(batch["x"] @ params["first"] @ params["first_out"])  # heavy
+    for w in params["mid"]:
+        x = baton.stage_boundary(x)
+        x = x + jnp.tanh(x @ w)
+    x = baton.stage_boundary(x)
+    x = jnp.tanh(x @ params["last"]) @ params["last_out"]  # heavy
+    return ((x - batch["y"]) ** 2).mean()
+
+
+def init():
+    ks = jax.random.split(jax.random.PRNGKey(0), 8)
+    return {"first": jax.random.normal(ks[0], (D, WIDE)) / 8,
+            "first_out": jax.random.normal(ks[1], (WIDE, D)) / 8,
+            "mid": [jax.random.normal(k, (D, D)) / 4 for k in ks[2:6]],
+            "last": jax.random.normal(ks[6], (D, WIDE)) / 8,
+            "last_out": jax.random.normal(ks[7], (WIDE, 1)) / 8}
+
+
+def batch_of(n=16):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(1))
+    return {"x": jax.random.normal(k1, (n, D)), "y": jax.random.normal(k2, (n, 1))}
+
+
+def train_step(params, opt_state, batch):
+    loss, grads = baton.accumulate(jax.value_and_grad(loss_fn), params, batch=batch)
+    updates, opt_state = OPT.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def reference_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = OPT.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def _check_trains_like_jax(ps):
+    params, batch = init(), batch_of()
+    ref = jax.jit(reference_step)
+    p1 = p2 = params
+    s1 = s2 = OPT.init(params)
+    for _ in range(2):
+        p1, s1, l1 = ps(p1, s1, batch)
+        p2, s2, l2 = ref(p2, s2, batch)
+        np.testing.assert_allclose(l1, l2, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_autoplan_ranks_plans_and_the_best_one_trains(tmp_path):
+    params, batch = init(), batch_of()
+    args = (params, OPT.init(params), batch)
+    rows = baton.autoplan(train_step, *args, ranks=2, microbatches=[2, 4, 8],
+                          measure_at=(4,), runs=2, cache_dir=tmp_path)
+    assert len(rows.segments["segments"]) == 6
+    assert rows and all(r.fits for r in rows)
+    times = [r.step_time for r in rows]
+    assert times == sorted(times)
+    for r in rows:  # contiguous cuts over the 6 segments, one stage list per plan
+        assert r.cuts[0] == 0 and r.cuts == sorted(set(r.cuts)) and r.cuts[-1] < 6
+        assert len(r.cuts) == r.spec().stages(2)
+    assert "| schedule |" in str(rows)
+    best = rows.best
+    _check_trains_like_jax(best.jit(train_step, baton.PipelineMesh(jax.devices()[:2], ranks=2)))
+    # the measured costs are cached by the traced program: a second plan reads them
+    again = baton.autoplan(train_step, *args, ranks=2, microbatches=[2, 4, 8],
+                           measure_at=(4,), runs=2, cache_dir=tmp_path)
+    assert again.segments.get("cached")
+    assert [r.cuts for r in again] == [r.cuts for r in rows]
+    # a budget nothing meets names the smallest peak and its rank
+    with pytest.raises(baton.ConfigError, match="rank"):
+        baton.autoplan(train_step, *args, ranks=2, memory_per_device=1000,
+                       microbatches=[2, 4, 8], measure_at=(4,), runs=2, cache_dir=tmp_path)
+
+
+def test_jit_with_auto_schedule(tmp_path):
+    auto = baton.Auto(microbatches=[4, 8], runs=2, cache_dir=tmp_path,
+                      families=["1f1b", "zbh1", "gpipe"])
+    ps = baton.jit(train_step, mesh=baton.PipelineMesh(jax.devices()[:2], ranks=2),
+                   schedule=auto)
+    _check_trains_like_jax(ps)
+    assert auto.chosen is not None and auto.chosen.schedule in ("1f1b", "zbh1", "gpipe")
+    assert ps.last.num_stages == 2 and ps.last.M == auto.chosen.microbatches
