@@ -319,6 +319,7 @@ TEST(AutoplanSearch, MatchesBruteForce) {
     }
     const AutoplanResult r = autoplan(c, o);
     ASSERT_FALSE(r.plans.empty());
+    EXPECT_TRUE(r.stats.exact);
     EXPECT_NEAR(r.plans[0].step_time, best, 1e-9 * std::max(1.0, best));
     EXPECT_LE(static_cast<int>(r.plans.size()), o.top);
     for (size_t k = 0; k < r.plans.size(); ++k) {

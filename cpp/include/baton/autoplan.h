@@ -172,6 +172,18 @@ struct AutoplanOptions {
   // Remat modes allowed per stage (empty: all three).
   std::vector<Remat> remat_modes;
   bool verify = true;  // verify() every returned plan (throws VerifyError if one fails)
+  // Relative optimality gap: 0 searches exactly; g > 0 also cuts every node
+  // whose lower bound is within a factor (1 + g) of the threshold, so the
+  // best plan returned is within (1 + g) of the optimum (and each row within
+  // (1 + g) of the best plan of its configuration).
+  double gap = 0;
+  // Depth-first nodes explored per configuration before the rest of its
+  // partitions are left unexplored (0: no limit, exact). Beyond the budget
+  // the result is an approximation whose certified gap (the best row over
+  // the smallest bound of anything left unexplored) is AutoplanStats::gap.
+  // The default keeps 64 segments x 8 ranks x every family near 2 s; the
+  // property-test sizes never reach it.
+  int64_t node_budget = 20000;
 };
 
 // One evaluated candidate.
@@ -199,7 +211,11 @@ struct AutoplanStats {
   int64_t simulated = 0;       // candidates simulated
   int64_t pruned = 0;          // subtrees / candidates cut off by a bound
   double seconds = 0;
-  bool exact = true;  // the search is exact on its space (always, at present)
+  // True when the best row is the optimum of the space (gap == 0 and no
+  // configuration ran out of node_budget).
+  bool exact = true;
+  // Otherwise the certified relative gap: best row <= (1 + gap) * optimum.
+  double gap = 0;
 };
 
 struct AutoplanResult {

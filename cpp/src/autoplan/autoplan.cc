@@ -8,6 +8,7 @@
 #include <cctype>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <nlohmann/json.hpp>
 
@@ -58,7 +59,10 @@ struct Option {
 // Bounds are computed with prefix sums, the simulated costs with sequential
 // sums: a bound may exceed its exact value by a few ulps, so a node is cut
 // only when its bound clears the threshold by more than that.
-bool cut(double lb, double T) { return lb * (1.0 - 1e-12) >= T; }
+// With a relative gap g > 0 a node is also cut when its bound is within a
+// factor (1 + g) of the threshold: the result is then within (1 + g) of the
+// optimum (bounded approximation).
+bool cut(double lb, double T, double gap) { return lb * (1.0 - 1e-12) * (1.0 + gap) >= T; }
 
 // A (family, v, M) configuration: its lowered plan, the coefficients of the
 // bounds, and the scaled segment costs.
@@ -84,6 +88,8 @@ struct Config {
   std::vector<int64_t> pstash, pmin, pwstash, pstatic;
   std::vector<int64_t> tmax;  // (n+1)*(n+1): max temp of [a, e)
   double root_lb = 0;
+  std::vector<int> seed_cuts;
+  double lower = kInf;  // certified lower bound on this configuration's best
   double best = kInf;
   PlanCandidate best_cand;
 };
@@ -95,6 +101,8 @@ class Searcher {
     modes_ = o.remat_modes.empty() ? std::vector<Remat>{Remat::Keep, Remat::Min, Remat::Full}
                                    : o.remat_modes;
     budget_ = o.memory > 0 ? o.memory : std::numeric_limits<int64_t>::max();
+    gap_ = o.gap;
+    node_budget_ = o.node_budget;
   }
   AutoplanResult run();
 
@@ -123,7 +131,7 @@ class Searcher {
   bool remaining_feasible(const Config& c, int s, int a) const;
   double min_max_busy(const Config& c, std::vector<int>* cuts) const;
   void threshold(const Config& c);
-  void dfs(Config& c, int s, int a);
+  void dfs(Config& c, int s, int a, double node_lb);
   void leaf(Config& c);
   void build_options(const Config& c);
   void set_partition(const Config& c, const std::vector<int>& cuts);
@@ -139,6 +147,10 @@ class Searcher {
   int n_ = 0;
   std::vector<Remat> modes_;
   int64_t budget_ = 0;
+  double gap_ = 0;
+  int64_t node_budget_ = 0;  // DFS nodes per configuration; 0: unlimited
+  int64_t nodes_ = 0;
+  double abandoned_lb_ = kInf;  // smallest bound of a subtree left unexplored
   std::vector<Config> cfgs_;
   AutoplanStats st_;
   double T_ = kInf;    // current threshold
@@ -325,7 +337,7 @@ bool Searcher::remaining_feasible(const Config& c, int s, int a) const {
     if (pos >= n_) return true;
     int e = pos + 1;
     auto ok = [&](int x) {
-      return !cut(stage_busy(c, k, pos, x, add_min(c, pos, x)), T_) &&
+      return !cut(stage_busy(c, k, pos, x, add_min(c, pos, x)), T_, gap_) &&
              stage_mem(c, pos, x) + temp(c, pos, x) <= budget_;
     };
     if (!ok(e)) return false;
@@ -370,7 +382,30 @@ double Searcher::min_max_busy(const Config& c, std::vector<int>* cuts) const {
       lo = mid;
   }
   split(hi, cuts);
-  return lo;
+  // Two partition-free bounds: one microbatch's F and backward chain through
+  // every segment (B3 with no contention), and the average rank busy time
+  // (B1 summed over ranks, each segment at the smallest coefficient).
+  double chain = 0, total = 0;
+  double mf = kInf, mb = kInf, mi = kInf, mw = kInf;
+  bool any_b = false, any_i = false;
+  for (int k = 0; k < c.S; ++k) {
+    mf = std::min(mf, c.cf[k]);
+    mb = std::min(mb, c.cb[k]);
+    mi = std::min(mi, c.ci[k]);
+    mw = std::min(mw, c.cw[k]);
+    any_b = any_b || c.uses_b[k];
+    any_i = any_i || c.uses_i[k];
+  }
+  for (int k = 0; k < n_; ++k) {
+    const double add = add_min(c, k, k + 1);
+    const SegmentCost& g = c.sc.segments[k];
+    double bi = kInf;
+    if (any_b) bi = std::min(bi, g.b);
+    if (any_i) bi = std::min(bi, g.i);
+    chain += c.chain_c * (g.f + (bi == kInf ? 0.0 : bi));
+    total += mf * g.f + mb * (g.b + add) + mi * (g.i + add) + mw * g.w;
+  }
+  return std::max({lo, chain, total / c.P});
 }
 
 void Searcher::threshold(const Config& c) {
@@ -474,7 +509,13 @@ std::string describe(const Config& c, const std::vector<int>& cuts) {
   return s;
 }
 
-void Searcher::dfs(Config& c, int s, int a) {
+void Searcher::dfs(Config& c, int s, int a, double node_lb) {
+  if (node_budget_ > 0 && ++nodes_ > node_budget_) {
+    // Out of budget: this subtree is left unexplored; its bound limits what
+    // it could hold (reported as the certified gap).
+    abandoned_lb_ = std::min(abandoned_lb_, node_lb);
+    return;
+  }
   const int S = c.S;
   const int r = c.stage_rank[s];
   const int low = c.rank_stages[r][0];
@@ -493,17 +534,26 @@ void Searcher::dfs(Config& c, int s, int a) {
       note_peak(mem, r, describe(c, cuts_), false);
       break;
     }
-    if (cut(head + busy + tail, T_)) {
+    if (cut(head + busy + tail, T_, gap_)) {
       ++st_.pruned;
       break;
     }
     e_max = e;
   }
-  for (int e = e_max; e >= e_lo; --e) {
-    if (s + 1 < S && !remaining_feasible(c, s + 1, e)) {
-      ++st_.pruned;
-      break;  // smaller e leaves more to cover
-    }
+  // Smallest e whose remaining segments can still be covered (B4; coverable
+  // for e implies coverable for every larger e).
+  int e_min = e_max + 1;
+  while (e_min - 1 >= e_lo && (s + 1 == S || remaining_feasible(c, s + 1, e_min - 1))) --e_min;
+  if (e_min > e_lo) ++st_.pruned;
+  // Children nearest the seed partition's cut first.
+  std::vector<int> es;
+  for (int e = e_max; e >= e_min; --e) es.push_back(e);
+  if (s + 1 < S) {
+    const int target = c.seed_cuts.empty() ? e_max : c.seed_cuts[s + 1];
+    std::stable_sort(es.begin(), es.end(),
+                     [&](int x, int y) { return std::abs(x - target) < std::abs(y - target); });
+  }
+  for (int e : es) {
     const double add = add_min(c, a, e);
     const double sb = stage_busy(c, s, a, e, add);
     const double save_busy = busy_[r];
@@ -511,13 +561,16 @@ void Searcher::dfs(Config& c, int s, int a) {
     busy_[r] += sb;
     static_[r] += stage_mem(c, a, e);
     temp_[r] = std::max(temp_[r], temp(c, a, e));
+    const double head = s == low ? hd_[s] : hd_[low];
+    const double tail = c.rank_has_w[r] ? 0.0 : (s == low ? td_[s] : td_[low]);
+    const double lb = std::max(node_lb, head + busy_[r] + tail);
     if (s + 1 < S) {
       const double f = sum(c.pf, a, e);
       const double bi = bi_min(c, s, sum(c.pb, a, e) + add, sum(c.pi, a, e) + add);
       const double h = hop(c, s, c.sc.segments[e - 1].act_bytes);
       hd_[s + 1] = hd_[s] + c.chain_c * f + h;
       td_[s + 1] = td_[s] + c.chain_c * bi + h;
-      dfs(c, s + 1, e);
+      dfs(c, s + 1, e, lb);
     } else {
       leaf(c);
     }
@@ -578,7 +631,7 @@ void Searcher::leaf(Config& c) {
     choice_[s] = 0;
     apply(s);
   }
-  if (cut(relax(c), T_)) {
+  if (cut(relax(c), T_, gap_)) {
     ++st_.pruned;
     return;
   }
@@ -596,6 +649,20 @@ void Searcher::remat_dfs(Config& c, size_t k) {
   if (k == order_.size()) {
     remat_leaf(c);
     return;
+  }
+  // (B5) on the whole subtree: every completion is componentwise at least as
+  // slow as a vector that fits when that vector is at its fastest option on
+  // every stage not yet chosen.
+  for (const auto& f : feasible_) {
+    bool dominated = true;
+    for (size_t q = 0; q < order_.size() && dominated; ++q) {
+      const int t = order_[q];
+      dominated = q < k ? choice_[t] >= f[t] : f[t] == 0;
+    }
+    if (dominated) {
+      ++st_.pruned;
+      return;
+    }
   }
   const int s = order_[k];
   for (int j = 0; j < static_cast<int>(opts_[s].size()); ++j) {
@@ -621,7 +688,7 @@ void Searcher::remat_dfs(Config& c, size_t k) {
         }
         lb = std::max(lb, busy);
       }
-      if (cut(lb, T_)) {
+      if (cut(lb, T_, gap_)) {
         ++st_.pruned;
         break;  // later options are slower still
       }
@@ -643,7 +710,7 @@ void Searcher::remat_leaf(Config& c) {
       return;
     }
   }
-  if (cut(relax(c), T_)) {
+  if (cut(relax(c), T_, gap_)) {
     ++st_.pruned;
     return;
   }
@@ -794,6 +861,11 @@ AutoplanResult Searcher::run() {
   }
   for (Remat m : modes_) (void)remat_name(m);
   if (modes_.empty()) throw ConfigError("autoplan: no remat modes allowed");
+  if (!std::isfinite(o_.gap) || o_.gap < 0)
+    throw ConfigError(fmt::format("autoplan: gap must be finite and >= 0 (got {})", o_.gap));
+  st_.exact = o_.gap == 0;
+  if (o_.node_budget < 0)
+    throw ConfigError(fmt::format("autoplan: node_budget must be >= 0 (got {})", o_.node_budget));
   for (const std::string& f : fams) {
     std::vector<int> vs{1};
     if (f == "interleaved") vs = o_.interleaved_v;
@@ -808,6 +880,8 @@ AutoplanResult Searcher::run() {
     Config& c = cfgs_[k];
     std::vector<int> cuts;
     c.root_lb = min_max_busy(c, &cuts);
+    c.seed_cuts = cuts;
+    c.lower = c.root_lb;
     order.push_back(k);
     if (c.root_lb == kInf) continue;
     threshold(c);
@@ -822,7 +896,7 @@ AutoplanResult Searcher::run() {
   for (size_t k : order) {
     Config& c = cfgs_[k];
     threshold(c);
-    if (c.root_lb == kInf || cut(c.root_lb, T_)) {
+    if (c.root_lb == kInf || cut(c.root_lb, T_, gap_)) {
       ++st_.pruned;
       continue;
     }
@@ -832,7 +906,13 @@ AutoplanResult Searcher::run() {
     temp_.assign(c.P, 0);
     hd_.assign(c.S, 0);
     td_.assign(c.S, 0);
-    if (remaining_feasible(c, 0, 0)) dfs(c, 0, 0);
+    nodes_ = 0;
+    abandoned_lb_ = kInf;
+    if (remaining_feasible(c, 0, 0)) dfs(c, 0, 0, c.root_lb);
+    // Explored: the best is exact (or within the gap); abandoned subtrees
+    // hold nothing below their bound.
+    c.lower = std::min(std::min(c.best, T_) / (1.0 + gap_), abandoned_lb_);
+    if (abandoned_lb_ < kInf) st_.exact = false;
   }
   AutoplanResult out;
   std::vector<const Config*> done;
@@ -854,6 +934,12 @@ AutoplanResult Searcher::run() {
         format_bytes(o_.memory), o_.memory, min_peak_exact_ ? "found is" : "bound found is",
         format_bytes(min_peak_), min_peak_, min_peak_rank_, min_peak_what_));
   }
+  // Certified gap of the best row: every configuration's optimum is >= its
+  // `lower` (configurations cut at the root: >= root_lb >= the threshold).
+  double lower = done.front()->best;
+  for (const Config& c : cfgs_) lower = std::min(lower, c.lower);
+  st_.gap = lower > 0 ? std::max(0.0, done.front()->best / lower - 1.0) : 0.0;
+  if (st_.exact) st_.gap = 0;
   for (const Config* c : done) {
     if (static_cast<int>(out.plans.size()) >= o_.top) break;
     if (o_.verify) verify_or_throw(c->plan);
@@ -947,7 +1033,8 @@ std::string AutoplanResult::to_json() const {
          {"simulated", stats.simulated},
          {"pruned", stats.pruned},
          {"seconds", stats.seconds},
-         {"exact", stats.exact}};
+         {"exact", stats.exact},
+         {"gap", stats.gap}};
   return json{{"plans", rows}, {"stats", s}}.dump(2);
 }
 
@@ -974,7 +1061,8 @@ std::string autoplan_table(const AutoplanResult& r, int64_t memory) {
       "{} simulated, {} pruned, {:.3f} s, {}\n",
       memory > 0 ? format_bytes(memory) : std::string("unlimited"), s.configurations, s.refused,
       s.partitions, s.candidates, s.simulated, s.pruned, s.seconds,
-      s.exact ? "exact" : "approximate");
+      s.exact ? std::string("exact")
+              : fmt::format("approximate: certified within {:.2f}% of the optimum", 100 * s.gap));
   return out;
 }
 
