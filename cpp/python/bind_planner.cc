@@ -533,7 +533,8 @@ void bind_autoplan(nb::module_& m) {
          std::optional<std::vector<std::string>> families,
          std::optional<std::vector<int>> microbatches,
          std::optional<std::vector<std::string>> remat,
-         std::optional<std::vector<int>> interleaved_v, int max_microbatches, double gap) {
+         std::optional<std::vector<int>> interleaved_v, int max_microbatches, double gap,
+         int64_t node_budget) {
         baton::SegmentCosts costs = baton::SegmentCosts::from_json(segments_json);
         baton::AutoplanOptions o;
         o.ranks = ranks;
@@ -546,6 +547,7 @@ void bind_autoplan(nb::module_& m) {
         if (interleaved_v) o.interleaved_v = *interleaved_v;
         o.max_microbatches = max_microbatches;
         o.gap = gap;
+        o.node_budget = node_budget;
         baton::AutoplanResult r;
         {
           nb::gil_scoped_release release;
@@ -581,11 +583,13 @@ void bind_autoplan(nb::module_& m) {
       },
       "segments_json"_a, "ranks"_a, "memory"_a = 0, "top"_a = 10, "families"_a = nb::none(),
       "microbatches"_a = nb::none(), "remat"_a = nb::none(), "interleaved_v"_a = nb::none(),
-      "max_microbatches"_a = 0, "gap"_a = 0.0,
+      "max_microbatches"_a = 0, "gap"_a = 0.0, "node_budget"_a = 20000,
       "Searches stage cuts x schedule x microbatches x per-stage remat for the segment costs "
       "(JSON, autoplan.h). Returns (plans, stats): plans best first, each a dict with schedule, "
       "virtual_stages, microbatches, cuts, remat, step_time, bubble_fraction, peak_memory, fits. "
-      "memory: bytes per rank (0: unlimited). Raises ConfigError when nothing fits.");
+      "memory: bytes per rank (0: unlimited). node_budget: DFS nodes per configuration (0: no "
+      "limit, exact); stats says whether the result is exact, else its certified gap. Raises "
+      "ConfigError when nothing fits.");
   m.def("parse_bytes", &baton::parse_bytes, "text"_a);
 }
 

@@ -312,6 +312,7 @@ def autoplan_segments(
     interleaved_v: list[int] | None = None,
     max_microbatches: int = 0,
     gap: float = 0.0,
+    node_budget: int = 20000,
 ) -> AutoplanRows:
     """Chooses stage cuts, schedule, microbatch count and per-stage remat.
 
@@ -324,7 +325,9 @@ def autoplan_segments(
     stage), ``remat`` (per stage), ``step_time``, ``bubble_fraction``,
     ``peak_memory`` (bytes per rank) and ``fits``. ``gap`` > 0 trades
     exactness for speed (the best row is then within ``1 + gap`` of the
-    optimum). Raises ``ConfigError`` when no plan fits (naming the smallest
+    optimum). ``node_budget`` bounds the depth-first nodes per configuration
+    (0: no limit); beyond it the result is approximate and ``rows.stats``
+    holds ``exact=False`` and the certified ``gap``. Raises ``ConfigError`` when no plan fits (naming the smallest
     peak found and its rank), ``FormatError`` on malformed costs.
     """
     if isinstance(costs, dict):
@@ -357,6 +360,7 @@ def autoplan_segments(
         None if interleaved_v is None else [int(v) for v in interleaved_v],
         int(max_microbatches),
         float(gap),
+        int(node_budget),
     )
     rows = AutoplanRows(plans)
     rows.stats = dict(stats)

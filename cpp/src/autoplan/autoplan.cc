@@ -151,6 +151,7 @@ class Searcher {
   int64_t node_budget_ = 0;  // DFS nodes per configuration; 0: unlimited
   int64_t nodes_ = 0;
   double abandoned_lb_ = kInf;  // smallest bound of a subtree left unexplored
+  double leaf_lb_ = 0;          // (B3) of the current partition at its fastest remat
   std::vector<Config> cfgs_;
   AutoplanStats st_;
   double T_ = kInf;    // current threshold
@@ -631,7 +632,8 @@ void Searcher::leaf(Config& c) {
     choice_[s] = 0;
     apply(s);
   }
-  if (cut(relax(c), T_, gap_)) {
+  leaf_lb_ = relax(c);
+  if (cut(leaf_lb_, T_, gap_)) {
     ++st_.pruned;
     return;
   }
@@ -646,6 +648,10 @@ void Searcher::leaf(Config& c) {
 }
 
 void Searcher::remat_dfs(Config& c, size_t k) {
+  if (node_budget_ > 0 && ++nodes_ > node_budget_) {
+    abandoned_lb_ = std::min(abandoned_lb_, leaf_lb_);  // (B3) at the fastest remat
+    return;
+  }
   if (k == order_.size()) {
     remat_leaf(c);
     return;
@@ -887,6 +893,7 @@ AutoplanResult Searcher::run() {
     threshold(c);
     // Evaluate the seed partition as a DFS path with every stage fixed.
     set_partition(c, cuts);
+    nodes_ = 0;
     const int64_t save_partitions = st_.partitions;
     leaf(c);
     st_.partitions = save_partitions;  // counted again by the DFS
