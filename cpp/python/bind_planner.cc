@@ -2,6 +2,7 @@
 // lowering (Plan), verifier, simulator and renderers. Thin: conversion only.
 #include <fmt/format.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/tuple.h>
@@ -9,10 +10,12 @@
 
 #include <cstdint>
 #include <exception>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "baton/autoplan.h"
 #include "baton/cost.h"
 #include "baton/error.h"
 #include "baton/generators.h"
@@ -522,6 +525,74 @@ void bind_sim(nb::module_& m) {
       "plan"_a, "result"_a, "report"_a = nb::none());
 }
 
+// Automatic planning: JSON in, plain dicts out (the Python side formats them).
+void bind_autoplan(nb::module_& m) {
+  m.def(
+      "autoplan",
+      [](const std::string& segments_json, int ranks, int64_t memory, int top,
+         std::optional<std::vector<std::string>> families,
+         std::optional<std::vector<int>> microbatches,
+         std::optional<std::vector<std::string>> remat,
+         std::optional<std::vector<int>> interleaved_v, int max_microbatches, double gap,
+         int64_t node_budget) {
+        baton::SegmentCosts costs = baton::SegmentCosts::from_json(segments_json);
+        baton::AutoplanOptions o;
+        o.ranks = ranks;
+        o.memory = memory;
+        o.top = top;
+        if (families) o.families = *families;
+        if (microbatches) o.microbatches = *microbatches;
+        if (remat)
+          for (const auto& r : *remat) o.remat_modes.push_back(baton::parse_remat(r));
+        if (interleaved_v) o.interleaved_v = *interleaved_v;
+        o.max_microbatches = max_microbatches;
+        o.gap = gap;
+        o.node_budget = node_budget;
+        baton::AutoplanResult r;
+        {
+          nb::gil_scoped_release release;
+          r = baton::autoplan(costs, o);
+        }
+        nb::list plans;
+        for (const baton::PlanCandidate& p : r.plans) {
+          nb::dict d;
+          d["schedule"] = p.schedule;
+          d["virtual_stages"] = p.virtual_stages;
+          d["microbatches"] = p.microbatches;
+          d["cuts"] = p.cuts;
+          std::vector<std::string> rm;
+          for (baton::Remat x : p.remat) rm.emplace_back(baton::remat_name(x));
+          d["remat"] = rm;
+          d["step_time"] = p.step_time;
+          d["bubble_fraction"] = p.bubble_fraction;
+          d["peak_memory"] = p.peak_memory;
+          d["fits"] = p.fits;
+          plans.append(d);
+        }
+        nb::dict stats;
+        stats["configurations"] = r.stats.configurations;
+        stats["refused"] = r.stats.refused;
+        stats["partitions"] = r.stats.partitions;
+        stats["candidates"] = r.stats.candidates;
+        stats["simulated"] = r.stats.simulated;
+        stats["pruned"] = r.stats.pruned;
+        stats["seconds"] = r.stats.seconds;
+        stats["exact"] = r.stats.exact;
+        stats["gap"] = r.stats.gap;
+        return nb::make_tuple(plans, stats);
+      },
+      "segments_json"_a, "ranks"_a, "memory"_a = 0, "top"_a = 10, "families"_a = nb::none(),
+      "microbatches"_a = nb::none(), "remat"_a = nb::none(), "interleaved_v"_a = nb::none(),
+      "max_microbatches"_a = 0, "gap"_a = 0.0, "node_budget"_a = 20000,
+      "Searches stage cuts x schedule x microbatches x per-stage remat for the segment costs "
+      "(JSON, autoplan.h). Returns (plans, stats): plans best first, each a dict with schedule, "
+      "virtual_stages, microbatches, cuts, remat, step_time, bubble_fraction, peak_memory, fits. "
+      "memory: bytes per rank (0: unlimited). node_budget: DFS nodes per configuration (0: no "
+      "limit, exact); stats says whether the result is exact, else its certified gap. Raises "
+      "ConfigError when nothing fits.");
+  m.def("parse_bytes", &baton::parse_bytes, "text"_a);
+}
+
 }  // namespace
 
 void init_planner(nb::module_& m) {
@@ -531,4 +602,5 @@ void init_planner(nb::module_& m) {
   bind_plan(m);
   bind_verify(m);
   bind_sim(m);
+  bind_autoplan(m);
 }

@@ -50,3 +50,40 @@ if(rc EQUAL 0)
 endif()
 expect_match("parse error" "${err}" "baton-plan: error: .*line 2")
 file(REMOVE "${_file}")
+
+# 5. --auto plans from segment costs: ranked table; nothing fits exits 1 naming the peak.
+set(_seg "${CMAKE_CURRENT_BINARY_DIR}/cli_smoke_segments.json")
+file(WRITE "${_seg}" [=[
+{"batch": 8, "ref_microbatch": 1, "link": {"latency": 0.01, "bandwidth": 0},
+ "segments": [
+  {"name": "emb", "f": 2, "b": 3, "i": 2, "w": 1, "act_bytes": 10, "stash_bytes": 40,
+   "min_stash_bytes": 10, "min_recompute": 0.5, "param_bytes": 1000, "opt_bytes": 2000},
+  {"f": 1, "b": 2, "i": 1, "w": 1, "act_bytes": 10, "stash_bytes": 40, "param_bytes": 100},
+  {"f": 1, "b": 2, "i": 1, "w": 1, "act_bytes": 10, "stash_bytes": 40, "param_bytes": 100},
+  {"f": 1, "b": 2, "i": 1, "w": 1, "act_bytes": 10, "stash_bytes": 40, "param_bytes": 100},
+  {"name": "head", "f": 3, "b": 5, "i": 3, "w": 2, "act_bytes": 10, "stash_bytes": 40,
+   "param_bytes": 1500, "opt_bytes": 3000}
+ ]}
+]=])
+execute_process(COMMAND "${CLI}" --auto --segments "${_seg}" --ranks 2 --memory 1MiB --top 3
+                        --microbatches 2,4,8
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "--auto run exited ${rc}:\n${out}\n${err}")
+endif()
+expect_match("--auto table" "${out}" "step_time")
+expect_match("--auto table" "${out}" "\n  1  [a-z0-9]+ ")
+expect_match("--auto stats" "${out}" "simulated.*exact")
+execute_process(COMMAND "${CLI}" --auto --segments "${_seg}" --ranks 2 --memory 1KiB
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 1)
+  message(FATAL_ERROR "--auto with nothing fitting exited ${rc} (expected 1):\n${out}\n${err}")
+endif()
+expect_match("--auto nothing fits" "${err}"
+             "^baton-plan: error: autoplan: no candidate fits .* on rank [0-9]")
+execute_process(COMMAND "${CLI}" --auto --segments "${_seg}" --ranks 2 --memory lots
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 1)
+  message(FATAL_ERROR "--auto with a bad --memory exited ${rc} (expected 1):\n${err}")
+endif()
+file(REMOVE "${_seg}")

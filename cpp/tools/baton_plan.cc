@@ -4,6 +4,12 @@
 //   baton-plan --schedule zbv --ranks 4 --microbatches 8 [--virtual-stages 2]
 //              [--costs costs.json] [--svg t.svg] [--trace t.json] [--grid]
 //              [--print-plan] [--save s.txt | --load s.txt]
+//   baton-plan --auto --segments costs.json --ranks 8 [--memory 20GiB] [--top 10]
+//              [--families 1f1b,zbv] [--microbatches 4,8,16] [--remat keep,min]
+//              [--json result.json]
+//
+// --auto searches stage boundaries, schedule, microbatch count and remat
+// (autoplan.h) and prints the ranked table; it exits 1 when nothing fits.
 //
 // Exit status: 0 success, 1 bad input (unknown schedule, generator refusal,
 // unreadable file, parse error), 2 the plan failed verification.
@@ -18,7 +24,9 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <vector>
 
+#include "baton/autoplan.h"
 #include "baton/cost.h"
 #include "baton/error.h"
 #include "baton/generators.h"
@@ -69,7 +77,17 @@ std::string first_line(const std::string& s) {
 struct Options {
   std::string schedule;
   int ranks = 0;
-  int microbatches = 0;
+  std::string microbatches;  // one count, or a comma list with --auto
+  bool autoplan = false;
+  std::string segments;
+  std::string memory;
+  int top = 10;
+  std::string families;
+  std::string remat;
+  std::string interleaved_v;
+  int max_microbatches = 0;
+  std::string json;
+  double gap = 0;
   int virtual_stages = 1;
   std::string costs;
   std::string svg;
@@ -82,7 +100,62 @@ struct Options {
   double time_unit_us = 1000.0;
 };
 
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (char ch : s + ",") {
+    if (ch == ',') {
+      if (!cur.empty()) out.push_back(cur);
+      cur.clear();
+    } else if (ch != ' ') {
+      cur += ch;
+    }
+  }
+  return out;
+}
+
+int parse_count(const std::string& s, const char* what) {
+  int v = 0;
+  size_t used = 0;
+  try {
+    v = std::stoi(s, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (s.empty() || used != s.size())
+    throw CliError{fmt::format("{} must be an integer (got '{}')", what, s)};
+  return v;
+}
+
+int run_auto(const Options& o, bool have_ranks) {
+  if (o.segments.empty()) throw CliError{"--segments is required with --auto"};
+  if (!have_ranks) throw CliError{"--ranks is required with --auto"};
+  const baton::SegmentCosts costs =
+      baton::SegmentCosts::from_json(read_file(o.segments, "segment cost file"));
+  baton::AutoplanOptions ao;
+  ao.ranks = o.ranks;
+  ao.memory = o.memory.empty() ? 0 : baton::parse_bytes(o.memory);
+  ao.top = o.top;
+  ao.families = split_list(o.families);
+  for (const std::string& m : split_list(o.microbatches))
+    ao.microbatches.push_back(parse_count(m, "--microbatches"));
+  for (const std::string& m : split_list(o.remat)) ao.remat_modes.push_back(baton::parse_remat(m));
+  if (!o.interleaved_v.empty()) {
+    ao.interleaved_v.clear();
+    for (const std::string& v : split_list(o.interleaved_v))
+      ao.interleaved_v.push_back(parse_count(v, "--interleaved-v"));
+  }
+  ao.max_microbatches = o.max_microbatches;
+  ao.gap = o.gap;
+  const baton::AutoplanResult r = baton::autoplan(costs, ao);
+  if (!o.json.empty()) write_file(o.json, r.to_json() + "\n", "result file");
+  std::cout << baton::autoplan_table(r, ao.memory);
+  std::cout.flush();
+  return 0;
+}
+
 int run(const Options& o, bool have_ranks, bool have_microbatches) {
+  if (o.autoplan) return run_auto(o, have_ranks);
   baton::Schedule schedule;
   if (!o.load.empty()) {
     schedule = baton::load_schedule(read_file(o.load, "schedule file"));
@@ -90,7 +163,8 @@ int run(const Options& o, bool have_ranks, bool have_microbatches) {
       throw CliError{fmt::format("schedule file '{}' is for {} ranks, but --ranks {} was given",
                                  o.load, schedule.num_ranks, o.ranks)};
     }
-    if (have_microbatches && o.microbatches != schedule.num_microbatches) {
+    if (have_microbatches &&
+        parse_count(o.microbatches, "--microbatches") != schedule.num_microbatches) {
       throw CliError{
           fmt::format("schedule file '{}' is for {} microbatches, but --microbatches {} was given",
                       o.load, schedule.num_microbatches, o.microbatches)};
@@ -99,7 +173,8 @@ int run(const Options& o, bool have_ranks, bool have_microbatches) {
     if (o.schedule.empty()) throw CliError{"--schedule or --load is required"};
     if (!have_ranks) throw CliError{"--ranks is required with --schedule"};
     if (!have_microbatches) throw CliError{"--microbatches is required with --schedule"};
-    schedule = baton::make_schedule(o.schedule, o.ranks, o.microbatches, o.virtual_stages);
+    schedule = baton::make_schedule(
+        o.schedule, o.ranks, parse_count(o.microbatches, "--microbatches"), o.virtual_stages);
   }
   if (!o.save.empty()) write_file(o.save, baton::save_schedule(schedule), "schedule file");
 
@@ -139,7 +214,26 @@ int main(int argc, char** argv) {
                                "Schedule generator: gpipe 1f1b eager1f1b interleaved zbh1 zbh2 "
                                "zbv dualpipev");
   auto* ranks = app.add_option("-p,--ranks", o.ranks, "Pipeline ranks");
-  auto* mbs = app.add_option("-m,--microbatches", o.microbatches, "Microbatches per step");
+  auto* mbs = app.add_option("-m,--microbatches", o.microbatches,
+                             "Microbatches per step (with --auto: comma list to try)");
+  app.add_flag("--auto", o.autoplan,
+               "Search stage cuts, schedule, microbatches and remat for --segments");
+  app.add_option("--segments", o.segments, "Segment cost JSON file (--auto)");
+  app.add_option("--memory", o.memory, "Memory budget per rank, e.g. 20GiB (--auto; 0: unlimited)");
+  app.add_option("--top", o.top, "Rows of the ranked table (--auto)")->capture_default_str();
+  app.add_option("--families", o.families,
+                 "Comma list of schedules to search (--auto; default all)");
+  app.add_option("--remat", o.remat,
+                 "Comma list of remat modes keep,min,full (--auto; default all)");
+  app.add_option("--interleaved-v", o.interleaved_v,
+                 "Comma list of interleaved virtual stages (--auto; default 2)");
+  app.add_option("--max-microbatches", o.max_microbatches,
+                 "Largest microbatch count tried when --microbatches is not given (--auto; "
+                 "default 4*ranks)");
+  app.add_option("--gap", o.gap,
+                 "Relative optimality gap (--auto): 0 is exact, 0.01 returns a plan within 1%")
+      ->capture_default_str();
+  app.add_option("--json", o.json, "Write the ranked plans and search statistics as JSON (--auto)");
   app.add_option("-v,--virtual-stages", o.virtual_stages, "Stages per rank (interleaved only)")
       ->capture_default_str();
   app.add_option("--costs", o.costs, "Cost model JSON file");

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 from . import _core
 from .errors import ConfigError, VerifyError
 from .schedules import ScheduleFile, ScheduleSpec, _positive_int, save_schedule, schedule_from_name
 
-__all__ = ["Plan", "plan", "as_cost_model"]
+__all__ = ["Plan", "plan", "as_cost_model", "autoplan_segments", "parse_memory", "AutoplanRows"]
 
 
 def as_cost_model(costs: Any = None) -> _core.CostModel:
@@ -237,3 +238,130 @@ def plan(schedule: Any, ranks: int | None = None, microbatches: int | None = Non
     call ``.verify()``.
     """
     return Plan(_core.lower(_build_schedule(schedule, ranks, microbatches)))
+
+
+# --- automatic planning over measured segment costs ---------------------------
+
+_MEMORY_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+    "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_MEMORY_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_memory(memory: Any) -> int:
+    """Bytes from ``memory``: ``None`` or 0 (unlimited: 0), an int, or a string
+    like ``"20GiB"``, ``"1.5GB"``, ``"512MiB"``, ``"1e9"`` (KB/MB/GB/TB are
+    powers of 1000, KiB/MiB/GiB/TiB of 1024). Raises ``ConfigError``."""
+    if memory is None:
+        return 0
+    if isinstance(memory, bool):
+        raise ConfigError(f"memory must be bytes or a string like '20GiB' (got {memory!r})")
+    if isinstance(memory, int):
+        if memory < 0:
+            raise ConfigError(f"memory must be >= 0 (got {memory})")
+        return memory
+    if isinstance(memory, float):
+        if not memory >= 0 or memory != memory or memory == float("inf"):
+            raise ConfigError(f"memory must be finite and >= 0 (got {memory})")
+        return int(round(memory))
+    if isinstance(memory, str):
+        m = _MEMORY_RE.match(memory)
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _MEMORY_UNITS:
+            raise ConfigError(
+                f"cannot parse memory {memory!r} (e.g. '20GiB', '512MB', '1e9'; units "
+                "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+            )
+        return int(round(float(m.group(1)) * _MEMORY_UNITS[unit]))
+    raise ConfigError(f"memory must be bytes or a string like '20GiB' (got {type(memory).__name__})")
+
+
+class AutoplanRows(list):
+    """The ranked plans (dicts, best first) of :func:`autoplan_segments`; the
+    search statistics are in ``.stats`` (configurations, refused, partitions,
+    candidates, simulated, pruned, seconds, exact, gap)."""
+
+    stats: dict
+
+    def table(self) -> str:
+        """A plain-text table of the rows."""
+        head = f"{'#':>3}  {'schedule':<11} {'v':>2} {'M':>4} {'step_time':>12} {'bubble':>7}  cuts / remat / peak per rank"
+        lines = [head]
+        for k, r in enumerate(self, 1):
+            lines.append(
+                f"{k:>3}  {r['schedule']:<11} {r['virtual_stages']:>2} {r['microbatches']:>4} "
+                f"{r['step_time']:>12.6g} {100 * r['bubble_fraction']:>6.1f}%  "
+                f"{','.join(map(str, r['cuts']))} / {','.join(r['remat'])} / "
+                f"{','.join(str(b) for b in r['peak_memory'])}"
+            )
+        return "\n".join(lines)
+
+
+def autoplan_segments(
+    costs: Any,
+    ranks: int,
+    memory_per_device: Any = None,
+    *,
+    top: int = 10,
+    families: list[str] | None = None,
+    microbatches: list[int] | None = None,
+    remat: list[str] | None = None,
+    interleaved_v: list[int] | None = None,
+    max_microbatches: int = 0,
+    gap: float = 0.0,
+    node_budget: int = 20000,
+) -> AutoplanRows:
+    """Chooses stage cuts, schedule, microbatch count and per-stage remat.
+
+    ``costs``: segment costs (the layout of ``SegmentCosts`` in
+    ``cpp/include/baton/autoplan.h``) as a dict, JSON text or a path to a JSON
+    file. ``memory_per_device``: bytes or a string like ``"20GiB"`` (``None``:
+    unlimited). Returns the best plan of each (schedule, v, microbatches),
+    best first, at most ``top`` rows; each row is a dict with ``schedule``,
+    ``virtual_stages``, ``microbatches``, ``cuts`` (first segment of each
+    stage), ``remat`` (per stage), ``step_time``, ``bubble_fraction``,
+    ``peak_memory`` (bytes per rank) and ``fits``. ``gap`` > 0 trades
+    exactness for speed (the best row is then within ``1 + gap`` of the
+    optimum). ``node_budget`` bounds the depth-first nodes per configuration
+    (0: no limit); beyond it the result is approximate and ``rows.stats``
+    holds ``exact=False`` and the certified ``gap``. Raises ``ConfigError`` when no plan fits (naming the smallest
+    peak found and its rank), ``FormatError`` on malformed costs.
+    """
+    if isinstance(costs, dict):
+        try:
+            text = json.dumps(costs)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"segment costs dict is not JSON-serialisable: {e}") from None
+    elif isinstance(costs, (str, os.PathLike)):
+        if isinstance(costs, str) and costs.lstrip().startswith("{"):
+            text = costs
+        else:
+            path = os.fspath(costs)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:
+                raise ConfigError(f"cannot read segment cost file {path!r}: {e.strerror or e}") from None
+    else:
+        raise ConfigError(
+            f"segment costs must be a dict, JSON text or a path (got {type(costs).__name__})"
+        )
+    plans, stats = _core.autoplan(
+        text,
+        _positive_int(ranks, "ranks"),
+        parse_memory(memory_per_device),
+        _positive_int(top, "top"),
+        None if families is None else [str(f) for f in families],
+        None if microbatches is None else [int(m) for m in microbatches],
+        None if remat is None else [str(r) for r in remat],
+        None if interleaved_v is None else [int(v) for v in interleaved_v],
+        int(max_microbatches),
+        float(gap),
+        int(node_budget),
+    )
+    rows = AutoplanRows(plans)
+    rows.stats = dict(stats)
+    return rows

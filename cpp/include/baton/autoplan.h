@@ -1,0 +1,247 @@
+// Automatic pipeline planning: choose stage boundaries, schedule family,
+// microbatch count and per-stage rematerialisation from measured segment
+// costs, minimising the simulated step time under a per-rank memory budget.
+//
+// Inputs are *segments*: the pieces of a model between consecutive candidate
+// cut points. A stage is a contiguous, non-empty run of segments.
+//
+// Search space (per call): schedule family x virtual stages v (interleaved:
+// the values of AutoplanOptions::interleaved_v; ZB-V and DualPipeV: 2) x
+// microbatch count M (dividing `batch`) x contiguous partition of the
+// segments into ranks*v stages x a remat mode per stage. A generator that
+// refuses a (family, ranks, M, v) drops that configuration. The candidate's
+// step time is simulate(lower(schedule), stage_cost_model(...)).step_time;
+// its peak memory on rank r is the static bytes of its stages (params +
+// optimizer state + gradient accumulator) + the largest temp_bytes of its
+// stages + simulate(...).peak_total[r]. It fits when every rank's peak <=
+// budget (budget 0: unlimited).
+//
+// Method (exact on that space). For each configuration (family, v, M) the
+// schedule is generated and lowered once. Candidates are then searched by
+// depth-first branch and bound over the cut points (stage 0 first), and at
+// each complete partition over the remat modes, against a threshold T (the
+// best feasible step time of this configuration found so far, or the K-th
+// best of the other configurations when the result holds K rows, whichever
+// is smaller; configurations are visited in increasing order of a cheap lower
+// bound, after seeding each with the min-max-busy partition). A node is
+// pruned when a lower bound >= T, so what is pruned cannot beat what is kept,
+// and every remaining leaf is simulated: the best row is the minimum over all
+// feasible candidates (tested against brute force in test_plan_autoplan.cc).
+//
+// Bounds on the step time and why each is valid (all times on the simulated
+// plan; every task/transfer duration is >= 0):
+//  (B1) busy: the step time is >= the time rank r spends in RUN, which is
+//       exactly sum over its actions of the action's duration: a linear
+//       function sum_s cf_s*f_s + cb_s*b_s + ci_s*i_s + cw_s*w_s over the
+//       stages s on r, the coefficients counted from the schedule (a fused
+//       action contributes fused_factor to each of its tasks).
+//  (B2) fill/drain: the first action on rank r is an F of one of its stages
+//       s, which needs F(0..s-1) of the same microbatch and the transfers
+//       between them first: head(s) = sum_{s'<s} c*f_{s'} + hops, where c =
+//       min(1, fused_factor) if the schedule fuses actions (a fused action
+//       lasts fused_factor*(t1+t2) >= c*t of each of its tasks), else 1, and
+//       a hop (latency + bytes/bandwidth) is counted where consecutive
+//       stages are on different ranks. In a schedule without I/W the last
+//       action on r is a backward of some stage s on r, after which
+//       B(s-1..0) of that microbatch still run: tail(s) = sum_{s'<s} c*b_{s'}
+//       + hops. head and tail grow with s, so using r's lowest stage is
+//       valid: step >= head + busy_r + tail.
+//  (B3) rank relaxation (at a complete partition and remat vector): rank
+//       r's actions in order, each starting at max(previous end, release),
+//       where the release of F(s,m) is head(s), of B/I(s,m) the end of
+//       F(s,m) on r plus the single-microbatch chain F(s+1..S-1),
+//       B/I(S-1..s+1) with hops (each element >= c times its cost; other
+//       ranks' contention and r's own other tasks in that chain ignored),
+//       W none; step >= end of each B/I + tail. The real simulation only
+//       adds waiting (link FIFO, late receives, contention), so every start
+//       is >= the relaxed start. This bound is usually within a few percent.
+//  (B4) partition feasibility (at a partial partition): each remaining stage
+//       alone needs busy < T (B1 for one stage), so the remaining segments
+//       must be coverable by the remaining stages greedily taking the
+//       longest prefix with busy < T and static+temp bytes <= budget; the
+//       greedy is exact for "every part's cost < T" because a part's cost
+//       grows with the part.
+//  (B5) remat monotonicity: remat only adds time to b and i, and the
+//       simulation is a max-plus system with fixed per-rank order and fixed
+//       per-link FIFO order, so step times are monotone in task durations.
+//       Hence the all-keep bound is a bound for every remat vector of the
+//       partition, and once a remat vector fits, every vector that is
+//       componentwise at least as slow is pruned.
+// Bounds on memory (static and temp bytes are exact; pipeline buffers by a
+// structural bound): for each action k on rank r with positive duration,
+// the stash (F..B/I) and wstash (I..W) buffers produced by an action <= k
+// and consumed by an action >= k (not inside one fused action) are all live
+// during RUN k (allocated at their producer's start, freed after their
+// consumer's end), so peak_total[r] >= their bytes. With the remat mode of
+// least stash bytes for every stage this prunes partitions; with the chosen
+// modes it prunes remat vectors.
+//
+// Every returned plan is verified (verify(), both communication models).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "baton/cost.h"
+
+namespace baton {
+
+// Rematerialisation of one stage.
+//   Keep: stash every residual (stash = sum stash_bytes).
+//   Min:  stash the minimum-bytes set (sum min_stash_bytes); b and i +=
+//         sum min_recompute.
+//   Full: stash only the stage's input activation; b and i += f.
+enum class Remat : uint8_t { Keep = 0, Min = 1, Full = 2 };
+const char* remat_name(Remat r);           // "keep", "min", "full"
+Remat parse_remat(std::string_view name);  // throws ConfigError
+
+// Costs of one segment at the reference microbatch size (seconds, bytes).
+struct SegmentCost {
+  std::string name;             // optional
+  double f = 0, b = 0;          // forward, full backward
+  double i = 0, w = 0;          // input-grad / weight-grad backward (JSON default: i = b, w = 0)
+  double overhead = 0;          // fixed seconds per task that do not scale with the microbatch
+  int64_t act_bytes = 0;        // output sent forward if a cut follows (the gradient has as many)
+  int64_t stash_bytes = 0;      // residuals kept F->B (keep-all)
+  int64_t min_stash_bytes = 0;  // minimum-bytes stash ...
+  double min_recompute = 0;     // ... and the extra backward seconds it costs
+  int64_t wstash_bytes = 0;     // kept I->W
+  int64_t param_bytes = 0;
+  int64_t opt_bytes = 0;   // optimizer state
+  int64_t temp_bytes = 0;  // XLA temporaries of its tasks
+  bool operator==(const SegmentCost&) const = default;
+};
+
+struct SegmentCosts {
+  int64_t batch = 1;           // samples per step
+  int64_t ref_microbatch = 1;  // samples per microbatch at which costs were measured
+  LinkCost link;
+  double fused_factor = 1.0;
+  std::vector<SegmentCost> segments;
+
+  // Throws ConfigError naming the field ("segments[3].f", "batch").
+  void validate() const;
+  // JSON: {"batch": 64, "ref_microbatch": 8, "link": {"latency": x,
+  // "bandwidth": y}, "fused_factor": 1.0, "segments": [{"name": "emb", "f":
+  // ..., "b": ..., "i": ..., "w": ..., "overhead": ..., "act_bytes": ...,
+  // "stash_bytes": ..., "min_stash_bytes": ..., "min_recompute": ...,
+  // "wstash_bytes": ..., "param_bytes": ..., "opt_bytes": ..., "temp_bytes":
+  // ...}, ...]}. "segments" is required; every other key is optional (i
+  // defaults to b; everything else to 0, batch and ref_microbatch to 1,
+  // fused_factor to 1). Throws FormatError on malformed JSON ("line L,
+  // column C: ..."), unknown keys and wrong types (naming the key path, e.g.
+  // 'segments[3].f'), then validate()s. from_json(to_json(c)) == c.
+  static SegmentCosts from_json(const std::string& text);
+  std::string to_json() const;
+
+  // The costs at M microbatches per step (batch / M samples each): with k =
+  // (batch / M) / ref_microbatch, a time t becomes min(t, overhead) +
+  // max(0, t - overhead) * k, min_recompute * k, and act/stash/min_stash/
+  // wstash/temp bytes * k (rounded); param/opt bytes are unchanged; batch is
+  // unchanged and ref_microbatch becomes batch / M. Throws ConfigError when
+  // M < 1 or M does not divide batch.
+  SegmentCosts scaled(int microbatches) const;
+};
+
+// One stage [begin, end) of segments, as the simulator sees it (costs of the
+// SegmentCosts given, i.e. already scaled). f, b, i, w summed (b, i plus the
+// remat's recompute), act_bytes = last segment's act_bytes, grad_bytes =
+// act_bytes of segment begin-1 (0 when begin == 0), stash_bytes per remat,
+// wstash_bytes summed, wgrad_bytes = sum param_bytes, fb = 0.
+StageCost stage_cost(const SegmentCosts& c, int begin, int end, Remat remat);
+// params + optimizer state + gradient accumulator (= params) of the stage.
+int64_t stage_static_bytes(const SegmentCosts& c, int begin, int end);
+// The largest temp_bytes of the stage's segments.
+int64_t stage_temp_bytes(const SegmentCosts& c, int begin, int end);
+// Cost model of a partition: cuts[s] = first segment of stage s (cuts[0] ==
+// 0, increasing, < number of segments), remat[s] per stage.
+CostModel stage_cost_model(const SegmentCosts& c, const std::vector<int>& cuts,
+                           const std::vector<Remat>& remat);
+
+struct AutoplanOptions {
+  int ranks = 1;
+  int64_t memory = 0;  // bytes per rank; 0: unlimited
+  int top = 10;        // rows returned (best plan of each configuration, best first)
+  // Schedule names (make_schedule's); empty: all of schedule_names().
+  std::vector<std::string> families;
+  // Microbatch counts to try; empty: every divisor of batch <= max_microbatches.
+  std::vector<int> microbatches;
+  int max_microbatches = 0;  // 0: 4 * ranks
+  std::vector<int> interleaved_v = {2};
+  // Remat modes allowed per stage (empty: all three).
+  std::vector<Remat> remat_modes;
+  bool verify = true;  // verify() every returned plan (throws VerifyError if one fails)
+  // Relative optimality gap: 0 searches exactly; g > 0 also cuts every node
+  // whose lower bound is within a factor (1 + g) of the threshold, so the
+  // best plan returned is within (1 + g) of the optimum (and each row within
+  // (1 + g) of the best plan of its configuration).
+  double gap = 0;
+  // Depth-first nodes explored per configuration before the rest of its
+  // partitions are left unexplored (0: no limit, exact). Beyond the budget
+  // the result is an approximation whose certified gap (the best row over
+  // the smallest bound of anything left unexplored) is AutoplanStats::gap.
+  // The default keeps 64 segments x 8 ranks x every family near 2 s; the
+  // property-test sizes never reach it.
+  int64_t node_budget = 20000;
+};
+
+// One evaluated candidate.
+struct PlanCandidate {
+  std::string schedule;  // generator name
+  int virtual_stages = 1;
+  int microbatches = 1;
+  std::vector<int> cuts;  // first segment of each stage
+  std::vector<Remat> remat;
+  double step_time = 0;
+  double bubble_fraction = 0;
+  std::vector<int64_t> peak_memory;  // per rank, bytes
+  bool fits = true;
+  int num_stages() const { return static_cast<int>(cuts.size()); }
+  // The rank with the largest peak, and that peak.
+  int max_memory_rank() const;
+  int64_t max_memory() const;
+};
+
+struct AutoplanStats {
+  int64_t configurations = 0;  // (family, v, M) generated and lowered
+  int64_t refused = 0;         // refused by their generator or with too few segments
+  int64_t partitions = 0;      // complete partitions reached
+  int64_t candidates = 0;      // complete (partition, remat) vectors reached
+  int64_t simulated = 0;       // candidates simulated
+  int64_t pruned = 0;          // subtrees / candidates cut off by a bound
+  double seconds = 0;
+  // True when the best row is the optimum of the space (gap == 0 and no
+  // configuration ran out of node_budget).
+  bool exact = true;
+  // Otherwise the certified relative gap: best row <= (1 + gap) * optimum.
+  double gap = 0;
+};
+
+struct AutoplanResult {
+  std::vector<PlanCandidate> plans;  // best first; plans[0] is the optimum
+  AutoplanStats stats;
+  std::string to_json() const;
+};
+
+// Runs the search. Throws ConfigError on bad options/costs, and when no
+// candidate fits the budget (the message names the smallest peak found and
+// the rank holding it).
+AutoplanResult autoplan(const SegmentCosts& costs, const AutoplanOptions& opts);
+
+// Evaluates one candidate by simulation (unscaled costs; M must divide
+// batch). fits is computed against `memory` (0: unlimited).
+PlanCandidate evaluate_candidate(const SegmentCosts& costs, std::string_view schedule, int ranks,
+                                 int virtual_stages, int microbatches, const std::vector<int>& cuts,
+                                 const std::vector<Remat>& remat, int64_t memory = 0);
+
+// The ranked table (one row per plan), for the CLI.
+std::string autoplan_table(const AutoplanResult& r, int64_t memory);
+
+// "20GiB", "1.5GB", "512MiB", "1e9", "123" -> bytes (KB/MB/GB/TB are powers
+// of 1000, KiB/MiB/GiB/TiB of 1024, B optional). Throws ConfigError.
+int64_t parse_bytes(std::string_view text);
+// Human-readable bytes ("19.5GiB").
+std::string format_bytes(int64_t bytes);
+
+}  // namespace baton

@@ -1,0 +1,418 @@
+// SegmentCosts: validation, JSON, scaling, and the stage model (autoplan.h).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <string_view>
+
+#include "baton/autoplan.h"
+#include "baton/error.h"
+
+namespace baton {
+
+namespace {
+
+using nlohmann::json;
+
+void check_time(double v, const std::string& field) {
+  if (!std::isfinite(v) || v < 0)
+    throw ConfigError(fmt::format("segment costs: {} must be finite and >= 0 (got {})", field, v));
+}
+
+void check_bytes(int64_t v, const std::string& field) {
+  if (v < 0) throw ConfigError(fmt::format("segment costs: {} must be >= 0 (got {})", field, v));
+}
+
+double get_number(const json& j, const std::string& path) {
+  if (!j.is_number())
+    throw FormatError(
+        fmt::format("segment costs JSON: '{}' must be a number (got {})", path, j.type_name()));
+  return j.get<double>();
+}
+
+int64_t get_int(const json& j, const std::string& path, const char* what) {
+  if (j.is_number_integer()) return j.get<int64_t>();
+  if (j.is_number_float()) {
+    const double d = j.get<double>();
+    if (std::isfinite(d) && std::floor(d) == d && std::fabs(d) < 9.0e18)
+      return static_cast<int64_t>(d);
+    throw FormatError(fmt::format("segment costs JSON: '{}' must be {} (got {})", path, what, d));
+  }
+  throw FormatError(
+      fmt::format("segment costs JSON: '{}' must be {} (got {})", path, what, j.type_name()));
+}
+
+void require_object(const json& j, const std::string& path) {
+  if (!j.is_object())
+    throw FormatError(
+        fmt::format("segment costs JSON: '{}' must be an object (got {})", path, j.type_name()));
+}
+
+std::pair<int, int> line_col(std::string_view text, size_t pos) {
+  int line = 1, col = 1;
+  if (pos > 0) pos -= 1;
+  for (size_t k = 0; k < pos && k < text.size(); ++k) {
+    if (text[k] == '\n') {
+      ++line;
+      col = 1;
+    } else {
+      ++col;
+    }
+  }
+  return {line, col};
+}
+
+SegmentCost parse_segment(const json& j, const std::string& path) {
+  require_object(j, path);
+  SegmentCost s;
+  bool have_i = false;
+  for (const auto& [key, val] : j.items()) {
+    const std::string p = path + "." + key;
+    if (key == "name") {
+      if (!val.is_string())
+        throw FormatError(
+            fmt::format("segment costs JSON: '{}' must be a string (got {})", p, val.type_name()));
+      s.name = val.get<std::string>();
+    } else if (key == "f") {
+      s.f = get_number(val, p);
+    } else if (key == "b") {
+      s.b = get_number(val, p);
+    } else if (key == "i") {
+      s.i = get_number(val, p);
+      have_i = true;
+    } else if (key == "w") {
+      s.w = get_number(val, p);
+    } else if (key == "overhead") {
+      s.overhead = get_number(val, p);
+    } else if (key == "min_recompute") {
+      s.min_recompute = get_number(val, p);
+    } else if (key == "act_bytes") {
+      s.act_bytes = get_int(val, p, "an integer byte count");
+    } else if (key == "stash_bytes") {
+      s.stash_bytes = get_int(val, p, "an integer byte count");
+    } else if (key == "min_stash_bytes") {
+      s.min_stash_bytes = get_int(val, p, "an integer byte count");
+    } else if (key == "wstash_bytes") {
+      s.wstash_bytes = get_int(val, p, "an integer byte count");
+    } else if (key == "param_bytes") {
+      s.param_bytes = get_int(val, p, "an integer byte count");
+    } else if (key == "opt_bytes") {
+      s.opt_bytes = get_int(val, p, "an integer byte count");
+    } else if (key == "temp_bytes") {
+      s.temp_bytes = get_int(val, p, "an integer byte count");
+    } else {
+      throw FormatError(fmt::format(
+          "segment costs JSON: unknown key '{}' (segment keys: name, f, b, i, w, overhead, "
+          "act_bytes, stash_bytes, min_stash_bytes, min_recompute, wstash_bytes, param_bytes, "
+          "opt_bytes, temp_bytes)",
+          p));
+    }
+  }
+  if (!have_i) s.i = s.b;
+  return s;
+}
+
+int64_t scale_bytes(int64_t v, double k) { return static_cast<int64_t>(std::llround(v * k)); }
+
+}  // namespace
+
+void SegmentCosts::validate() const {
+  if (batch < 1)
+    throw ConfigError(fmt::format("segment costs: batch must be >= 1 (got {})", batch));
+  if (ref_microbatch < 1)
+    throw ConfigError(
+        fmt::format("segment costs: ref_microbatch must be >= 1 (got {})", ref_microbatch));
+  check_time(link.latency, "link.latency");
+  check_time(link.bandwidth, "link.bandwidth");
+  if (!std::isfinite(fused_factor) || fused_factor <= 0)
+    throw ConfigError(
+        fmt::format("segment costs: fused_factor must be finite and > 0 (got {})", fused_factor));
+  if (segments.empty()) throw ConfigError("segment costs: 'segments' is empty");
+  for (size_t k = 0; k < segments.size(); ++k) {
+    const SegmentCost& s = segments[k];
+    const std::string w = fmt::format("segments[{}]", k);
+    check_time(s.f, w + ".f");
+    check_time(s.b, w + ".b");
+    check_time(s.i, w + ".i");
+    check_time(s.w, w + ".w");
+    check_time(s.overhead, w + ".overhead");
+    check_time(s.min_recompute, w + ".min_recompute");
+    check_bytes(s.act_bytes, w + ".act_bytes");
+    check_bytes(s.stash_bytes, w + ".stash_bytes");
+    check_bytes(s.min_stash_bytes, w + ".min_stash_bytes");
+    check_bytes(s.wstash_bytes, w + ".wstash_bytes");
+    check_bytes(s.param_bytes, w + ".param_bytes");
+    check_bytes(s.opt_bytes, w + ".opt_bytes");
+    check_bytes(s.temp_bytes, w + ".temp_bytes");
+  }
+}
+
+SegmentCosts SegmentCosts::from_json(const std::string& text) {
+  json root;
+  try {
+    root = json::parse(text);
+  } catch (const json::parse_error& e) {
+    auto [line, col] = line_col(text, e.byte);
+    std::string what = e.what();
+    if (auto k = what.find("] "); k != std::string::npos) what = what.substr(k + 2);
+    throw FormatError(line, col, "segment costs JSON: " + what);
+  }
+  require_object(root, "<root>");
+  SegmentCosts c;
+  bool have_segments = false;
+  for (const auto& [key, val] : root.items()) {
+    if (key == "batch") {
+      c.batch = get_int(val, "batch", "an integer");
+    } else if (key == "ref_microbatch") {
+      c.ref_microbatch = get_int(val, "ref_microbatch", "an integer");
+    } else if (key == "fused_factor") {
+      c.fused_factor = get_number(val, "fused_factor");
+    } else if (key == "link") {
+      require_object(val, "link");
+      for (const auto& [lk, lv] : val.items()) {
+        if (lk == "latency")
+          c.link.latency = get_number(lv, "link.latency");
+        else if (lk == "bandwidth")
+          c.link.bandwidth = get_number(lv, "link.bandwidth");
+        else
+          throw FormatError(fmt::format(
+              "segment costs JSON: unknown key 'link.{}' (link keys: latency, bandwidth)", lk));
+      }
+    } else if (key == "segments") {
+      if (!val.is_array())
+        throw FormatError(fmt::format("segment costs JSON: 'segments' must be an array (got {})",
+                                      val.type_name()));
+      have_segments = true;
+      c.segments.reserve(val.size());
+      for (size_t k = 0; k < val.size(); ++k)
+        c.segments.push_back(parse_segment(val[k], fmt::format("segments[{}]", k)));
+    } else {
+      throw FormatError(fmt::format(
+          "segment costs JSON: unknown key '{}' (top-level keys: batch, ref_microbatch, link, "
+          "fused_factor, segments)",
+          key));
+    }
+  }
+  if (!have_segments) throw FormatError("segment costs JSON: 'segments' is required");
+  c.validate();
+  return c;
+}
+
+std::string SegmentCosts::to_json() const {
+  json segs = json::array();
+  for (const SegmentCost& s : segments) {
+    json j{{"f", s.f},
+           {"b", s.b},
+           {"i", s.i},
+           {"w", s.w},
+           {"overhead", s.overhead},
+           {"act_bytes", s.act_bytes},
+           {"stash_bytes", s.stash_bytes},
+           {"min_stash_bytes", s.min_stash_bytes},
+           {"min_recompute", s.min_recompute},
+           {"wstash_bytes", s.wstash_bytes},
+           {"param_bytes", s.param_bytes},
+           {"opt_bytes", s.opt_bytes},
+           {"temp_bytes", s.temp_bytes}};
+    if (!s.name.empty()) j["name"] = s.name;
+    segs.push_back(std::move(j));
+  }
+  json j{{"batch", batch},
+         {"ref_microbatch", ref_microbatch},
+         {"link", json{{"latency", link.latency}, {"bandwidth", link.bandwidth}}},
+         {"fused_factor", fused_factor},
+         {"segments", std::move(segs)}};
+  return j.dump(2);
+}
+
+SegmentCosts SegmentCosts::scaled(int microbatches) const {
+  if (microbatches < 1 || batch % microbatches != 0)
+    throw ConfigError(
+        fmt::format("segment costs: microbatches must divide batch (got batch={}, "
+                    "microbatches={})",
+                    batch, microbatches));
+  const int64_t mb = batch / microbatches;
+  const double k = static_cast<double>(mb) / static_cast<double>(ref_microbatch);
+  SegmentCosts out = *this;
+  out.ref_microbatch = mb;
+  for (SegmentCost& s : out.segments) {
+    const double o = s.overhead;
+    auto t = [&](double v) { return std::min(v, o) + std::max(0.0, v - o) * k; };
+    s.f = t(s.f);
+    s.b = t(s.b);
+    s.i = t(s.i);
+    s.w = t(s.w);
+    s.min_recompute *= k;
+    s.act_bytes = scale_bytes(s.act_bytes, k);
+    s.stash_bytes = scale_bytes(s.stash_bytes, k);
+    s.min_stash_bytes = scale_bytes(s.min_stash_bytes, k);
+    s.wstash_bytes = scale_bytes(s.wstash_bytes, k);
+    s.temp_bytes = scale_bytes(s.temp_bytes, k);
+  }
+  return out;
+}
+
+const char* remat_name(Remat r) {
+  switch (r) {
+    case Remat::Keep:
+      return "keep";
+    case Remat::Min:
+      return "min";
+    case Remat::Full:
+      return "full";
+  }
+  return "?";
+}
+
+Remat parse_remat(std::string_view name) {
+  std::string n;
+  for (char ch : name) n += static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (n == "keep") return Remat::Keep;
+  if (n == "min") return Remat::Min;
+  if (n == "full") return Remat::Full;
+  throw ConfigError(fmt::format("unknown remat mode '{}' (modes: keep, min, full)", name));
+}
+
+StageCost stage_cost(const SegmentCosts& c, int begin, int end, Remat remat) {
+  const int n = static_cast<int>(c.segments.size());
+  if (begin < 0 || end > n || begin >= end)
+    throw ConfigError(
+        fmt::format("stage [{}, {}) is not a non-empty range of the {} segments", begin, end, n));
+  StageCost st;
+  st.f = st.b = st.i = st.w = 0;
+  st.stash_bytes = st.wstash_bytes = st.wgrad_bytes = 0;
+  int64_t min_stash = 0;
+  double rec = 0;
+  for (int k = begin; k < end; ++k) {
+    const SegmentCost& s = c.segments[k];
+    st.f += s.f;
+    st.b += s.b;
+    st.i += s.i;
+    st.w += s.w;
+    st.stash_bytes += s.stash_bytes;
+    min_stash += s.min_stash_bytes;
+    rec += s.min_recompute;
+    st.wstash_bytes += s.wstash_bytes;
+    st.wgrad_bytes += s.param_bytes;
+  }
+  st.act_bytes = c.segments[end - 1].act_bytes;
+  st.grad_bytes = begin > 0 ? c.segments[begin - 1].act_bytes : 0;
+  st.fb = 0;
+  switch (remat) {
+    case Remat::Keep:
+      break;
+    case Remat::Min:
+      st.stash_bytes = min_stash;
+      st.b += rec;
+      st.i += rec;
+      break;
+    case Remat::Full:
+      st.stash_bytes = st.grad_bytes;
+      st.b += st.f;
+      st.i += st.f;
+      break;
+  }
+  return st;
+}
+
+int64_t stage_static_bytes(const SegmentCosts& c, int begin, int end) {
+  int64_t v = 0;
+  for (int k = begin; k < end; ++k) v += 2 * c.segments[k].param_bytes + c.segments[k].opt_bytes;
+  return v;
+}
+
+int64_t stage_temp_bytes(const SegmentCosts& c, int begin, int end) {
+  int64_t v = 0;
+  for (int k = begin; k < end; ++k) v = std::max(v, c.segments[k].temp_bytes);
+  return v;
+}
+
+CostModel stage_cost_model(const SegmentCosts& c, const std::vector<int>& cuts,
+                           const std::vector<Remat>& remat) {
+  const int n = static_cast<int>(c.segments.size());
+  if (cuts.empty() || cuts[0] != 0)
+    throw ConfigError("stage cuts must start with 0 (stage 0 begins at segment 0)");
+  if (remat.size() != cuts.size())
+    throw ConfigError(fmt::format("{} remat modes for {} stages", remat.size(), cuts.size()));
+  CostModel m;
+  m.link = c.link;
+  m.fused_factor = c.fused_factor;
+  m.stages.reserve(cuts.size());
+  for (size_t s = 0; s < cuts.size(); ++s) {
+    const int e = s + 1 < cuts.size() ? cuts[s + 1] : n;
+    m.stages.push_back(stage_cost(c, cuts[s], e, remat[s]));
+  }
+  return m;
+}
+
+int64_t parse_bytes(std::string_view text) {
+  std::string t;
+  for (char ch : text)
+    if (!std::isspace(static_cast<unsigned char>(ch))) t += ch;
+  size_t k = 0;
+  while (k < t.size() && (std::isdigit(static_cast<unsigned char>(t[k])) || t[k] == '.' ||
+                          t[k] == 'e' || t[k] == 'E' || t[k] == '+' || t[k] == '-')) {
+    // An 'e' followed by a non-digit starts a unit, not an exponent.
+    if ((t[k] == 'e' || t[k] == 'E') &&
+        (k + 1 >= t.size() || !(std::isdigit(static_cast<unsigned char>(t[k + 1])) ||
+                                t[k + 1] == '+' || t[k + 1] == '-')))
+      break;
+    ++k;
+  }
+  const std::string num = t.substr(0, k);
+  std::string unit;
+  for (size_t j = k; j < t.size(); ++j)
+    unit += static_cast<char>(std::tolower(static_cast<unsigned char>(t[j])));
+  double v = 0;
+  size_t used = 0;
+  try {
+    v = std::stod(num, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (num.empty() || used != num.size())
+    throw ConfigError(fmt::format("cannot parse byte size '{}' (e.g. 20GiB, 512MB, 1e9)", text));
+  double mul = 1;
+  if (unit.empty() || unit == "b")
+    mul = 1;
+  else if (unit == "k" || unit == "kb")
+    mul = 1e3;
+  else if (unit == "m" || unit == "mb")
+    mul = 1e6;
+  else if (unit == "g" || unit == "gb")
+    mul = 1e9;
+  else if (unit == "t" || unit == "tb")
+    mul = 1e12;
+  else if (unit == "kib")
+    mul = 1024.0;
+  else if (unit == "mib")
+    mul = 1024.0 * 1024;
+  else if (unit == "gib")
+    mul = 1024.0 * 1024 * 1024;
+  else if (unit == "tib")
+    mul = 1024.0 * 1024 * 1024 * 1024;
+  else
+    throw ConfigError(fmt::format(
+        "cannot parse byte size '{}': unknown unit '{}' (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)",
+        text, unit));
+  const double bytes = v * mul;
+  if (!std::isfinite(bytes) || bytes < 0 || bytes > 9.0e18)
+    throw ConfigError(fmt::format("byte size '{}' is out of range", text));
+  return static_cast<int64_t>(std::llround(bytes));
+}
+
+std::string format_bytes(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024.0 && u < 4) {
+    v /= 1024.0;
+    ++u;
+  }
+  if (u == 0) return fmt::format("{}B", bytes);
+  return fmt::format("{:.2f}{}", v, units[u]);
+}
+
+}  // namespace baton

@@ -1,0 +1,379 @@
+// Automatic planning (autoplan.h): segment cost JSON and scaling, the stage
+// model, and the search against brute force on small random instances.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "baton/autoplan.h"
+#include "baton/error.h"
+#include "baton/generators.h"
+#include "baton/plan.h"
+#include "baton/sim.h"
+#include "baton/verify.h"
+
+namespace baton {
+namespace {
+
+SegmentCosts sample_costs() {
+  SegmentCosts c;
+  c.batch = 64;
+  c.ref_microbatch = 8;
+  c.link = {0.5, 100.0};
+  c.fused_factor = 0.9;
+  for (int k = 0; k < 4; ++k) {
+    SegmentCost s;
+    s.name = "layer" + std::to_string(k);
+    s.f = 1.0 + k;
+    s.b = 2.0 + k;
+    s.i = 1.25 + k;
+    s.w = 0.75;
+    s.overhead = 0.25;
+    s.act_bytes = 100 * (k + 1);
+    s.stash_bytes = 400 + k;
+    s.min_stash_bytes = 50 + k;
+    s.min_recompute = 0.5;
+    s.wstash_bytes = 30;
+    s.param_bytes = 1000 * (k + 1);
+    s.opt_bytes = 2000 * (k + 1);
+    s.temp_bytes = 70 * (4 - k);
+    c.segments.push_back(s);
+  }
+  return c;
+}
+
+template <class E>
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+TEST(AutoplanJson, RoundTrip) {
+  const SegmentCosts c = sample_costs();
+  const SegmentCosts d = SegmentCosts::from_json(c.to_json());
+  EXPECT_EQ(d.batch, c.batch);
+  EXPECT_EQ(d.ref_microbatch, c.ref_microbatch);
+  EXPECT_EQ(d.link, c.link);
+  EXPECT_EQ(d.fused_factor, c.fused_factor);
+  EXPECT_EQ(d.segments, c.segments);
+}
+
+TEST(AutoplanJson, DefaultsAndErrors) {
+  const SegmentCosts d = SegmentCosts::from_json(R"({"segments": [{"f": 1, "b": 3}]})");
+  EXPECT_EQ(d.batch, 1);
+  EXPECT_EQ(d.segments[0].i, 3.0);  // i defaults to b
+  EXPECT_EQ(d.segments[0].w, 0.0);
+  EXPECT_NE(error_of<FormatError>([] {
+              SegmentCosts::from_json(R"({"segments": [{"f": 1}, {"f": 1, "q": 2}]})");
+            }).find("'segments[1].q'"),
+            std::string::npos);
+  EXPECT_NE(error_of<FormatError>([] {
+              SegmentCosts::from_json(R"({"segments": [{"f": 1}, {"f": 1}, {"b": "x"}]})");
+            }).find("'segments[2].b' must be a number"),
+            std::string::npos);
+  EXPECT_NE(error_of<FormatError>([] {
+              SegmentCosts::from_json(R"({"segments": [{"act_bytes": 1.5}]})");
+            }).find("'segments[0].act_bytes'"),
+            std::string::npos);
+  EXPECT_NE(error_of<ConfigError>([] {
+              SegmentCosts::from_json(R"({"segments": [{"f": 1}, {"f": 1}, {"f": 1}, {"f": -1}]})");
+            }).find("segments[3].f"),
+            std::string::npos);
+  EXPECT_NE(error_of<FormatError>([] {
+              SegmentCosts::from_json(R"({"batch": 4})");
+            }).find("'segments' is required"),
+            std::string::npos);
+  EXPECT_NE(error_of<FormatError>([] {
+              SegmentCosts::from_json(R"({"link": {"lat": 1}})");
+            }).find("'link.lat'"),
+            std::string::npos);
+  EXPECT_NE(error_of<ConfigError>([] {
+              SegmentCosts::from_json(R"({"batch": 0, "segments": [{}]})");
+            }).find("batch"),
+            std::string::npos);
+  try {
+    SegmentCosts::from_json("{\n  \"segments\": [,]\n}");
+    FAIL() << "no error";
+  } catch (const FormatError& e) {
+    EXPECT_EQ(e.line, 2);
+  }
+}
+
+TEST(AutoplanStage, Scaling) {
+  const SegmentCosts c = sample_costs();
+  // M = 2: 32 samples per microbatch, k = 32 / 8 = 4.
+  const SegmentCosts s = c.scaled(2);
+  EXPECT_EQ(s.ref_microbatch, 32);
+  EXPECT_DOUBLE_EQ(s.segments[1].f, 0.25 + (2.0 - 0.25) * 4);
+  EXPECT_DOUBLE_EQ(s.segments[1].w, 0.25 + 0.5 * 4);
+  EXPECT_DOUBLE_EQ(s.segments[1].min_recompute, 2.0);
+  EXPECT_EQ(s.segments[1].act_bytes, 800);
+  EXPECT_EQ(s.segments[1].stash_bytes, 401 * 4);
+  EXPECT_EQ(s.segments[1].temp_bytes, 210 * 4);
+  EXPECT_EQ(s.segments[1].param_bytes, 2000);  // unscaled
+  EXPECT_EQ(s.segments[1].opt_bytes, 4000);
+  // M = 16: 4 samples, k = 0.5.
+  EXPECT_DOUBLE_EQ(c.scaled(16).segments[0].f, 0.25 + 0.75 * 0.5);
+  EXPECT_THROW(c.scaled(3), ConfigError);
+  EXPECT_THROW(c.scaled(0), ConfigError);
+}
+
+TEST(AutoplanStage, Aggregation) {
+  const SegmentCosts c = sample_costs();
+  const StageCost k = stage_cost(c, 1, 3, Remat::Keep);
+  EXPECT_DOUBLE_EQ(k.f, 2.0 + 3.0);
+  EXPECT_DOUBLE_EQ(k.b, 3.0 + 4.0);
+  EXPECT_DOUBLE_EQ(k.i, 2.25 + 3.25);
+  EXPECT_DOUBLE_EQ(k.w, 1.5);
+  EXPECT_EQ(k.act_bytes, 300);   // last segment's output
+  EXPECT_EQ(k.grad_bytes, 100);  // output of the segment before the stage
+  EXPECT_EQ(k.stash_bytes, 401 + 402);
+  EXPECT_EQ(k.wstash_bytes, 60);
+  EXPECT_EQ(k.wgrad_bytes, 2000 + 3000);
+  EXPECT_EQ(k.fb, 0.0);
+  const StageCost m = stage_cost(c, 1, 3, Remat::Min);
+  EXPECT_EQ(m.stash_bytes, 51 + 52);
+  EXPECT_DOUBLE_EQ(m.b, 7.0 + 1.0);
+  EXPECT_DOUBLE_EQ(m.i, 5.5 + 1.0);
+  const StageCost f = stage_cost(c, 1, 3, Remat::Full);
+  EXPECT_EQ(f.stash_bytes, 100);
+  EXPECT_DOUBLE_EQ(f.b, 7.0 + 5.0);
+  EXPECT_DOUBLE_EQ(f.i, 5.5 + 5.0);
+  EXPECT_EQ(stage_cost(c, 0, 1, Remat::Keep).grad_bytes, 0);
+  EXPECT_EQ(stage_cost(c, 0, 1, Remat::Full).stash_bytes, 0);
+  EXPECT_EQ(stage_static_bytes(c, 1, 3), 2 * 5000 + 10000);
+  EXPECT_EQ(stage_temp_bytes(c, 1, 3), 210);
+  EXPECT_THROW(stage_cost(c, 2, 2, Remat::Keep), ConfigError);
+  const CostModel cm = stage_cost_model(c, {0, 1, 3}, {Remat::Keep, Remat::Min, Remat::Full});
+  ASSERT_EQ(cm.stages.size(), 3u);
+  EXPECT_EQ(cm.stages[1], m);
+  EXPECT_EQ(cm.stages[2], stage_cost(c, 3, 4, Remat::Full));
+  EXPECT_EQ(cm.fused_factor, 0.9);
+  EXPECT_EQ(cm.link, c.link);
+}
+
+TEST(AutoplanStage, EvaluateMatchesSimulator) {
+  const SegmentCosts c = sample_costs();
+  const std::vector<int> cuts{0, 1, 2, 3};
+  const std::vector<Remat> rm{Remat::Keep, Remat::Min, Remat::Keep, Remat::Full};
+  const PlanCandidate p = evaluate_candidate(c, "zbv", 2, 2, 4, cuts, rm);
+  const SimResult r = simulate(lower(zb_v(2, 4)), stage_cost_model(c.scaled(4), cuts, rm));
+  EXPECT_EQ(p.step_time, r.step_time);
+  const SegmentCosts s = c.scaled(4);
+  // Rank 0 holds stages 0 and 3.
+  EXPECT_EQ(p.peak_memory[0], stage_static_bytes(s, 0, 1) + stage_static_bytes(s, 3, 4) +
+                                  std::max(stage_temp_bytes(s, 0, 1), stage_temp_bytes(s, 3, 4)) +
+                                  r.peak_total[0]);
+  EXPECT_EQ(p.virtual_stages, 2);
+}
+
+TEST(AutoplanStage, ParseBytes) {
+  EXPECT_EQ(parse_bytes("20GiB"), int64_t{20} << 30);
+  EXPECT_EQ(parse_bytes("1.5GB"), 1500000000);
+  EXPECT_EQ(parse_bytes("512 MiB"), int64_t{512} << 20);
+  EXPECT_EQ(parse_bytes("1e9"), 1000000000);
+  EXPECT_EQ(parse_bytes("123"), 123);
+  EXPECT_EQ(parse_bytes("4kb"), 4000);
+  EXPECT_THROW(parse_bytes("lots"), ConfigError);
+  EXPECT_THROW(parse_bytes("3 parsecs"), ConfigError);
+  EXPECT_THROW(parse_bytes("-1GB"), ConfigError);
+}
+
+// ---- brute force ----
+
+struct Space {
+  std::vector<std::string> families;
+  std::vector<int> microbatches;
+  std::vector<Remat> modes;
+};
+
+// Every (family, v, M, partition, remat) candidate, evaluated by simulation.
+std::vector<PlanCandidate> enumerate_all(const SegmentCosts& c, int P, const Space& sp) {
+  std::vector<PlanCandidate> out;
+  const int n = static_cast<int>(c.segments.size());
+  for (const std::string& f : sp.families) {
+    for (int M : sp.microbatches) {
+      const int v = f == "interleaved" ? 2 : 1;
+      Schedule s;
+      try {
+        s = make_schedule(f, P, M, v);
+      } catch (const ScheduleError&) {
+        continue;
+      }
+      const int S = s.num_stages;
+      if (S > n) continue;
+      // Partitions: choose S-1 cut points among 1..n-1.
+      std::vector<int> cuts(S);
+      std::function<void(int, int)> part = [&](int st, int a) {
+        cuts[st] = a;
+        if (st == S - 1) {
+          std::vector<Remat> rm(S, sp.modes[0]);
+          std::vector<int> idx(S, 0);
+          for (;;) {
+            for (int k = 0; k < S; ++k) rm[k] = sp.modes[idx[k]];
+            out.push_back(evaluate_candidate(c, f, P, v, M, cuts, rm));
+            int k = 0;
+            while (k < S && ++idx[k] == static_cast<int>(sp.modes.size())) idx[k++] = 0;
+            if (k == S) break;
+          }
+          return;
+        }
+        for (int e = a + 1; e <= n - (S - 1 - st); ++e) part(st + 1, e);
+      };
+      part(0, 0);
+    }
+  }
+  return out;
+}
+
+SegmentCosts random_costs(std::mt19937& rng, int n) {
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  auto bytes = [&](int lo, int hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  SegmentCosts c;
+  const int batches[] = {4, 6, 8, 12};
+  c.batch = batches[rng() % 4];
+  c.ref_microbatch = 1 + static_cast<int>(rng() % 2);
+  c.link.latency = u(rng) < 0.5 ? 0.0 : 0.3 * u(rng);
+  c.link.bandwidth = u(rng) < 0.5 ? 0.0 : 50.0 + 200.0 * u(rng);
+  c.fused_factor = 0.6 + 0.6 * u(rng);
+  for (int k = 0; k < n; ++k) {
+    SegmentCost s;
+    s.f = 0.2 + 2.0 * u(rng);
+    s.b = s.f * (1.0 + 1.5 * u(rng));
+    s.i = s.b * (0.4 + 0.4 * u(rng));
+    s.w = s.b - s.i;
+    s.overhead = u(rng) < 0.3 ? 0.1 * u(rng) : 0.0;
+    s.act_bytes = bytes(1, 100);
+    s.stash_bytes = bytes(50, 400);
+    s.min_stash_bytes = bytes(5, 200);
+    s.min_recompute = 0.5 * s.f * u(rng);
+    s.wstash_bytes = bytes(0, 50);
+    s.param_bytes = bytes(0, 500);
+    s.opt_bytes = bytes(0, 500);
+    s.temp_bytes = bytes(0, 100);
+    c.segments.push_back(s);
+  }
+  return c;
+}
+
+TEST(AutoplanSearch, MatchesBruteForce) {
+  std::mt19937 rng(20261201);
+  const std::vector<Remat> all_modes{Remat::Keep, Remat::Min, Remat::Full};
+  int tight = 0, none_fit = 0;
+  for (int inst = 0; inst < 200; ++inst) {
+    const int P = 1 + static_cast<int>(rng() % 3);
+    const int n = 1 + static_cast<int>(rng() % 7);
+    const SegmentCosts c = random_costs(rng, n);
+    Space sp;
+    sp.families = schedule_names();
+    for (int m = 1; m <= c.batch && m <= 2 * P + 2; ++m)
+      if (c.batch % m == 0 && rng() % 3 != 0) sp.microbatches.push_back(m);
+    if (sp.microbatches.empty()) sp.microbatches.push_back(1);
+    // All three remat modes for small stage counts, two otherwise (brute force is 3^S).
+    sp.modes = all_modes;
+    std::shuffle(sp.modes.begin(), sp.modes.end(), rng);
+    if (n >= 5 && P >= 2) sp.modes.resize(2);
+    const std::vector<PlanCandidate> cands = enumerate_all(c, P, sp);
+    if (cands.empty()) continue;
+    // Budget: unlimited, a random candidate's peak (often tight), or below every peak.
+    int64_t budget = 0;
+    const int kind = static_cast<int>(rng() % 4);
+    int64_t min_peak = std::numeric_limits<int64_t>::max();
+    for (const auto& p : cands) min_peak = std::min(min_peak, p.max_memory());
+    if (kind == 1 || kind == 2) {
+      budget = cands[rng() % cands.size()].max_memory();
+      ++tight;
+    } else if (kind == 3) {
+      budget = min_peak > 1 ? min_peak - 1 : 0;
+    }
+    double best = std::numeric_limits<double>::infinity();
+    for (const auto& p : cands)
+      if (budget == 0 || p.max_memory() <= budget) best = std::min(best, p.step_time);
+    AutoplanOptions o;
+    o.ranks = P;
+    o.memory = budget;
+    o.top = 1 + static_cast<int>(rng() % 3);
+    o.families = sp.families;
+    o.microbatches = sp.microbatches;
+    o.remat_modes = sp.modes;
+    SCOPED_TRACE(::testing::Message() << "instance " << inst << " P=" << P << " n=" << n
+                                      << " budget=" << budget << " costs=" << c.to_json());
+    if (best == std::numeric_limits<double>::infinity()) {
+      ++none_fit;
+      try {
+        autoplan(c, o);
+        ADD_FAILURE() << "no candidate fits, but autoplan returned a plan";
+      } catch (const ConfigError& e) {
+        EXPECT_NE(std::string(e.what()).find("no candidate fits"), std::string::npos) << e.what();
+      }
+      continue;
+    }
+    const AutoplanResult r = autoplan(c, o);
+    ASSERT_FALSE(r.plans.empty());
+    EXPECT_TRUE(r.stats.exact);
+    EXPECT_NEAR(r.plans[0].step_time, best, 1e-9 * std::max(1.0, best));
+    EXPECT_LE(static_cast<int>(r.plans.size()), o.top);
+    for (size_t k = 0; k < r.plans.size(); ++k) {
+      const PlanCandidate& p = r.plans[k];
+      if (k > 0) {
+        EXPECT_LE(r.plans[k - 1].step_time, p.step_time);
+      }
+      EXPECT_TRUE(p.fits);
+      // The row is what evaluate_candidate (an independent simulation) says.
+      const PlanCandidate q = evaluate_candidate(c, p.schedule, P, p.virtual_stages, p.microbatches,
+                                                 p.cuts, p.remat, budget);
+      EXPECT_EQ(q.step_time, p.step_time);
+      EXPECT_EQ(q.peak_memory, p.peak_memory);
+      EXPECT_TRUE(q.fits);
+      EXPECT_TRUE(verify(lower(make_schedule(p.schedule, P, p.microbatches,
+                                             p.schedule == "interleaved" ? 2 : 1)))
+                      .ok());
+    }
+  }
+  EXPECT_GT(tight, 20);
+  EXPECT_GT(none_fit, 10);
+}
+
+TEST(AutoplanSearch, NothingFitsNamesPeakAndRank) {
+  SegmentCosts c = sample_costs();
+  AutoplanOptions o;
+  o.ranks = 2;
+  o.memory = 1000;  // below any stage's parameters + optimizer state
+  const std::string msg = error_of<ConfigError>([&] { autoplan(c, o); });
+  EXPECT_NE(msg.find("no candidate fits the memory budget"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("on rank "), std::string::npos) << msg;
+  EXPECT_NE(msg.find("smallest peak"), std::string::npos) << msg;
+}
+
+TEST(AutoplanSearch, OptionsAndStats) {
+  const SegmentCosts c = sample_costs();
+  AutoplanOptions o;
+  o.ranks = 2;
+  o.families = {"1F1B", "zb-v"};
+  o.microbatches = {2, 4, 8};
+  const AutoplanResult r = autoplan(c, o);
+  ASSERT_FALSE(r.plans.empty());
+  EXPECT_TRUE(r.stats.exact);
+  EXPECT_GT(r.stats.simulated, 0);
+  EXPECT_EQ(r.stats.configurations, 6);
+  for (const auto& p : r.plans) EXPECT_TRUE(p.schedule == "1f1b" || p.schedule == "zbv");
+  EXPECT_NE(r.to_json().find("\"step_time\""), std::string::npos);
+  EXPECT_NE(autoplan_table(r, 0).find("unlimited"), std::string::npos);
+  o.microbatches = {3};
+  EXPECT_THROW(autoplan(c, o), ConfigError);
+  o.microbatches = {};
+  o.families = {"nope"};
+  EXPECT_THROW(autoplan(c, o), ConfigError);
+}
+
+}  // namespace
+}  // namespace baton
