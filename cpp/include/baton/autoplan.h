@@ -70,9 +70,11 @@
 // Bounds on memory (static and temp bytes are exact; pipeline buffers by a
 // structural bound): for each action k on rank r with positive duration,
 // the stash (F..B/I) and wstash (I..W) buffers produced by an action <= k
-// and consumed by an action >= k (not inside one fused action) are all live
-// during RUN k (allocated at their producer's start, freed after their
-// consumer's end), so peak_total[r] >= their bytes. With the remat mode of
+// and consumed by an action >= k (not inside one fused action), and action
+// k's own act/grad inputs and outputs and weight gradient, are all live
+// during RUN k (inputs are present before it starts, outputs are allocated
+// at its start, and everything is freed at or after its consumer's end), so
+// peak_total[r] >= their bytes. With the remat mode of
 // least stash bytes for every stage this prunes partitions; with the chosen
 // modes it prunes remat vectors.
 //

@@ -287,12 +287,7 @@ void Searcher::prepare(Config& c) {
     }
     std::vector<int32_t> cur(2 * nloc, 0);
     for (int k = 0; k < na; ++k) {
-      bool any = false;
-      for (int j = 0; j < 2 * nloc; ++j) {
-        cur[j] += diff[static_cast<size_t>(k) * 2 * nloc + j];
-        any = any || cur[j] != 0;
-      }
-      if (!any) continue;
+      for (int j = 0; j < 2 * nloc; ++j) cur[j] += diff[static_cast<size_t>(k) * 2 * nloc + j];
       c.row_action[r].push_back(k);
       c.row_cnt[r].insert(c.row_cnt[r].end(), cur.begin(), cur.end());
     }
@@ -483,7 +478,29 @@ int64_t Searcher::rank_stash_lb(const Config& c, int r) const {
     // Positive at the fastest options implies positive at every choice.
     for (int j = 0; j < a.n; ++j) dur += task_dur(fast_[a.t[j].stage], a.t[j].kind);
     if (!(dur > 0)) continue;
+    // The action's own activation, gradient and weight-gradient buffers are
+    // live during its RUN too (inputs present before it, outputs allocated at
+    // its start, all released after its end).
     int64_t v = 0;
+    for (int j = 0; j < a.n; ++j) {
+      const TaskRef& t = a.t[j];
+      const StageCost& x = stc_[t.stage];
+      switch (t.kind) {
+        case TaskKind::F:
+          if (t.stage > 0) v += x.grad_bytes;       // act(s-1) in
+          if (t.stage < c.S - 1) v += x.act_bytes;  // act(s) out
+          break;
+        case TaskKind::B:
+        case TaskKind::I:
+          if (t.stage < c.S - 1) v += x.act_bytes;  // grad(s+1) in
+          if (t.stage > 0) v += x.grad_bytes;       // grad(s) out
+          if (t.kind == TaskKind::B) v += x.wgrad_bytes;
+          break;
+        case TaskKind::W:
+          v += x.wgrad_bytes;
+          break;
+      }
+    }
     const int32_t* cnt = &c.row_cnt[r][k * 2 * nloc];
     for (int l = 0; l < nloc; ++l)
       v += cnt[2 * l] * stc_[st[l]].stash_bytes + cnt[2 * l + 1] * stc_[st[l]].wstash_bytes;
