@@ -526,6 +526,22 @@ void bind_sim(nb::module_& m) {
 }
 
 // Automatic planning: JSON in, plain dicts out (the Python side formats them).
+nb::dict candidate_dict(const baton::PlanCandidate& p) {
+  nb::dict d;
+  d["schedule"] = p.schedule;
+  d["virtual_stages"] = p.virtual_stages;
+  d["microbatches"] = p.microbatches;
+  d["cuts"] = p.cuts;
+  std::vector<std::string> rm;
+  for (baton::Remat x : p.remat) rm.emplace_back(baton::remat_name(x));
+  d["remat"] = rm;
+  d["step_time"] = p.step_time;
+  d["bubble_fraction"] = p.bubble_fraction;
+  d["peak_memory"] = p.peak_memory;
+  d["fits"] = p.fits;
+  return d;
+}
+
 void bind_autoplan(nb::module_& m) {
   m.def(
       "autoplan",
@@ -554,21 +570,7 @@ void bind_autoplan(nb::module_& m) {
           r = baton::autoplan(costs, o);
         }
         nb::list plans;
-        for (const baton::PlanCandidate& p : r.plans) {
-          nb::dict d;
-          d["schedule"] = p.schedule;
-          d["virtual_stages"] = p.virtual_stages;
-          d["microbatches"] = p.microbatches;
-          d["cuts"] = p.cuts;
-          std::vector<std::string> rm;
-          for (baton::Remat x : p.remat) rm.emplace_back(baton::remat_name(x));
-          d["remat"] = rm;
-          d["step_time"] = p.step_time;
-          d["bubble_fraction"] = p.bubble_fraction;
-          d["peak_memory"] = p.peak_memory;
-          d["fits"] = p.fits;
-          plans.append(d);
-        }
+        for (const baton::PlanCandidate& p : r.plans) plans.append(candidate_dict(p));
         nb::dict stats;
         stats["configurations"] = r.stats.configurations;
         stats["refused"] = r.stats.refused;
@@ -590,6 +592,20 @@ void bind_autoplan(nb::module_& m) {
       "memory: bytes per rank (0: unlimited). node_budget: DFS nodes per configuration (0: no "
       "limit, exact); stats says whether the result is exact, else its certified gap. Raises "
       "ConfigError when nothing fits.");
+  m.def(
+      "autoplan_evaluate",
+      [](const std::string& segments_json, const std::string& schedule, int ranks,
+         int virtual_stages, int microbatches, const std::vector<int>& cuts,
+         const std::vector<std::string>& remat, int64_t memory) {
+        baton::SegmentCosts costs = baton::SegmentCosts::from_json(segments_json);
+        std::vector<baton::Remat> rm;
+        for (const auto& r : remat) rm.push_back(baton::parse_remat(r));
+        return candidate_dict(baton::evaluate_candidate(costs, schedule, ranks, virtual_stages,
+                                                        microbatches, cuts, rm, memory));
+      },
+      "segments_json"_a, "schedule"_a, "ranks"_a, "virtual_stages"_a, "microbatches"_a,
+      "cuts"_a, "remat"_a, "memory"_a = 0,
+      "One candidate (given cuts and remat per stage) simulated: the dict autoplan returns.");
   m.def("parse_bytes", &baton::parse_bytes, "text"_a);
 }
 
