@@ -166,8 +166,7 @@ def test_encoder_decoder_every_schedule(name, schedule, ranks):
         assert len(back.grad_out) == 2
 
 
-@pytest.mark.parametrize("name,schedule,ranks", [SCHEDULES[1], SCHEDULES[3], SCHEDULES[6]],
-                         ids=["1f1b", "zbh1", "zbv"])
+@pytest.mark.parametrize("name,schedule,ranks", SCHEDULES, ids=[s[0] for s in SCHEDULES])
 def test_skip_connections_across_stages(name, schedule, ranks):
     key = jax.random.PRNGKey(1)
     ps = _train(skip_loss, init_skip(key), skip_batch(key, 16), schedule, ranks)
