@@ -161,6 +161,27 @@ def load_config(model: str | dict = "llama2", *, batch: int = 8, **overrides) ->
     return cfg
 
 
+def synthetic_batch(config: Any, seed: int, padding: bool = True) -> dict[str, np.ndarray]:
+    """A synthetic batch of ``config.global_batch_size_to_train_on`` sequences in MaxText's
+    layout (``inputs``, ``targets``, their positions and segment ids; targets are the inputs
+    shifted by one). With ``padding`` every row ends in 0-3 padding tokens (segment id 0), so
+    microbatches hold different token counts."""
+    b, t = int(config.global_batch_size_to_train_on), int(config.max_target_length)
+    v = int(config.vocab_size)
+    rng = np.random.default_rng(seed)
+    seq = rng.integers(1, v, (b, t + 1)).astype(np.int32)
+    seg = np.ones((b, t), np.int32)
+    if padding:
+        for r, k in enumerate(rng.integers(0, 4, b)):
+            if k:
+                seg[r, t - k:] = 0
+    pos = np.where(seg > 0, np.arange(t, dtype=np.int32)[None, :], 0).astype(np.int32)
+    inputs = np.where(seg > 0, seq[:, :-1], 0).astype(np.int32)
+    targets = np.where(seg > 0, seq[:, 1:], 0).astype(np.int32)
+    return dict(inputs=inputs, inputs_position=pos, inputs_segmentation=seg,
+                targets=targets, targets_position=pos.copy(), targets_segmentation=seg.copy())
+
+
 # --- stage boundaries ---------------------------------------------------------------
 
 _STAGE_END: dict[type, type] = {}
@@ -247,22 +268,8 @@ class MaxTextModel:
         return int(self.config.global_batch_size_to_train_on)
 
     def make_batch(self, seed: int, padding: bool = True) -> dict[str, np.ndarray]:
-        """A synthetic batch in MaxText's layout (``inputs``, ``targets``, their positions and
-        segment ids). With ``padding`` every row ends in 0-3 padding tokens (segment id 0),
-        so microbatches hold different token counts."""
-        b, t, v = self.batch_size, int(self.config.max_target_length), int(self.config.vocab_size)
-        rng = np.random.default_rng(seed)
-        seq = rng.integers(1, v, (b, t + 1)).astype(np.int32)
-        seg = np.ones((b, t), np.int32)
-        if padding:
-            for r, k in enumerate(rng.integers(0, 4, b)):
-                if k:
-                    seg[r, t - k:] = 0
-        pos = np.where(seg > 0, np.arange(t, dtype=np.int32)[None, :], 0).astype(np.int32)
-        inputs = np.where(seg > 0, seq[:, :-1], 0).astype(np.int32)
-        targets = np.where(seg > 0, seq[:, 1:], 0).astype(np.int32)
-        return dict(inputs=inputs, inputs_position=pos, inputs_segmentation=seg,
-                    targets=targets, targets_position=pos.copy(), targets_segmentation=seg.copy())
+        """``synthetic_batch(self.config, seed, padding)``."""
+        return synthetic_batch(self.config, seed, padding)
 
     def init_params(self) -> Any:
         """The model's parameters: the pure ``nnx.State`` (arrays) that ``nnx.Optimizer`` of
