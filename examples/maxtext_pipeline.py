@@ -51,7 +51,11 @@ def run(name: str, schedules: list[str], steps: int, batch: int, microbatches: i
         schedule = baton.schedule_from_name(sname)
         step = m.pipeline_step(mesh, schedule, microbatches=microbatches)
         params, opt_state = m.init_params(), m.init_opt_state()
-        print(f"  {schedule}  (plan: {step.summary(params, opt_state, batches[0]).splitlines()[0]})")
+        summary = step.summary(params, opt_state, batches[0]).splitlines()
+        facts = {ln.split()[0]: ln.split()[-1] for ln in summary
+                 if ln.split() and ln.split()[0] in ("bubble", "verification:")}
+        print(f"  {schedule}: {schedule.stages(RANKS)} stages; plan {facts.get('verification:')}, "
+              f"predicted bubble {facts.get('bubble')}")
         print(f"    {'step':>4}  {'baton':>12}  {'maxtext':>12}  {'rel. diff':>9}  {'time':>7}")
         for i, (b, w) in enumerate(zip(batches, want)):
             t = time.perf_counter()
