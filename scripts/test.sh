@@ -10,6 +10,8 @@
 #                                        # Baton supports (its own venv, .venv-jax-oldest)
 #   bash scripts/test.sh --py-only -- -k planner   # arguments after -- go to pytest
 #                                        # (default: the testpaths of pyproject.toml)
+#   bash scripts/test.sh --maxtext       # MaxText as a Baton client: sets up .venv-maxtext
+#                                        # (scripts/setup_maxtext.sh), runs tests/python/test_maxtext.py
 #   BATON_SANITIZE=1 bash scripts/test.sh --cpp-only   # ASan+UBSan build in build/asan
 #
 # Environment: BATON_JOBS (build parallelism, default 2), BATON_PYTEST_TIMEOUT (seconds
@@ -22,16 +24,19 @@ cd "$ROOT"
 
 run_cpp=1
 run_py=1
+run_maxtext=0
 pytest_args=()
 while (($#)); do
   case "$1" in
     --cpp-only) run_py=0 ;;
     --py-only) run_cpp=0 ;;
+    --maxtext) run_cpp=0; run_maxtext=1 ;;
     --jax-oldest)
       # The oldest JAX Baton supports (README "Requirements"); the newest is what pip picks.
       export BATON_VENV=.venv-jax-oldest BATON_JAX="jax==0.11.0 jaxlib==0.11.0" ;;
     --) shift; pytest_args=("$@"); break ;;
-    *) echo "usage: $0 [--cpp-only | --py-only] [--jax-oldest] [-- pytest args]" >&2; exit 64 ;;
+    *) echo "usage: $0 [--cpp-only | --py-only | --maxtext] [--jax-oldest] [-- pytest args]" >&2
+       exit 64 ;;
   esac
   shift
 done
@@ -39,7 +44,14 @@ done
 JOBS="${BATON_JOBS:-2}"
 log() { echo "[test] $*" >&2; }
 
-bash scripts/setup.sh || { log "setup failed"; exit 1; }
+if ((run_maxtext)); then
+  export BATON_VENV=.venv-maxtext
+  bash scripts/setup_maxtext.sh || { log "MaxText setup failed"; exit 1; }
+  ((${#pytest_args[@]})) || pytest_args=(tests/python/test_maxtext.py)
+  export BATON_PYTEST_WORKERS="${BATON_PYTEST_WORKERS:-0}"
+else
+  bash scripts/setup.sh || { log "setup failed"; exit 1; }
+fi
 
 failed=()
 

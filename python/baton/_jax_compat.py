@@ -32,6 +32,9 @@ __all__ = [
     "literal_value",
     "jaxpr_parts",
     "sub_jaxprs",
+    "is_remat",
+    "open_jaxpr",
+    "replace_body",
     "eval_eqn",
     "map_eqn_params",
     "is_drop_var",
@@ -123,6 +126,23 @@ def sub_jaxprs(eqn: Any) -> list:
             if hasattr(x, "eqns") or (hasattr(x, "jaxpr") and hasattr(x.jaxpr, "eqns")):
                 out.append(x)
     return out
+
+
+def is_remat(eqn: Any) -> bool:
+    """Whether ``eqn`` is a ``jax.checkpoint`` region (primitive ``remat2``/``checkpoint``)."""
+    return eqn.primitive.name in ("checkpoint", "remat2") and "jaxpr" in eqn.params
+
+
+def open_jaxpr(j: Any) -> Any:
+    """The open ``Jaxpr`` of ``j`` (itself, or the ``.jaxpr`` of 0.11's ``ClosedJaxpr``)."""
+    return j if hasattr(j, "eqns") else j.jaxpr
+
+
+def replace_body(j: Any, eqns: list, outvars: list) -> Any:
+    """``j`` (a ``Jaxpr`` or 0.11's ``ClosedJaxpr``) with new equations and outputs."""
+    if hasattr(j, "eqns"):
+        return j.replace(eqns=eqns, outvars=outvars)
+    return j.replace(jaxpr=j.jaxpr.replace(eqns=eqns, outvars=outvars))
 
 
 def call_jaxpr(eqn: Any):

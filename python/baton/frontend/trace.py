@@ -3,8 +3,11 @@
 One op per jaxpr equation. Calls of jitted functions (``pjit``) are inlined so
 that boundaries and optimizer code inside them are visible; other higher-order
 equations (``scan``, ``checkpoint``, ``custom_jvp_call``, ...) stay opaque ops
-and must not contain a ``stage_boundary``. Literals and closed-over constants
-become ``Literal`` values whose contents stay here, in ``Traced.literals``.
+and must not contain a ``stage_boundary``, with one exception: a boundary on the
+edge of a ``jax.checkpoint`` region (a model whose layers are rematerialized and
+end in a boundary) is moved out of it (see ``_Exporter.emit_remat``). Literals
+and closed-over constants become ``Literal`` values whose contents stay here, in
+``Traced.literals``.
 """
 
 from __future__ import annotations
@@ -148,6 +151,10 @@ class _Exporter:
                     "stage_boundary outside baton.accumulate: boundaries must be inside the "
                     "function that accumulate runs per microbatch"
                 )
+            if jc.is_remat(eqn) and region == "loop" and any(
+                    _contains_marker(sj) for sj in jc.sub_jaxprs(eqn)):
+                self.emit_remat(eqn, env, region)
+                continue
             for sj in jc.sub_jaxprs(eqn):
                 if _contains_marker(sj):
                     raise TraceError(
@@ -155,30 +162,94 @@ class _Exporter:
                         "(scan, checkpoint, cond, custom_jvp/vjp ...); put boundaries at the top "
                         "level of the per-microbatch function"
                     )
-            ins = [self.read(env, a) for a in eqn.invars]
-            outs = []
-            for o in eqn.outvars:
-                i = self.new_value(o.aval, G.ValueKind.Intermediate)
+            outs = self.emit_op(eqn, [self.read(env, a) for a in eqn.invars], region)
+            for o, i in zip(eqn.outvars, outs):
                 if not jc.is_drop_var(o):
                     env[o] = i
-                outs.append(i)
-            info = OpInfo(
-                prim=eqn.primitive,
-                params=dict(eqn.params),
-                ctx=getattr(eqn, "ctx", None),
-                inputs=ins,
-                outputs=outs,
-                region=region,
-                cost=_eqn_cost(eqn),
-            )
-            if eqn.primitive is stage_boundary_p:
-                info.kind = "boundary"
-                info.uid = eqn.params["uid"]
-                info.backward = eqn.params["backward"]
-            elif eqn.primitive.name == "add_any":
-                info.kind = "add_any"
-            self.ops.append(info)
         return region
+
+    def emit_op(self, eqn, ins: list[int], region: str, params: dict | None = None) -> list[int]:
+        """One op for ``eqn`` on the values ``ins``; returns its output values."""
+        outs = [self.new_value(o.aval, G.ValueKind.Intermediate) for o in eqn.outvars]
+        info = OpInfo(
+            prim=eqn.primitive,
+            params=dict(eqn.params if params is None else params),
+            ctx=getattr(eqn, "ctx", None),
+            inputs=ins,
+            outputs=outs,
+            region=region,
+            cost=_eqn_cost(eqn),
+        )
+        if eqn.primitive is stage_boundary_p:
+            info.kind = "boundary"
+            info.uid = eqn.params["uid"]
+            info.backward = eqn.params["backward"]
+        elif eqn.primitive.name == "add_any":
+            info.kind = "add_any"
+        self.ops.append(info)
+        return outs
+
+    def emit_remat(self, eqn, env, region: str) -> None:
+        """A ``jax.checkpoint`` (remat) equation whose region has stage boundaries on its
+        edge: each is moved out of the region, where it is the same identity. A marker on
+        region inputs (the backward marker a boundary at the end of a rematerialized
+        layer gets: JAX differentiates the region as one equation that recomputes the
+        forward and then transposes, starting from the incoming cotangent) is emitted on
+        the operands before the region; a marker on region outputs (a forward boundary
+        of a region that is not differentiated) after it, on its results. The region
+        keeps its remat (the equation stays one opaque op) and no longer holds a marker.
+        A boundary inside the region, between its ops, cannot be moved out: an error."""
+        body = eqn.params["jaxpr"]
+        j = jc.open_jaxpr(body)
+        pos = {v: k for k, v in enumerate(j.invars)}
+        outset = set(v for v in j.outvars if isinstance(v, jc.Var))
+        sub: dict = {}
+        pre, post, keep = [], [], []
+
+        def subst(v):
+            return sub.get(v, v) if isinstance(v, jc.Var) else v
+
+        for e in j.eqns:
+            if e.primitive is stage_boundary_p:
+                if all(isinstance(v, jc.Var) and v in pos for v in e.invars):
+                    pre.append(e)
+                elif all(o in outset for o in e.outvars):
+                    post.append(e)
+                else:
+                    raise TraceError(
+                        "a stage_boundary is inside a jax.checkpoint region, between its ops: "
+                        "put the boundary on the region's output (end the checkpointed "
+                        "function with it) or outside the checkpointed function"
+                    )
+                for o, i in zip(e.outvars, e.invars):
+                    sub[o] = subst(i)
+                continue
+            if any(_contains_marker(s) for s in jc.sub_jaxprs(e)):
+                raise TraceError(
+                    f"a stage_boundary is inside a '{e.primitive.name}' equation within a "
+                    "jax.checkpoint region; put boundaries on the region's edge"
+                )
+            keep.append(e.replace(invars=[subst(v) for v in e.invars]))
+        stripped = jc.replace_body(body, keep, [subst(v) for v in j.outvars])
+        # Markers on the inputs, emitted on the outer operands.
+        operands = [self.read(env, a) for a in eqn.invars]
+        for m in pre:
+            outs = self.emit_op(m, [operands[pos[v]] for v in m.invars], region)
+            for v, o in zip(m.invars, outs):
+                operands[pos[v]] = o
+        results = self.emit_op(eqn, operands, region, dict(eqn.params, jaxpr=stripped))
+        # Markers on the outputs, emitted on the results.
+        for m in post:
+            where = {}
+            for k, ov in enumerate(j.outvars):
+                where.setdefault(ov, k)
+            outs = self.emit_op(m, [results[where[o]] for o in m.outvars], region)
+            marked = dict(zip(m.outvars, outs))
+            results = [marked.get(ov, r) if isinstance(ov, jc.Var) else r
+                       for ov, r in zip(j.outvars, results)]
+        for o, i in zip(eqn.outvars, results):
+            if not jc.is_drop_var(o):
+                env[o] = i
 
     def emit_loop(self, eqn, env):
         p = eqn.params
@@ -214,16 +285,18 @@ class _Exporter:
 
 
 def _number_markers(ops: list[OpInfo]) -> int:
+    """Numbers the forward markers 0..n-1 in program order and gives each backward marker
+    the number of its forward marker (same ``uid``). One ``stage_boundary`` call can bind
+    several markers with one uid when JAX reuses a cached trace (a ``jax.checkpoint`` or
+    ``jax.jit`` function called once per layer with the same shapes): the boundaries of a
+    pipeline form a chain, and JAX transposes in reverse program order, so the k-th
+    backward marker of that uid (program order) belongs to its k-th last forward marker."""
     fwd = [op for op in ops if op.kind == "boundary" and not op.backward]
-    index = {}
+    index: dict[int, list[int]] = {}
     for k, op in enumerate(fwd):
-        if op.uid in index:
-            raise TraceError(
-                "the same stage_boundary call was traced twice in the loop body "
-                "(is it inside a function that JAX re-traces, like jax.checkpoint?)"
-            )
-        index[op.uid] = k
+        index.setdefault(op.uid, []).append(k)
         op.boundary = k
+    bwd: dict[int, list[OpInfo]] = {}
     for op in ops:
         if op.kind == "boundary" and op.backward:
             if op.uid not in index:
@@ -231,7 +304,21 @@ def _number_markers(ops: list[OpInfo]) -> int:
                     "a backward stage_boundary has no forward counterpart in the loop body "
                     "(was the boundary applied outside the differentiated function?)"
                 )
-            op.boundary = index[op.uid]
+            bwd.setdefault(op.uid, []).append(op)
+    for uid, bops in bwd.items():
+        ks = index[uid]
+        if len(ks) == 1:
+            for op in bops:
+                op.boundary = ks[0]
+        elif len(bops) == len(ks):
+            for op, k in zip(bops, reversed(ks)):
+                op.boundary = k
+        else:
+            raise TraceError(
+                f"one stage_boundary call was traced {len(ks)} times in the loop body (a "
+                f"cached trace reused) but has {len(bops)} backward markers; give each "
+                "boundary its own stage_boundary call"
+            )
     return len(fwd)
 
 

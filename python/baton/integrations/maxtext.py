@@ -1,0 +1,432 @@
+"""MaxText as a client of Baton: a MaxText model, built by MaxText's own config system, cut
+into pipeline stages without editing MaxText, and trained with ``baton.jit``.
+
+```python
+from baton.integrations import maxtext as bmt
+
+m = bmt.build("llama2", batch=16)                 # MaxText's pyconfig + its NNX Transformer
+mesh = bmt.pipeline_mesh(m, ranks=4)              # 4 CPU devices, one per pipeline rank
+step = m.pipeline_step(mesh, baton.ZBH1(), microbatches=4)
+params, opt_state = m.init_params(), m.init_opt_state()
+params, opt_state, loss = step(params, opt_state, m.make_batch(0))
+
+ref = m.reference_step()                          # MaxText's own train_step (not pipelined)
+state, ref_loss = ref(m.reference_state(), m.make_batch(0))
+```
+
+**Stages.** MaxText 0.2.5 is Flax NNX: ``NNXDecoder.__call__`` loops over its layers
+``layers_0 .. layers_{L-1}``, each inside ``jax.checkpoint`` (MaxText's ``remat_policy``).
+The layers that end a stage get a subclass of their own class whose ``__call__`` passes the
+layer's output through ``baton.stage_boundary`` (a copy of the model is changed; MaxText's
+files and the reference model are not). The marker sits at the end of the checkpointed layer;
+Baton's tracer moves it out of the remat region (``frontend/trace.py``, ``emit_remat``), so
+MaxText's rematerialization is kept. The embedding runs in the first stage, the final norm,
+the output head and the loss in the last.
+
+**Loss.** Each microbatch runs MaxText's own ``loss_fn`` (``maxtext.trainers.pre_train.train``)
+with ``gradient_accumulation_steps`` = microbatches, so it returns what MaxText's gradient
+accumulation differentiates: the token-summed cross entropy over ``targets`` where
+``targets_segmentation != 0`` (plus auxiliary losses scaled by the microbatch's token count).
+The step divides by the token count of the whole batch, sums over microbatches, and reports
+the loss as MaxText does (``xent / tokens + aux / microbatches``). This equals MaxText's
+full-batch loss and gradient (``gradient_accumulation_steps=1``) for a dense model whatever the
+padding, and MaxText's own gradient accumulation over the same microbatches in general.
+Gradient clipping (``gradient_clipping_threshold``) and the optimizer
+(``optimizers.get_optimizer``, AdamW by default) are MaxText's, applied to the same pytree
+of parameters as MaxText's ``nnx.Optimizer``.
+
+**Limits.** ``scan_layers=False`` (one module per layer). Values MaxText *sows* in a layer
+and reads in the loss (the MoE load-balance loss, ``load_balance_loss_weight > 0``; MaxText's
+default is 0) would cross stages without a boundary: refused with a ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import ConfigError
+
+MAXTEXT_VERSION = "0.2.5"
+INSTALL_HINT = (
+    "bash scripts/setup_maxtext.sh  (or: pip install 'jax-baton[maxtext]' && "
+    f"pip install --no-deps maxtext=={MAXTEXT_VERSION})"
+)
+
+# The settings every config here shares: layers as separate modules, float32 (so the
+# pipelined and MaxText's own step agree to rounding), plain dot-product attention and a
+# dense MoE that run on CPUs, no checkpoints, no data pipeline, no jax.distributed.
+COMMON = dict(
+    override_model_config=True,
+    scan_layers=False,
+    attention="dot_product",
+    hardware="cpu",
+    dtype="float32",
+    weight_dtype="float32",
+    jax_cache_dir="",
+    skip_jax_distributed_system=True,
+    enable_checkpointing=False,
+    dataset_type="synthetic",
+    enable_dropout=False,
+    log_config=False,
+    learning_rate=1e-3,
+    warmup_steps_fraction=0.0,
+    steps=100,
+    max_target_length=16,
+)
+
+# A tiny Llama-2 (MaxText's llama2-7b config, shrunk).
+LLAMA2_TINY = dict(
+    model_name="llama2-7b",
+    base_emb_dim=64,
+    base_num_query_heads=4,
+    base_num_kv_heads=4,
+    base_mlp_dim=128,
+    base_num_decoder_layers=4,
+    head_dim=16,
+    vocab_size=256,
+)
+
+# A tiny Mixtral (MaxText's mixtral-8x7b config, shrunk): 4 experts, top-2, a dense
+# ("matmul", not megablox) MoE without token dropping.
+MIXTRAL_TINY = dict(
+    model_name="mixtral-8x7b",
+    base_emb_dim=64,
+    base_num_query_heads=4,
+    base_num_kv_heads=2,
+    base_mlp_dim=128,
+    base_moe_mlp_dim=128,
+    base_num_decoder_layers=4,
+    head_dim=16,
+    vocab_size=256,
+    num_experts=4,
+    num_experts_per_tok=2,
+    sparse_matmul=False,
+    megablox=False,
+    capacity_factor=-1.0,
+)
+
+CONFIGS = {"llama2": LLAMA2_TINY, "mixtral": MIXTRAL_TINY}
+
+
+def require_maxtext():
+    """Imports MaxText, or raises ``ImportError`` saying how to install it."""
+    try:
+        import maxtext  # noqa: F401
+        from maxtext.configs import pyconfig  # noqa: F401
+        from maxtext.trainers.pre_train import train  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            f"baton.integrations.maxtext needs MaxText {MAXTEXT_VERSION} and its dependencies "
+            f"({e}); install them with: {INSTALL_HINT}"
+        ) from e
+    from importlib.metadata import version
+
+    got = version("maxtext")
+    if got != MAXTEXT_VERSION:
+        import warnings
+
+        warnings.warn(f"baton.integrations.maxtext was written for MaxText {MAXTEXT_VERSION}; "
+                      f"found {got}", stacklevel=2)
+
+
+def load_config(model: str | dict = "llama2", *, batch: int = 8, **overrides) -> Any:
+    """MaxText's config (``pyconfig.initialize`` on its ``base.yml``) for ``model`` (a name in
+    ``CONFIGS`` or a dict of overrides with a ``model_name``) with a global batch of ``batch``
+    sequences; ``overrides`` win over both."""
+    require_maxtext()
+    import jax
+    from maxtext.configs import pyconfig
+
+    base = dict(CONFIGS[model]) if isinstance(model, str) else dict(model)
+    if isinstance(model, str) and model not in CONFIGS:
+        raise ConfigError(f"unknown MaxText config {model!r}; known: {sorted(CONFIGS)}")
+    kw = {**COMMON, **base, **overrides}
+    # MaxText's global batch is per_device_batch_size x all devices of the process x
+    # gradient_accumulation_steps.
+    ga = int(kw.get("gradient_accumulation_steps", 1))
+    kw.setdefault("per_device_batch_size", batch / (jax.device_count() * ga))
+    kw.setdefault("run_name", "baton")
+    kw.setdefault("base_output_directory", os.path.join(tempfile.gettempdir(), "baton-maxtext"))
+    cfg = pyconfig.initialize([None, os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")],
+                              **kw)
+    if cfg.global_batch_size_to_train_on != batch:
+        raise ConfigError(f"MaxText's global batch is {cfg.global_batch_size_to_train_on}, "
+                          f"not {batch} (per_device_batch_size x {jax.device_count()} devices x "
+                          f"{ga} accumulation steps)")
+    return cfg
+
+
+def synthetic_batch(config: Any, seed: int, padding: bool = True) -> dict[str, np.ndarray]:
+    """A synthetic batch of ``config.global_batch_size_to_train_on`` sequences in MaxText's
+    layout (``inputs``, ``targets``, their positions and segment ids; targets are the inputs
+    shifted by one). With ``padding`` every row ends in 0-3 padding tokens (segment id 0), so
+    microbatches hold different token counts."""
+    b, t = int(config.global_batch_size_to_train_on), int(config.max_target_length)
+    v = int(config.vocab_size)
+    rng = np.random.default_rng(seed)
+    seq = rng.integers(1, v, (b, t + 1)).astype(np.int32)
+    seg = np.ones((b, t), np.int32)
+    if padding:
+        for r, k in enumerate(rng.integers(0, 4, b)):
+            if k:
+                seg[r, t - k:] = 0
+    pos = np.where(seg > 0, np.arange(t, dtype=np.int32)[None, :], 0).astype(np.int32)
+    inputs = np.where(seg > 0, seq[:, :-1], 0).astype(np.int32)
+    targets = np.where(seg > 0, seq[:, 1:], 0).astype(np.int32)
+    return dict(inputs=inputs, inputs_position=pos, inputs_segmentation=seg,
+                targets=targets, targets_position=pos.copy(), targets_segmentation=seg.copy())
+
+
+# --- stage boundaries ---------------------------------------------------------------
+
+_STAGE_END: dict[type, type] = {}
+
+
+def stage_end_class(base: type) -> type:
+    """A subclass of the layer class ``base`` whose ``__call__`` ends a pipeline stage: the
+    layer's output (the first element when it returns ``(output, kv_cache)``) goes through
+    ``baton.stage_boundary``. One class per ``base``."""
+    cls = _STAGE_END.get(base)
+    if cls is None:
+        from ..frontend import stage_boundary
+
+        def __call__(self, *args, **kwargs):
+            out = base.__call__(self, *args, **kwargs)
+            if isinstance(out, tuple):
+                return (stage_boundary(out[0]), *out[1:])
+            return stage_boundary(out)
+
+        cls = type(f"StageEnd{base.__name__}", (base,),
+                   {"__call__": __call__, "__module__": __name__,
+                    "__qualname__": f"StageEnd{base.__name__}"})
+        _STAGE_END[base] = cls
+    return cls
+
+
+def split_layers(num_layers: int, stages: int) -> list[list[int]]:
+    """Layer indices per stage: ``stages`` contiguous groups, sizes differing by at most one
+    (the first stages get the extra layers)."""
+    if not 1 <= stages <= num_layers:
+        raise ConfigError(f"cannot cut {num_layers} decoder layers into {stages} stages "
+                          f"(each stage needs a layer; raise base_num_decoder_layers)")
+    return [list(map(int, g)) for g in np.array_split(np.arange(num_layers), stages)]
+
+
+def _decoder_layers(model) -> list:
+    dec = model.decoder
+    n = model.config.num_decoder_layers
+    layers = [getattr(dec, f"layers_{i}", None) for i in range(n)]
+    if any(x is None for x in layers):
+        raise ConfigError("baton.integrations.maxtext needs the decoder layers as separate "
+                          "modules layers_0..layers_{L-1}: set scan_layers=False (and a decoder "
+                          "block other than DeepSeek's)")
+    return layers
+
+
+class MaxTextModel:
+    """A MaxText model with what a Baton training step and MaxText's own step need.
+
+    ``MaxTextModel(model, batch=, **overrides)``: ``load_config``'s arguments. ``config``:
+    MaxText's config; ``model``: its NNX ``Transformer`` (built on ``device``, default
+    ``jax.devices()[0]``, left unmarked); ``tx``: MaxText's optimizer. See the module
+    docstring."""
+
+    def __init__(self, model: str | dict = "llama2", *, batch: int = 8, device=None,
+                 **overrides):
+        require_maxtext()
+        import jax
+        from flax import nnx
+        from maxtext.utils import maxtext_utils, maxtext_utils_nnx, model_creation_utils, train_utils
+
+        self._spec = (model, batch, overrides)
+        cfg = load_config(model, batch=batch, **overrides)
+        if cfg.num_experts > 1 and cfg.load_balance_loss_weight > 0:
+            raise ConfigError(
+                "load_balance_loss_weight > 0: MaxText sows each MoE layer's load-balance loss "
+                "and reads it in the loss, a value that would cross pipeline stages without a "
+                "stage boundary; set load_balance_loss_weight=0 (MaxText's default)")
+        self.config = cfg
+        self.device = device if device is not None else jax.devices()[0]
+        self.mesh = maxtext_utils.get_mesh_from_config(cfg, [self.device])
+        rngs = maxtext_utils_nnx.create_nnx_rngs(cfg)
+        self.model = model_creation_utils.create_model(cfg, self.mesh, rngs=rngs)
+        self.num_layers = len(_decoder_layers(self.model))
+        self.lr_schedule, self.tx = train_utils.create_training_optimizer(cfg, self.model,
+                                                                          mesh=self.mesh)
+        self._params = nnx.as_pure(nnx.state(self.model, nnx.Param))
+        self._configs = {cfg.gradient_accumulation_steps: cfg}
+
+    # --- data, parameters, optimizer state ---
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.config.global_batch_size_to_train_on)
+
+    def make_batch(self, seed: int, padding: bool = True) -> dict[str, np.ndarray]:
+        """``synthetic_batch(self.config, seed, padding)``."""
+        return synthetic_batch(self.config, seed, padding)
+
+    def init_params(self) -> Any:
+        """The model's parameters: the pure ``nnx.State`` (arrays) that ``nnx.Optimizer`` of
+        MaxText's train state updates, same paths and values."""
+        return self._params
+
+    def init_opt_state(self, params: Any = None) -> Any:
+        return self.tx.init(self.init_params() if params is None else params)
+
+    def config_with(self, grad_accum: int) -> Any:
+        """MaxText's config again with ``gradient_accumulation_steps=grad_accum``."""
+        cfg = self._configs.get(grad_accum)
+        if cfg is None:
+            model, batch, overrides = self._spec
+            cfg = load_config(model, batch=batch,
+                              **{**overrides, "gradient_accumulation_steps": grad_accum})
+            self._configs[grad_accum] = cfg
+        return cfg
+
+    # --- Baton ---
+
+    def staged_model(self, stages: int):
+        """``(graphdef, rest)`` of a copy of the model whose last layer of every stage but the
+        last ends in ``baton.stage_boundary`` (``stage_end_class``)."""
+        from flax import nnx
+
+        marked = nnx.clone(self.model)
+        layers = _decoder_layers(marked)
+        for group in split_layers(self.num_layers, stages)[:-1]:
+            layer = layers[group[-1]]
+            layer.__class__ = stage_end_class(type(layer))
+        graphdef, _, rest = nnx.split(marked, nnx.Param, ...)
+        return graphdef, rest
+
+    def microbatch_loss(self, stages: int, microbatches: int):
+        """``f(params, tokens, microbatch) -> (objective, reported)``: MaxText's ``loss_fn`` on
+        the staged model for one microbatch, ``objective`` divided by the batch's ``tokens``
+        (see the module docstring); ``reported`` sums over microbatches to MaxText's loss."""
+        from flax import nnx
+        from flax.core.spmd import logical_axis_rules
+        from maxtext.trainers.pre_train import train
+
+        graphdef, rest = self.staged_model(stages)
+        cfg = self.config_with(microbatches)
+
+        def loss(params, tokens, mb):
+            with logical_axis_rules(cfg.logical_axis_rules):
+                model = nnx.merge(graphdef, params, rest, copy=True)
+                value, aux = train.loss_fn(model, cfg, dict(mb), None, None, is_train=True)
+            if microbatches == 1:  # MaxText's GA=1 loss is already normalized
+                return value, value
+            aux_sum = aux["moe_lb_loss"] + aux["indexer_loss"] + aux["mtp_loss"]
+            return value / tokens, aux["xent_sum"] / tokens + aux_sum / microbatches
+
+        return loss
+
+    def pipeline_step(self, mesh, schedule, microbatches: int, stages: int | None = None,
+                      **jit_kwargs):
+        """A ``baton.jit`` training step ``(params, opt_state, batch) -> (params, opt_state,
+        loss)``: ``microbatches`` microbatches through ``schedule`` on ``mesh`` (see
+        ``pipeline_mesh``), then MaxText's gradient clipping and optimizer."""
+        import jax
+        import jax.numpy as jnp
+        import optax
+
+        from .. import frontend
+
+        if stages is None:
+            stages = schedule.stages(mesh.num_ranks)
+        if self.batch_size % microbatches:
+            raise ConfigError(f"batch {self.batch_size} is not divisible by "
+                              f"microbatches={microbatches}")
+        vg = jax.value_and_grad(self.microbatch_loss(stages, microbatches), has_aux=True)
+        clip = float(self.config.gradient_clipping_threshold)
+        tx = self.tx
+
+        def step(params, opt_state, batch):
+            tokens = jnp.maximum(jnp.sum(batch["targets_segmentation"] != 0), 1)
+            (_, loss), grads = frontend.accumulate(vg, params, tokens.astype(jnp.float32),
+                                                   batch=batch, reduce="sum")
+            if clip > 0:  # maxtext_utils.apply_gradient_clipping
+                grads, _ = optax.clip_by_global_norm(clip).update(grads, None)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        return frontend.jit(step, mesh=mesh, schedule=schedule, microbatches=microbatches,
+                            **jit_kwargs)
+
+    # --- MaxText's own step ---
+
+    def reference_state(self) -> Any:
+        """MaxText's train state (``TrainStateNNX``: model + ``nnx.Optimizer`` with ``tx``),
+        split: the pure state that ``reference_step`` takes and returns."""
+        from flax import nnx
+        from maxtext.common import train_state_nnx
+
+        model = nnx.clone(self.model)
+        state = train_state_nnx.TrainStateNNX(model, nnx.Optimizer(model, self.tx, wrt=nnx.Param))
+        self._ref_graphdef, pure = nnx.split(state)
+        return pure
+
+    def reference_step(self, grad_accum: int = 1):
+        """MaxText's own ``train_step`` (not pipelined) under ``jax.jit``, on ``devices[0]``
+        with MaxText's mesh and logical axis rules: ``f(state, batch) -> (state, loss)``, with
+        ``gradient_accumulation_steps=grad_accum``."""
+        import jax
+        from flax.core.spmd import logical_axis_rules
+        from jax.sharding import NamedSharding, PartitionSpec
+        from maxtext.trainers.pre_train import train
+
+        if not hasattr(self, "_ref_graphdef"):
+            self.reference_state()
+        cfg = self.config_with(grad_accum)
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        from flax import nnx
+
+        # an nnx.State of Param variables holding shardings, as MaxText's setup makes it
+        params_shardings = jax.tree.map(lambda _: rep, nnx.state(self.model, nnx.Param))
+        fn = jax.jit(functools.partial(train.train_step, self._ref_graphdef, cfg, None,
+                                       params_shardings))
+        mesh = self.mesh
+
+        def step(state, batch):
+            batch = jax.device_put(batch, rep)
+            with jax.set_mesh(mesh), logical_axis_rules(cfg.logical_axis_rules):
+                state, metrics = fn(state, batch)
+            return state, metrics["scalar"]["learning/loss"]
+
+        return step
+
+    def reference_params(self, state) -> Any:
+        """The parameters in a ``reference_state``, in ``init_params``'s layout."""
+        from flax import nnx
+
+        return nnx.as_pure(nnx.state(nnx.merge(self._ref_graphdef, state).model, nnx.Param))
+
+
+def build(model: str | dict = "llama2", *, batch: int = 8, device=None,
+          **overrides) -> MaxTextModel:
+    """A tiny MaxText model (``CONFIGS``: ``"llama2"``, ``"mixtral"``) with a global batch of
+    ``batch`` sequences; ``overrides`` are MaxText config keys."""
+    return MaxTextModel(model, batch=batch, device=device, **overrides)
+
+
+def pipeline_mesh(model: MaxTextModel, ranks: int, devices: Sequence[Any] | None = None):
+    """A ``baton.PipelineMesh`` of ``ranks`` ranks of one device each whose sub-meshes have
+    MaxText's mesh axes (all of size 1; the pipe axis is MaxText's ``stage``), so the
+    sharding constraints inside MaxText's layers name axes every rank has."""
+    import jax
+    from jax.sharding import Mesh
+
+    from ..frontend import PipelineMesh
+
+    devs = list(jax.devices()[:ranks] if devices is None else devices)
+    if len(devs) != ranks:
+        raise ConfigError(f"pipeline_mesh: {ranks} ranks need {ranks} devices "
+                          f"(have {len(devs)}; set JAX_NUM_CPU_DEVICES={ranks} on CPUs)")
+    axes = [a for a in model.config.mesh_axes if a != "stage"]
+    arr = np.array(devs, dtype=object).reshape((ranks,) + (1,) * len(axes))
+    return PipelineMesh(Mesh(arr, ("stage", *axes)), axis="stage")
