@@ -177,3 +177,32 @@ def test_skip_connections_across_stages(name, schedule, ranks):
     names = [step.traced.ops[o].prim.name for o in f3.ops]
     assert names.count("dot_general") == 2, names
     assert len(f3.act_in) == 3  # the activation, first and second
+
+
+def test_global_norm_clipping_keeps_updates_on_their_stage():
+    """``clip_by_global_norm`` scales every gradient by a factor computed from all stages:
+    each stage's update still runs on its own rank (the scalar moves), and parameters and
+    optimizer state stay spread over the ranks."""
+    opt = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, eps=1e-6))
+    vg = jax.value_and_grad(skip_loss)
+
+    def step(params, opt_state, batch, pipelined=True):
+        loss, grads = baton.accumulate(vg, params, batch=batch) if pipelined else vg(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    key = jax.random.PRNGKey(2)
+    params, batch = init_skip(key), skip_batch(key, 16)
+    ps = baton.jit(step, mesh=baton.PipelineMesh(jax.devices()[:4], ranks=4),
+                   schedule=baton.OneFOneB(), microbatches=4)
+    ref = jax.jit(lambda p, s, b: step(p, s, b, pipelined=False))
+    p1, s1, l1 = ps(params, opt.init(params), batch)
+    p2, s2, l2 = ref(params, opt.init(params), batch)
+    np.testing.assert_allclose(l1, l2, rtol=1e-5)
+    _close((p1, s1), (p2, s2))
+    cs = ps.last
+    for s, leaf in enumerate(p1["w"]):
+        assert leaf.sharding.device_set == set(cs.mesh.rank_devices[cs.stage_rank[s]]), s
+    mu = s1[1][0].mu
+    for s, leaf in enumerate(mu["w"]):
+        assert leaf.sharding.device_set == set(cs.mesh.rank_devices[cs.stage_rank[s]]), s

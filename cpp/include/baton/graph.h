@@ -34,9 +34,9 @@
 //     loop-invariant and per-microbatch inputs, and per-microbatch outputs;
 //     DCE keeps only ops that feed a task output; with `remat` the stash is
 //     shrunk by min_stash (below);
-//  6. pre/post placement: post ops go to the smallest stage among their
-//     staged inputs (else their first consumer, else stage 0); pre ops to
-//     their first consumer.
+//  6. pre/post placement: post ops go to the stage of their largest staged
+//     input (ties: the smallest stage; none: their first consumer, else stage
+//     0); pre ops to their first consumer.
 // Errors are TraceError naming the op (program index and primitive), stage
 // and value.
 #pragma once

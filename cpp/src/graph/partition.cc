@@ -667,12 +667,23 @@ std::vector<int32_t> place_outer(const Ctx& c, const std::vector<TaskBody>& task
     for (int v : t.microbatch_in) lower(body_use[v], t.stage);
   }
   for (const LoopInput& in : p.loop_inputs) lower(loop_use[in.outer], body_use[in.body]);
-  // Post: forward from staged inputs.
+  // Post: forward from staged inputs, to the stage of the largest one (ties:
+  // the smallest stage). A stage's optimizer update scaled by a global value
+  // (the clip factor of a global-norm gradient clipping, computed from every
+  // stage) stays on that stage: the scalar moves, not the parameters.
   for (int i = 0; i < nops; ++i) {
     const Op& op = p.ops[i];
     if (op.region != Region::Post) continue;
     int s = -1;
-    for (int32_t v : op.inputs) lower(s, vstage[v]);
+    int64_t most = -1;
+    for (int32_t v : op.inputs) {
+      if (vstage[v] < 0) continue;
+      const int64_t b = p.values[v].bytes;
+      if (b > most || (b == most && vstage[v] < s)) {
+        most = b;
+        s = vstage[v];
+      }
+    }
     op_stage[i] = s;
     for (int32_t v : op.outputs) vstage[v] = s;
   }
