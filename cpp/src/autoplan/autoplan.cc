@@ -34,20 +34,6 @@ struct ActRef {
   int n = 1;
 };
 
-double task_dur(const StageCost& c, TaskKind k) {
-  switch (k) {
-    case TaskKind::F:
-      return c.f;
-    case TaskKind::B:
-      return c.b;
-    case TaskKind::I:
-      return c.i;
-    case TaskKind::W:
-      return c.w;
-  }
-  return 0;
-}
-
 // One remat option of one stage.
 struct Option {
   Remat mode = Remat::Keep;
@@ -441,7 +427,7 @@ double Searcher::relax(const Config& c) const {
       for (int j = 0; j < a.n; ++j) {
         const TaskRef& x = a.t[j];
         const StageCost& sc = stc_[x.stage];
-        dur += task_dur(sc, x.kind);
+        dur += task_time(sc, x.kind);
         if (x.kind == TaskKind::F) {
           rel = std::max(rel, hd[x.stage]);
         } else if (x.kind == TaskKind::B || x.kind == TaskKind::I) {
@@ -476,7 +462,7 @@ int64_t Searcher::rank_stash_lb(const Config& c, int r) const {
     const ActRef& a = c.acts[r][rows[k]];
     double dur = 0;
     // Positive at the fastest options implies positive at every choice.
-    for (int j = 0; j < a.n; ++j) dur += task_dur(fast_[a.t[j].stage], a.t[j].kind);
+    for (int j = 0; j < a.n; ++j) dur += task_time(fast_[a.t[j].stage], a.t[j].kind);
     if (!(dur > 0)) continue;
     // The action's own activation, gradient and weight-gradient buffers are
     // live during its RUN too (inputs present before it, outputs allocated at
