@@ -23,6 +23,28 @@ from .schedules import ScheduleFile, ScheduleSpec, _positive_int, save_schedule,
 __all__ = ["Plan", "plan", "as_cost_model", "autoplan_segments", "parse_memory", "AutoplanRows"]
 
 
+def _json_text(costs: Any, dict_what: str, file_what: str) -> str | None:
+    """The JSON text of ``costs`` given as a dict, JSON text or a path to a JSON file;
+    ``None`` for any other type. ``dict_what`` and ``file_what`` name the input in
+    the ``ConfigError`` raised for a dict that is not JSON-serialisable or a file
+    that cannot be read."""
+    if isinstance(costs, dict):
+        try:
+            return json.dumps(costs)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{dict_what} is not JSON-serialisable: {e}") from None
+    if isinstance(costs, (str, os.PathLike)):
+        if isinstance(costs, str) and costs.lstrip().startswith("{"):
+            return costs
+        path = os.fspath(costs)
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise ConfigError(f"cannot read {file_what} {path!r}: {e.strerror or e}") from None
+    return None
+
+
 def as_cost_model(costs: Any = None) -> _core.CostModel:
     """A validated C++ ``CostModel`` from ``costs``.
 
@@ -35,23 +57,8 @@ def as_cost_model(costs: Any = None) -> _core.CostModel:
         model = _core.CostModel()
     elif isinstance(costs, _core.CostModel):
         model = costs
-    elif isinstance(costs, dict):
-        try:
-            text = json.dumps(costs)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"cost model dict is not JSON-serialisable: {e}") from None
+    elif (text := _json_text(costs, "cost model dict", "cost file")) is not None:
         model = _core.CostModel.from_json(text)
-    elif isinstance(costs, (str, os.PathLike)):
-        if isinstance(costs, str) and costs.lstrip().startswith("{"):
-            model = _core.CostModel.from_json(costs)
-        else:
-            path = os.fspath(costs)
-            try:
-                with open(path, encoding="utf-8") as f:
-                    text = f.read()
-            except OSError as e:
-                raise ConfigError(f"cannot read cost file {path!r}: {e.strerror or e}") from None
-            model = _core.CostModel.from_json(text)
     else:
         raise ConfigError(
             "costs must be None, a CostModel, a dict, JSON text or a path "
@@ -330,22 +337,8 @@ def autoplan_segments(
     holds ``exact=False`` and the certified ``gap``. Raises ``ConfigError`` when no plan fits (naming the smallest
     peak found and its rank), ``FormatError`` on malformed costs.
     """
-    if isinstance(costs, dict):
-        try:
-            text = json.dumps(costs)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"segment costs dict is not JSON-serialisable: {e}") from None
-    elif isinstance(costs, (str, os.PathLike)):
-        if isinstance(costs, str) and costs.lstrip().startswith("{"):
-            text = costs
-        else:
-            path = os.fspath(costs)
-            try:
-                with open(path, encoding="utf-8") as f:
-                    text = f.read()
-            except OSError as e:
-                raise ConfigError(f"cannot read segment cost file {path!r}: {e.strerror or e}") from None
-    else:
+    text = _json_text(costs, "segment costs dict", "segment cost file")
+    if text is None:
         raise ConfigError(
             f"segment costs must be a dict, JSON text or a path (got {type(costs).__name__})"
         )

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "baton/schedule.h"
+
 namespace baton {
 
 struct StageCost {
@@ -22,6 +24,21 @@ struct StageCost {
   double fb = 0.0;
   bool operator==(const StageCost&) const = default;
 };
+
+// The time of one task of kind k at stage costs c (c.f, c.b, c.i or c.w).
+inline double task_time(const StageCost& c, TaskKind k) {
+  switch (k) {
+    case TaskKind::F:
+      return c.f;
+    case TaskKind::B:
+      return c.b;
+    case TaskKind::I:
+      return c.i;
+    case TaskKind::W:
+      return c.w;
+  }
+  return 0;
+}
 
 struct LinkCost {
   double latency = 0.0;    // per message

@@ -34,20 +34,6 @@ struct ActRef {
   int n = 1;
 };
 
-double task_dur(const StageCost& c, TaskKind k) {
-  switch (k) {
-    case TaskKind::F:
-      return c.f;
-    case TaskKind::B:
-      return c.b;
-    case TaskKind::I:
-      return c.i;
-    case TaskKind::W:
-      return c.w;
-  }
-  return 0;
-}
-
 // One remat option of one stage.
 struct Option {
   Remat mode = Remat::Keep;
@@ -134,10 +120,14 @@ class Searcher {
   void dfs(Config& c, int s, int a, double node_lb);
   void leaf(Config& c);
   void build_options(const Config& c);
+  // Zeroes the DFS state (cuts_, busy_, static_, temp_, hd_, td_) sized for c.
+  void clear_dfs_state(const Config& c);
   void set_partition(const Config& c, const std::vector<int>& cuts);
   void probe_min_memory(const Config& c);
   void remat_dfs(Config& c, size_t k);
   void remat_leaf(Config& c);
+  // Simulates c.plan at the current stage costs stc_ (counted in st_.simulated).
+  SimResult simulate_stc(const Config& c);
   double relax(const Config& c) const;
   int64_t rank_stash_lb(const Config& c, int r) const;
   void note_peak(int64_t peak, int rank, const std::string& what, bool exact);
@@ -441,7 +431,7 @@ double Searcher::relax(const Config& c) const {
       for (int j = 0; j < a.n; ++j) {
         const TaskRef& x = a.t[j];
         const StageCost& sc = stc_[x.stage];
-        dur += task_dur(sc, x.kind);
+        dur += task_time(sc, x.kind);
         if (x.kind == TaskKind::F) {
           rel = std::max(rel, hd[x.stage]);
         } else if (x.kind == TaskKind::B || x.kind == TaskKind::I) {
@@ -476,7 +466,7 @@ int64_t Searcher::rank_stash_lb(const Config& c, int r) const {
     const ActRef& a = c.acts[r][rows[k]];
     double dur = 0;
     // Positive at the fastest options implies positive at every choice.
-    for (int j = 0; j < a.n; ++j) dur += task_dur(fast_[a.t[j].stage], a.t[j].kind);
+    for (int j = 0; j < a.n; ++j) dur += task_time(fast_[a.t[j].stage], a.t[j].kind);
     if (!(dur > 0)) continue;
     // The action's own activation, gradient and weight-gradient buffers are
     // live during its RUN too (inputs present before it, outputs allocated at
@@ -722,6 +712,16 @@ void Searcher::remat_dfs(Config& c, size_t k) {
   stc_[s] = opts_[s][0].cost;
 }
 
+SimResult Searcher::simulate_stc(const Config& c) {
+  CostModel cm;
+  cm.link = in_.link;
+  cm.fused_factor = in_.fused_factor;
+  cm.stages = stc_;
+  SimResult res = simulate(c.plan, cm);
+  ++st_.simulated;
+  return res;
+}
+
 void Searcher::remat_leaf(Config& c) {
   ++st_.candidates;
   const int S = c.S;
@@ -737,12 +737,7 @@ void Searcher::remat_leaf(Config& c) {
     ++st_.pruned;
     return;
   }
-  CostModel cm;
-  cm.link = in_.link;
-  cm.fused_factor = in_.fused_factor;
-  cm.stages = stc_;
-  const SimResult res = simulate(c.plan, cm);
-  ++st_.simulated;
+  const SimResult res = simulate_stc(c);
   PlanCandidate pc;
   pc.schedule = c.name;
   pc.virtual_stages = c.v;
@@ -770,13 +765,17 @@ void Searcher::remat_leaf(Config& c) {
   }
 }
 
-void Searcher::set_partition(const Config& c, const std::vector<int>& cuts) {
+void Searcher::clear_dfs_state(const Config& c) {
   cuts_.assign(c.S + 1, 0);
   busy_.assign(c.P, 0);
   static_.assign(c.P, 0);
   temp_.assign(c.P, 0);
   hd_.assign(c.S, 0);
   td_.assign(c.S, 0);
+}
+
+void Searcher::set_partition(const Config& c, const std::vector<int>& cuts) {
+  clear_dfs_state(c);
   for (int s = 0; s < c.S; ++s) {
     const int a = cuts[s], e = s + 1 < c.S ? cuts[s + 1] : n_;
     const int r = c.stage_rank[s];
@@ -823,12 +822,7 @@ void Searcher::probe_min_memory(const Config& c) {
     choice_[s] = static_cast<int>(opts_[s].size()) - 1;
     stc_[s] = opts_[s][choice_[s]].cost;
   }
-  CostModel cm;
-  cm.link = in_.link;
-  cm.fused_factor = in_.fused_factor;
-  cm.stages = stc_;
-  const SimResult res = simulate(c.plan, cm);
-  ++st_.simulated;
+  const SimResult res = simulate_stc(c);
   int64_t peak = -1;
   int rank = 0;
   for (int r = 0; r < c.P; ++r) {
@@ -924,12 +918,7 @@ AutoplanResult Searcher::run() {
       ++st_.pruned;
       continue;
     }
-    cuts_.assign(c.S + 1, 0);
-    busy_.assign(c.P, 0);
-    static_.assign(c.P, 0);
-    temp_.assign(c.P, 0);
-    hd_.assign(c.S, 0);
-    td_.assign(c.S, 0);
+    clear_dfs_state(c);
     nodes_ = 0;
     abandoned_lb_ = kInf;
     if (remaining_feasible(c, 0, 0)) dfs(c, 0, 0, c.root_lb);

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <string_view>
 
+#include "../util/json_fields.h"
 #include "baton/autoplan.h"
 #include "baton/error.h"
 
@@ -16,56 +17,10 @@ namespace {
 
 using nlohmann::json;
 
-void check_time(double v, const std::string& field) {
-  if (!std::isfinite(v) || v < 0)
-    throw ConfigError(fmt::format("segment costs: {} must be finite and >= 0 (got {})", field, v));
-}
-
-void check_bytes(int64_t v, const std::string& field) {
-  if (v < 0) throw ConfigError(fmt::format("segment costs: {} must be >= 0 (got {})", field, v));
-}
-
-double get_number(const json& j, const std::string& path) {
-  if (!j.is_number())
-    throw FormatError(
-        fmt::format("segment costs JSON: '{}' must be a number (got {})", path, j.type_name()));
-  return j.get<double>();
-}
-
-int64_t get_int(const json& j, const std::string& path, const char* what) {
-  if (j.is_number_integer()) return j.get<int64_t>();
-  if (j.is_number_float()) {
-    const double d = j.get<double>();
-    if (std::isfinite(d) && std::floor(d) == d && std::fabs(d) < 9.0e18)
-      return static_cast<int64_t>(d);
-    throw FormatError(fmt::format("segment costs JSON: '{}' must be {} (got {})", path, what, d));
-  }
-  throw FormatError(
-      fmt::format("segment costs JSON: '{}' must be {} (got {})", path, what, j.type_name()));
-}
-
-void require_object(const json& j, const std::string& path) {
-  if (!j.is_object())
-    throw FormatError(
-        fmt::format("segment costs JSON: '{}' must be an object (got {})", path, j.type_name()));
-}
-
-std::pair<int, int> line_col(std::string_view text, size_t pos) {
-  int line = 1, col = 1;
-  if (pos > 0) pos -= 1;
-  for (size_t k = 0; k < pos && k < text.size(); ++k) {
-    if (text[k] == '\n') {
-      ++line;
-      col = 1;
-    } else {
-      ++col;
-    }
-  }
-  return {line, col};
-}
+constexpr detail::JsonFields kFields{"segment costs", "segment costs JSON"};
 
 SegmentCost parse_segment(const json& j, const std::string& path) {
-  require_object(j, path);
+  kFields.require_object(j, path);
   SegmentCost s;
   bool have_i = false;
   for (const auto& [key, val] : j.items()) {
@@ -76,32 +31,32 @@ SegmentCost parse_segment(const json& j, const std::string& path) {
             fmt::format("segment costs JSON: '{}' must be a string (got {})", p, val.type_name()));
       s.name = val.get<std::string>();
     } else if (key == "f") {
-      s.f = get_number(val, p);
+      s.f = kFields.get_number(val, p);
     } else if (key == "b") {
-      s.b = get_number(val, p);
+      s.b = kFields.get_number(val, p);
     } else if (key == "i") {
-      s.i = get_number(val, p);
+      s.i = kFields.get_number(val, p);
       have_i = true;
     } else if (key == "w") {
-      s.w = get_number(val, p);
+      s.w = kFields.get_number(val, p);
     } else if (key == "overhead") {
-      s.overhead = get_number(val, p);
+      s.overhead = kFields.get_number(val, p);
     } else if (key == "min_recompute") {
-      s.min_recompute = get_number(val, p);
+      s.min_recompute = kFields.get_number(val, p);
     } else if (key == "act_bytes") {
-      s.act_bytes = get_int(val, p, "an integer byte count");
+      s.act_bytes = kFields.get_int(val, p, "an integer byte count");
     } else if (key == "stash_bytes") {
-      s.stash_bytes = get_int(val, p, "an integer byte count");
+      s.stash_bytes = kFields.get_int(val, p, "an integer byte count");
     } else if (key == "min_stash_bytes") {
-      s.min_stash_bytes = get_int(val, p, "an integer byte count");
+      s.min_stash_bytes = kFields.get_int(val, p, "an integer byte count");
     } else if (key == "wstash_bytes") {
-      s.wstash_bytes = get_int(val, p, "an integer byte count");
+      s.wstash_bytes = kFields.get_int(val, p, "an integer byte count");
     } else if (key == "param_bytes") {
-      s.param_bytes = get_int(val, p, "an integer byte count");
+      s.param_bytes = kFields.get_int(val, p, "an integer byte count");
     } else if (key == "opt_bytes") {
-      s.opt_bytes = get_int(val, p, "an integer byte count");
+      s.opt_bytes = kFields.get_int(val, p, "an integer byte count");
     } else if (key == "temp_bytes") {
-      s.temp_bytes = get_int(val, p, "an integer byte count");
+      s.temp_bytes = kFields.get_int(val, p, "an integer byte count");
     } else {
       throw FormatError(fmt::format(
           "segment costs JSON: unknown key '{}' (segment keys: name, f, b, i, w, overhead, "
@@ -124,8 +79,8 @@ void SegmentCosts::validate() const {
   if (ref_microbatch < 1)
     throw ConfigError(
         fmt::format("segment costs: ref_microbatch must be >= 1 (got {})", ref_microbatch));
-  check_time(link.latency, "link.latency");
-  check_time(link.bandwidth, "link.bandwidth");
+  kFields.check_time(link.latency, "link.latency");
+  kFields.check_time(link.bandwidth, "link.bandwidth");
   if (!std::isfinite(fused_factor) || fused_factor <= 0)
     throw ConfigError(
         fmt::format("segment costs: fused_factor must be finite and > 0 (got {})", fused_factor));
@@ -133,53 +88,36 @@ void SegmentCosts::validate() const {
   for (size_t k = 0; k < segments.size(); ++k) {
     const SegmentCost& s = segments[k];
     const std::string w = fmt::format("segments[{}]", k);
-    check_time(s.f, w + ".f");
-    check_time(s.b, w + ".b");
-    check_time(s.i, w + ".i");
-    check_time(s.w, w + ".w");
-    check_time(s.overhead, w + ".overhead");
-    check_time(s.min_recompute, w + ".min_recompute");
-    check_bytes(s.act_bytes, w + ".act_bytes");
-    check_bytes(s.stash_bytes, w + ".stash_bytes");
-    check_bytes(s.min_stash_bytes, w + ".min_stash_bytes");
-    check_bytes(s.wstash_bytes, w + ".wstash_bytes");
-    check_bytes(s.param_bytes, w + ".param_bytes");
-    check_bytes(s.opt_bytes, w + ".opt_bytes");
-    check_bytes(s.temp_bytes, w + ".temp_bytes");
+    kFields.check_time(s.f, w + ".f");
+    kFields.check_time(s.b, w + ".b");
+    kFields.check_time(s.i, w + ".i");
+    kFields.check_time(s.w, w + ".w");
+    kFields.check_time(s.overhead, w + ".overhead");
+    kFields.check_time(s.min_recompute, w + ".min_recompute");
+    kFields.check_bytes(s.act_bytes, w + ".act_bytes");
+    kFields.check_bytes(s.stash_bytes, w + ".stash_bytes");
+    kFields.check_bytes(s.min_stash_bytes, w + ".min_stash_bytes");
+    kFields.check_bytes(s.wstash_bytes, w + ".wstash_bytes");
+    kFields.check_bytes(s.param_bytes, w + ".param_bytes");
+    kFields.check_bytes(s.opt_bytes, w + ".opt_bytes");
+    kFields.check_bytes(s.temp_bytes, w + ".temp_bytes");
   }
 }
 
 SegmentCosts SegmentCosts::from_json(const std::string& text) {
-  json root;
-  try {
-    root = json::parse(text);
-  } catch (const json::parse_error& e) {
-    auto [line, col] = line_col(text, e.byte);
-    std::string what = e.what();
-    if (auto k = what.find("] "); k != std::string::npos) what = what.substr(k + 2);
-    throw FormatError(line, col, "segment costs JSON: " + what);
-  }
-  require_object(root, "<root>");
+  const json root = kFields.parse(text);
+  kFields.require_object(root, "<root>");
   SegmentCosts c;
   bool have_segments = false;
   for (const auto& [key, val] : root.items()) {
     if (key == "batch") {
-      c.batch = get_int(val, "batch", "an integer");
+      c.batch = kFields.get_int(val, "batch", "an integer");
     } else if (key == "ref_microbatch") {
-      c.ref_microbatch = get_int(val, "ref_microbatch", "an integer");
+      c.ref_microbatch = kFields.get_int(val, "ref_microbatch", "an integer");
     } else if (key == "fused_factor") {
-      c.fused_factor = get_number(val, "fused_factor");
+      c.fused_factor = kFields.get_number(val, "fused_factor");
     } else if (key == "link") {
-      require_object(val, "link");
-      for (const auto& [lk, lv] : val.items()) {
-        if (lk == "latency")
-          c.link.latency = get_number(lv, "link.latency");
-        else if (lk == "bandwidth")
-          c.link.bandwidth = get_number(lv, "link.bandwidth");
-        else
-          throw FormatError(fmt::format(
-              "segment costs JSON: unknown key 'link.{}' (link keys: latency, bandwidth)", lk));
-      }
+      kFields.apply_link(val, c.link);
     } else if (key == "segments") {
       if (!val.is_array())
         throw FormatError(fmt::format("segment costs JSON: 'segments' must be an array (got {})",

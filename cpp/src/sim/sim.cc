@@ -99,20 +99,6 @@ void task_io(const Ids& ids, const Task& t, IdList& in, IdList& out) {
   }
 }
 
-double task_time(const StageCost& c, TaskKind k) {
-  switch (k) {
-    case TaskKind::F:
-      return c.f;
-    case TaskKind::B:
-      return c.b;
-    case TaskKind::I:
-      return c.i;
-    case TaskKind::W:
-      return c.w;
-  }
-  return 0;
-}
-
 // Where a buffer lives on a rank: a Life record index, or kLocal for a
 // buffer produced on the rank and neither sent nor freed yet (most buffers:
 // they need no record).
