@@ -48,7 +48,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -67,16 +66,11 @@ NO_CONCURRENT_SCHED = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
 def _median_time(fn, steps: int) -> float:
-    import jax
+    """Median of ``steps`` timed calls after 2 warm-up calls (``timing.median_step``)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from timing import median_step
 
-    for _ in range(2):
-        jax.block_until_ready(fn())
-    out = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+    return median_step(fn, steps, warmup=2)
 
 
 def _state_bytes(tree) -> int:
