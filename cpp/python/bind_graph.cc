@@ -1,5 +1,6 @@
 // Bindings of the program IR and the graph passes (graph.h). Conversion only.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -24,6 +25,13 @@ void translate_trace_error(const std::exception_ptr& p, void*) {
 }
 
 std::string kind_str(baton::TaskKind k) { return std::string(1, baton::task_kind_char(k)); }
+
+std::vector<std::pair<int32_t, std::vector<int32_t>>> skip_pairs(
+    const std::vector<baton::SkipValues>& es) {
+  std::vector<std::pair<int32_t, std::vector<int32_t>>> out;
+  for (const auto& e : es) out.emplace_back(e.edge, e.values);
+  return out;
+}
 
 }  // namespace
 
@@ -124,11 +132,19 @@ void init_graph(nb::module_& m) {
       .def_ro("wstash_out", &baton::TaskBody::wstash_out)
       .def_ro("wgrad_out", &baton::TaskBody::wgrad_out)
       .def_ro("mb_out", &baton::TaskBody::mb_out)
+      // skip edges as [(edge index, value ids)], see Partition.skips
+      .def_prop_ro("skip_in", [](const baton::TaskBody& t) { return skip_pairs(t.skip_in); })
+      .def_prop_ro("skip_out", [](const baton::TaskBody& t) { return skip_pairs(t.skip_out); })
+      .def_prop_ro("skip_grad_in",
+                   [](const baton::TaskBody& t) { return skip_pairs(t.skip_grad_in); })
+      .def_prop_ro("skip_grad_out",
+                   [](const baton::TaskBody& t) { return skip_pairs(t.skip_grad_out); })
       .def_ro("cost", &baton::TaskBody::cost);
 
   nb::class_<baton::Partition>(g, "Partition")
       .def_ro("num_stages", &baton::Partition::num_stages)
       .def_ro("split_backward", &baton::Partition::split_backward)
+      .def_ro("skips", &baton::Partition::skips)
       .def_ro("tasks", &baton::Partition::tasks)
       .def_ro("parts", &baton::Partition::parts)
       .def_ro("op_stage", &baton::Partition::op_stage)

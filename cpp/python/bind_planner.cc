@@ -265,10 +265,26 @@ void bind_cost(nb::module_& m) {
           "__eq__", [](const baton::LinkCost& a, const baton::LinkCost& b) { return a == b; },
           nb::is_operator());
 
+  nb::class_<baton::SkipCost>(m, "SkipCost", "Bytes per microbatch of a skip edge's transfers.")
+      .def(
+          "__init__",
+          [](baton::SkipCost* c, int from, int to, int64_t act_bytes, int64_t grad_bytes) {
+            new (c) baton::SkipCost{from, to, act_bytes, grad_bytes};
+          },
+          "src"_a, "dst"_a, "act_bytes"_a = 0, "grad_bytes"_a = 0)
+      .def_rw("src", &baton::SkipCost::from)
+      .def_rw("dst", &baton::SkipCost::to)
+      .def_rw("act_bytes", &baton::SkipCost::act_bytes)
+      .def_rw("grad_bytes", &baton::SkipCost::grad_bytes)
+      .def(
+          "__eq__", [](const baton::SkipCost& a, const baton::SkipCost& b) { return a == b; },
+          nb::is_operator());
+
   nb::class_<baton::CostModel>(m, "CostModel", "Cost and memory model used by the simulator.")
       .def(nb::init<>())
       .def_rw("default_stage", &baton::CostModel::default_stage)
       .def_rw("stages", &baton::CostModel::stages)
+      .def_rw("skips", &baton::CostModel::skips)
       .def_rw("link", &baton::CostModel::link)
       .def_rw("fused_factor", &baton::CostModel::fused_factor)
       .def(
@@ -286,7 +302,29 @@ void bind_plan(nb::module_& m) {
       .value("Grad", baton::BufKind::Grad)
       .value("Stash", baton::BufKind::Stash)
       .value("WStash", baton::BufKind::WStash)
-      .value("WGrad", baton::BufKind::WGrad);
+      .value("WGrad", baton::BufKind::WGrad)
+      .value("Skip", baton::BufKind::Skip)
+      .value("SkipGrad", baton::BufKind::SkipGrad);
+
+  nb::class_<baton::SkipEdge>(m, "SkipEdge", "A transfer from stage src to stage dst > src + 1.")
+      .def(
+          "__init__",
+          [](baton::SkipEdge* e, int from, int to, bool forward, bool backward) {
+            new (e) baton::SkipEdge{from, to, forward, backward};
+          },
+          "src"_a, "dst"_a, "forward"_a = true, "backward"_a = true)
+      .def_rw("src", &baton::SkipEdge::from)
+      .def_rw("dst", &baton::SkipEdge::to)
+      .def_rw("forward", &baton::SkipEdge::forward)
+      .def_rw("backward", &baton::SkipEdge::backward)
+      .def(
+          "__eq__", [](const baton::SkipEdge& a, const baton::SkipEdge& b) { return a == b; },
+          nb::is_operator())
+      .def("__repr__", [](const baton::SkipEdge& e) {
+        return "SkipEdge(" + std::to_string(e.from) + ", " + std::to_string(e.to) +
+               (e.forward && e.backward ? "" : e.forward ? ", forward only" : ", backward only") +
+               ")";
+      });
 
   nb::enum_<baton::OpCode>(m, "OpCode")
       .value("RUN", baton::OpCode::Run)
@@ -338,6 +376,7 @@ void bind_plan(nb::module_& m) {
 
   nb::class_<baton::Plan>(m, "Plan", "A schedule lowered to per-rank instruction streams.")
       .def_ro("schedule", &baton::Plan::schedule)
+      .def_ro("skips", &baton::Plan::skips)
       .def_ro("programs", &baton::Plan::programs)
       .def_prop_ro("num_ranks",
                    [](const baton::Plan& p) { return static_cast<int>(p.programs.size()); })
@@ -362,6 +401,11 @@ void bind_plan(nb::module_& m) {
           "kind"_a, "stage"_a, "microbatch"_a)
       .def("buffer_key", &baton::Plan::buffer_key, "id"_a)
       .def("num_buffer_ids", &baton::Plan::num_buffer_ids)
+      .def("channel", &baton::Plan::channel, "id"_a,
+           "The ordered channel a transfer of buffer `id` travels on (its kind for act .. "
+           "wgrad, 5 + e for skip edge e, 5 + E + e for its gradient).")
+      .def("producer_rank", &baton::Plan::producer_rank, "id"_a)
+      .def("consumer_rank", &baton::Plan::consumer_rank, "id"_a)
       .def("task_inputs", &baton::Plan::task_inputs, "task"_a)
       .def("task_outputs", &baton::Plan::task_outputs, "task"_a)
       .def("action_inputs", &baton::Plan::action_inputs, "action"_a)
@@ -396,7 +440,7 @@ void bind_plan(nb::module_& m) {
                ", fingerprint=" + p.fingerprint() + ")";
       });
 
-  m.def("lower", &baton::lower, "schedule"_a);
+  m.def("lower", &baton::lower, "schedule"_a, "skips"_a = std::vector<baton::SkipEdge>{});
   m.def("buf_kind_name", [](baton::BufKind k) { return std::string(baton::buf_kind_name(k)); });
   m.def("opcode_name", [](baton::OpCode op) { return std::string(baton::opcode_name(op)); });
 }

@@ -241,9 +241,10 @@ TEST(Graph, ErrorsNameTheProblem) {
     EXPECT_TRUE(part.task(TaskKind::B, 0).ops.empty());
   }
   {
-    // Skip connections are relayed: stage 0's h used in stage 2 travels with
-    // the activations through stage 1 (act_out of F0 and F1); stage 1's h1,
-    // passed through boundary 1 and also used directly, is relayed too.
+    // Skip connections: stage 0's h used in stage 2 goes on the skip edge
+    // 0 -> 2 (skip_out of F0, skip_in of F2), not through stage 1; stage 1's
+    // h1, passed through boundary 1 and also used directly by stage 2, goes
+    // with the activations.
     Builder b;
     int x = b.loop_in(ValueKind::LoopMicrobatch);
     int h = b.op("dot_general", {x});  // stage 0's work (a cheap op would be recomputed)
@@ -258,10 +259,17 @@ TEST(Graph, ErrorsNameTheProblem) {
     const TaskBody& f0 = part.task(TaskKind::F, 0);
     const TaskBody& f1 = part.task(TaskKind::F, 1);
     const TaskBody& f2 = part.task(TaskKind::F, 2);
-    EXPECT_EQ(f0.act_out, (std::vector<int32_t>{h, h}));
-    EXPECT_EQ(f1.act_in, (std::vector<int32_t>{a, h}));
-    EXPECT_EQ(f1.act_out, (std::vector<int32_t>{h1, h, h1}));
-    EXPECT_EQ(f2.act_in, (std::vector<int32_t>{a1, h, h1}));
+    EXPECT_EQ(f0.act_out, (std::vector<int32_t>{h}));
+    EXPECT_EQ(f1.act_in, (std::vector<int32_t>{a}));
+    EXPECT_EQ(f1.act_out, (std::vector<int32_t>{h1, h1}));
+    EXPECT_EQ(f2.act_in, (std::vector<int32_t>{a1, h1}));
+    ASSERT_EQ(part.skips.size(), 1u);
+    EXPECT_EQ(part.skips[0], (SkipEdge{0, 2, true, false}));  // no backward here
+    ASSERT_EQ(f0.skip_out.size(), 1u);
+    EXPECT_EQ(f0.skip_out[0].values, (std::vector<int32_t>{h}));
+    ASSERT_EQ(f2.skip_in.size(), 1u);
+    EXPECT_EQ(f2.skip_in[0].values, (std::vector<int32_t>{h}));
+    EXPECT_TRUE(f1.skip_in.empty() && f1.skip_out.empty());
     EXPECT_EQ(f2.ops.size(), 2u) << part.to_text(b.p);
   }
   {

@@ -18,6 +18,7 @@ import optax  # noqa: E402
 import pytest  # noqa: E402
 
 import baton  # noqa: E402
+from baton.frontend.api import cost_model_of  # noqa: E402
 
 OPT = optax.adamw(1e-2, eps=1e-6, weight_decay=0.01)
 D, V, LS, LT = 16, 32, 6, 5
@@ -155,20 +156,59 @@ def _train(loss_fn, params, batch, schedule, ranks, microbatches=4, steps=2):
     return ps
 
 
+def _skip_sends(step):
+    """{(from stage, to stage): number of Skip SENDs in the plan}, and the same for
+    SkipGrad, counted from the programs the engine runs."""
+    plan = step.core_plan
+    edges = [(e.src, e.dst) for e in plan.skips]
+    fwd, bwd = {e: 0 for e in edges}, {e: 0 for e in edges}
+    for r in range(plan.schedule.num_ranks):
+        for op, _, b, peer in plan.program(r):
+            if op != "SEND":
+                continue
+            k = plan.buffer_key(b)
+            if str(k.kind).endswith("SkipGrad"):
+                bwd[edges[k.stage]] += 1
+                assert peer == step.stage_rank[edges[k.stage][0]]
+            elif str(k.kind).endswith("Skip"):
+                fwd[edges[k.stage]] += 1
+                assert peer == step.stage_rank[edges[k.stage][1]]
+    return fwd, bwd
+
+
+def _check_direct(step, edges, microbatches=4):
+    """The plan has exactly ``edges`` and sends each edge's values (and their gradients)
+    straight from one stage's rank to the other's, once per microbatch, or hands them over
+    locally when both stages share a rank."""
+    skips = list(step.partition.skips)
+    assert [(e.src, e.dst) for e in skips] == edges
+    fwd, bwd = _skip_sends(step)
+    for e in skips:
+        i, j = e.src, e.dst
+        n = microbatches if step.stage_rank[i] != step.stage_rank[j] else 0
+        assert fwd[(i, j)] == (n if e.forward else 0), (i, j)
+        assert bwd[(i, j)] == (n if e.backward else 0), (i, j)
+
+
 @pytest.mark.parametrize("name,schedule,ranks", SCHEDULES, ids=[s[0] for s in SCHEDULES])
 def test_encoder_decoder_every_schedule(name, schedule, ranks):
     key = jax.random.PRNGKey(0)
     ps = _train(seq2seq_loss, init_seq2seq(key), seq2seq_batch(key, 8), schedule, ranks)
     step = ps.last
     prog = step.traced.program
-    # The encoder output reaches decoder stages 2 and 3 relayed with the activations (one
-    # microbatch: 2 sequences), and its gradients travel back the same way.
-    for s in (1, 2):
-        f, b = _task(step, "F", s), _task(step, "F", s + 1)
-        assert sum(prog.value_bytes(v) for v in f.act_out) == 4 * 2 * (LS + LT) * D
-        assert list(f.act_out)[1:] == list(b.act_in)[1:]
-        back = _task(step, "B", s + 1) if ("B", s + 1) in step.tasks else _task(step, "I", s + 1)
-        assert len(back.grad_out) == 2
+    # The encoder output (an input of stage 1) goes to stage 2 with the activations and
+    # straight to stage 3 on the skip edge 1 -> 3 (one microbatch: 2 sequences); stage 2
+    # does not pass it on. JAX sums its cotangent contributions from the last decoder
+    # layer backwards, so they come back through stage 2: the edge is forward only.
+    _check_direct(step, [(1, 3)])
+    assert [(e.forward, e.backward) for e in step.partition.skips] == [(True, False)]
+    f1, f2, f3 = (_task(step, "F", s) for s in (1, 2, 3))
+    assert sum(prog.value_bytes(v) for v in f1.act_out) == 4 * 2 * (LS + LT) * D
+    assert sum(prog.value_bytes(v) for v in f2.act_out) == 4 * 2 * LT * D
+    ((e, (enc,)),) = f1.skip_out
+    assert f3.skip_in == [(e, [enc])] and prog.value_bytes(enc) == 4 * 2 * LS * D
+    back = _task(step, "B", 3) if ("B", 3) in step.tasks else _task(step, "I", 3)
+    assert back.skip_grad_out == []
 
 
 @pytest.mark.parametrize("name,schedule,ranks", SCHEDULES, ids=[s[0] for s in SCHEDULES])
@@ -181,7 +221,13 @@ def test_skip_connections_across_stages(name, schedule, ranks):
     f3 = _task(step, "F", 3)
     names = [step.traced.ops[o].prim.name for o in f3.ops]
     assert names.count("dot_general") == 2, names
-    assert len(f3.act_in) == 3  # the activation, first and second
+    # first (stage 0) and second (stage 1) reach stage 3 on their own edges
+    _check_direct(step, [(0, 3), (1, 3)])
+    assert len(f3.act_in) == 1 and [e for e, _ in f3.skip_in] == [0, 1]
+    # the simulator counts the skip transfers' bytes
+    sim = step.plan.simulate(cost_model_of(step))
+    assert any("skip(" in step.core_plan.describe_buffer(t.buffer) and t.bytes > 0
+               for t in sim.transfers) == any(fwd for fwd in _skip_sends(step)[0].values())
 
 
 def test_global_norm_clipping_keeps_updates_on_their_stage():

@@ -74,12 +74,12 @@ namespace baton::runtime {
 // Tags of program transfers: [kCommTagBase, kCommTagBase + 2^42), above the
 // executor's (step * buffers + buffer) and below the frontend Router's (2^44).
 inline constexpr uint64_t kCommTagBase = uint64_t{1} << 42;
-inline constexpr int kCommChannels = 8;  // channels 0..7
+inline constexpr int kCommChannels = 64;  // channels 0..63 (Plan::channel)
 inline constexpr int kCommShards = 256;  // shards 0..255
 // The tag of the seq-th transfer (per peer, channel, shard and direction):
-// kCommTagBase + ((seq mod 2^31) * 8 + channel) * 256 + shard. Distinct for
-// distinct (seq mod 2^31, channel, shard); seq wraps (transfers in flight are
-// never 2^31 apart). Throws ExecutionError for a channel or shard out of range.
+// kCommTagBase + ((seq mod 2^28) * 64 + channel) * 256 + shard. Distinct for
+// distinct (seq mod 2^28, channel, shard); seq wraps (transfers in flight are
+// never 2^28 apart). Throws ExecutionError for a channel or shard out of range.
 uint64_t comm_tag(uint64_t seq, int channel, int shard);
 
 // A channel's name in messages: 0 "act", 1 "grad", any other "buffer".

@@ -46,9 +46,18 @@ struct LinkCost {
   bool operator==(const LinkCost&) const = default;
 };
 
+// Bytes per microbatch of a skip edge's transfers (plan.h: Skip / SkipGrad).
+struct SkipCost {
+  int32_t from = -1, to = -1;
+  int64_t act_bytes = 0;   // values of stage `from` sent to stage `to`
+  int64_t grad_bytes = 0;  // their cotangent contributions sent back
+  bool operator==(const SkipCost&) const = default;
+};
+
 struct CostModel {
   StageCost default_stage;        // used for stages not listed
   std::vector<StageCost> stages;  // per stage overrides (may be empty)
+  std::vector<SkipCost> skips;    // per skip edge (an edge not listed: 0 bytes)
   LinkCost link;                  // every rank pair
   // Fused actions (DualPipe F&B) take fused_factor * (sum of both tasks);
   // 1.0 means no compute overlap inside the fused pair.
@@ -56,11 +65,14 @@ struct CostModel {
 
   // stages[s] when listed, default_stage otherwise.
   const StageCost& stage(int s) const;
+  // The entry of edge from -> to, or a zero-byte one.
+  const SkipCost& skip(int from, int to) const;
   // Validates (times and bytes non-negative, finite; fused_factor > 0);
   // throws ConfigError naming the field, e.g. "stages[3].f".
   void validate() const;
   // JSON: {"default": {...}, "stages": [{...}, ...], "link": {"latency": x,
-  // "bandwidth": y}, "fused_factor": z}; every field optional. A stage entry
+  // "bandwidth": y}, "fused_factor": z, "skips": [{"from": i, "to": j,
+  // "act_bytes": a, "grad_bytes": g}, ...]}; every field optional. A stage entry
   // starts from "default" and overrides only the keys it names. Throws
   // FormatError on malformed JSON ("line L, column C: ..."), unknown keys and
   // wrong types (naming the key path, e.g. 'stages[2].f'); the parsed model

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "baton/error.h"
+#include "baton/plan.h"
 #include "baton/schedule.h"
 
 namespace baton {
@@ -143,6 +144,12 @@ struct OutputPart {
 // value ids; a buffer's value list is in the same order on both sides (the
 // producer's *_out list and the consumer's *_in list have equal length and
 // correspond position by position).
+// The values of one skip edge as one task sees them (see Partition::skips).
+struct SkipValues {
+  int32_t edge = -1;  // index into Partition::skips
+  std::vector<int32_t> values;
+};
+
 struct TaskBody {
   TaskKind kind = TaskKind::F;
   int32_t stage = -1;
@@ -150,6 +157,11 @@ struct TaskBody {
   std::vector<int32_t> act_in, grad_in, stash_in, wstash_in;
   std::vector<int32_t> invariant_in, microbatch_in;
   std::vector<int32_t> act_out, grad_out, stash_out, wstash_out;
+  // Skip edges (in edge order): F(i) skip_out / F(j) skip_in carry values of
+  // stage i that stage j > i + 1 reads; B or I (j) skip_grad_out / B or I (i)
+  // skip_grad_in their cotangent contributions. Each is its own buffer
+  // (plan.h Skip / SkipGrad), sent straight between the two stages' ranks.
+  std::vector<SkipValues> skip_in, skip_out, skip_grad_in, skip_grad_out;
   std::vector<int32_t> wgrad_out;  // indices into Partition::parts
   std::vector<int32_t> mb_out;     // indices into Partition::parts
   double cost = 0;
@@ -159,6 +171,9 @@ struct TaskBody {
 struct Partition {
   int32_t num_stages = 0;
   bool split_backward = false;
+  // Pairs of stages (from, to > from + 1) with values to transfer directly,
+  // sorted; pass them to lower() so the plan has their buffers.
+  std::vector<SkipEdge> skips;
   // tasks[task_index(kind, stage)]
   std::vector<TaskBody> tasks;
   std::vector<OutputPart> parts;

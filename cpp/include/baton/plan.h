@@ -8,10 +8,17 @@
 //   B(s,m): reads Stash(s,m), Grad(s+1,m) (s<S-1); writes Grad(s,m) (s>0), WGrad(s,m)
 //   I(s,m): reads Stash(s,m), Grad(s+1,m) (s<S-1); writes Grad(s,m) (s>0), WStash(s,m)
 //   W(s,m): reads WStash(s,m);                  writes WGrad(s,m)
+//   with skip edges e = (i, j), j > i + 1 (Plan::skips):
+//   F(i,m) also writes Skip(e,m); F(j,m) also reads it;
+//   B/I(j,m) also write SkipGrad(e,m); B/I(i,m) also read it.
 // Act is the activation sent forward, Grad the input-gradient sent backward,
 // Stash the residuals kept from F for the backward, WStash what I keeps for
 // W, WGrad a weight gradient that is ACCUMULATEd into its stage's
-// accumulator. A fused action reads and writes the union of its two tasks.
+// accumulator. Skip carries values of stage i that stage j reads (an encoder
+// output read by a decoder stage, a long skip connection) straight from
+// rank(i) to rank(j), and SkipGrad their cotangent contributions back; they
+// are transfers like Act and Grad (a local hand-off when both stages are on
+// one rank). A fused action reads and writes the union of its two tasks.
 //
 // Instruction semantics (what the executor does, and what the verifier and
 // simulator model):
@@ -41,10 +48,36 @@
 
 namespace baton {
 
-enum class BufKind : uint8_t { Act = 0, Grad = 1, Stash = 2, WStash = 3, WGrad = 4 };
+enum class BufKind : uint8_t {
+  Act = 0,
+  Grad = 1,
+  Stash = 2,
+  WStash = 3,
+  WGrad = 4,
+  Skip = 5,
+  SkipGrad = 6
+};
+// Kinds with one buffer per (stage, microbatch): Act .. WGrad.
 constexpr int kNumBufKinds = 5;
-const char* buf_kind_name(BufKind k);  // "act", "grad", "stash", "wstash", "wgrad"
+// "act", "grad", "stash", "wstash", "wgrad", "skip", "skipgrad"
+const char* buf_kind_name(BufKind k);
 
+// A transfer from stage `from` to stage `to` > from + 1 (see Skip above).
+// `forward`: values go from -> to (Skip buffers); `backward`: cotangents go
+// to -> from (SkipGrad buffers). JAX often sums a skip's cotangent
+// contributions along the chain of stages, so an edge may be forward only.
+struct SkipEdge {
+  int32_t from = -1;
+  int32_t to = -1;
+  bool forward = true;
+  bool backward = true;
+  bool operator==(const SkipEdge&) const = default;
+};
+// Largest number of skip edges a plan may have (its channels must fit the
+// runtime's 64 transfer channels: 5 + 2 * 29 <= 64).
+constexpr int kMaxSkipEdges = 29;
+
+// For Skip / SkipGrad, `stage` is the edge index (Plan::skips).
 struct BufferKey {
   BufKind kind = BufKind::Act;
   int32_t stage = -1;
@@ -65,12 +98,28 @@ struct Instr {
 
 struct Plan {
   Schedule schedule;
+  // Direct transfers between non-neighbouring stages, sorted by (from, to),
+  // each pair at most once; empty for a chain of stages.
+  std::vector<SkipEdge> skips;
   std::vector<std::vector<Instr>> programs;  // per rank
 
-  // Dense buffer ids: id = (kind * S + stage) * M + microbatch.
+  // Dense buffer ids: id = (kind * S + stage) * M + microbatch for Act ..
+  // WGrad; then Skip(e, m) = (5 * S + e) * M + m and SkipGrad(e, m) =
+  // (5 * S + E + e) * M + m for E = skips.size(). So id / M indexes a
+  // per-(kind, stage or edge) table of 5 * S + 2 * E entries.
   int32_t buffer_id(BufferKey k) const;
   BufferKey buffer_key(int32_t id) const;
   int32_t num_buffer_ids() const;
+  // The ordered channel a transfer of buffer `id` travels on between two
+  // ranks (the verifier's FIFO model and the runtime's tags): its kind for
+  // Act .. WGrad, 5 + e for Skip(e), 5 + E + e for SkipGrad(e).
+  int channel(int32_t id) const;
+  int num_channels() const { return kNumBufKinds + 2 * static_cast<int>(skips.size()); }
+  // Act, Grad, Skip, SkipGrad: buffers that may cross ranks.
+  static bool is_transfer(BufKind k) {
+    return k == BufKind::Act || k == BufKind::Grad || k == BufKind::Skip ||
+           k == BufKind::SkipGrad;
+  }
 
   // Inputs and outputs of a task / of an action (union for fused), as ids.
   // Order: as listed in the data model above (F: act; B/I: stash, grad).
@@ -82,17 +131,23 @@ struct Plan {
   std::vector<int32_t> action_inputs(const Action& a) const;
   std::vector<int32_t> action_outputs(const Action& a) const;
   // Allocation-free form of the above for hot loops (lowering, verifier,
-  // simulator). Capacities suffice for any (fused) action.
+  // simulator). Capacities suffice for any (fused) action: a task touches at
+  // most 3 + kMaxSkipEdges buffers.
+  static constexpr int kMaxIO = 2 * (3 + kMaxSkipEdges);
   struct ActionIO {
-    int32_t in[4] = {};
-    int32_t out[4] = {};
-    int32_t internal[4] = {};
+    int32_t in[kMaxIO] = {};
+    int32_t out[kMaxIO] = {};
+    int32_t internal[kMaxIO] = {};
     int n_in = 0, n_out = 0, n_internal = 0;
   };
   ActionIO action_io(const Action& a) const;
+  // Allocation-free task_inputs / task_outputs (kMaxIO ids each; no checks).
+  void task_io(const Task& t, int32_t* in, int& n_in, int32_t* out, int& n_out) const;
   // Rank holding the task that writes / reads buffer `id`; -1 when there is
   // none (a wgrad is only ACCUMULATEd). Every buffer has exactly one producer
   // task and at most one consumer task.
+  int producer_stage(int32_t id) const;
+  int consumer_stage(int32_t id) const;  // -1 when none
   int producer_rank(int32_t id) const;
   int consumer_rank(int32_t id) const;
 
@@ -116,11 +171,15 @@ struct Plan {
   // actions (u32 count; per action both task slots as u8 kind, i32 stage, i32
   // microbatch), then per rank its program (u32 count; per instruction a u8
   // opcode, then RUN: i32 action; SEND/RECV: i32 buffer, i32 peer;
-  // FREE/ACCUMULATE: i32 buffer).
+  // FREE/ACCUMULATE: i32 buffer); with skip edges, then the string "skips",
+  // u32 count and i32 from, to, u8 forward | backward << 1 of each (a plan
+  // without skips hashes as before).
   std::string fingerprint() const;
 };
 
-// Lowers and returns the plan. Calls schedule.validate() first.
-Plan lower(const Schedule& s);
+// Lowers and returns the plan. Calls schedule.validate() first; `skips` must
+// be sorted, distinct, with 0 <= from, from + 1 < to < stages and at most
+// kMaxSkipEdges of them (ScheduleError naming the edge otherwise).
+Plan lower(const Schedule& s, const std::vector<SkipEdge>& skips = {});
 
 }  // namespace baton

@@ -20,7 +20,13 @@ enum class CommModel {
   // Each communication group blocks the rank until every SEND in it has been
   // matched by the peer's RECV (rendezvous) and every RECV by its SEND.
   // Matching is by buffer (tagged). Any async executor that posts no later
-  // and waits no earlier is deadlock-free if this model is.
+  // and waits no earlier is deadlock-free if this model is. Exception: a SEND
+  // of a skip buffer (plan.h Skip / SkipGrad) completes when posted, as every
+  // Baton runtime buffers sends (the in-process hub hands the value over,
+  // RankComm copies it into a transport-owned tensor, NCCL queues it on a
+  // per-(link, channel) stream the compute never waits on); only its RECV
+  // waits. A skip joins stages far apart in the schedule, so a rendezvous
+  // send would wait on a receiver busy with earlier microbatches' work.
   Blocking,
   // Blocking, and additionally traffic from rank a to rank b travels in order
   // over one channel PER BUFFER KIND (activations and gradients on separate

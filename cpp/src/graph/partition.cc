@@ -336,29 +336,33 @@ struct TaskWork {
 };
 
 // Step 5a: values that cross stages without a marker. A value of stage i
-// read by stage j > i (a skip connection: an encoder output read by every
-// decoder stage, a U-Net skip) travels with the activations through the
-// boundaries i..j-1: appended to act_out of F(k) and act_in of F(k+1) for
-// i <= k < j (the stages in between pass it on untouched); stage j's backward
-// then finds it in its stash like any activation. Its cotangent contributions
-// travel back the same way (grad_out of B(k+1), grad_in of B(k)) to where
-// they are summed. Forward markers consume values of their own stage k and
-// backward markers values of stage k+1, so values read by a marker from
-// farther away are relayed up to it. Every buffer stays point to point
-// between neighbouring stages, so plans, schedules and the verifier are
-// unchanged; the cost is the bytes relayed through the stages in between.
-void add_relays(const Ctx& c, std::vector<std::array<TaskWork, 3>>& work) {
+// read by stage i + 1 travels with the activations (appended to act_out of
+// F(i) and act_in of F(i+1)); one read by a later stage j > i + 1 (a skip
+// connection: an encoder output read by every decoder stage, a U-Net skip)
+// goes on the skip edge (i, j): its own buffer sent straight from rank(i) to
+// rank(j) (skip_out of F(i), skip_in of F(j)); stage j's backward then finds
+// it in its stash like any activation. Cotangent contributions travel back
+// the same way: to the neighbour with the input gradients (grad_out of
+// B(i+1), grad_in of B(i)), from farther away on the edge (skip_grad_out of
+// B(j), skip_grad_in of B(i)), to where JAX sums them. Forward markers consume
+// values of their own stage k and backward markers values of stage k+1, so a
+// marker that reads a value from farther away is a reader of that stage.
+// Returns the edges, sorted (the plan's Plan::skips).
+std::vector<SkipEdge> add_skips(const Ctx& c, std::vector<std::array<TaskWork, 3>>& work) {
   const Program& p = c.p;
   const int S = c.S;
   std::vector<std::set<int>> fwd(S), bwd(S);  // [k]: values crossing boundary k
+  std::map<std::pair<int, int>, std::pair<std::set<int>, std::set<int>>> edges;  // fwd, bwd
   auto relay = [&](int v, int user_pos, int user_stage) {
     int q = c.pos[v];
     if (q == kUnplaced) return;
     int i = c.stage_of(q);
     if (c.is_fwd(q)) {
-      for (int k = i; k < user_stage; ++k) fwd[k].insert(v);
+      if (user_stage == i + 1) fwd[i].insert(v);
+      if (user_stage > i + 1) edges[{i, user_stage}].first.insert(v);
     } else if (!c.is_fwd(user_pos)) {
-      for (int k = user_stage; k < i; ++k) bwd[k].insert(v);
+      if (i == user_stage + 1) bwd[user_stage].insert(v);
+      if (i > user_stage + 1) edges[{user_stage, i}].second.insert(v);
     }
   };
   for (int u = 0; u < static_cast<int>(p.ops.size()); ++u) {
@@ -384,10 +388,39 @@ void add_relays(const Ctx& c, std::vector<std::array<TaskWork, 3>>& work) {
       work[k][1].body.grad_in.push_back(v);
     }
   }
+  if (static_cast<int>(edges.size()) > kMaxSkipEdges) {
+    std::string list;
+    for (const auto& [e, vals] : edges) list += fmt::format(" {}->{}", e.first, e.second);
+    throw TraceError(fmt::format(
+        "values cross between {} pairs of non-neighbouring stages ({}); at most {} are "
+        "supported: move the stage boundaries so fewer stages skip over others",
+        edges.size(), list, kMaxSkipEdges));
+  }
+  std::vector<SkipEdge> out;
+  for (const auto& [e, vals] : edges) {
+    const int32_t idx = static_cast<int32_t>(out.size());
+    out.push_back({e.first, e.second, !vals.first.empty(), !vals.second.empty()});
+    const std::vector<int32_t> f(vals.first.begin(), vals.first.end());
+    const std::vector<int32_t> g(vals.second.begin(), vals.second.end());
+    if (!f.empty()) {
+      work[e.first][0].body.skip_out.push_back({idx, f});
+      work[e.second][0].body.skip_in.push_back({idx, f});
+    }
+    if (!g.empty()) {
+      work[e.second][1].body.skip_grad_out.push_back({idx, g});
+      work[e.first][1].body.skip_grad_in.push_back({idx, g});
+    }
+  }
+  return out;
+}
+
+void append_skips(std::vector<int>& out, const std::vector<SkipValues>& skips) {
+  for (const SkipValues& e : skips) out.insert(out.end(), e.values.begin(), e.values.end());
 }
 
 // Step 5: task formation, interfaces and DCE.
-std::vector<TaskBody> form_tasks(Ctx& c, const std::vector<OutputPart>& parts) {
+std::vector<TaskBody> form_tasks(Ctx& c, const std::vector<OutputPart>& parts,
+                                 std::vector<SkipEdge>& skips) {
   const Program& p = c.p;
   const int S = c.S;
   const int nops = static_cast<int>(p.ops.size());
@@ -431,11 +464,17 @@ std::vector<TaskBody> form_tasks(Ctx& c, const std::vector<OutputPart>& parts) {
                                      p.ops[c.bwd_marker[s]].outputs.end());
     }
   }
-  add_relays(c, work);
+  skips = add_skips(c, work);
+  // Values that reach stage s with its activations / input gradients (from
+  // the neighbour or on a skip edge).
   std::vector<std::set<int>> act_in(S), grad_in(S);
   for (int s = 0; s < S; ++s) {
     act_in[s].insert(work[s][0].body.act_in.begin(), work[s][0].body.act_in.end());
     grad_in[s].insert(work[s][1].body.grad_in.begin(), work[s][1].body.grad_in.end());
+    for (const SkipValues& e : work[s][0].body.skip_in)
+      act_in[s].insert(e.values.begin(), e.values.end());
+    for (const SkipValues& e : work[s][1].body.skip_grad_in)
+      grad_in[s].insert(e.values.begin(), e.values.end());
   }
   for (int i = 0; i < static_cast<int>(parts.size()); ++i) {
     const OutputPart& part = parts[i];
@@ -544,13 +583,16 @@ std::vector<TaskBody> form_tasks(Ctx& c, const std::vector<OutputPart>& parts) {
     TaskWork& W = work[s][2];
     std::set<int> f_ops_all(F.candidates.begin(), F.candidates.end());
     std::set<int> b_ops_all(B.candidates.begin(), B.candidates.end());
-    std::vector<int> b_outs = B.body.grad_out;
+    // Input gradients: to the previous stage and on skip edges.
+    std::vector<int> b_grads = B.body.grad_out;
+    append_skips(b_grads, B.body.skip_grad_out);
+    std::vector<int> b_outs = b_grads;
     for (int i : B.body.wgrad_out) b_outs.push_back(parts[i].body);
     std::set<int> from_f;
     if (c.split) {
       // I: ancestors of the input gradient.
       std::set<int> kept_b;
-      dce(B, B.body.grad_out, kept_b);
+      dce(B, b_grads, kept_b);
       // W: the remaining backward ops needed for the weight gradients.
       W.candidates.clear();
       for (int o : B.candidates) {
@@ -577,7 +619,7 @@ std::vector<TaskBody> form_tasks(Ctx& c, const std::vector<OutputPart>& parts) {
       wstash.insert(wi.begin(), wi.end());
       W.body.wstash_in.assign(wstash.begin(), wstash.end());
       // I: outputs grad_out + wstash.
-      std::vector<int> i_outs = B.body.grad_out;
+      std::vector<int> i_outs = b_grads;
       i_outs.insert(i_outs.end(), wstash.begin(), wstash.end());
       std::set<int> kept_i2;
       std::vector<int> i_ins = dce(B, i_outs, kept_i2);
@@ -615,6 +657,7 @@ std::vector<TaskBody> form_tasks(Ctx& c, const std::vector<OutputPart>& parts) {
     B.body.stash_in.assign(from_f.begin(), from_f.end());
     // F: act_out + stash + per-microbatch outputs.
     std::vector<int> f_outs = F.body.act_out;
+    append_skips(f_outs, F.body.skip_out);
     f_outs.insert(f_outs.end(), from_f.begin(), from_f.end());
     for (int i : F.body.mb_out) f_outs.push_back(parts[i].body);
     std::set<int> kept_f;
@@ -749,6 +792,21 @@ std::string Partition::to_text(const Program& p) const {
     line("grad_out", t.grad_out);
     line("stash_out", t.stash_out);
     line("wstash_out", t.wstash_out);
+    auto skip_lines = [&](const char* what, const std::vector<SkipValues>& es, bool from) {
+      for (const SkipValues& e : es) {
+        const SkipEdge& edge = skips[e.edge];
+        line(fmt::format("{} {} s{}", what, from ? "from" : "to", from ? edge.from : edge.to)
+                 .c_str(),
+             e.values);
+      }
+    };
+    skip_lines("skip_in", t.skip_in, true);
+    skip_lines("skip_out", t.skip_out, false);
+    // cotangents travel from stage `to` back to stage `from`
+    for (const SkipValues& e : t.skip_grad_in)
+      line(fmt::format("skip_grad_in from s{}", skips[e.edge].to).c_str(), e.values);
+    for (const SkipValues& e : t.skip_grad_out)
+      line(fmt::format("skip_grad_out to s{}", skips[e.edge].from).c_str(), e.values);
     std::vector<int32_t> wg, mo;
     for (int i : t.wgrad_out) wg.push_back(parts[i].body);
     for (int i : t.mb_out) mo.push_back(parts[i].body);
@@ -815,7 +873,7 @@ Partition partition(const Program& program, bool split_backward, bool remat) {
   part.split_backward = split_backward;
   split_tied_sums(c, part.parts);
   place_unstaged(c, part.parts);
-  part.tasks = form_tasks(c, part.parts);
+  part.tasks = form_tasks(c, part.parts, part.skips);
   part.op_stage = place_outer(c, part.tasks, part.parts);
   return part;
 }

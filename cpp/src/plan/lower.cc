@@ -1,4 +1,7 @@
 // Lowering of a Schedule to per-rank instruction streams (semantics in plan.h).
+#include <fmt/format.h>
+
+#include "baton/error.h"
 #include "baton/plan.h"
 
 namespace baton {
@@ -7,25 +10,20 @@ namespace {
 
 struct Lowering {
   const Plan& plan;
-  int32_t S, M;
 
-  BufKind kind_of(int32_t id) const { return static_cast<BufKind>(id / M / S); }
-  int32_t stage_of(int32_t id) const { return (id / M) % S; }
-  // Rank of the task producing an act/grad buffer.
-  int32_t producer(int32_t id) const { return plan.schedule.stage_rank[stage_of(id)]; }
-  // Rank of the task consuming an act/grad buffer (every produced one has a consumer).
-  int32_t consumer(int32_t id) const {
-    const int32_t s = stage_of(id);
-    return plan.schedule.stage_rank[kind_of(id) == BufKind::Act ? s + 1 : s - 1];
-  }
-  static bool is_transfer(BufKind k) { return k == BufKind::Act || k == BufKind::Grad; }
+  BufKind kind_of(int32_t id) const { return plan.buffer_key(id).kind; }
+  static bool is_transfer(BufKind k) { return Plan::is_transfer(k); }
+  // Ranks of the tasks producing / consuming a transfer buffer (every
+  // produced one has a consumer).
+  int32_t producer(int32_t id) const { return plan.producer_rank(id); }
+  int32_t consumer(int32_t id) const { return plan.consumer_rank(id); }
 
   void lower_rank(int32_t r, std::vector<Instr>& prog) const {
     const auto& row = plan.schedule.rank_actions[r];
     prog.reserve(row.size() * 7 + 4);
     // Buffers sent by the previous action: freed after the communication
     // group that holds their SENDs and this action's RECVs.
-    int32_t sent[4];
+    int32_t sent[Plan::kMaxIO];
     int n_sent = 0;
     auto emit = [&](OpCode op, int32_t action, int32_t buffer, int32_t peer) {
       prog.push_back(Instr{op, action, buffer, peer});
@@ -68,14 +66,40 @@ struct Lowering {
   }
 };
 
+void check_skips(const Schedule& s, const std::vector<SkipEdge>& skips) {
+  if (static_cast<int>(skips.size()) > kMaxSkipEdges)
+    throw ScheduleError(fmt::format("{} skip edges: at most {} are supported", skips.size(),
+                                    kMaxSkipEdges));
+  for (size_t i = 0; i < skips.size(); ++i) {
+    const SkipEdge& e = skips[i];
+    if (!e.forward && !e.backward)
+      throw ScheduleError(fmt::format("skip edge {} (stage {} -> stage {}) carries nothing: "
+                                      "neither forward nor backward",
+                                      i, e.from, e.to));
+    if (e.from < 0 || e.from + 1 >= e.to || e.to >= s.num_stages)
+      throw ScheduleError(fmt::format(
+          "skip edge {} (stage {} -> stage {}) must join a stage to a later stage that is not "
+          "its neighbour (stages 0..{})",
+          i, e.from, e.to, s.num_stages - 1));
+    if (i > 0 && !(skips[i - 1].from < e.from ||
+                   (skips[i - 1].from == e.from && skips[i - 1].to < e.to)))
+      throw ScheduleError(fmt::format(
+          "skip edges must be sorted by (from, to) and distinct: edge {} (s{}->s{}) follows "
+          "s{}->s{}",
+          i, e.from, e.to, skips[i - 1].from, skips[i - 1].to));
+  }
+}
+
 }  // namespace
 
-Plan lower(const Schedule& s) {
+Plan lower(const Schedule& s, const std::vector<SkipEdge>& skips) {
   s.validate();
+  check_skips(s, skips);
   Plan plan;
   plan.schedule = s;
+  plan.skips = skips;
   plan.programs.resize(s.num_ranks);
-  const Lowering low{plan, s.num_stages, s.num_microbatches};
+  const Lowering low{plan};
   for (int32_t r = 0; r < s.num_ranks; ++r) low.lower_rank(r, plan.programs[r]);
   return plan;
 }

@@ -21,6 +21,10 @@ const char* buf_kind_name(BufKind k) {
       return "wstash";
     case BufKind::WGrad:
       return "wgrad";
+    case BufKind::Skip:
+      return "skip";
+    case BufKind::SkipGrad:
+      return "skipgrad";
   }
   return "?";
 }
@@ -43,32 +47,53 @@ const char* opcode_name(OpCode op) {
 
 int32_t Plan::buffer_id(BufferKey k) const {
   const int32_t S = schedule.num_stages, M = schedule.num_microbatches;
+  const int32_t E = static_cast<int32_t>(skips.size());
   const int kind = static_cast<int>(k.kind);
-  if (kind < 0 || kind >= kNumBufKinds || k.stage < 0 || k.stage >= S || k.microbatch < 0 ||
-      k.microbatch >= M) {
-    throw ScheduleError(
-        fmt::format("buffer {}(s{},m{}) is out of range (stages 0..{}, microbatches 0..{})",
-                    buf_kind_name(k.kind), k.stage, k.microbatch, S - 1, M - 1));
+  const bool skip = k.kind == BufKind::Skip || k.kind == BufKind::SkipGrad;
+  const int32_t n = skip ? E : S;
+  if (kind < 0 || kind > static_cast<int>(BufKind::SkipGrad) || k.stage < 0 || k.stage >= n ||
+      k.microbatch < 0 || k.microbatch >= M) {
+    throw ScheduleError(fmt::format(
+        "buffer {}({}{},m{}) is out of range ({} 0..{}, microbatches 0..{})",
+        buf_kind_name(k.kind), skip ? "e" : "s", k.stage, k.microbatch,
+        skip ? "skip edges" : "stages", n - 1, M - 1));
   }
-  return (kind * S + k.stage) * M + k.microbatch;
+  if (!skip) return (kind * S + k.stage) * M + k.microbatch;
+  const int32_t row = kNumBufKinds * S + (k.kind == BufKind::SkipGrad ? E : 0) + k.stage;
+  return row * M + k.microbatch;
 }
 
 BufferKey Plan::buffer_key(int32_t id) const {
   const int32_t S = schedule.num_stages, M = schedule.num_microbatches;
+  const int32_t E = static_cast<int32_t>(skips.size());
   if (id < 0 || id >= num_buffer_ids()) {
     throw ScheduleError(
         fmt::format("buffer id {} is out of range 0..{}", id, num_buffer_ids() - 1));
   }
   BufferKey k;
   k.microbatch = id % M;
-  k.stage = (id / M) % S;
-  k.kind = static_cast<BufKind>(id / M / S);
+  const int32_t row = id / M;
+  if (row < kNumBufKinds * S) {
+    k.stage = row % S;
+    k.kind = static_cast<BufKind>(row / S);
+  } else {
+    const int32_t e = row - kNumBufKinds * S;
+    k.kind = e < E ? BufKind::Skip : BufKind::SkipGrad;
+    k.stage = e < E ? e : e - E;
+  }
   return k;
 }
 
 int32_t Plan::num_buffer_ids() const {
   if (schedule.num_stages <= 0 || schedule.num_microbatches <= 0) return 0;
-  return kNumBufKinds * schedule.num_stages * schedule.num_microbatches;
+  return (kNumBufKinds * schedule.num_stages + 2 * static_cast<int32_t>(skips.size())) *
+         schedule.num_microbatches;
+}
+
+int Plan::channel(int32_t id) const {
+  const int32_t row = id / schedule.num_microbatches;
+  const int32_t S = schedule.num_stages;
+  return row < kNumBufKinds * S ? row / S : kNumBufKinds + (row - kNumBufKinds * S);
 }
 
 namespace {
@@ -77,16 +102,24 @@ namespace {
 // the id formula needs (callers validate the schedule first).
 int task_in(const Plan& p, const Task& t, int32_t* out) {
   const int32_t S = p.schedule.num_stages, M = p.schedule.num_microbatches;
+  const int32_t E = static_cast<int32_t>(p.skips.size());
   auto id = [&](BufKind k, int32_t s) { return (static_cast<int>(k) * S + s) * M + t.microbatch; };
+  auto skip = [&](bool grad, int32_t e) {
+    return (kNumBufKinds * S + (grad ? E : 0) + e) * M + t.microbatch;
+  };
   int n = 0;
   switch (t.kind) {
     case TaskKind::F:
       if (t.stage > 0) out[n++] = id(BufKind::Act, t.stage - 1);
+      for (int32_t e = 0; e < E; ++e)
+        if (p.skips[e].to == t.stage && p.skips[e].forward) out[n++] = skip(false, e);
       break;
     case TaskKind::B:
     case TaskKind::I:
       out[n++] = id(BufKind::Stash, t.stage);
       if (t.stage < S - 1) out[n++] = id(BufKind::Grad, t.stage + 1);
+      for (int32_t e = 0; e < E; ++e)
+        if (p.skips[e].from == t.stage && p.skips[e].backward) out[n++] = skip(true, e);
       break;
     case TaskKind::W:
       out[n++] = id(BufKind::WStash, t.stage);
@@ -97,19 +130,29 @@ int task_in(const Plan& p, const Task& t, int32_t* out) {
 
 int task_out(const Plan& p, const Task& t, int32_t* out) {
   const int32_t S = p.schedule.num_stages, M = p.schedule.num_microbatches;
+  const int32_t E = static_cast<int32_t>(p.skips.size());
   auto id = [&](BufKind k, int32_t s) { return (static_cast<int>(k) * S + s) * M + t.microbatch; };
+  auto skip = [&](bool grad, int32_t e) {
+    return (kNumBufKinds * S + (grad ? E : 0) + e) * M + t.microbatch;
+  };
   int n = 0;
   switch (t.kind) {
     case TaskKind::F:
       if (t.stage < S - 1) out[n++] = id(BufKind::Act, t.stage);
+      for (int32_t e = 0; e < E; ++e)
+        if (p.skips[e].from == t.stage && p.skips[e].forward) out[n++] = skip(false, e);
       out[n++] = id(BufKind::Stash, t.stage);
       break;
     case TaskKind::B:
       if (t.stage > 0) out[n++] = id(BufKind::Grad, t.stage);
+      for (int32_t e = 0; e < E; ++e)
+        if (p.skips[e].to == t.stage && p.skips[e].backward) out[n++] = skip(true, e);
       out[n++] = id(BufKind::WGrad, t.stage);
       break;
     case TaskKind::I:
       if (t.stage > 0) out[n++] = id(BufKind::Grad, t.stage);
+      for (int32_t e = 0; e < E; ++e)
+        if (p.skips[e].to == t.stage && p.skips[e].backward) out[n++] = skip(true, e);
       out[n++] = id(BufKind::WStash, t.stage);
       break;
     case TaskKind::W:
@@ -133,14 +176,14 @@ void check_task(const Plan& p, const Task& t) {
 
 std::vector<int32_t> Plan::task_inputs(const Task& t) const {
   check_task(*this, t);
-  int32_t buf[2];
+  int32_t buf[kMaxIO];
   const int n = task_in(*this, t, buf);
   return {buf, buf + n};
 }
 
 std::vector<int32_t> Plan::task_outputs(const Task& t) const {
   check_task(*this, t);
-  int32_t buf[2];
+  int32_t buf[kMaxIO];
   const int n = task_out(*this, t, buf);
   return {buf, buf + n};
 }
@@ -159,12 +202,17 @@ std::vector<int32_t> Plan::receive_posts(int rank) const {
   return out;
 }
 
+void Plan::task_io(const Task& t, int32_t* in, int& n_in, int32_t* out, int& n_out) const {
+  n_in = task_in(*this, t, in);
+  n_out = task_out(*this, t, out);
+}
+
 Plan::ActionIO Plan::action_io(const Action& a) const {
   ActionIO io;
   io.n_in = task_in(*this, a.first, io.in);
   io.n_out = task_out(*this, a.first, io.out);
   if (!a.is_fused()) return io;
-  int32_t in2[2], out2[2];
+  int32_t in2[kMaxIO], out2[kMaxIO];
   const int n_in2 = task_in(*this, a.second, in2);
   const int n_out2 = task_out(*this, a.second, out2);
   auto contains = [](const int32_t* xs, int n, int32_t x) {
@@ -210,30 +258,54 @@ std::vector<int32_t> Plan::action_outputs(const Action& a) const {
   return {io.out, io.out + io.n_out};
 }
 
-int Plan::producer_rank(int32_t id) const {
+int Plan::producer_stage(int32_t id) const {
   const BufferKey k = buffer_key(id);
-  return schedule.stage_rank[k.stage];
+  switch (k.kind) {
+    case BufKind::Skip:
+      return skips[k.stage].from;
+    case BufKind::SkipGrad:
+      return skips[k.stage].to;
+    default:
+      return k.stage;
+  }
 }
 
-int Plan::consumer_rank(int32_t id) const {
+int Plan::consumer_stage(int32_t id) const {
   const BufferKey k = buffer_key(id);
   switch (k.kind) {
     case BufKind::Act:
-      return k.stage + 1 < schedule.num_stages ? schedule.stage_rank[k.stage + 1] : -1;
+      return k.stage + 1 < schedule.num_stages ? k.stage + 1 : -1;
     case BufKind::Grad:
-      return k.stage > 0 ? schedule.stage_rank[k.stage - 1] : -1;
+      return k.stage > 0 ? k.stage - 1 : -1;
     case BufKind::Stash:
     case BufKind::WStash:
-      return schedule.stage_rank[k.stage];
+      return k.stage;
     case BufKind::WGrad:
       return -1;
+    case BufKind::Skip:
+      return skips[k.stage].to;
+    case BufKind::SkipGrad:
+      return skips[k.stage].from;
   }
   return -1;
+}
+
+int Plan::producer_rank(int32_t id) const { return schedule.stage_rank[producer_stage(id)]; }
+
+int Plan::consumer_rank(int32_t id) const {
+  const int s = consumer_stage(id);
+  return s < 0 ? -1 : schedule.stage_rank[s];
 }
 
 std::string Plan::describe_buffer(int32_t id) const {
   if (id < 0 || id >= num_buffer_ids()) return fmt::format("buffer#{}?", id);
   const BufferKey k = buffer_key(id);
+  if (k.kind == BufKind::Skip || k.kind == BufKind::SkipGrad) {
+    const SkipEdge& e = skips[k.stage];
+    return k.kind == BufKind::Skip
+               ? fmt::format("skip(s{}->s{},m{})", e.from, e.to, k.microbatch)
+               : fmt::format("skipgrad(s{}->s{},m{})", e.to, e.from, k.microbatch);
+  }
   return fmt::format("{}(s{},m{})", buf_kind_name(k.kind), k.stage, k.microbatch);
 }
 
@@ -274,6 +346,13 @@ std::string Plan::describe(int rank, int index) const {
 std::string Plan::to_text() const {
   std::string out = fmt::format("plan {}: ranks {}, stages {}, microbatches {}\n", schedule.name,
                                 schedule.num_ranks, schedule.num_stages, schedule.num_microbatches);
+  if (!skips.empty()) {
+    out += "skips:";
+    for (const SkipEdge& e : skips)
+      out += fmt::format(" s{}->s{}{}", e.from, e.to,
+                         e.forward && e.backward ? "" : e.forward ? "(fwd)" : "(bwd)");
+    out += "\n";
+  }
   for (size_t r = 0; r < programs.size(); ++r) {
     out += fmt::format("rank {}: {} instructions\n", r, programs[r].size());
     for (size_t i = 0; i < programs[r].size(); ++i) {
@@ -359,6 +438,15 @@ std::string Plan::fingerprint() const {
           h.i32(in.buffer);
           h.i32(in.peer);
       }
+    }
+  }
+  if (!skips.empty()) {
+    h.str("skips");
+    h.u32(static_cast<uint32_t>(skips.size()));
+    for (const SkipEdge& e : skips) {
+      h.i32(e.from);
+      h.i32(e.to);
+      h.byte(static_cast<uint8_t>(e.forward) | static_cast<uint8_t>(e.backward << 1));
     }
   }
   return fmt::format("{:016x}", h.value());

@@ -163,15 +163,19 @@ class Verifier {
     c.chan_k = chan_k_.empty() ? -1 : chan_k_[o];
     return c;
   }
-  int kind_of(int32_t b) const { return b / (s_.num_stages * s_.num_microbatches); }
+  int kind_of(int32_t b) const {  // buffer kind, or its Plan::channel for skip edges
+    return plan_.channel(b);
+  }
   bool is_wgrad(int32_t b) const { return kind_of(b) == static_cast<int>(BufKind::WGrad); }
-  const char* kind_name(int32_t b) const { return buf_kind_name(static_cast<BufKind>(kind_of(b))); }
-  // Fifo model: one ordered channel per (sender, receiver, buffer kind).
+  bool is_skip(int32_t b) const { return kind_of(b) >= kNumBufKinds; }
+  const char* kind_name(int32_t b) const { return buf_kind_name(plan_.buffer_key(b).kind); }
+  // Fifo model: one ordered channel per (sender, receiver, Plan::channel):
+  // per buffer kind, and per skip edge and direction.
   size_t channel(int src, int dst, int32_t b) const {
-    return (static_cast<size_t>(src) * s_.num_ranks + dst) * kNumBufKinds + kind_of(b);
+    return (static_cast<size_t>(src) * s_.num_ranks + dst) * plan_.num_channels() + kind_of(b);
   }
   size_t num_channels() const {
-    return static_cast<size_t>(s_.num_ranks) * s_.num_ranks * kNumBufKinds;
+    return static_cast<size_t>(s_.num_ranks) * s_.num_ranks * plan_.num_channels();
   }
 
   std::vector<BufState> bufs_;
@@ -180,6 +184,9 @@ class Verifier {
   int32_t n_ops_ = 0;
   std::vector<int32_t> op_group_;
   std::vector<OpInfo> opi_;
+  // Per op: a SEND of a skip buffer, which completes when posted (see
+  // execute: the runtimes buffer sends; only receives wait).
+  std::vector<uint8_t> eager_;
   std::vector<int32_t> chan_k_;  // per op, set by match_by_buffer
   std::vector<Group> groups_;
   std::vector<int32_t> rank_group_begin_;  // per rank + 1
@@ -275,7 +282,7 @@ std::string Verifier::later_or_never(int r, int i, int32_t b) const {
     if (in.op == OpCode::Run && run_produces(r, j, b))
       return fmt::format("produced later at #{} ({})", j, op_text(r, j));
   }
-  const int pr = s_.stage_rank[key(b).stage];
+  const int pr = plan_.producer_rank(b);
   if (pr == r) return fmt::format("never produced on rank {}", r);
   const auto& pprog = plan_.programs[pr];
   for (int j = 0; j < static_cast<int>(pprog.size()); ++j) {
@@ -302,6 +309,7 @@ void Verifier::static_pass(bool report) {
   for (const auto& prog : plan_.programs) n_instr += prog.size();
   op_group_.clear();
   opi_.clear();
+  eager_.clear();
   // Lowered plans have about one SEND or RECV in four instructions.
   op_group_.reserve(n_instr / 3);
   opi_.reserve(n_instr / 3);
@@ -335,6 +343,8 @@ void Verifier::static_pass(bool report) {
         ++n_ops_;
         op_group_.push_back(static_cast<int32_t>(groups_.size()) - 1);
         opi_.push_back(OpInfo{in.buffer, in.peer, r, in.op == OpCode::Send});
+        eager_.push_back(in.op == OpCode::Send && in.buffer >= 0 && in.buffer < nbuf &&
+                         is_skip(in.buffer));
       }
       switch (in.op) {
         case OpCode::Run: {
@@ -631,12 +641,14 @@ void Verifier::execute(ExecState& st, const std::vector<int32_t>& partner,
         st.in_group[r] = 1;
         for (int32_t o = grp.first_op; o < grp.first_op + grp.n_ops; ++o) {
           st.posted[o] = 1;
+          // A skip SEND is buffered: its group does not wait for the RECV.
+          if (eager_[o]) --st.pending[g];
           const int32_t q = partner[o];
           if (q < 0 || !st.posted[q] || (mismatch && mismatch[o])) continue;
           st.done[o] = st.done[q] = 1;
-          --st.pending[g];
+          if (!eager_[o]) --st.pending[g];
           const int32_t gq = op_group_[q];
-          if (--st.pending[gq] == 0) work.push_back(groups_[gq].rank);
+          if (!eager_[q] && --st.pending[gq] == 0) work.push_back(groups_[gq].rank);
         }
       }
       if (st.pending[g] > 0) {
@@ -672,7 +684,7 @@ void Verifier::report_deadlock(const ExecState& st, const std::vector<int32_t>& 
     }
     const Group& g = groups_[rank_group_begin_[r] + st.gcur[r]];
     for (int32_t o = g.first_op; o < g.first_op + g.n_ops; ++o) {
-      if (st.done[o]) continue;
+      if (st.done[o] || eager_[o]) continue;
       const int32_t q = partner[o];
       if (q < 0 || (mismatch && mismatch[o])) {
         terminals.push_back({r, o});

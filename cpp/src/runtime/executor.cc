@@ -179,7 +179,7 @@ void Executor::exec(int index, const Instr& in) {
       Slot& s = slots_[static_cast<size_t>(in.buffer)];
       s.send = transport_.isend(in.peer, tag(in.buffer), std::move(v),
                                 plan_.describe_buffer(in.buffer), &tasks_,
-                                static_cast<int>(plan_.buffer_key(in.buffer).kind),
+                                plan_.channel(in.buffer),
                                 layout_of(index, in.buffer, in.peer));
       if (opts_.record_events) pending_events_.emplace_back(events_.size() - 1, s.send);
       break;
@@ -239,7 +239,7 @@ void Executor::post_recv(int index, const Instr& in) {
                             plan_.describe_buffer(in.buffer)));
   s.recv = transport_.irecv(
       in.peer, tag(in.buffer), plan_.describe_buffer(in.buffer), &tasks_,
-      static_cast<int>(plan_.buffer_key(in.buffer).kind), layout_of(index, in.buffer, rank_));
+      plan_.channel(in.buffer), layout_of(index, in.buffer, rank_));
 }
 
 const Layout& Executor::layout_of(int index, int32_t buffer, int receiver) {

@@ -78,6 +78,13 @@ json stage_to_json(const StageCost& c) {
 
 }  // namespace
 
+const SkipCost& CostModel::skip(int from, int to) const {
+  static const SkipCost kNone;
+  for (const SkipCost& c : skips)
+    if (c.from == from && c.to == to) return c;
+  return kNone;
+}
+
 const StageCost& CostModel::stage(int s) const {
   if (s >= 0 && static_cast<size_t>(s) < stages.size()) return stages[s];
   return default_stage;
@@ -87,6 +94,10 @@ void CostModel::validate() const {
   validate_stage(default_stage, "default");
   for (size_t k = 0; k < stages.size(); ++k)
     validate_stage(stages[k], fmt::format("stages[{}]", k));
+  for (size_t k = 0; k < skips.size(); ++k) {
+    kFields.check_bytes(skips[k].act_bytes, fmt::format("skips[{}].act_bytes", k));
+    kFields.check_bytes(skips[k].grad_bytes, fmt::format("skips[{}].grad_bytes", k));
+  }
   kFields.check_time(link.latency, "link.latency");
   kFields.check_time(link.bandwidth, "link.bandwidth");
   if (!std::isfinite(fused_factor) || fused_factor <= 0)
@@ -113,13 +124,38 @@ CostModel CostModel::from_json(const std::string& text) {
         apply_stage(val[k], fmt::format("stages[{}]", k), s);
         c.stages.push_back(s);
       }
+    } else if (key == "skips") {
+      if (!val.is_array())
+        throw FormatError(
+            fmt::format("cost JSON: 'skips' must be an array (got {})", val.type_name()));
+      for (size_t k = 0; k < val.size(); ++k) {
+        const std::string path = fmt::format("skips[{}]", k);
+        kFields.require_object(val[k], path);
+        SkipCost e;
+        for (const auto& [f, v] : val[k].items()) {
+          const std::string p = path + "." + f;
+          if (f == "from")
+            e.from = static_cast<int32_t>(kFields.get_int(v, p, "a stage index"));
+          else if (f == "to")
+            e.to = static_cast<int32_t>(kFields.get_int(v, p, "a stage index"));
+          else if (f == "act_bytes")
+            e.act_bytes = kFields.get_int(v, p, "an integer byte count");
+          else if (f == "grad_bytes")
+            e.grad_bytes = kFields.get_int(v, p, "an integer byte count");
+          else
+            throw FormatError(fmt::format(
+                "cost JSON: unknown key '{}' (skip keys: from, to, act_bytes, grad_bytes)", p));
+        }
+        c.skips.push_back(e);
+      }
     } else if (key == "link") {
       kFields.apply_link(val, c.link);
     } else if (key == "fused_factor") {
       c.fused_factor = kFields.get_number(val, "fused_factor");
     } else {
       throw FormatError(fmt::format(
-          "cost JSON: unknown key '{}' (top-level keys: default, stages, link, fused_factor)",
+          "cost JSON: unknown key '{}' (top-level keys: default, stages, skips, link, "
+          "fused_factor)",
           key));
     }
   }
@@ -133,6 +169,15 @@ std::string CostModel::to_json() const {
   json arr = json::array();
   for (const auto& s : stages) arr.push_back(stage_to_json(s));
   j["stages"] = std::move(arr);
+  if (!skips.empty()) {
+    json sk = json::array();
+    for (const auto& e : skips)
+      sk.push_back(json{{"from", e.from},
+                        {"to", e.to},
+                        {"act_bytes", e.act_bytes},
+                        {"grad_bytes", e.grad_bytes}});
+    j["skips"] = std::move(sk);
+  }
   j["link"] = json{{"latency", link.latency}, {"bandwidth", link.bandwidth}};
   j["fused_factor"] = fused_factor;
   return j.dump(2);

@@ -37,12 +37,10 @@ const Action& action_of(const Plan& plan, const RunEvent& e) {
   return plan.schedule.rank_actions.at(e.rank).at(e.action);
 }
 
-// Buffer name from the dense id (plan.h: id = (kind * S + stage) * M + mb).
+// Buffer name from the dense id ("act(s0,m1)"; "buf7" when out of range).
 std::string buffer_name(const Plan& plan, int32_t id) {
-  static const char* kNames[] = {"act", "grad", "stash", "wstash", "wgrad"};
-  const int32_t S = plan.schedule.num_stages, M = plan.schedule.num_microbatches;
-  if (S <= 0 || M <= 0 || id < 0 || id >= kNumBufKinds * S * M) return fmt::format("buf{}", id);
-  return fmt::format("{}(s{},m{})", kNames[id / (S * M)], (id / M) % S, id % M);
+  if (id < 0 || id >= plan.num_buffer_ids()) return fmt::format("buf{}", id);
+  return plan.describe_buffer(id);
 }
 
 std::string xml_escape(std::string_view s) {

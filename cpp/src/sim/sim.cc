@@ -30,16 +30,13 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// Dense buffer ids as documented in plan.h: id = (kind * S + stage) * M + mb.
+// Dense buffer ids as documented in plan.h; id / M indexes the per-(kind,
+// stage or skip edge) byte table.
 struct Ids {
-  int32_t S = 0, M = 0;
-  int32_t id(BufKind k, int32_t s, int32_t m) const {
-    return (static_cast<int32_t>(k) * S + s) * M + m;
-  }
-  int32_t count() const { return kNumBufKinds * S * M; }
-  BufKind kind(int32_t id) const { return static_cast<BufKind>(id / (S * M)); }
-  int32_t stage(int32_t id) const { return (id / M) % S; }
-  int32_t mb(int32_t id) const { return id % M; }
+  const Plan* plan = nullptr;
+  int32_t S = 0, M = 0, count_ = 0;
+  int32_t count() const { return count_; }
+  BufferKey key(int32_t id) const { return plan->buffer_key(id); }
 };
 
 void append_int(std::string& out, int v) {
@@ -56,18 +53,17 @@ void append_task(std::string& out, const Task& t) {
   append_int(out, t.microbatch);
 }
 
-// Small fixed-capacity id list (a fused action touches at most 8 buffers).
+// Small fixed-capacity id list (what an action touches).
 struct IdList {
-  std::array<int32_t, 8> v;
-  std::array<int32_t, 8> ks;  // kind * S + stage of each (indexes the byte table)
+  std::array<int32_t, Plan::kMaxIO> v;
+  std::array<int32_t, Plan::kMaxIO> ks;  // id / M of each (indexes the byte table)
   int n = 0;
   bool dedupe = false;  // only a fused pair can name a buffer twice
-  void add(const Ids& ids, BufKind k, int32_t s, int32_t m) {
-    const int32_t x = ids.id(k, s, m);
+  void add(int32_t x, int32_t M) {
     if (dedupe)
       for (int j = 0; j < n; ++j)
         if (v[j] == x) return;
-    ks[n] = static_cast<int32_t>(k) * ids.S + s;
+    ks[n] = x / M;
     v[n++] = x;
   }
   bool contains(int32_t x) const {
@@ -78,25 +74,11 @@ struct IdList {
 };
 
 void task_io(const Ids& ids, const Task& t, IdList& in, IdList& out) {
-  const int32_t s = t.stage, m = t.microbatch, last = ids.S - 1;
-  switch (t.kind) {
-    case TaskKind::F:
-      if (s > 0) in.add(ids, BufKind::Act, s - 1, m);
-      if (s < last) out.add(ids, BufKind::Act, s, m);
-      out.add(ids, BufKind::Stash, s, m);
-      break;
-    case TaskKind::B:
-    case TaskKind::I:
-      in.add(ids, BufKind::Stash, s, m);
-      if (s < last) in.add(ids, BufKind::Grad, s + 1, m);
-      if (s > 0) out.add(ids, BufKind::Grad, s, m);
-      out.add(ids, t.kind == TaskKind::B ? BufKind::WGrad : BufKind::WStash, s, m);
-      break;
-    case TaskKind::W:
-      in.add(ids, BufKind::WStash, s, m);
-      out.add(ids, BufKind::WGrad, s, m);
-      break;
-  }
+  int32_t a[Plan::kMaxIO], b[Plan::kMaxIO];
+  int na = 0, nb = 0;
+  ids.plan->task_io(t, a, na, b, nb);
+  for (int k = 0; k < na; ++k) in.add(a[k], ids.M);
+  for (int k = 0; k < nb; ++k) out.add(b[k], ids.M);
 }
 
 // Where a buffer lives on a rank: a Life record index, or kLocal for a
@@ -236,17 +218,17 @@ class Simulator {
       : plan_(plan), costs_(costs), opts_(opts) {
     const Schedule& s = plan.schedule;
     P_ = s.num_ranks;
+    ids_.plan = &plan;
     ids_.S = s.num_stages;
     ids_.M = s.num_microbatches;
+    ids_.count_ = plan.num_buffer_ids();
     nids_ = ids_.count();
   }
 
   SimResult run();
 
  private:
-  std::string buf_name(int32_t id) const {
-    return fmt::format("{}(s{},m{})", buf_kind_name(ids_.kind(id)), ids_.stage(id), ids_.mb(id));
-  }
+  std::string buf_name(int32_t id) const { return plan_.describe_buffer(id); }
   std::string describe(int rank, int index) const;
   [[noreturn, gnu::cold, gnu::noinline]] void fail(int rank, int index,
                                                    const std::string& why) const {
@@ -814,12 +796,8 @@ void Simulator::build_critical_path() {
       const XferState& x = xs_[idx];
       // "transfer act(s0,m1) 0->1", without fmt: paths can be long.
       std::string what = "transfer ";
-      what += buf_kind_name(ids_.kind(e.buffer));
-      what += "(s";
-      append_int(what, ids_.stage(e.buffer));
-      what += ",m";
-      append_int(what, ids_.mb(e.buffer));
-      what += ") ";
+      what += plan_.describe_buffer(e.buffer);
+      what += ' ';
       append_int(what, e.src);
       what += "->";
       append_int(what, e.dst);
@@ -850,7 +828,8 @@ SimResult Simulator::run() {
   if (P_ <= 0 || ids_.S <= 0 || ids_.M <= 0)
     throw VerifyError(fmt::format("simulate: empty schedule (ranks={}, stages={}, microbatches={})",
                                   P_, ids_.S, ids_.M));
-  if (int64_t{kNumBufKinds} * ids_.S * ids_.M > std::numeric_limits<int32_t>::max())
+  if ((int64_t{kNumBufKinds} * ids_.S + 2 * static_cast<int64_t>(plan_.skips.size())) * ids_.M >
+      std::numeric_limits<int32_t>::max())
     throw VerifyError(
         fmt::format("simulate: too many buffers (stages={}, microbatches={})", ids_.S, ids_.M));
   if (static_cast<int32_t>(plan_.programs.size()) != P_ ||
@@ -868,7 +847,13 @@ SimResult Simulator::run() {
 
   // Pre-count to size every table once; each rank's RUNs get a contiguous
   // range of result.runs, which is therefore sorted by (rank, start).
-  info_.resize(static_cast<size_t>(kNumBufKinds) * ids_.S);
+  const int32_t E = static_cast<int32_t>(plan_.skips.size());
+  info_.resize(static_cast<size_t>(kNumBufKinds) * ids_.S + 2 * static_cast<size_t>(E));
+  for (int32_t e = 0; e < E; ++e) {  // skip edges: bytes from the cost model (in flight only)
+    const SkipCost& c = costs_.skip(plan_.skips[e].from, plan_.skips[e].to);
+    info_[kNumBufKinds * ids_.S + e] = {c.act_bytes, false};
+    info_[kNumBufKinds * ids_.S + E + e] = {c.grad_bytes, false};
+  }
   for (int32_t st = 0; st < ids_.S; ++st) {
     const StageCost& c = costs_.stage(st);
     const int64_t bytes[kNumBufKinds] = {c.act_bytes, c.grad_bytes, c.stash_bytes, c.wstash_bytes,

@@ -332,6 +332,7 @@ def cost_model_of(step: CompiledStep):
         sc.wgrad_bytes = int(c["wgrad_bytes"])
         stages.append(sc)
     cm.stages = stages
+    cm.skips = step.skip_costs()
     return cm
 
 

@@ -81,9 +81,9 @@ def check(step, rank: int, transport_kind: str | None = None) -> None:
 
 def links(step, rank: int) -> list[tuple[int, int, bool]]:
     """(peer, channel, send) of every direction of a link ``rank``'s loop uses."""
-    from .program import channel, rank_items
+    from .program import rank_items
 
-    return sorted({(peer, channel(k), op == "send") for op, k, _, _, peer in
+    return sorted({(peer, step.buffers.channel(k, s), op == "send") for op, k, s, _, peer in
                    rank_items(step, rank) if op in ("send", "post")})
 
 

@@ -300,6 +300,7 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
     split = step.partition.split_backward
     cm = _core.CostModel()
     cm.stages = [_stage_cost(s, fc, times, split) for s, fc in enumerate(flop_costs.stages)]
+    cm.skips = flop_costs.skips
     lc = _core.LinkCost()
     lc.latency = float(link["latency"])
     lc.bandwidth = float(link["bandwidth"])

@@ -655,14 +655,15 @@ class RankProgram(_LoopProgram):
         self.D = int(self.sub.devices.size)
         if self.D > 1:
             comm.set_shards([int(d.id) for d in self.sub.devices.flat])
+        chan = cs.buffers.channel
         for op, k, s, m, peer in self.items:
             if op != "run":
-                comm.set_layout(channel(k), s, [_nbytes(a) for a in self._local(k, s)])
+                comm.set_layout(chan(k, s), s, [_nbytes(a) for a in self._local(k, s)])
             if op in ("send", "post"):
-                names.setdefault((peer, channel(k), op == "send"), []).append(
-                    f"{k.lower()}(s{s},m{m})")
-                self._order.setdefault((peer, channel(k), op == "send"), []).append(
-                    cs.buffers.id(k, s, m))
+                b = cs.buffers.id(k, s, m)
+                names.setdefault((peer, chan(k, s), op == "send"), []).append(
+                    cs.core_plan.describe_buffer(b))
+                self._order.setdefault((peer, chan(k, s), op == "send"), []).append(b)
         for (peer, chan, send), ns in names.items():
             comm.set_names(peer, chan, send, ns)
         self.fn = jax.jit(self._program)
@@ -835,7 +836,8 @@ class RankProgram(_LoopProgram):
         several devices, one call per device (``shard_map``) on its shards."""
         sends = [jc.to_wire(x) for op, k, s, m, _ in group if op == "send"
                  for x in get((k, s, m))]
-        ops = [(_OP_KIND[op], peer, channel(k), s) for op, k, s, _, peer in group]
+        ops = [(_OP_KIND[op], peer, self.cs.buffers.channel(k, s), s)
+               for op, k, s, _, peer in group]
         if self.D == 1:
             outs = [jax.ShapeDtypeStruct(a.shape, a.dtype)
                     for op, k, s, _, _ in group if op == "wait" for a in self._layout(k, s)]
@@ -866,11 +868,6 @@ class RankProgram(_LoopProgram):
 
 
 _OP_KIND = {"send": 0, "post": 1, "wait": 2}  # CommOpKind (cpp/include/baton/comm.h)
-
-
-def channel(kind: str) -> int:
-    """The transfer channel of a buffer kind: its ``BufKind`` value (act 0, grad 1)."""
-    return getattr(_core.BufKind, kind).value
 
 
 def _nbytes(aval) -> int:

@@ -50,10 +50,17 @@ class CompiledStep:
                  in_specs: list | None = None):
         self.traced = traced
         self.mesh = mesh
-        self.plan = plan  # baton.Plan (python wrapper)
-        core = plan.core if hasattr(plan, "core") else plan
-        self.core_plan = core
         self.partition = G.partition(traced.program, split_backward, remat)
+        core = plan.core if hasattr(plan, "core") else plan
+        skips = list(self.partition.skips)
+        if skips:  # values between stages that are not neighbours: the plan's skip edges
+            from ..planning import Plan
+
+            plan = Plan(_core.lower(core.schedule, skips))
+            plan.verify()
+            core = plan.core
+        self.plan = plan  # baton.Plan (python wrapper)
+        self.core_plan = core
         sched = core.schedule
         self.num_stages = sched.num_stages
         self.num_ranks = sched.num_ranks
@@ -280,6 +287,19 @@ class CompiledStep:
                 where.setdefault(v, set()).add(r)
 
     # -- planning data -----------------------------------------------------------
+    def skip_costs(self) -> list:
+        """Bytes per microbatch of each skip edge's transfers (``_core.SkipCost``)."""
+        p = self.traced.program
+        out = {}
+        for t in self.partition.tasks:
+            for e, vs in t.skip_out:
+                out.setdefault(e, [0, 0])[0] = sum(p.value_bytes(v) for v in vs)
+            for e, vs in t.skip_grad_out:
+                out.setdefault(e, [0, 0])[1] = sum(p.value_bytes(v) for v in vs)
+        edges = list(self.partition.skips)
+        return [_core.SkipCost(edges[e].src, edges[e].dst, a, g)
+                for e, (a, g) in sorted(out.items())]
+
     def stage_costs(self) -> list[dict]:
         p = self.traced.program
         out = []

@@ -26,9 +26,14 @@ from .trace import Traced
 G = _core.graph
 REGION_PRE, REGION_POST = "pre", "post"
 OUT_GROUPS = ("act", "grad", "stash", "wstash", "wgrad", "mb")
-# the output group that holds each buffer kind a task writes
+# the output group that holds each buffer kind a task writes (a skip edge's buffers:
+# the group ("Skip", edge) / ("SkipGrad", edge), between "wstash" and "wgrad")
 _GROUP_OF = {"Act": "act", "Grad": "grad", "Stash": "stash", "WStash": "wstash",
              "WGrad": "wgrad"}
+
+
+def _group_of(key: tuple):
+    return _GROUP_OF.get(key[0]) or (key[0], key[1])
 _SMALL_COPY = 4096  # elements: post-loop values small enough to compute on every stage
 
 
@@ -137,6 +142,9 @@ class TaskExe:
     in_groups: tuple  # (invariant, microbatch, act, grad, stash, wstash) value ids
     n_out: dict  # group name -> count
     body: Any  # (weight-gradient parts, per-microbatch output parts)
+    # skip-edge buffers it reads, after the groups: ((kind, edge), value ids) in plan order
+    skip_in: list = dataclasses.field(default_factory=list)
+    out_order: tuple = OUT_GROUPS  # its output groups in order (with its skip groups)
     # Tasks that output weight gradients: the positions (in the outputs) of the summed ones,
     # their part indices, and the task with the running sums fused in (see _with_acc):
     # ``fn_acc`` is its jit, ``acc_body`` the plain function.
@@ -150,9 +158,10 @@ class TaskExe:
     plain: Any = None  # the task as a plain function (traced into programs, program.py)
 
     def split(self, outs) -> dict[str, list]:
-        """One call's outputs by group (``OUT_GROUPS``: act, grad, stash, wstash, wgrad, mb)."""
+        """One call's outputs by group (``out_order``: act, grad, stash, wstash, its skip
+        edges, wgrad, mb)."""
         got, pos = {}, 0
-        for k in OUT_GROUPS:
+        for k in self.out_order:
             got[k] = list(outs[pos:pos + self.n_out[k]])
             pos += self.n_out[k]
         return got
@@ -165,22 +174,25 @@ def buffer_reads(exe: TaskExe, s: int, m: int) -> list[tuple[str, int, int]]:
     _, _, act, grad, stash, wstash = exe.in_groups
     return [(k, bs, m) for present, k, bs in ((act, "Act", s - 1), (grad, "Grad", s + 1),
                                               (stash, "Stash", s), (wstash, "WStash", s))
-            if present]
+            if present] + [(k, e, m) for (k, e), _ in exe.skip_in]
 
 
 def _task_exe(traced, parts, kind, stage, ops, groups, outs, wgrad_parts, mb_parts,
-              fix=None) -> TaskExe:
-    """One task's jit: ``ops`` (program order) from the value ids in ``groups`` to the
-    outputs in ``OUT_GROUPS`` order, with the running-sum variant when it has summed
-    weight gradients (see _with_acc)."""
+              fix=None, skip_in=(), skip_out=()) -> TaskExe:
+    """One task's jit: ``ops`` (program order) from the value ids in ``groups`` (then the
+    skip edges it reads, ``skip_in``) to its outputs by group (``out_order``: the groups of
+    ``OUT_GROUPS`` with the skip edges it writes, ``skip_out``, before ``wgrad``), with the
+    running-sum variant when it has summed weight gradients (see _with_acc)."""
     outs = dict(outs, wgrad=[parts[i].body for i in wgrad_parts],
                 mb=[parts[i].body for i in mb_parts])
-    in_ids = [v for g in groups for v in g]
-    out_ids = [v for k in OUT_GROUPS for v in outs[k]]
+    outs.update(skip_out)
+    order = OUT_GROUPS[:4] + tuple(k for k, _ in skip_out) + OUT_GROUPS[4:]
+    in_ids = [v for g in groups for v in g] + [v for _, vs in skip_in for v in vs]
+    out_ids = [v for k in order for v in outs[k]]
     body = make_fn(traced, ops, in_ids, out_ids, fix)
     exe = TaskExe(kind, stage, jax.jit(body), groups, {k: len(v) for k, v in outs.items()},
-                  (wgrad_parts, mb_parts), plain=body)
-    off = sum(len(outs[k]) for k in OUT_GROUPS[:OUT_GROUPS.index("wgrad")])
+                  (wgrad_parts, mb_parts), plain=body, skip_in=list(skip_in), out_order=order)
+    off = sum(len(outs[k]) for k in order[:order.index("wgrad")])
     summed = [(off + j, i) for j, i in enumerate(wgrad_parts)
               if parts[i].reduce != G.Reduce.Stack]
     if summed:
@@ -208,7 +220,7 @@ def build_tasks(traced: Traced, partition, parts, num_stages: int,
                 "stash": list(t.stash_out), "wstash": list(t.wstash_out)}
         tasks[(t.kind, t.stage)] = _task_exe(traced, parts, t.kind, t.stage, list(t.ops),
                                              groups, outs, list(t.wgrad_out), list(t.mb_out),
-                                             fix_of(t.stage))
+                                             fix_of(t.stage), *_skips(t))
     for s in range(num_stages):
         f, b = by_kind.get(("F", s)), by_kind.get(("B", s))
         if f is None or b is None:
@@ -217,9 +229,21 @@ def build_tasks(traced: Traced, partition, parts, num_stages: int,
                   sorted(set(f.microbatch_in) | set(b.microbatch_in)),
                   list(f.act_in), list(b.grad_in), [], [])
         outs = {"act": list(f.act_out), "grad": list(b.grad_out), "stash": [], "wstash": []}
+        fi, fo = _skips(f)
+        bi, bo = _skips(b)
         tasks[("FB", s)] = _task_exe(traced, parts, "FB", s, sorted(set(f.ops) | set(b.ops)),
-                                     groups, outs, list(b.wgrad_out), list(f.mb_out), fix_of(s))
+                                     groups, outs, list(b.wgrad_out), list(f.mb_out), fix_of(s),
+                                     fi + bi, fo + bo)
     return tasks
+
+
+def _skips(t) -> tuple[list, list]:
+    """The skip-edge buffers task ``t`` reads and writes: ``[((kind, edge), value ids)]``
+    in the plan's order (an F's Skip edges; a B's or I's SkipGrad edges)."""
+    return ([(("Skip", e), list(vs)) for e, vs in t.skip_in]
+            + [(("SkipGrad", e), list(vs)) for e, vs in t.skip_grad_in],
+            [(("Skip", e), list(vs)) for e, vs in t.skip_out]
+            + [(("SkipGrad", e), list(vs)) for e, vs in t.skip_grad_out])
 
 
 def task_exes(tasks, kind, s) -> list[TaskExe]:
@@ -259,8 +283,12 @@ class Buffers:
         for t in partition.tasks:
             if t.kind == "F":
                 self._avals[("Act", t.stage)] = [traced.avals[v] for v in t.act_out]
+                for e, vs in t.skip_out:
+                    self._avals[("Skip", e)] = [traced.avals[v] for v in vs]
             elif t.kind in ("B", "I"):
                 self._avals[("Grad", t.stage)] = [traced.avals[v] for v in t.grad_out]
+                for e, vs in t.skip_grad_out:
+                    self._avals[("SkipGrad", e)] = [traced.avals[v] for v in vs]
 
     def key(self, b: int) -> tuple[str, int, int]:
         k = self._key.get(b)
@@ -306,7 +334,7 @@ class Buffers:
         out = []
         for key in self.writes(kind, s, m):
             out.append((key, [] if kind == "FB" and key[0] == "Stash"
-                        else got[_GROUP_OF[key[0]]]))
+                        else got[_group_of(key)]))
         return out
 
     def tasks_of(self, rank: int, a: int) -> list[tuple[str, int, int]]:
@@ -323,6 +351,11 @@ class Buffers:
                 ts = [("FB", ts[0][1], ts[0][2])]
             self._actions[key] = ts
         return ts
+
+    def channel(self, kind: str, stage: int) -> int:
+        """The ordered transfer channel of a ``kind`` buffer of ``stage`` (of edge ``stage``
+        for Skip / SkipGrad): ``Plan.channel``, as the verifier's FIFO model has it."""
+        return self.plan.channel(self.id(kind, stage, 0))
 
     def receive_posts(self, rank: int) -> list[int]:
         return list(self.plan.receive_posts(rank))
