@@ -359,7 +359,7 @@ class Interpreter:
         if step.record:
             from .tracing import gather_events
 
-            step.last_events, step.last_offsets = gather_events(group, ex.events(), timeout)
+            step.last_events, step.last_offsets = gather_events(group, [ex.events()], timeout)
         mine = [i for i, p in enumerate(step.parts) if step.stage_rank[p.stage] == me]
         return self._reduce_parts(st, mine)
 
