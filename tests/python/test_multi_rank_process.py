@@ -2,14 +2,16 @@
 device each; each process has 2 devices), ``baton.jit(mesh=PipelineMesh(local_devices, ranks=2))``.
 
 * The MLP of ``test_mp_e2e.py`` trained 2 AdamW steps with 1F1B (4 stages) and ZB-V (8
-  stages, 2 per rank): losses, gradients, updated parameters and optimizer state equal to
-  plain JAX (``accumulate`` as a ``lax.scan`` over the same microbatches, rtol 1e-5); each
+  stages, 2 per rank) on the compiled engine, and 1F1B on the interpreter
+  (``single_program=False``): losses, gradients, updated parameters and optimizer state equal
+  to plain JAX (``accumulate`` as a ``lax.scan`` over the same microbatches, rtol 1e-5); each
   process holds exactly its ranks' stages (the rest are ``Remote``s naming the stage's rank);
-  a traced step has every rank's events.
+  a traced step (either engine) has every rank's tasks.
 * Processes with different numbers of ranks are refused in both, naming each process's k
   (same launch, before training: the refusal leaves the process group usable).
 * One process SIGKILLed in the middle of a step: the other raises ``ExecutionError`` naming
-  a rank of the dead process, well within the timeout.
+  a rank of the dead process; a rank that raises (beside another rank of its process): both
+  processes raise ``ExecutionError`` naming it; well within the timeout.
 
 Every launch has a timeout.
 """
@@ -36,7 +38,9 @@ sys.path.insert(0, str(HERE))
 import test_mp_e2e as T  # noqa: E402  (the MLP step, its configs and plain-JAX reference)
 
 K = 2  # ranks per process
-NAMES = ("1f1b", "zbv")
+# case -> (schedule, compiled engine?): the interpreter (single_program=False) too
+CASES = {"1f1b": ("1f1b", True), "zbv": ("zbv", True), "1f1b-interp": ("1f1b", False)}
+NAMES = tuple(CASES)
 
 
 def local_mesh():
@@ -53,9 +57,10 @@ def train_main(p, world, out):
     except baton.ConfigError as e:
         (out / f"mismatch-process{p}.txt").write_text(str(e))
     R = world * K
-    for name in NAMES:
-        sched, stages, m, params, st, batch = T.config(name, R)
-        ps = baton.jit(T.train_step, mesh=local_mesh(), schedule=sched, microbatches=m)
+    for name, (sname, program) in CASES.items():
+        sched, stages, m, params, st, batch = T.config(sname, R)
+        ps = baton.jit(T.train_step, mesh=local_mesh(), schedule=sched, microbatches=m,
+                       single_program=program)
         assert ps.ranks == [p * K, p * K + 1], ps.ranks
         hist, params, st = T.run_steps(ps, params, st, batch)
         step = ps.last
@@ -71,44 +76,53 @@ def train_main(p, world, out):
                     assert leaf.sharding.device_set == set(step.mesh.rank_devices[r]), (s, r)
                     held.append(s)
         assert held, (name, p)
-        hows = step.last_stats["rank_program"]
-        assert isinstance(hows, list) and len(hows) == K, hows
+        if program:
+            hows = step.last_stats["rank_program"]
+            assert isinstance(hows, list) and len(hows) == K, hows
+        else:  # every rank's executor peaks, exchanged
+            hows = [f"executor {b}" for b in step.last_stats["peak_bytes"]]
+            assert len(hows) == R and all(b > 0 for b in step.last_stats["peak_bytes"]), hows
         (out / f"{name}-mode-process{p}.txt").write_text("\n".join(hows))
         np.save(out / f"{name}-loss-process{p}.npy", [float(x) for x, _ in hist])
-        if name == "1f1b":  # a traced step: every global rank's tasks, on one clock
+        if sname == "1f1b":  # a traced step: every global rank's tasks, on one clock
             tr = baton.trace(ps, params, st, batch)
             ranks = sorted({r["rank"] for r in tr.runs})
-            (out / f"trace-process{p}.txt").write_text(f"{tr.num_ranks} {ranks}")
+            (out / f"{name}-trace-process{p}.txt").write_text(f"{tr.num_ranks} {ranks}")
         full = ps.gather((hist, params, st))
         if p == 0:
             np.savez(out / f"{name}.npz", **T.flat_result(*full))
         print(f"process {p} {name} ok", flush=True)
 
 
-def kill_main(p, world, out):
-    """Process 1 SIGKILLs itself inside its last stage's task, at the second microbatch."""
+def fault_main(p, world, out, mode):
+    """``kill``: process 1 SIGKILLs itself inside its last stage's task (rank 3), at the
+    second microbatch. ``raise``: rank 1 (process 0's second rank) raises inside its
+    forward, at the second microbatch."""
     sched, stages, m, params, st, batch = T.config("1f1b", world * K)
     ps = baton.jit(T.train_step, mesh=local_mesh(), schedule=sched, microbatches=m,
                    timeout=60)
     step = ps.compile(params, st, batch)
-    if p == world - 1:
-        exe = step.tasks[("FB", stages - 1)]
+    task = ("FB", stages - 1) if mode == "kill" else ("F", 1)
+    if step.stage_rank[task[1]] // K == p:
+        exe = step.tasks[task]
         plain, calls = exe.plain, [0]
 
-        def maybe_die(x):
+        def maybe_fail(x):
             calls[0] += 1
-            if calls[0] == 2:
+            if calls[0] == 2 and mode == "kill":
                 os.write(1, f"process {p} killing itself\n".encode())
                 os.kill(os.getpid(), 9)
+            if calls[0] == 2:
+                raise RuntimeError("injected failure on rank 1")
             return np.int32(0)
 
-        def dying(*args):
+        def failing(*args):
             outs = plain(*args)
-            flag = jax.pure_callback(maybe_die, jax.ShapeDtypeStruct((), jnp.int32),
+            flag = jax.pure_callback(maybe_fail, jax.ShapeDtypeStruct((), jnp.int32),
                                      jnp.int32(0))
             return [outs[0] + flag.astype(outs[0].dtype)] + list(outs[1:])
 
-        exe.plain = dying
+        exe.plain = failing
     t0 = time.monotonic()
     try:
         ps(params, st, batch)
@@ -120,7 +134,10 @@ def worker_main(mode, outdir):
     from baton.frontend.distributed import process_group
 
     g = process_group()
-    {"train": train_main, "kill": kill_main}[mode](g.rank, g.world_size, pathlib.Path(outdir))
+    if mode == "train":
+        train_main(g.rank, g.world_size, pathlib.Path(outdir))
+    else:
+        fault_main(g.rank, g.world_size, pathlib.Path(outdir), mode)
 
 
 WORKER = f"""
@@ -162,7 +179,7 @@ def trained(tmp_path_factory):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_two_processes_of_two_ranks_match_plain_jax(trained, name):
-    sched, stages, m, params, st, batch = T.config(name, 2 * K)
+    sched, stages, m, params, st, batch = T.config(CASES[name][0], 2 * K)
     got = dict(np.load(trained / f"{name}.npz"))
     ref = T.flat_result(*T.run_steps(jax.jit(lambda p, s, b: T._scan_step(p, s, b, m)),
                                      params, st, batch))
@@ -173,11 +190,13 @@ def test_two_processes_of_two_ranks_match_plain_jax(trained, name):
         np.testing.assert_array_equal(np.load(trained / f"{name}-loss-process{q}.npy"),
                                       [got[f"loss{i}"] for i in range(T.STEPS)])
         hows = (trained / f"{name}-mode-process{q}.txt").read_text().splitlines()
-        assert len(hows) == K, hows
         if name == "1f1b":  # the steady state of ranks 1..3 rolled into a scan
-            assert all("scan" in h for h in hows[1 - q:]), hows
-    assert (trained / "trace-process0.txt").read_text() == "4 [0, 1, 2, 3]"
-    assert (trained / "trace-process1.txt").read_text() == "4 [0, 1, 2, 3]"
+            assert len(hows) == K and all("scan" in h for h in hows[1 - q:]), hows
+        if name == "1f1b-interp":  # the executors of all 4 ranks
+            assert len(hows) == 2 * K and all(h.startswith("executor") for h in hows), hows
+        if CASES[name][0] == "1f1b":
+            seen = (trained / f"{name}-trace-process{q}.txt").read_text()
+            assert seen == "4 [0, 1, 2, 3]", seen
 
 
 def test_different_ranks_per_process_refused_by_name(trained):
@@ -187,13 +206,28 @@ def test_different_ranks_per_process_refused_by_name(trained):
         assert "process 0 has 2, process 1 has 1" in msg, msg
 
 
-def test_killed_process_stops_the_other(tmp_path):
-    p, elapsed = launch(tmp_path, "kill", timeout=180)
+@pytest.mark.parametrize("mode", ["kill", "raise"])
+def test_failure_stops_every_process(tmp_path, mode):
+    """Process 1 killed mid-step (its ranks 2 and 3 gone): process 0 raises ExecutionError
+    naming rank 3. Rank 1 raising (its sibling rank 0 in the same process): both processes
+    raise ExecutionError naming rank 1. Both well within the 60 s timeout."""
+    p, elapsed = launch(tmp_path, mode, timeout=180)
     out = p.stdout + p.stderr
-    assert p.returncode != 0 and "process 1 killing itself" in out, out[-6000:]
-    line = [ln for ln in out.splitlines() if ln.startswith("process 0 ERROR")]
-    assert line and "ExecutionError" in line[0], out[-6000:]
-    assert "rank 2" in line[0] or "rank 3" in line[0], line[0]
+    assert p.returncode != 0, out[-6000:]
+    errors = {q: [ln for ln in out.splitlines() if ln.startswith(f"process {q} ERROR")]
+              for q in range(2)}
+    if mode == "kill":
+        assert "process 1 killing itself" in out, out[-6000:]
+        line = errors[0]
+        assert line and "ExecutionError" in line[0] and "rank 3" in line[0], out[-6000:]
+    else:
+        for q in range(2):
+            line = errors[q]
+            assert line and "ExecutionError" in line[0], out[-6000:]
+            # process 0: rank 1's own error; process 1: its ranks' waits, "rank 1 failed"
+            want = "ExecutionError: rank 1: " if q == 0 else "rank 1 failed: rank 1: "
+            assert want in line[0], line[0]
+        assert "injected failure on rank 1" in out, out[-6000:]
     took = [float(ln.split()[-2]) for ln in out.splitlines()
             if ln.startswith("process 0 step ended after")]
     assert took and took[0] < 30, (took, out[-3000:])

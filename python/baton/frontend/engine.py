@@ -182,14 +182,7 @@ class ProgramEngine:
         def go(j):
             finals[j] = progs[j](vals)
 
-        if len(progs) == 1:
-            errors: list = [None]
-            try:
-                go(0)
-            except BaseException as e:  # noqa: BLE001  (raised by the caller)
-                errors[0] = e
-        else:
-            errors = on_rank_threads(len(progs), go)
+        errors = on_rank_threads(len(progs), go, inline=True)
         final: dict[int, Any] = {}
         for f in finals:
             final.update(f)

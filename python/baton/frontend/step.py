@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from .. import _core
-from ..errors import ConfigError, ExecutionError
+from ..errors import ExecutionError
 from . import engine as engine_mod
 from .engine import ProgramEngine
 from .interpreter import Interpreter
@@ -208,12 +208,6 @@ class CompiledStep:
     # -- several processes ------------------------------------------------------------
     def _run_group(self, flat_args, group, timeout):
         k = self.mesh.ranks_per_process
-        if k > 1 and not (self.single_program and self.capture is None):
-            raise ConfigError(
-                f"baton.jit: this process runs {k} ranks; the interpreter "
-                f"(single_program=False, baton.profile) runs one rank per process in "
-                f"multi-process mode: use the compiled engine (single_program=True, traced "
-                f"steps included), or one rank per process")
         try:
             return self._run_group_body(flat_args, group, timeout, k)
         except ExecutionError:
