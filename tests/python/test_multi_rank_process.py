@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -209,7 +210,7 @@ def test_different_ranks_per_process_refused_by_name(trained):
 @pytest.mark.parametrize("mode", ["kill", "raise"])
 def test_failure_stops_every_process(tmp_path, mode):
     """Process 1 killed mid-step (its ranks 2 and 3 gone): process 0 raises ExecutionError
-    naming rank 3. Rank 1 raising (its sibling rank 0 in the same process): both processes
+    naming one of them. Rank 1 raising (its sibling rank 0 in the same process): both processes
     raise ExecutionError naming rank 1. Both well within the 60 s timeout."""
     p, elapsed = launch(tmp_path, mode, timeout=180)
     out = p.stdout + p.stderr
@@ -218,8 +219,9 @@ def test_failure_stops_every_process(tmp_path, mode):
               for q in range(2)}
     if mode == "kill":
         assert "process 1 killing itself" in out, out[-6000:]
-        line = errors[0]
-        assert line and "ExecutionError" in line[0] and "rank 3" in line[0], out[-6000:]
+        line = errors[0]  # whichever of the dead process's ranks (2, 3) was noticed first
+        assert line and re.search(r"ExecutionError: .*rank ([23]) failed: connection to rank "
+                                  r"\1 was lost", line[0]), out[-6000:]
     else:
         for q in range(2):
             line = errors[q]
