@@ -105,6 +105,7 @@ class ProcessGroup:
                                   "; ".join(f"rank {self.rank * k + j}: {type(e).__name__}: "
                                             f"{e}" for j, e in bad)) from bad[0][1]
             self.rank_ts[k] = ts
+            atexit.register(self.release)  # (runs before these transports' close: LIFO)
         return ts
 
     def abort_all(self, msg: str) -> None:
@@ -198,6 +199,7 @@ def process_mesh(local: Any, world_size: int):
 
     if isinstance(local, PipelineMesh):
         m = copy.copy(local)
+        m.__dict__.pop("_replicated", None)  # (a per-rank cache)
     else:
         m = PipelineMesh.__new__(PipelineMesh)
         mesh = local if isinstance(local, Mesh) else Mesh(np.array(list(local)), (DATA_AXIS,))

@@ -70,7 +70,10 @@ def refusal(step, rank: int, transport_kind: str | None = None) -> str | None:
             return ("this build of baton has no CUDA transfer handlers (it was built "
                     "without the CUDA toolkit and nccl.h); rebuild on a machine that has them")
         mine = devs[0]
-        for q in range(step.num_ranks):
+        # (several processes: only this process's ranks are its devices, k = ranks_per_process)
+        local = range(rank - rank % k, rank - rank % k + k) if step.mesh.ranks_per_process \
+            else range(step.num_ranks)
+        for q in local:
             if q != rank and mine in step.mesh.rank_devices[q]:
                 return (f"ranks {min(q, rank)} and {max(q, rank)} share GPU {mine}: NCCL "
                         f"cannot connect two ranks on one GPU, and one device runs one "
