@@ -225,3 +225,23 @@ def test_failure_stops_every_process(tmp_path, mode):
             if ln.startswith("process 0 step ended after")]
     assert took and took[0] < 30, (took, out[-3000:])
     assert elapsed < 120, f"took {elapsed:.1f} s"
+
+
+def test_process_mesh_layout_and_multi_device_ranks_refused():
+    """(No launch.) The pipeline of P processes of k ranks: global rank p*k + j is local rank
+    j. k ranks of several CPU devices in one process are refused by the compiled engine."""
+    import types
+
+    from baton.frontend import engine
+    from baton.frontend.distributed import process_mesh
+
+    one = process_mesh(baton.PipelineMesh(jax.devices()[:2], ranks=2), 3)
+    assert one.num_ranks == 6 and one.ranks_per_process == 2
+    assert [d[0].id for d in one.rank_devices] == [0, 1] * 3
+    two = process_mesh(baton.PipelineMesh(jax.devices()[:4], ranks=2), 2)
+    step = types.SimpleNamespace(transport="gloo", mesh=two, num_ranks=4)
+    why = engine.refusal(step, 3)
+    assert why and "rank 3 has 2 devices and this process runs 2 ranks" in why, why
+    single = process_mesh(jax.devices()[:2], 2)  # one rank of 2 devices per process: runs
+    assert engine.refusal(types.SimpleNamespace(transport="gloo", mesh=single, num_ranks=2),
+                          1) is None
