@@ -410,7 +410,7 @@ def save(path, step: int, state: Any, fn: Any = None, *, overwrite: bool = False
     args, wrapped = _as_args(state)
     leaves, keys, treedef = _flatten(args, wrapped)
     names = [_name(k) for k in keys]
-    group, timeout, me, world = None, 120.0, 0, 1
+    group, timeout, me, world, k = None, 120.0, 0, 1, 1
     error = ""
     info: dict[str, Any] = {}
     owners: list[int | None] = [None] * len(leaves)
@@ -422,6 +422,7 @@ def save(path, step: int, state: Any, fn: Any = None, *, overwrite: bool = False
             if fn.multi:
                 group = fn._connect()
                 me, world, timeout = group.rank, group.world_size, fn.timeout
+                k = fn.mesh.ranks_per_process
             in_stages = _input_stages(cs)
             for i in range(len(leaves)):
                 stages[i] = in_stages[cs.traced.step_inputs[i]]
@@ -460,8 +461,8 @@ def save(path, step: int, state: Any, fn: Any = None, *, overwrite: bool = False
     if len({len(h) for h in haves}) != 1:
         raise ConfigError(f"baton.checkpoint.save: the processes passed states of different "
                           f"sizes ({[len(h) for h in haves]} leaves)")
-    # who writes each leaf: its owner rank (the first stage that reads it) if that process
-    # holds it, else the lowest process that does
+    # who writes each leaf: the process of its owner rank (the first stage that reads it) if
+    # that process holds it, else the lowest process that does (under its first rank)
     writer = []
     for i, n in enumerate(names):
         hold = [p for p in range(world) if haves[p][i] == "1"]
@@ -473,8 +474,9 @@ def save(path, step: int, state: Any, fn: Any = None, *, overwrite: bool = False
                 r = _leaf_rank_of_devices(leaves[i], fn.mesh)
             writer.append((0, r if r is not None else 0))
         else:
-            p = owners[i] if owners[i] in hold else hold[0]
-            writer.append((p, p))
+            own = owners[i]
+            p = own // k if own is not None and own // k in hold else hold[0]
+            writer.append((p, own if own is not None and own // k == p else p * k))
     leaf_meta = []
     for i, x in enumerate(leaves):
         p, r = writer[i]
@@ -547,7 +549,7 @@ def restore(path, step: int | None = None, *, target: Any = None, fn: Any = None
     schedule): the state with the structure of ``target`` (default: the step's leading
     arguments, as many as were saved), each array found by its path and placed where the
     step wants it (its stage's rank, in the step's sharding). In multi-process mode a process
-    reads only the arrays its rank's stages use; the others come back as ``baton.Remote``
+    reads only the arrays its ranks' stages use; the others come back as ``baton.Remote``
     placeholders. ``same_stages``: also require every array to be on the stage it was saved
     from. Without ``fn``: plain JAX, every array on the default device, in the structure of
     ``target`` (arrays or ``jax.ShapeDtypeStruct``s; their shardings are kept), or, with no
@@ -610,7 +612,7 @@ def restore(path, step: int | None = None, *, target: Any = None, fn: Any = None
         return _wrap(jax.tree.unflatten(treedef, vals), wrapped)
     # placed for the step
     in_stages = _input_stages(cs)
-    me = fn._connect().rank if fn.multi else None
+    mine = set(fn.ranks) if fn.multi else None  # the ranks this process runs
     from .frontend.distributed import Remote
 
     todo, shardings, out = [], [], [None] * len(ms)
@@ -623,12 +625,13 @@ def restore(path, step: int | None = None, *, target: Any = None, fn: Any = None
                               f" it on stage(s) {st} (same_stages=True)")
         ranks = sorted({cs.stage_rank[s] for s in st}) or [0]
         owner = cs.stage_rank[st[0]] if st else 0
-        if me is None:
+        if mine is None:
             todo.append(i)
             shardings.append(cs.sharding(v, owner))
-        elif me in ranks:
+        elif mine.intersection(ranks):
             todo.append(i)
-            shardings.append(cs.sharding(v, me))
+            shardings.append(cs.sharding(v, owner if owner in mine
+                                         else min(mine.intersection(ranks))))
         else:
             out[i] = Remote(tuple(m["shape"]), np.dtype(m["dtype"]), owner)
     for i, x in zip(todo, _read(d, [ms[i] for i in todo], shardings)):

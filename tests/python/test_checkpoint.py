@@ -5,11 +5,12 @@ number of stages, so one parameter tree runs as 4 stages (1F1B on 4 ranks, inter
 on 2), 2 stages (1F1B on 2 ranks) or plain JAX. Each step reads its own batch (same data
 order in every run), AdamW.
 
-* Saved by 4 processes (4 ranks, one per process: ``baton.launch`` runs one rank per
-  process), restored there (resume), on 2 ranks in one process, and as plain JAX: parameters
-  and optimizer state bit-identical to what the run held (``step.gather``).
+* Saved by 4 ranks in 2 processes (``baton.launch --nprocs 2``, each process 2 ranks of one
+  device: ``PipelineMesh(jax.local_devices()[:2], ranks=2)``), restored there (resume), on 2
+  ranks in one process, and as plain JAX: parameters and optimizer state bit-identical to what
+  the run held (``step.gather``).
 * Resuming from step 3 of 6 gives the uninterrupted run's losses and final state bit for bit
-  (4 processes; 2 ranks in one process, also onto another schedule).
+  (2 processes x 2 ranks; 2 ranks in one process, also onto another schedule).
 * A checkpoint that does not match the target model raises ``baton.ConfigError`` naming the
   parameter path.
 * A process SIGKILLed in the middle of a save (its Orbax write in flight; or process 0 just
@@ -102,13 +103,15 @@ def leaves_equal(got, want, what):
 
 
 # -- launched workers ------------------------------------------------------------------------
-def worker_main(mode: str, outdir: str) -> None:
+def worker_main(mode: str, outdir: str, k: int) -> None:
+    """Process ``me`` of ``world``, running ``k`` ranks (global ranks me*k .. me*k+k-1)."""
     from baton.frontend.distributed import process_group
 
-    rank, world = process_group().rank, process_group().world_size
+    me, world = process_group().rank, process_group().world_size
     out = pathlib.Path(outdir)
     path = out / "ckpt"
-    ps = baton.jit(make_step(world), schedule=baton.OneFOneB(), microbatches=M, timeout=30)
+    ps = baton.jit(make_step(world * k), schedule=baton.OneFOneB(), microbatches=M, timeout=30,
+                   mesh=baton.PipelineMesh(jax.local_devices()[:k], ranks=k))
     p = init_params()
     state = (p, OPT.init(p))
     if mode == "train":
@@ -125,17 +128,19 @@ def worker_main(mode: str, outdir: str) -> None:
         restored = ckpt.restore(path, SAVE_AT, fn=ps)
         for j, x in enumerate(jax.tree.leaves(restored[0])):
             held = not isinstance(x, baton.Remote)
-            assert held == (j // 2 == rank), (rank, j, x)  # layer j // 2 is stage j // 2's
+            # layer j // 2 is stage j // 2's, on rank j // 2, of process j // 2 // k
+            assert held == (j // 2 // k == me), (me, j, x)
+            assert held or x.rank == j // 2, (me, j, x)
         leaves_equal(ps.gather(restored), full3, "restored in place")
         resumed, l3 = train(ps, restored, SAVE_AT, STEPS)
         ckpt.save(path, 60, resumed, ps)
         ckpt.wait_until_finished()  # (a save in flight when the program ends is not committed)
-        np.save(out / f"losses-rank{rank}.npy", np.concatenate([l1, l2]))
-        np.save(out / f"resumed-rank{rank}.npy", l3)
-        if rank == 0:
+        np.save(out / f"losses-process{me}.npy", np.concatenate([l1, l2]))
+        np.save(out / f"resumed-process{me}.npy", l3)
+        if me == 0:
             np.savez(out / "step3.npz", *[np.asarray(x) for x in jax.tree.leaves(full3)])
             np.savez(out / "step6.npz", *[np.asarray(x) for x in jax.tree.leaves(full6)])
-        print(f"rank {rank} ok (save + commit of step 6: {save_s:.2f} s)", flush=True)
+        print(f"process {me} ok (save + commit of step 6: {save_s:.2f} s)", flush=True)
         return
     # kill-<event>-<rank>: step 1 saved and committed; during the save of step 2 process
     # <rank> kills itself at <event> of the save
@@ -143,18 +148,18 @@ def worker_main(mode: str, outdir: str) -> None:
     state, _ = train(ps, state, 0, 1)
     ckpt.save(path, 1, state, ps, wait=True)
     full1 = ps.gather(state)
-    if rank == 0:
+    if me == 0:
         np.savez(out / "step1.npz", *[np.asarray(x) for x in jax.tree.leaves(full1)])
     state, _ = train(ps, state, 1, 2)
 
     def hook(ev, **info):
-        if ev == event and rank == int(victim):
-            os.write(1, f"rank {rank} killing itself at {ev}\n".encode())
+        if ev == event and me == int(victim):
+            os.write(1, f"rank {me} killing itself at {ev}\n".encode())
             os.kill(os.getpid(), 9)
 
     ckpt._test_hook = hook
     ckpt.save(path, 2, state, ps, wait=True)
-    print(f"rank {rank} saved step 2 (unexpected)", flush=True)
+    print(f"rank {me} saved step 2 (unexpected)", flush=True)
 
 
 WORKER = f"""
@@ -163,21 +168,22 @@ sys.path.insert(0, {str(HERE)!r})
 import baton
 import test_checkpoint as T
 try:
-    T.worker_main(sys.argv[1], sys.argv[2])
+    T.worker_main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
 except baton.BatonError as e:
     os.write(1, f"rank {{os.environ['BATON_RANK']}} ERROR {{type(e).__name__}}: {{e}}\\n".encode())
     os._exit(3)
 """
 
 
-def launch(tmp_path, nprocs, mode, timeout=240):
+def launch(tmp_path, nprocs, mode, k=1, timeout=240):
+    """``nprocs`` processes of ``k`` ranks (one CPU device each)."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES="1", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(k), JAX_PLATFORMS="cpu")
     t0 = time.monotonic()
     p = subprocess.run(
         [sys.executable, "-m", "baton.launch", "--nprocs", str(nprocs), "--grace", "20",
-         "--timeout", str(timeout - 15), str(script), mode, str(tmp_path)],
+         "--timeout", str(timeout - 15), str(script), mode, str(tmp_path), str(k)],
         capture_output=True, text=True, timeout=timeout, env=env)
     return p, time.monotonic() - t0
 
@@ -194,22 +200,25 @@ def reference(steps):
 
 
 def test_save_on_four_ranks_restore_on_two_ranks_and_plain_jax(tmp_path):
-    p, elapsed = launch(tmp_path, 4, "train")
+    """Saved by 4 ranks in 2 processes (2 ranks each)."""
+    p, elapsed = launch(tmp_path, 2, "train", k=2)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-6000:]
     path = tmp_path / "ckpt"
     assert ckpt.all_steps(path) == [SAVE_AT, STEPS, 60]  # 60: the resumed run's step 6
     meta = ckpt.metadata(path, STEPS)
-    assert meta["plan"]["ranks"] == 4 and meta["processes"] == 4
-    assert meta["items"] == [f"process-{r}" for r in range(4)]  # each wrote its own stage
+    assert meta["plan"]["ranks"] == 4 and meta["processes"] == 2
+    assert meta["items"] == ["process-0", "process-1"]  # each wrote its own stages
     assert meta["stage_map"]["2"][:2] == ["[0]['layers'][2]['b']", "[0]['layers'][2]['w']"]
     by_path = {m["path"]: m for m in meta["leaves"]}
-    assert by_path["[1][0].mu['layers'][3]['w']"]["rank"] == 3
-    # resumed in the 4 processes from step 3: the uninterrupted losses, bit for bit
-    losses = np.load(tmp_path / "losses-rank0.npy")
-    for r in range(4):
-        np.testing.assert_array_equal(np.load(tmp_path / f"losses-rank{r}.npy"), losses)
-        np.testing.assert_array_equal(np.load(tmp_path / f"resumed-rank{r}.npy"),
+    for layer in range(LAYERS):  # under the item of the rank of its stage, in its process
+        m = by_path[f"[1][0].mu['layers'][{layer}]['w']"]
+        assert (m["rank"], m["process"]) == (layer, layer // 2), m
+    # resumed in the 2 processes from step 3: the uninterrupted losses, bit for bit
+    losses = np.load(tmp_path / "losses-process0.npy")
+    for q in range(2):
+        np.testing.assert_array_equal(np.load(tmp_path / f"losses-process{q}.npy"), losses)
+        np.testing.assert_array_equal(np.load(tmp_path / f"resumed-process{q}.npy"),
                                       losses[SAVE_AT:])
     saved = {s: list(np.load(tmp_path / f"step{s}.npz").values()) for s in (SAVE_AT, STEPS)}
     p0 = init_params()
@@ -237,7 +246,7 @@ def test_save_on_four_ranks_restore_on_two_ranks_and_plain_jax(tmp_path):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     for g, w in zip(saved[STEPS], jax.tree.leaves(ref_state)):
         np.testing.assert_allclose(g, np.asarray(w), rtol=1e-5, atol=1e-6)
-    print(f"4-process launch: {elapsed:.1f} s; {out.strip().splitlines()[-1]}")
+    print(f"2 processes x 2 ranks: {elapsed:.1f} s; {out.strip().splitlines()[-1]}")
 
 
 @pytest.fixture(scope="module")

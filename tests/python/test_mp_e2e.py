@@ -104,18 +104,10 @@ def worker_main(mode: str, outdir: str) -> None:
             # 1F1B fuses the last stage's F and B of a microbatch: that task runs first
             exe = step.tasks[("FB", stages - 1)]
             if program:  # the rank's program fails while it runs (a host callback raises)
-                plain = exe.plain
-
-                def raise_at_run(x):
+                def raise_at_run():
                     raise RuntimeError("injected failure in the last stage's forward")
 
-                def failing(*args):
-                    outs = plain(*args)
-                    flag = jax.pure_callback(raise_at_run, jax.ShapeDtypeStruct((), jnp.int32),
-                                             jnp.int32(0))
-                    return [outs[0] + flag.astype(outs[0].dtype)] + list(outs[1:])
-
-                exe.plain = failing
+                call_in_task(exe, raise_at_run)
             else:
                 def boom(*args):
                     raise RuntimeError("injected failure in the last stage's forward")
@@ -166,6 +158,23 @@ def worker_main(mode: str, outdir: str) -> None:
         if rank == 0:
             np.savez(os.path.join(outdir, f"{name}.npz"), **flat_result(*full))
         print(f"rank {rank} {name} ok", flush=True)
+
+
+def call_in_task(exe, fn) -> None:
+    """Makes the compiled body of task ``exe`` call ``fn()`` (a host callback, after the
+    task's computation) every time it runs."""
+    plain = exe.plain
+
+    def cb(x):
+        fn()
+        return np.int32(0)
+
+    def with_call(*args):
+        outs = plain(*args)
+        flag = jax.pure_callback(cb, jax.ShapeDtypeStruct((), jnp.int32), jnp.int32(0))
+        return [outs[0] + flag.astype(outs[0].dtype)] + list(outs[1:])
+
+    exe.plain = with_call
 
 
 def gpt_config(world, tp=False):

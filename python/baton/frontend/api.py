@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding
 
 from .. import _core
 from ..errors import ConfigError, TraceError
-from .distributed import Remote, gather, launched_world_size, local_devices, process_group
-from .distributed import process_mesh
+from .distributed import Remote, agree_ranks_per_process, gather, launched_world_size
+from .distributed import local_devices, process_group, process_mesh, ranks_per_process
 from .step import CompiledStep
 from .mesh import PipelineMesh
 from .trace import trace_step
@@ -45,9 +45,9 @@ class PipelinedFunction:
             raise ConfigError(
                 f"baton.jit: microbatches must be a positive integer (got {microbatches!r})"
             )
-        # Multi-process mode: this process is one rank (launched with several processes, or
-        # transport="gloo"); its group's Gloo transport carries what crosses ranks outside
-        # the loop. The loop's transport: NCCL between GPUs, else Gloo across processes and
+        # Multi-process mode: this process runs k ranks (launched with several processes, or
+        # transport="gloo"); its group's Gloo transport carries what crosses processes
+        # outside the loop. The loop's transport: NCCL between GPUs, else Gloo across processes and
         # the in-process transport in one process.
         self.multi = transport == "gloo" or (transport != "local" and launched_world_size() > 1)
         self.transport = transport  # None: chosen from the devices (loop_transport)
@@ -59,7 +59,7 @@ class PipelinedFunction:
             if not isinstance(mesh, PipelineMesh):
                 mesh = PipelineMesh(mesh)
         else:
-            mesh = local_devices(mesh)  # this process's rank; made a mesh at the first call
+            mesh = local_devices(mesh)  # this process's ranks; made a mesh at the first call
         self.fn = fn
         self.mesh = mesh
         from ..autoplan import Auto
@@ -103,8 +103,10 @@ class PipelinedFunction:
 
     def _connect(self):
         if self.multi and self.group is None:
-            self.group = process_group("gloo")
-            self.mesh = process_mesh(self.mesh, self.group.world_size)
+            group = process_group("gloo")
+            agree_ranks_per_process(group, ranks_per_process(self.mesh), self.timeout)
+            self.mesh = process_mesh(self.mesh, group.world_size)
+            self.group = group
         return self.group
 
     def compile(self, *args) -> CompiledStep:
@@ -256,8 +258,24 @@ class PipelinedFunction:
 
     @property
     def rank(self) -> int | None:
-        """This process's pipeline rank in multi-process mode (None in single-process mode)."""
-        return self._connect().rank if self.multi else None
+        """This process's pipeline rank in multi-process mode with one rank per process
+        (None in single-process mode; a process of several ranks: see ``ranks``)."""
+        if not self.multi:
+            return None
+        ranks = self.ranks
+        if len(ranks) != 1:
+            raise ConfigError(f"baton.jit: this process runs ranks {ranks}: use .ranks "
+                              f"(.rank is the one rank of a one-rank process)")
+        return ranks[0]
+
+    @property
+    def ranks(self) -> list[int]:
+        """The global pipeline ranks this process runs (process p of k ranks each: ``p*k ..
+        p*k+k-1``; every rank in single-process mode)."""
+        if not self.multi:
+            return list(range(self.mesh.num_ranks))
+        g = self._connect()
+        return g.ranks(self.mesh.ranks_per_process)
 
     def gather(self, tree: Any) -> Any:
         """Full values of ``tree`` as numpy arrays, e.g. parameters for checking or

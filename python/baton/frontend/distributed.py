@@ -1,15 +1,19 @@
-"""Multi-process mode: one process per pipeline rank, talking over Gloo.
+"""Multi-process mode: P processes talking over Gloo, each running k pipeline ranks.
 
 A process started by ``python -m baton.launch`` (or under SLURM / Open MPI, or after
-``jax.distributed.initialize``) is one pipeline rank; its local devices are the rank's
-sub-mesh. :func:`process_group` connects the transport once per process and every
-``baton.jit`` function in the process shares it.
+``jax.distributed.initialize``) runs k pipeline ranks: its local devices (one rank, k = 1)
+or a ``PipelineMesh`` of its local devices with k ranks. Process p holds the global ranks
+``p*k .. p*k+k-1``; every process must use the same k (checked at the first call,
+:func:`agree_ranks_per_process`). :func:`process_group` connects the process-level transport
+once per process and every ``baton.jit`` function in the process shares it; with k > 1 the
+loops' transfers go over one more Gloo context per global rank (``ProcessGroup.rank_transports``).
 
-Values that cross ranks outside the instruction streams (an input another rank holds, the
-partial sums of a value shared by stages on several ranks, per-microbatch outputs sent to
-every process) move with :class:`Router`: every process walks the same sequence of
-``need`` calls, so sends and receives pair up (tags from one counter, above the executor's).
-A leaf a process does not hold is a :class:`Remote` placeholder naming the rank that does.
+Values that cross processes outside the instruction streams (an input another process holds,
+the partial sums of a value shared by stages on several processes, per-microbatch outputs
+sent to every process) move with :class:`Router` over the process-level transport: every
+process walks the same sequence of ``need`` calls, so sends and receives pair up (tags from
+one counter, above the executor's). A leaf a process does not hold is a :class:`Remote`
+placeholder naming a rank of the process that does.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ class Remote:
 
 @dataclasses.dataclass
 class ProcessGroup:
-    """This process's rank, the world size, and the transport to the other ranks."""
+    """This process's index (``rank``), the number of processes (``world_size``), and the
+    transport to the other processes."""
 
     rank: int
     world_size: int
@@ -62,6 +67,52 @@ class ProcessGroup:
     source: str = ""
     # Compiled steps holding an executor on this transport: released before it closes.
     steps: list = dataclasses.field(default_factory=list)
+    # k -> this process's k per-rank Gloo contexts (k > 1 ranks per process)
+    rank_ts: dict = dataclasses.field(default_factory=dict)
+
+    def ranks(self, k: int) -> list[int]:
+        """The global pipeline ranks this process runs with ``k`` ranks per process."""
+        return list(range(self.rank * k, self.rank * k + k))
+
+    def rank_transports(self, k: int, connect_timeout: float = 60.0) -> list:
+        """One transport per rank of :meth:`ranks`: the process's own with k = 1, else one
+        Gloo context per global rank (world ``world_size * k``, rank id = global rank, store
+        keys under ``baton/ranks<k>``), connected once (every process connects its k at once,
+        on k threads: the connection is collective)."""
+        if k == 1:
+            return [self.transport]
+        ts = self.rank_ts.get(k)
+        if ts is None:
+            from ..runtime import rendezvous
+            from .interpreter import on_rank_threads
+
+            info = rendezvous.rank_info()
+            ts = [None] * k
+
+            def connect(j):
+                ts[j] = rendezvous.init_transport(
+                    "gloo", info=dataclasses.replace(info, rank=self.rank * k + j,
+                                                     world_size=self.world_size * k),
+                    connect_timeout=connect_timeout, prefix=f"baton/ranks{k}")
+
+            errors = on_rank_threads(k, connect)
+            bad = [(j, e) for j, e in enumerate(errors) if e is not None]
+            if bad:
+                for t in ts:
+                    if t is not None:
+                        t.close()
+                raise ConfigError("baton.jit: connecting the per-rank transports failed: " +
+                                  "; ".join(f"rank {self.rank * k + j}: {type(e).__name__}: "
+                                            f"{e}" for j, e in bad)) from bad[0][1]
+            self.rank_ts[k] = ts
+            atexit.register(self.release)  # (runs before these transports' close: LIFO)
+        return ts
+
+    def abort_all(self, msg: str) -> None:
+        """Aborts the process transport and every per-rank one (the peers' waits fail)."""
+        for t in [self.transport] + [t for ts in self.rank_ts.values() for t in ts]:
+            if not t.closed:
+                t.abort(msg)
 
     def release(self) -> None:
         """Drops every executor built on the transport (then closing it says goodbye to the
@@ -98,9 +149,10 @@ def process_group(kind: str = "gloo", connect_timeout: float = 60.0) -> ProcessG
 
 
 def local_devices(mesh: Any) -> Any:
-    """The devices of this process's rank: ``None`` -> ``jax.local_devices()``; a list of
-    devices; a ``PipelineMesh`` with one rank; or a ``jax.sharding.Mesh`` of this process's
-    devices with named axes (kept: the rank's sub-mesh)."""
+    """This process's ranks: ``None`` -> ``jax.local_devices()`` (one rank); a list of
+    devices (one rank); a ``jax.sharding.Mesh`` of this process's devices with named axes
+    (one rank, the mesh its sub-mesh; with a ``"pipe"`` axis: a ``PipelineMesh`` of that many
+    ranks); or a ``PipelineMesh`` of this process's devices with k ranks."""
     from jax.sharding import Mesh
 
     from .mesh import PipelineMesh
@@ -108,36 +160,54 @@ def local_devices(mesh: Any) -> Any:
     if mesh is None:
         return list(jax.local_devices())
     if isinstance(mesh, Mesh):
-        if "pipe" in mesh.axis_names:
-            raise ConfigError(
-                "multi-process baton.jit: each process is one rank, so its mesh is the rank's "
-                f"sub-mesh, without a 'pipe' axis (got axes {mesh.axis_names})")
-        return mesh
+        return PipelineMesh(mesh) if "pipe" in mesh.axis_names else mesh
     if isinstance(mesh, PipelineMesh):
-        if mesh.num_ranks != 1:
-            raise ConfigError(
-                f"multi-process baton.jit: each process is one rank, so mesh must be its own "
-                f"devices (None, a device list, or PipelineMesh(devices, ranks=1)); got "
-                f"{mesh.num_ranks} ranks")
-        return list(mesh.rank_devices[0])
+        return mesh
     return list(mesh)
 
 
-def process_mesh(devices: Any, world_size: int):
-    """A PipelineMesh of ``world_size`` ranks in which every rank is this process's
-    devices (a process only ever places values for its own rank): ``devices`` a list (one
-    ``"data"`` axis) or a ``jax.sharding.Mesh`` (its named axes)."""
+def ranks_per_process(local: Any) -> int:
+    """k: the number of pipeline ranks in ``local`` (what :func:`local_devices` returned)."""
+    from .mesh import PipelineMesh
+
+    return local.num_ranks if isinstance(local, PipelineMesh) else 1
+
+
+def agree_ranks_per_process(group: ProcessGroup, k: int, timeout: float) -> None:
+    """Every process's k (one all-gather over the process transport); raises ``ConfigError``
+    naming every process and its k, in every process, when they differ."""
+    router = Router(group, timeout)
+    ks = router.allgather(str(k))
+    router.finish()
+    if len(set(ks)) != 1:
+        raise ConfigError(
+            "baton.jit: every process must run the same number of pipeline ranks (its "
+            "PipelineMesh's ranks), but " + ", ".join(
+                f"process {p} has {q}" for p, q in enumerate(ks)))
+
+
+def process_mesh(local: Any, world_size: int):
+    """The PipelineMesh of ``world_size`` processes of k ranks each: global rank ``p*k + j``
+    is this process's rank j (a process only ever places values for its own ranks).
+    ``local``: a list of devices (one rank, one ``"data"`` axis), a ``jax.sharding.Mesh``
+    (one rank, its named axes), or a ``PipelineMesh`` of k ranks."""
+    import copy
+
     from jax.sharding import Mesh
 
     from .mesh import BATCH_AXES, DATA_AXIS, PipelineMesh
 
-    m = PipelineMesh.__new__(PipelineMesh)
-    mesh = devices if isinstance(devices, Mesh) else Mesh(np.array(list(devices)),
-                                                          (DATA_AXIS,))
-    m.rank_devices = [list(mesh.devices.flat)] * world_size
-    m.meshes = [mesh] * world_size
-    m.axis = "pipe"
-    m.batch_axes = tuple(n for n in mesh.axis_names if n in BATCH_AXES)
+    if isinstance(local, PipelineMesh):
+        m = copy.copy(local)
+        m.__dict__.pop("_replicated", None)  # (a per-rank cache)
+    else:
+        m = PipelineMesh.__new__(PipelineMesh)
+        mesh = local if isinstance(local, Mesh) else Mesh(np.array(list(local)), (DATA_AXIS,))
+        m.rank_devices, m.meshes, m.axis = [list(mesh.devices.flat)], [mesh], "pipe"
+        m.batch_axes = tuple(n for n in mesh.axis_names if n in BATCH_AXES)
+    m.ranks_per_process = len(m.rank_devices)
+    m.rank_devices = list(m.rank_devices) * world_size
+    m.meshes = list(m.meshes) * world_size
     return m
 
 
@@ -195,8 +265,9 @@ class Router:
                 vals[k] = x
         return where
 
-    def need(self, keys: Sequence[Any], rank: int, vals: dict, where: dict) -> None:
-        """Makes every value of ``keys`` present on ``rank`` (sent by its lowest holder)."""
+    def need(self, keys: Sequence[Any], process: int, vals: dict, where: dict) -> None:
+        """Makes every value of ``keys`` present on ``process`` (sent by its lowest holder;
+        ``where``: key -> the processes that hold it)."""
         me = self.g.rank
         t = self.g.transport
         recvs = []
@@ -204,17 +275,17 @@ class Router:
             hold = where.get(k)
             if not hold:
                 raise ConfigError(
-                    f"rank {rank} needs a value (id {k}) that no process holds: pass the full "
-                    f"value (or the Remote placeholder its owner returned) in every process")
-            if rank in hold:
+                    f"process {process} needs a value (id {k}) that no process holds: pass the "
+                    f"full value (or the Remote placeholder its owner returned) in every process")
+            if process in hold:
                 continue
             src = min(hold)
             tag = self._tag()
             if me == src:
-                self.sends.append(t.isend(rank, tag, [_host(vals[k])]))
-            elif me == rank:
+                self.sends.append(t.isend(process, tag, [_host(vals[k])]))
+            elif me == process:
                 recvs.append((k, t.irecv(src, tag)))
-            hold.add(rank)
+            hold.add(process)
         t.flush()
         for k, req in recvs:
             vals[k] = req.wait(self.timeout)[0]

@@ -4,7 +4,8 @@
 * several ranks in one process: one ``RankProgram`` per rank on its devices, each launched
   from its own thread so the ranks overlap, transfers through an in-process ``LocalHub``
   from inside the programs (FFI calls);
-* one process per rank: this rank's ``RankProgram`` over the process group's transport.
+* several processes: the ``RankProgram`` of each of this process's k ranks, one thread per
+  rank, over the process group's transport (k = 1) or the rank's own Gloo context (k > 1).
 
 Programs are compiled before their first run (a rank never waits on another's compile).
 A step the engine cannot run raises ``ConfigError`` saying why (``refusal``); there is no
@@ -38,6 +39,13 @@ def refusal(step, rank: int, transport_kind: str | None = None) -> str | None:
                 f"rank (python -m baton.launch; each rank's program then runs SPMD on its "
                 f"devices, transfers shard to shard), or the interpreter "
                 f"(baton.jit(..., single_program=False)), which moves shards device to device")
+    k = step.mesh.ranks_per_process or 1
+    if len(devs) > 1 and k > 1 and platforms == {"cpu"}:
+        return (f"rank {rank} has {len(devs)} devices and this process runs {k} ranks: "
+                f"XLA:CPU runs one multi-device program at a time per process (its client "
+                f"serializes them), so this process's ranks could not overlap and their "
+                f"transfers would wait on each other; give each rank one device, or run one "
+                f"rank per process (PipelineMesh(..., ranks=1), or mesh=None)")
     if len(devs) > 1 and platforms != {"cpu"}:
         return (f"rank {rank} has {len(devs)} GPUs: shard-to-shard transfers between ranks "
                 f"of several devices run on CPU transports so far (the NCCL context is one "
@@ -62,7 +70,10 @@ def refusal(step, rank: int, transport_kind: str | None = None) -> str | None:
             return ("this build of baton has no CUDA transfer handlers (it was built "
                     "without the CUDA toolkit and nccl.h); rebuild on a machine that has them")
         mine = devs[0]
-        for q in range(step.num_ranks):
+        # (several processes: only this process's ranks are its devices, k = ranks_per_process)
+        local = range(rank - rank % k, rank - rank % k + k) if step.mesh.ranks_per_process \
+            else range(step.num_ranks)
+        for q in local:
             if q != rank and mine in step.mesh.rank_devices[q]:
                 return (f"ranks {min(q, rank)} and {max(q, rank)} share GPU {mine}: NCCL "
                         f"cannot connect two ranks on one GPU, and one device runs one "
@@ -115,7 +126,7 @@ class ProgramEngine:
         self.single = None  # SingleProgram (one rank)
         self.local_progs = None  # one process, several ranks: RankProgram per rank
         self._local_hub = None  # their in-process transports
-        self.rank_prog = None  # one process per rank: this rank's RankProgram
+        self.rank_progs = None  # several processes: this process's ranks' RankPrograms
         self._nccl_builds = 0
 
     # -- one rank -----------------------------------------------------------------------
@@ -151,14 +162,7 @@ class ProgramEngine:
             else:
                 comms = [_core.runtime.RankComm(r, float(timeout)) for r in range(R)]
             progs = [RankProgram(step, r, comms[r], timeout) for r in range(R)]
-            # all compiled before any runs (a rank never waits on a compile): traced one by
-            # one (Python), compiled in parallel (XLA releases the GIL)
-            lowered = [p.lower(vals) for p in progs]
-
-            def comp(r):
-                progs[r].compiled = lowered[r].compile()
-
-            raise_first(on_rank_threads(R, comp))
+            raise_first(compile_all(progs, vals))
             self.local_progs = progs
             self._local_hub = None
         progs = self.local_progs
@@ -171,20 +175,29 @@ class ProgramEngine:
             p.set_timeout(timeout)
         return progs
 
+    def _launch(self, progs, vals) -> tuple[dict[int, Any], list]:
+        """Runs ``progs`` (one thread per rank; inline for one), recording when the step
+        does; returns their loop output parts and each one's exception (or None)."""
+        for p in progs:
+            p.comm.record(self.step.record)
+        finals: list[dict] = [{} for _ in progs]
+
+        def go(j):
+            finals[j] = progs[j](vals)
+
+        errors = on_rank_threads(len(progs), go, inline=True)
+        final: dict[int, Any] = {}
+        for f in finals:
+            final.update(f)
+        return final, errors
+
     def run_local(self, vals, timeout) -> dict[int, Any]:
         """Every rank's loop as its own program, launched from one thread per rank; returns
         every loop output part."""
         step = self.step
         progs = self._local_programs(vals, timeout)
         R = step.num_ranks
-        finals: list[dict | None] = [None] * R
-        for p in progs:
-            p.comm.record(step.record)
-
-        def go(r):
-            finals[r] = progs[r](vals)
-
-        errors = on_rank_threads(R, go)
+        final, errors = self._launch(progs, vals)
         if any(e is not None for e in errors):
             if step.transport == "nccl":  # a failed NCCL context stays failed: built anew
                 for p in progs:
@@ -196,69 +209,94 @@ class ProgramEngine:
                 for t in self._local_hub or ():
                     t.close()
                 self._local_hub = None
-            origins = [getattr(e, "failed_rank", r) for r, e in enumerate(errors) if e]
-            first = next((e for r, e in enumerate(errors) if e is not None and r in origins),
-                         next(e for e in errors if e is not None))
-            raise first
+            raise_origin(progs, errors)
         if step.record:
             step.last_events = [p.events() for p in progs]
             step.last_offsets = [0] * R
         step.last_stats = {"rank_program": [p.describe() for p in progs]}
-        final: dict[int, Any] = {}
-        for f in finals:
-            final.update(f)
         return final
 
-    # -- one process per rank -------------------------------------------------------------
+    # -- several processes ---------------------------------------------------------------
     def run_rank(self, group, router, vals, timeout) -> dict[int, Any]:
-        """This rank's loop as its program over the group's transport; returns its loop
-        output parts. A program that cannot be built or compiled raises ``ConfigError``; the
-        ranks first exchange whether they could, so every rank raises instead of waiting on
-        the others."""
+        """The loops of this process's ranks, each its program over its transport, one
+        thread per rank; returns their loop output parts. A program that cannot be built or
+        compiled raises ``ConfigError``; the processes first exchange whether they could, so
+        every process raises instead of waiting on the others."""
         step = self.step
-        rp = self.rank_prog
-        if (rp is None or rp.transport is not group.transport
-                or not rp.comm.attached):  # (a failed NCCL context stays failed)
-            rp = self._build_rank(group, router, vals, timeout)
-        rp.set_timeout(timeout)
-        rp.comm.record(step.record)
-        final = rp(vals)
-        step.last_stats = {"rank_program": rp.describe()}
+        k = step.mesh.ranks_per_process
+        ts = group.rank_transports(k, timeout)
+        progs = self.rank_progs
+        if (progs is None or progs[0].transport is not ts[0]
+                or not all(p.comm.attached for p in progs)):  # (a failed NCCL context stays failed)
+            progs = self._build_rank(group, router, vals, timeout, ts)
+        for p in progs:
+            p.set_timeout(timeout)
+        final, errors = self._launch(progs, vals)
+        raise_origin(progs, errors)
+        one = k == 1  # (one rank per process: its describe() alone, as before)
+        step.last_stats = {"rank_program": progs[0].describe() if one
+                           else [p.describe() for p in progs]}
         if step.record:
             from .tracing import gather_events
 
-            step.last_events, step.last_offsets = gather_events(group, rp.events(), timeout)
+            step.last_events, step.last_offsets = gather_events(
+                group, [p.events() for p in progs], timeout)
         return final
 
-    def _build_rank(self, group, router, vals, timeout):
+    def _build_rank(self, group, router, vals, timeout, ts):
         from .program import RankProgram
 
-        me = group.rank
         step = self.step
-        why = refusal(step, me) or ""
-        rp = None
-        if not why:
+        ranks = group.ranks(len(ts))
+        whys = {r: refusal(step, r) for r in ranks}
+        progs = []
+        if not any(whys.values()):
+            r = ranks[0]
             try:
                 if step.transport == "nccl":  # the loop over NCCL, the rest over the group
                     from ..runtime import rendezvous
 
                     self._nccl_builds += 1
-                    comm = nccl_comms(step, [me], rendezvous.make_store(
+                    comms = nccl_comms(step, ranks, rendezvous.make_store(
                         rendezvous.rank_info().store), timeout,
-                        f"baton/{step.core_plan.fingerprint()}/{self._nccl_builds}")[0]
+                        f"baton/{step.core_plan.fingerprint()}/{self._nccl_builds}")
                 else:
-                    comm = _core.runtime.RankComm(me, float(timeout))
-                    comm.attach(group.transport)
-                rp = RankProgram(step, me, comm, timeout)
-                rp.transport = group.transport
-                rp.compile(vals)
-            except Exception as e:  # noqa: BLE001  (raised below, on every rank)
-                why = f"building its program failed: {type(e).__name__}: {e}"
-        whys = router.allgather(why.replace("\n", " "))
-        bad = [(q, w) for q, w in enumerate(whys) if w]
+                    comms = [_core.runtime.RankComm(r, float(timeout)) for r in ranks]
+                    for c, t in zip(comms, ts):
+                        c.attach(t)
+                for r, c, t in zip(ranks, comms, ts):
+                    progs.append(RankProgram(step, r, c, timeout))
+                    progs[-1].transport = t
+                errors = compile_all(progs, vals)
+                whys.update({r: f"{type(e).__name__}: {e}" for r, e in zip(ranks, errors) if e})
+            except Exception as e:  # noqa: BLE001  (raised below, in every process)
+                whys[r] = f"{type(e).__name__}: {e}"
+            whys = {q: w and f"building its program failed: {w}" for q, w in whys.items()}
+        mine = "; ".join(f"rank {q}: {w}" for q, w in whys.items() if w)
+        bad = [b for b in router.allgather(mine.replace("\n", " ")) if b]
         if bad:
-            self.rank_prog = None
+            self.rank_progs = None
             raise ConfigError("baton.jit: the compiled engine cannot run this step: "
-                              + "; ".join(f"rank {q}: {w}" for q, w in bad))
-        self.rank_prog = rp
-        return rp
+                              + "; ".join(bad))
+        self.rank_progs = progs
+        return progs
+
+
+def compile_all(progs, vals) -> list:
+    """Compiles every program before any runs (a rank never waits on a compile): traced one
+    by one (Python), compiled in parallel (XLA releases the GIL); each one's exception."""
+    lowered = [p.lower(vals) for p in progs]
+
+    def comp(j):
+        progs[j].compiled = lowered[j].compile()
+
+    return on_rank_threads(len(progs), comp)
+
+
+def raise_origin(progs, errors) -> None:
+    """Raises the error of the program whose rank the failure started on (its
+    ``failed_rank``), else the first one; nothing when every program ran."""
+    errs = [(p.rank, e) for p, e in zip(progs, errors) if e is not None]
+    if errs:
+        origins = {getattr(e, "failed_rank", r) for r, e in errs}
+        raise next((e for r, e in errs if r in origins), errs[0][1])

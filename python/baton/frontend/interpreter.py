@@ -101,10 +101,16 @@ def _to_host(value):
     return to_host(out)
 
 
-def on_rank_threads(num_ranks: int, fn) -> list[BaseException | None]:
+def on_rank_threads(num_ranks: int, fn, inline: bool = False) -> list[BaseException | None]:
     """Runs ``fn(r)`` for every rank on its own thread ("baton-rank-r") and returns each
-    rank's exception (None where it returned)."""
+    rank's exception (None where it returned); ``inline``: one rank runs on this thread."""
     errors: list[BaseException | None] = [None] * num_ranks
+    if inline and num_ranks == 1:
+        try:
+            fn(0)
+        except BaseException as e:  # noqa: BLE001  (the caller re-raises)
+            errors[0] = e
+        return errors
 
     def go(r):
         try:
@@ -322,46 +328,47 @@ class Interpreter:
                            "peak_buffers": [s["peak_live_buffers"] for s in stats]}
         return self._reduce_parts(st, range(len(step.parts)))
 
-    # -- one process per rank ----------------------------------------------------------
+    # -- several processes ------------------------------------------------------------
     def run_rank(self, group, router, vals, timeout) -> dict[int, Any]:
-        """This process's rank's loop over ``group.transport``; returns its loop output
-        parts."""
+        """The loops of this process's ranks, one executor per rank over its transport
+        (``group.rank_transports``), each on its own thread (inline for one); returns their
+        loop output parts."""
         from .. import runtime as rt
 
         step = self.step
-        me = group.rank
+        k = step.mesh.ranks_per_process
+        ranks = group.ranks(k)
         st = self._state = _StepState(vals)
         if (self._group_exec is None or self._group_exec[0] is not group
                 or self._group_exec[2] != step.record):
             self._group_exec = None
-            ex = rt.Executor(step.core_plan, me, group.transport, self._tasks(),
-                             timeout=timeout, record_events=step.record)
-            try:
-                ex.handshake(timeout)
-            except BaseException:
-                del ex
-                raise
-            self._group_exec = (group, ex, step.record)
+            exes = [rt.Executor(step.core_plan, r, t, self._tasks(), timeout=timeout,
+                                record_events=step.record)
+                    for r, t in zip(ranks, group.rank_transports(k, timeout))]
+            errors = on_rank_threads(k, lambda j: exes[j].handshake(timeout), inline=True)
+            if any(errors):
+                del exes
+                raise_first(errors)
+            self._group_exec = (group, exes, step.record)
             if step not in group.steps:
                 group.steps.append(step)
-        ex = self._group_exec[1]
-        errors: list[BaseException | None] = [None] * step.num_ranks
-        try:
-            ex.run()
-        except BaseException as e:  # noqa: BLE001
-            errors[me] = e
+        exes = self._group_exec[1]
+        errors = [None] * step.num_ranks
+        errors[ranks[0]:ranks[-1] + 1] = on_rank_threads(k, lambda j: exes[j].run(),
+                                                         inline=True)
         self._state = None
         raise_first(errors, st.errors)
-        s = ex.stats()
-        peaks = router.allgather(f"{s['peak_live_bytes']} {s['peak_live_buffers']}")
-        step.last_stats = {"peak_bytes": [int(p.split()[0]) for p in peaks],
-                           "peak_buffers": [int(p.split()[1]) for p in peaks]}
+        mine = " ".join(f"{s['peak_live_bytes']} {s['peak_live_buffers']}"
+                        for s in (e.stats() for e in exes))
+        peaks = [int(x) for p in router.allgather(mine) for x in p.split()]
+        step.last_stats = {"peak_bytes": peaks[0::2], "peak_buffers": peaks[1::2]}
         if step.record:
             from .tracing import gather_events
 
-            step.last_events, step.last_offsets = gather_events(group, ex.events(), timeout)
-        mine = [i for i, p in enumerate(step.parts) if step.stage_rank[p.stage] == me]
-        return self._reduce_parts(st, mine)
+            step.last_events, step.last_offsets = gather_events(
+                group, [e.events() for e in exes], timeout)
+        return self._reduce_parts(st, [i for i, p in enumerate(step.parts)
+                                       if step.stage_rank[p.stage] in ranks])
 
     def _reduce_parts(self, st, idx):
         """Final value of each loop-output part in ``idx`` (``tasks.final_part``); the means

@@ -31,6 +31,9 @@ class PipelineMesh:
     devices ``[2r, 2r+1]`` as a one-axis ``"data"`` sub-mesh.
     """
 
+    # multi-process mode (distributed.process_mesh): the ranks each process runs (k)
+    ranks_per_process: int | None = None
+
     def __init__(self, devices: Any = None, ranks: int | None = None, axis: str = "pipe",
                  batch_axes: Sequence[str] | None = None):
         self.axis = axis

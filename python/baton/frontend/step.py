@@ -11,7 +11,7 @@ facts (``tasks.Buffers``), and two engines that run the loop:
   steps and traced one-rank steps.
 
 ``run`` does the code outside the loop, hands the loop to an engine, and combines the loop's
-outputs: in one process for every rank, or (``group``) for this process's rank, moving the
+outputs: in one process for every rank, or (``group``) for this process's ranks, moving the
 values that cross ranks outside the loop with a ``distributed.Router``.
 """
 
@@ -188,8 +188,8 @@ class CompiledStep:
 
     def run(self, flat_args: list[Any], group: Any = None, timeout: float = 120.0) -> list[Any]:
         """One step. ``group`` None: every rank in this process; a
-        :class:`~baton.frontend.distributed.ProcessGroup`: this process's rank only, over its
-        transport (see ``_run_group``). The compiled engine runs the loop unless the
+        :class:`~baton.frontend.distributed.ProcessGroup`: this process's ranks only, over its
+        transports (see ``_run_group``). The compiled engine runs the loop unless the
         interpreter was chosen (``single_program=False``), the step is profiled (the capture
         of each task's arguments), or it is a traced one-rank step. A traced multi-rank step
         runs the same compiled programs with their markers and transfer records on."""
@@ -212,57 +212,59 @@ class CompiledStep:
         self._run_segments(self.post_segments, vals)
         return [vals[v] if v in vals else tr.literals[v] for v in tr.step_outputs]
 
-    # -- one process per rank -------------------------------------------------------
+    # -- several processes ------------------------------------------------------------
     def _run_group(self, flat_args, group, timeout):
+        k = self.mesh.ranks_per_process
         try:
-            return self._run_group_body(flat_args, group, timeout)
+            return self._run_group_body(flat_args, group, timeout, k)
         except ExecutionError:
             raise
         except BaseException as e:
-            # e.g. code outside the loop raised: tell the other ranks instead of letting them
-            # wait out the timeout.
-            if not group.transport.closed:
-                group.transport.abort(f"rank {group.rank}: {type(e).__name__}: {e}")
+            # e.g. code outside the loop raised: tell the other processes' ranks instead of
+            # letting them wait out the timeout.
+            group.abort_all(f"rank {group.rank * k}: {type(e).__name__}: {e}")
             raise
 
-    def _run_group_body(self, flat_args, group, timeout):
-        """This process runs rank ``group.rank``: the code outside the loop of its stages,
-        its loop over ``group.transport``, and the transfers of values that cross ranks
-        outside the loop (inputs another rank holds, partial sums of a value shared by stages
-        on several ranks, per-microbatch outputs sent to every process). Every process walks
-        the same sequence of transfers, so they pair up."""
+    def _run_group_body(self, flat_args, group, timeout, k):
+        """This process (``group.rank``) runs ranks ``p*k .. p*k+k-1``: the code outside the
+        loop of their stages, their loops (``engine.run_rank``), and the transfers of values
+        that cross processes outside the loop (inputs another process holds, partial sums of
+        a value shared by stages on several processes, per-microbatch outputs sent to every
+        process). ``where`` says which processes hold a value; every process walks the same
+        sequence of transfers, so they pair up."""
         from .distributed import Remote, Router
 
         tr = self.traced
         lits = tr.literals
-        me, R = group.rank, self.num_ranks
+        me = group.rank
         router = Router(group, timeout)
         vals: dict[Any, Any] = {}
         where = router.holders(tr.step_inputs, flat_args, vals)
-        self._group_segments(self.pre_segments, vals, where, router, me)
-        for r in range(R):
-            router.need([o for o in self.loop_needs[r] if o not in lits], r, vals, where)
+        made: dict[Any, int] = {}  # value -> the rank that made it (named by Remote)
+        self._group_segments(self.pre_segments, vals, where, router, me, k, made)
+        for r in range(self.num_ranks):
+            router.need([o for o in self.loop_needs[r] if o not in lits], r // k, vals, where)
         if self.single_program and self.capture is None:
             final = self.engine.run_rank(group, router, vals, timeout)
         else:
             final = self.interpreter.run_rank(group, router, vals, timeout)
         for i, p in enumerate(self.parts):
-            where[("part", i)] = {self.stage_rank[p.stage]}
+            where[("part", i)] = {self.stage_rank[p.stage] // k}
             if i in final:
                 vals[("part", i)] = final[i]
         for outer, idx in self.by_outer.items():
             home = self.home(idx)
             if len(idx) > 1:
-                router.need([("part", i) for i in idx], home, vals, where)
-            if me == home:
+                router.need([("part", i) for i in idx], home // k, vals, where)
+            if me == home // k:
                 vals[outer] = self.combine(idx, {i: vals[("part", i)] for i in idx})
-            where[outer] = {home}
-        self._group_segments(self.post_segments, vals, where, router, me)
+            where[outer], made[outer] = {home // k}, home
+        self._group_segments(self.post_segments, vals, where, router, me, k, made)
         seen = set()
         for v in tr.step_outputs:
             if v in self._broadcast and v not in seen:
                 seen.add(v)
-                for q in range(R):
+                for q in range(group.world_size):
                     router.need([v], q, vals, where)
         outs = []
         for v in tr.step_outputs:
@@ -272,19 +274,21 @@ class CompiledStep:
                 outs.append(vals[v])
             else:
                 aval = tr.avals[v]
-                outs.append(Remote(tuple(aval.shape), np.dtype(aval.dtype), min(where[v])))
+                outs.append(Remote(tuple(aval.shape), np.dtype(aval.dtype),
+                                   made.get(v, min(where[v]) * k)))
         router.finish()
         return outs
 
-    def _group_segments(self, segs, vals, where, router, me):
+    def _group_segments(self, segs, vals, where, router, me, k, made):
         lits = self.traced.literals
         for seg in segs:
             r = self.stage_rank[seg.stage]
-            router.need([v for v in seg.inputs if v not in lits], r, vals, where)
-            if r == me:
+            router.need([v for v in seg.inputs if v not in lits], r // k, vals, where)
+            if r // k == me:
                 self._run_segments([seg], vals)
             for v in seg.outputs:  # a value copied on several stages is held by each
-                where.setdefault(v, set()).add(r)
+                where.setdefault(v, set()).add(r // k)
+                made.setdefault(v, r)
 
     # -- planning data -----------------------------------------------------------
     def skip_costs(self) -> list:

@@ -330,15 +330,18 @@ def clock_offsets(transport: Any, rank: int, world: int, timeout: float,
     return None
 
 
-def gather_events(group: Any, events: list, timeout: float) -> tuple[list, list[int]]:
-    """Every rank's events and rank 0's clock offsets, in every process (collective)."""
+def gather_events(group: Any, events: list[list], timeout: float) -> tuple[list, list[int]]:
+    """Every rank's events and clock offsets to process 0, in every process (collective).
+    ``events``: one list per rank this process runs (process p of k ranks runs ranks
+    ``p*k .. p*k+k-1``, all on this process's clock)."""
     t = group.transport
     offsets = clock_offsets(t, group.rank, group.world_size, timeout)
-    blobs = t.exchange(json.dumps({"events": [list(e) for e in events],
+    blobs = t.exchange(json.dumps({"events": [[list(e) for e in ev] for ev in events],
                                    "offsets": offsets}), timeout)
     parsed = [json.loads(b) for b in blobs]
-    all_events = [[tuple(e) for e in p["events"]] for p in parsed]
-    return all_events, list(parsed[0]["offsets"])
+    all_events = [[tuple(e) for e in ev] for p in parsed for ev in p["events"]]
+    k = len(events)
+    return all_events, [o for o in parsed[0]["offsets"] for _ in range(k)]
 
 
 def trace(fn: Any, *args, path: str | os.PathLike | None = None) -> Trace:

@@ -99,8 +99,11 @@ def make_store(address: str):
 
 
 def init_transport(kind: str = "gloo", *, info: RankInfo | None = None, hostname: str | None = None,
-                   connect_timeout: float = 60.0, device: int | None = None):
+                   connect_timeout: float = 60.0, device: int | None = None,
+                   prefix: str = "baton"):
     """Connects this process's transport (``"gloo"`` or ``"nccl"``) to every other rank.
+    ``prefix``: the Gloo context's store key namespace (``info``'s rank and world size with
+    another prefix make another context on the same store).
 
     The transport is closed at interpreter exit (or call ``close()``): a rank that leaves
     without closing looks failed to the others.
@@ -116,7 +119,7 @@ def init_transport(kind: str = "gloo", *, info: RankInfo | None = None, hostname
             hostname = ("127.0.0.1" if info.store.startswith("file://")
                         else socket.gethostbyname(socket.gethostname()))
         t = gloo_transport(info.rank, info.world_size, store, hostname=hostname,
-                           connect_timeout=connect_timeout)
+                           connect_timeout=connect_timeout, prefix=prefix)
     elif kind == "nccl":
         t = nccl_transport(info.rank, info.world_size,
                            info.local_rank if device is None else device, store)
