@@ -92,6 +92,28 @@ def train_main(p, world, out):
         if p == 0:
             np.savez(out / f"{name}.npz", **T.flat_result(*full))
         print(f"process {p} {name} ok", flush=True)
+    skips_main(p, out)
+
+
+def skips_main(p, out):
+    """The MLP with two long skips (test_stage_graph) on the 4 ranks with 1F1B: the skip
+    edges 0 -> 3 and 1 -> 3 cross from process 0 to process 1 over Gloo."""
+    import test_stage_graph as G
+
+    train_step, _ = G._steps(G.skip_loss)
+    key = jax.random.PRNGKey(1)
+    params, batch = G.init_skip(key), G.skip_batch(key, 16)
+    ps = baton.jit(train_step, mesh=local_mesh(), schedule=baton.OneFOneB(), microbatches=4)
+    st = G.OPT.init(params)
+    losses = []
+    for _ in range(2):
+        params, st, loss, _ = ps(params, st, batch)
+        losses.append(float(loss))
+    edges = [(e.src, e.dst) for e in ps.last.core_plan.skips]
+    full = ps.gather(params)
+    if p == 0:
+        np.savez(out / "skips.npz", loss=np.asarray(losses), edges=np.asarray(edges),
+                 **{f"p{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(full))})
 
 
 def fault_main(p, world, out, mode):
@@ -191,6 +213,26 @@ def test_two_processes_of_two_ranks_match_plain_jax(trained, name):
         if CASES[name][0] == "1f1b":
             seen = (trained / f"{name}-trace-process{q}.txt").read_text()
             assert seen == "4 [0, 1, 2, 3]", seen
+
+
+def test_skip_edges_cross_processes(trained):
+    """Values of stages 0 and 1 read by stage 3 go straight from process 0's ranks to
+    process 1's (skip edges over Gloo) and train like plain JAX."""
+    import test_stage_graph as G
+
+    got = dict(np.load(trained / "skips.npz"))
+    assert got["edges"].tolist() == [[0, 3], [1, 3]]
+    _, ref = G._steps(G.skip_loss)
+    key = jax.random.PRNGKey(1)
+    params, batch = G.init_skip(key), G.skip_batch(key, 16)
+    st = G.OPT.init(params)
+    losses = []
+    for _ in range(2):
+        params, st, loss, _ = ref(params, st, batch)
+        losses.append(float(loss))
+    np.testing.assert_allclose(got["loss"], losses, rtol=1e-5)
+    for i, x in enumerate(jax.tree.leaves(params)):
+        np.testing.assert_allclose(got[f"p{i}"], np.asarray(x), rtol=1e-5, atol=1e-6)
 
 
 def test_different_ranks_per_process_refused_by_name(trained):

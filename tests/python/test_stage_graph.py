@@ -224,10 +224,13 @@ def test_skip_connections_across_stages(name, schedule, ranks):
     # first (stage 0) and second (stage 1) reach stage 3 on their own edges
     _check_direct(step, [(0, 3), (1, 3)])
     assert len(f3.act_in) == 1 and [e for e, _ in f3.skip_in] == [0, 1]
-    # the simulator counts the skip transfers' bytes
+    # the simulator counts the skip transfers' bytes, and the drawing shows them
     sim = step.plan.simulate(cost_model_of(step))
-    assert any("skip(" in step.core_plan.describe_buffer(t.buffer) and t.bytes > 0
-               for t in sim.transfers) == any(fwd for fwd in _skip_sends(step)[0].values())
+    drawn = step.plan.to_trace(cost_model_of(step))
+    for (i, j), n in _skip_sends(step)[0].items():
+        assert (f"skip(s{i}->s{j}" in drawn) == (n > 0), (i, j)
+        assert any(f"skip(s{i}->s{j}" in step.core_plan.describe_buffer(t.buffer)
+                   and t.bytes > 0 for t in sim.transfers) == (n > 0), (i, j)
 
 
 def test_global_norm_clipping_keeps_updates_on_their_stage():

@@ -32,30 +32,28 @@ import numpy as np
 
 __all__ = ["Trace", "build_trace", "buffer_bytes", "trace", "clock_offsets", "gather_events"]
 
-_KIND_NAMES = ("act", "grad", "stash", "wstash", "wgrad")
 _TAG_CLOCK = 1 << 45  # above the Router's tags; slots are tag << 16, below 1 << 62 (control)
-
-
-def _kind_index(kind) -> int:
-    return int(getattr(kind, "value", kind))
+_FIELDS = {"Act": "act_bytes", "Grad": "grad_bytes", "Stash": "stash_bytes",
+           "WStash": "wstash_bytes", "WGrad": "wgrad_bytes"}
 
 
 def buffer_bytes(core_plan: Any, costs: Any) -> list[int]:
     """Bytes of every buffer id as the simulator counts them (cost.h: act/grad bytes of the
-    producing stage, stash/wstash/wgrad bytes of its stage)."""
-    s = core_plan.schedule
-    S, M = s.num_stages, s.num_microbatches
-    fields = ("act_bytes", "grad_bytes", "stash_bytes", "wstash_bytes", "wgrad_bytes")
+    producing stage, stash/wstash/wgrad bytes of its stage, a skip edge's from
+    ``CostModel.skips``); ids and kinds from the plan (``Plan.buffer_key``)."""
+    skips = {(c.src, c.dst): c for c in costs.skips}
+    edges = list(core_plan.skips)
     out = []
-    for b in range(len(_KIND_NAMES) * S * M):
-        kind, stage = b // (S * M), (b // M) % S
-        sc = costs.stages[stage] if stage < len(costs.stages) else costs.default_stage
-        out.append(int(getattr(sc, fields[kind])))
+    for b in range(core_plan.num_buffer_ids()):
+        k = core_plan.buffer_key(b)
+        kind = str(k.kind).split(".")[-1]
+        if kind in ("Skip", "SkipGrad"):
+            c = skips.get((edges[k.stage].src, edges[k.stage].dst))
+            out.append(0 if c is None else int(c.act_bytes if kind == "Skip" else c.grad_bytes))
+            continue
+        sc = costs.stages[k.stage] if k.stage < len(costs.stages) else costs.default_stage
+        out.append(int(getattr(sc, _FIELDS[kind])))
     return out
-
-
-def _buffer_name(S: int, M: int, b: int) -> str:
-    return f"{_KIND_NAMES[b // (S * M)]}(s{(b // M) % S},m{b % M})"
 
 
 def _category(act) -> str:
@@ -210,7 +208,7 @@ def build_trace(core_plan: Any, events: list, sizes: list[int] | None = None,
     sched = core_plan.schedule
     P, S, M = sched.num_ranks, sched.num_stages, sched.num_microbatches
     offsets_ns = list(offsets_ns or [0] * P)
-    sizes = sizes or [0] * (len(_KIND_NAMES) * S * M)
+    sizes = sizes or [0] * core_plan.num_buffer_ids()
     evs = []
     for r in range(P):
         off = offsets_ns[r]
@@ -248,7 +246,7 @@ def build_trace(core_plan: Any, events: list, sizes: list[int] | None = None,
             start = st or po
             end = rv[6] if rv is not None and rv[6] else co or start
             transfers.append({"src": src, "dst": dst, "buffer": b,
-                              "name": _buffer_name(S, M, b), "send_instr": i,
+                              "name": core_plan.describe_buffer(b), "send_instr": i,
                               "recv_instr": rv[0] if rv is not None else -1,
                               "posted": sec(po), "start": sec(start),
                               "recv_posted": sec(rv[4]) if rv is not None and rv[4] else None,
@@ -261,7 +259,6 @@ def _replay_memory(core_plan, evs, sizes, sec):
     """Live bytes per rank over time, as the simulator counts them (a RUN allocates its
     outputs at its start, a RECV at its post, a FREE releases at its time or when the
     rank's send of the buffer completed, whichever is later), at the measured times."""
-    S, M = core_plan.schedule.num_stages, core_plan.schedule.num_microbatches
     memory, peak_act, peak_tot = [], [], []
     for r, rank_evs in enumerate(evs):
         send_done = {}
@@ -293,7 +290,7 @@ def _replay_memory(core_plan, evs, sizes, sec):
         for t, _, b, sign in changes:
             n = sizes[b] * sign
             tot += n
-            if b // (S * M) in (2, 3):  # stash, wstash
+            if core_plan.channel(b) in (2, 3):  # stash, wstash (Plan.channel: the kind)
                 act += n
             pa, pt = max(pa, act), max(pt, tot)
             samples.append((sec(t), act, tot))
