@@ -19,7 +19,10 @@ sharding: the user's spec over the rank's sub-mesh, or the layout XLA gave a tas
     transient(d)    max over r's tasks of XLA's temp_size_in_bytes of its program plus the
                     new running sums it writes (the old ones stay until it returns: the sums
                     are not donated)
-    predicted(d) = static + copies + accumulators + buffers + transient
+    loop(d)         the peak over the simulated loop of: live buffers + the running sums of
+                    r's stages made by then + (during a RUN) its task's temporaries and new
+                    sums; at most buffers + accumulators + transient
+    predicted(d) = static + copies + loop
 
 The tasks are compiled with the arguments one interpreted call of the step hands them (the
 capture ``baton.profile`` uses), so the layouts and temporaries are those of the programs
@@ -47,9 +50,12 @@ import numpy as np
 from .. import _core
 from ..errors import ConfigError
 from .profile import xla_memory
+from .tasks import task_exes
 
 G = _core.graph
-COMPONENTS = ("static", "copies", "accumulators", "buffers", "transient")
+# the model's components per device; predicted = static + copies + loop
+COMPONENTS = ("static", "copies", "accumulators", "buffers", "transient", "loop")
+_TOTAL = ("static", "copies", "loop")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -117,7 +123,7 @@ class Memory:
     schedule: str = ""
 
     def predicted(self, d: int) -> int:
-        return sum(self.parts[c].get(d, 0) for c in COMPONENTS)
+        return sum(self.parts[c].get(d, 0) for c in _TOTAL)
 
     def rows(self) -> list[dict]:
         out = []
@@ -254,13 +260,53 @@ def _buffers(step, compiled) -> tuple[dict, dict]:
     return bufs, sums
 
 
-def _simulated_buffers(step, bufs) -> dict:
+def _loop_peak(step, sim, j, compiled, sums) -> dict:
+    """Per rank: the peak over the simulated loop of device position ``j``: the live
+    buffers (``sim.memory``) plus the running sums of the rank's stages that exist by then
+    (from the start of the stage's first task that makes them), plus, during a RUN, its
+    tasks' largest XLA temporaries and new sums (the old ones are still held)."""
+    out = {}
+    first: dict[int, float] = {}  # stage -> start of its first task with running sums
+    extra: dict[tuple, int] = {}  # (rank, action) -> temp + new sums of its costliest task
+    for run in sim.runs:
+        dv = step.mesh.rank_devices[run.rank][j].id
+        best = 0
+        for kind, s, _ in step.buffers.tasks_of(run.rank, run.action):
+            for exe in task_exes(step.tasks, kind, s):
+                _, temp, new = compiled[(exe.kind, exe.stage)]
+                best = max(best, temp + new.get(dv, 0))
+                if exe.acc_parts:
+                    first[s] = min(first.get(s, run.start), run.start)
+        extra[(run.rank, run.action)] = best
+    for r in range(step.num_ranks):
+        dv = step.mesh.rank_devices[r][j].id
+        mine = [(first[s], sums.get(s, {}).get(dv, 0)) for s in first
+                if step.stage_rank[s] == r]
+
+        def held(t, strict):
+            return sum(n for t0, n in mine if (t0 < t if strict else t0 <= t))
+
+        samples = sorted((m.time, m.total) for m in sim.memory[r])
+        peak = max([tot + held(t, False) for t, tot in samples] + [0])
+        for run in sim.runs:
+            if run.rank != r:
+                continue
+            during = [tot for t, tot in samples if run.start <= t < run.end]
+            before = [tot for t, tot in samples if t <= run.start]
+            buf = max(during or before[-1:] or [0])
+            peak = max(peak, buf + held(run.start, True) + extra[(r, run.action)])
+        out[r] = peak
+    return out
+
+
+def _simulated(step, bufs, compiled, sums) -> tuple[dict, dict]:
     """Per device: the simulator's peak_total of its rank with every buffer sized for that
-    device (one simulation per device position within a rank)."""
+    device, and the loop peak (``_loop_peak``); one simulation per device position within a
+    rank."""
     from .api import cost_model_of
 
     base = cost_model_of(step).to_json()
-    out = {}
+    peak, loop = {}, {}
     for j in range(step.mesh.devices_per_rank()):
         cm = _core.CostModel.from_json(base)
 
@@ -281,9 +327,12 @@ def _simulated_buffers(step, bufs) -> dict:
             sk.grad_bytes = int(bufs.get(("SkipGrad", e), {}).get(dev(edges[e].dst), 0))
         cm.skips = skips
         sim = step.plan.simulate(cm)
+        lp = _loop_peak(step, sim, j, compiled, sums)
         for r in range(step.num_ranks):
-            out[step.mesh.rank_devices[r][j].id] = int(sim.peak_total[r])
-    return out
+            d = step.mesh.rank_devices[r][j].id
+            peak[d] = int(sim.peak_total[r])
+            loop[d] = int(lp[r])
+    return peak, loop
 
 
 def memory(fn, args, measure: bool = False) -> Memory:
@@ -315,9 +364,10 @@ def memory(fn, args, measure: bool = False) -> Memory:
             t = temp + new_sums.get(dv.id, 0)
             transient[dv.id] = max(transient.get(dv.id, 0), t)
     temps = {k: v[1] for k, v in compiled.items()}
+    peak, loop = _simulated(step, bufs, compiled, sums)
     mem = Memory([[d.id for d in g] for g in step.mesh.rank_devices],
                  {"static": static, "copies": copies, "accumulators": acc,
-                  "buffers": _simulated_buffers(step, bufs), "transient": transient},
+                  "buffers": peak, "transient": transient, "loop": loop},
                  temps, schedule=step.plan.schedule.name)
     if measure:
         mem.measured = measure_live(fn, args, temps)
