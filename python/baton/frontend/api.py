@@ -299,7 +299,22 @@ class PipelinedFunction:
             raise ConfigError("call the step (or pass example arguments) first")
         text = step.plan.summary(cost_model_of(step))
         prof = getattr(step, "profiled", None)
-        return text if prof is None else text + "\n" + prof.summary()
+        if prof is not None:
+            text += "\n" + prof.summary()
+        if step.memory_model is not None:
+            text += "\nmemory per device (step.memory):\n" + step.memory_model.table()
+        return text
+
+    def memory(self, *args, measure: bool = False):
+        """The per-rank, per-device memory model of the step on ``args``: a
+        ``baton.frontend.memory.Memory`` (static arguments, copies, running sums, pipeline
+        buffers, XLA temporaries; ``.table()``), shown by ``summary()`` from then on.
+        ``measure``: also run one step sampling the live jax arrays per device
+        (``Memory.measured``). Runs one interpreted step to compile the tasks as they run;
+        one process only. See docs/ARCHITECTURE.md, "Memory"."""
+        from .memory import memory
+
+        return memory(self, args, measure)
 
     def simulate(self, *args):
         step = self.compile(*args) if args else self.last

@@ -207,21 +207,23 @@ class Interpreter:
         """Runs one task and puts the buffers it makes (``Buffers.outputs``) into ``env``."""
         exes = task_exes(self.step.tasks, kind, s)
         exe = exes[0]
-        got = exe.split(self._call(exe, self._args(exe, s, m, rank, env)))
+        got = exe.split(self._call(exe, self._args(exe, s, m, rank, env), rank))
         if len(exes) == 2:  # B as I then W: I's WStash goes straight to W
             we = exes[1]
             wargs = [self._invariant(v, rank) for v in we.in_groups[0]]
             wargs += [self._microbatch(v, m, rank) for v in we.in_groups[1]]
-            got["wgrad"] = we.split(self._call(we, wargs + got["wstash"]))["wgrad"]
+            got["wgrad"] = we.split(self._call(we, wargs + got["wstash"], rank))["wgrad"]
         bufs = self.step.buffers
         for key, value in bufs.outputs(kind, s, m, got):
             env[bufs.id(*key)] = value
         self._add_parts(exe.body[1], got["mb"], m)
 
-    def _call(self, exe, args):
+    def _call(self, exe, args, rank):
         """Runs a task. A task with weight gradients adds them to the running sums itself
         (inside its program, see tasks._with_acc) and returns None in their places; the
-        ACCUMULATE of its WGrad buffer then has nothing left to add."""
+        ACCUMULATE of its WGrad buffer then has nothing left to add. With ``step.live`` on,
+        the live arrays are sampled once its outputs exist (its inputs and old sums still
+        held)."""
         st = self._state
         step = self.step
         key = (exe.kind, exe.stage)
@@ -233,7 +235,11 @@ class Interpreter:
             if had is None or (had[0] is None and acc is not None):
                 step.capture[key] = (acc, args)
         if not exe.acc_parts:
-            return exe.fn(*args)
+            outs = exe.fn(*args)
+            if step.live is not None:
+                jax.block_until_ready(outs)
+                step.live.sample(rank, key)
+            return outs
         first = exe.acc_parts[0]
         added = st.adds.get(first, 0)
         st.adds[first] = added + 1
@@ -247,6 +253,9 @@ class Interpreter:
         outs = list(outs)
         if step.block:  # the RUN spans the task's compute, sums included
             jax.block_until_ready(outs)
+        if step.live is not None:
+            jax.block_until_ready(outs)
+            step.live.sample(rank, key)
         for j, i in zip(exe.acc_pos, exe.acc_parts):
             st.acc[i] = outs[j]
             outs[j] = None
@@ -272,6 +281,8 @@ class Interpreter:
             outs = [env[b] for b in out_ids]
             if self.step.block:
                 jax.block_until_ready(outs)
+            if self.step.live is not None:
+                self.step.live.sample()
             return [self._sized(b, v) for b, v in zip(out_ids, outs)]
         except BaseException as e:
             self._state.errors.setdefault(rank, e)
@@ -287,7 +298,11 @@ class Interpreter:
             raise
 
     def _cb_received(self, rank, b, value):
-        return self._sized(b, [jax.device_put(x, self.step.mesh.like(rank, x)) for x in value])
+        out = self._sized(b, [jax.device_put(x, self.step.mesh.like(rank, x)) for x in value])
+        if self.step.live is not None:
+            jax.block_until_ready(out)
+            self.step.live.sample()
+        return out
 
     def _recv_layout(self, rank, b):
         kind, s, _ = self.step.buffers.key(b)
@@ -315,6 +330,8 @@ class Interpreter:
         exes = [rt.Executor(step.core_plan, r, transports[r], tasks, timeout=timeout,
                             record_events=step.record)
                 for r in range(R)]
+        if step.live is not None:
+            step.live.sample()
         errors = on_rank_threads(R, lambda r: exes[r].run())
         stats = [e.stats() for e in exes]
         step.last_events = [e.events() for e in exes] if step.record else None

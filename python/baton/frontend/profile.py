@@ -108,9 +108,15 @@ def _median_time(fn, args, runs: int, warmup: int) -> list[float]:
 
 def _xla_memory(fn, args) -> dict | None:
     try:
-        ma = fn.lower(*args).compile().memory_analysis()
+        return xla_memory(fn.lower(*args).compile())
     except Exception:  # noqa: BLE001  (not every backend / JAX version exposes it)
         return None
+
+
+def xla_memory(compiled) -> dict | None:
+    """``compiled.memory_analysis()`` as a dict of byte fields (per device for an SPMD
+    program), or None where the backend gives none."""
+    ma = compiled.memory_analysis()
     if ma is None:
         return None
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",

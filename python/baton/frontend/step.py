@@ -107,6 +107,10 @@ class CompiledStep:
         self.record = False
         self.block = False
         self.capture: dict | None = None
+        # ``live`` (memory.LivePeak): the interpreter samples the live arrays per device
+        # after every task, transfer and task output (``PipelinedFunction.memory``)
+        self.live = None
+        self.memory_model = None  # the last memory.Memory of this step (summary())
         self.last_events: list | None = None
         self.last_offsets: list | None = None
         self.single_program = bool(single_program)
@@ -129,23 +133,29 @@ class CompiledStep:
         sp = self.in_specs.get(v)
         return self.mesh.sharding(rank, sp) if sp is not None else self.mesh.replicated(rank)
 
+    def placement(self, v, x, rank):
+        """The sharding value ``v`` (array ``x``) has once placed on ``rank`` (``place``): a
+        step input with a spec in that sharding; any other array already on the rank's
+        devices as XLA laid it out (a sharded gradient stays sharded for the optimizer); the
+        rest replicated."""
+        sh = self.sharding(v, rank)
+        if v in self.in_specs or _placed(x, sh):
+            return sh
+        if (isinstance(x, jax.Array) and getattr(x, "committed", True)
+                and x.sharding.device_set == set(self.mesh.meshes[rank].devices.flat)):
+            return x.sharding
+        return sh
+
     def place(self, vs, xs, rank):
-        """Values ``xs`` (ids ``vs``) on ``rank``: a step input with a spec is put in that
-        sharding; any other array already on the rank's devices is kept as XLA laid it out
-        (a sharded gradient stays sharded for the optimizer); the rest is moved, replicated.
-        Arrays already in place cost nothing (``device_put`` costs ~20 us per array even
-        then: ~10 ms per step for the optimizer's inputs and the parameters); the rest moves
-        in one batched ``device_put``."""
+        """Values ``xs`` (ids ``vs``) on ``rank``, each in its ``placement``. Arrays already
+        in place cost nothing (``device_put`` costs ~20 us per array even then: ~10 ms per
+        step for the optimizer's inputs and the parameters); the rest moves in one batched
+        ``device_put``."""
         out = list(xs)
-        devs = self.mesh.meshes[rank].devices
         move, to = [], []
         for i, (v, x) in enumerate(zip(vs, out)):
-            sh = self.sharding(v, rank)
+            sh = self.placement(v, x, rank)
             if _placed(x, sh):
-                continue
-            if (v not in self.in_specs and isinstance(x, jax.Array)
-                    and getattr(x, "committed", True)
-                    and x.sharding.device_set == set(devs.flat)):
                 continue
             move.append(i)
             to.append(sh)

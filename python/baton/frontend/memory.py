@@ -1,0 +1,393 @@
+"""Per-device memory of a pipelined step: a model, and what the run actually holds.
+
+    mem = step.memory(params, opt_state, batch, measure=True)   # step: a baton.jit function
+    print(mem.table())          # per rank and device: predicted by component, measured, ratio
+
+**Model** (per device d of rank r; every size the bytes of d's shard of the value, from its
+sharding: the user's spec over the rank's sub-mesh, or the layout XLA gave a task's output):
+
+    static(d)       the step's arguments on r: each parameter, optimizer state and other input
+                    on the rank of the smallest stage that reads it, in its placement
+                    (``CompiledStep.placement``); the batch where the caller put it
+    copies(d)       loop inputs another rank also reads (a tied weight, placed there for the
+                    loop) and the batch split into microbatches (kept for the loop)
+    accumulators(d) the running sums of r's stages (weight gradients, mean/sum outputs) in the
+                    layout of the task outputs that make them; stacked outputs M times
+    buffers(d)      the simulator's peak_total of r with each buffer sized per device (the
+                    tasks' compiled output layouts: boundary values split over the batch
+                    axes, stashes as XLA laid them out)
+    transient(d)    max over r's tasks of XLA's temp_size_in_bytes of its program plus the
+                    new running sums it writes (the old ones stay until it returns: the sums
+                    are not donated)
+    loop(d)         the peak over the simulated loop of: live buffers + the running sums of
+                    r's stages made by then + (during a RUN) its task's temporaries and new
+                    sums; at most buffers + accumulators + transient
+    predicted(d) = static + copies + loop
+
+The tasks are compiled with the arguments one interpreted call of the step hands them (the
+capture ``baton.profile`` uses), so the layouts and temporaries are those of the programs
+the step runs.
+
+**Measurement** (``measure=True``: one more call on the interpreter): the bytes of every
+live ``jax.Array`` per device (``jax.live_arrays()``, each array's shards per device from
+its sharding), sampled at the start of the loop, after every task's outputs are computed
+(its inputs and old running sums still held), after every RUN and every received transfer,
+plus, at a sample taken inside a task, that task's temp_size_in_bytes on its rank's devices
+(live arrays cannot see inside a running program). The peak covers the microbatch loop,
+not the optimizer update after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import _core
+from ..errors import ConfigError
+from .profile import xla_memory
+from .tasks import task_exes
+
+G = _core.graph
+# the model's components per device; predicted = static + copies + loop
+COMPONENTS = ("static", "copies", "accumulators", "buffers", "transient", "loop")
+_TOTAL = ("static", "copies", "loop")
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_bytes(sharding, shape: tuple, itemsize: int) -> tuple:
+    """((device id, bytes), ...): each device's shard of an array of ``shape``."""
+    out = []
+    for d, idx in sharding.devices_indices_map(shape).items():
+        n = 1
+        for sl, dim in zip(idx, shape):
+            n *= len(range(*sl.indices(dim)))
+        out.append((d.id, n * itemsize))
+    return tuple(out)
+
+
+def _itemsize(dtype) -> int:
+    """Bytes per element (also of extended dtypes such as PRNG keys: their storage)."""
+    return int(getattr(dtype, "itemsize", None) or np.dtype(dtype).itemsize)
+
+
+def per_device(items, out: dict | None = None, times: int = 1) -> dict:
+    """Adds the per-device shard bytes of ``items`` ((sharding, shape, dtype) triples or
+    jax.Arrays) into ``out`` (device id -> bytes), ``times`` each."""
+    out = {} if out is None else out
+    for it in items:
+        sh, shape, dt = ((it.sharding, it.shape, it.dtype) if isinstance(it, jax.Array)
+                         else it)
+        for d, n in _shard_bytes(sh, tuple(shape), _itemsize(dt)):
+            out[d] = out.get(d, 0) + n * times
+    return out
+
+
+class LivePeak:
+    """The peak over samples of live jax array bytes per device (see the module
+    docstring); ``temps[(kind, stage)]``: a task's XLA temporaries, added on its rank's
+    devices at a sample taken inside it."""
+
+    def __init__(self, rank_devices, temps: dict):
+        self.devs = [{d.id for d in g} for g in rank_devices]
+        self.temps = temps
+        self.peak: dict[int, int] = {}
+        self.samples = 0
+        self._lock = threading.Lock()
+
+    def sample(self, rank: int | None = None, task: tuple | None = None) -> None:
+        live = per_device(jax.live_arrays())
+        extra = self.temps.get(task, 0) if task is not None else 0
+        with self._lock:
+            self.samples += 1
+            for d, n in live.items():
+                if extra and d in self.devs[rank]:
+                    n += extra
+                if n > self.peak.get(d, 0):
+                    self.peak[d] = n
+
+
+@dataclasses.dataclass
+class Memory:
+    """Per device (id) bytes of each model component, the measured peak (None until
+    measured), and each rank's device ids."""
+
+    rank_devices: list[list[int]]
+    parts: dict  # component -> {device id: bytes}
+    temps: dict  # (kind, stage) -> XLA temp_size_in_bytes (per device)
+    measured: dict | None = None  # device id -> peak bytes (live arrays + temporaries)
+    schedule: str = ""
+
+    def predicted(self, d: int) -> int:
+        return sum(self.parts[c].get(d, 0) for c in _TOTAL)
+
+    def rows(self) -> list[dict]:
+        out = []
+        for r, devs in enumerate(self.rank_devices):
+            for d in devs:
+                row = {"rank": r, "device": d, **{c: self.parts[c].get(d, 0)
+                                                   for c in COMPONENTS},
+                       "predicted": self.predicted(d)}
+                if self.measured is not None:
+                    row["measured"] = self.measured.get(d, 0)
+                    row["ratio"] = row["predicted"] / row["measured"] if row["measured"] \
+                        else float("nan")
+                out.append(row)
+        return out
+
+    def table(self) -> str:
+        """A markdown table (KiB): per rank and device, the components, predicted total,
+        measured peak and predicted / measured."""
+        cols = ["rank", "device", *COMPONENTS, "predicted"]
+        if self.measured is not None:
+            cols += ["measured", "ratio"]
+        lines = ["| " + " | ".join(c if c in ("rank", "device", "ratio") else c + " KiB"
+                                   for c in cols) + " |",
+                 "|" + "---:|" * len(cols)]
+        for row in self.rows():
+            cells = [str(row[c]) if c in ("rank", "device") else
+                     f"{row[c]:.3f}" if c == "ratio" else f"{row[c] / 1024:.1f}" for c in cols]
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+    def worst_ratio(self) -> float:
+        """The predicted / measured ratio furthest from 1 over the devices."""
+        rs = [r["ratio"] for r in self.rows()]
+        return max(rs, key=lambda x: abs(x - 1.0))
+
+
+def _readers(step) -> dict[int, int]:
+    """Step input -> the smallest stage that reads it (in the loop or outside it)."""
+    first: dict[int, int] = {}
+
+    def see(v, s):
+        if v not in first or s < first[v]:
+            first[v] = s
+
+    for (_, s), exe in step.tasks.items():
+        for lv in exe.in_groups[0] + exe.in_groups[1]:
+            see(step.loop_src[lv][0], s)
+    for seg in step.pre_segments + step.post_segments:
+        for v in seg.inputs:
+            see(v, seg.stage)
+    inputs = set(step.traced.step_inputs)
+    return {v: s for v, s in first.items() if v in inputs}
+
+
+def _static_and_copies(step, flat_args) -> tuple[dict, dict]:
+    vals = dict(zip(step.traced.step_inputs, flat_args))
+    home = _readers(step)
+    batch = {o for o, mb in step.loop_src.values() if mb}
+    static: dict = {}
+    copies: dict = {}
+    for v, s in home.items():
+        x = vals[v]
+        if v in batch:  # not placed: where the caller put it, and split for the loop
+            if isinstance(x, jax.Array):
+                per_device([x], static)
+                per_device([x], copies)
+            else:
+                sd = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                per_device([(sd, np.shape(x), np.result_type(x))], copies)
+            continue
+        r = step.stage_rank[s]
+        per_device([(step.placement(v, x, r), np.shape(x), x.dtype)], static)
+    for r in range(step.num_ranks):  # loop inputs placed on a rank besides their home
+        for v in step.loop_needs[r]:
+            if v in home and v not in batch and step.stage_rank[home[v]] != r:
+                x = vals[v]
+                per_device([(step.placement(v, x, r), np.shape(x), x.dtype)], copies)
+    return static, copies
+
+
+def _compiled_tasks(step, captured) -> dict:
+    """(kind, stage) -> (task outputs by group as (sharding, shape, dtype), temp bytes,
+    the new running sums' per-device bytes)."""
+    out = {}
+    for (kind, s), (acc, args) in sorted(captured.items()):
+        exe = step.tasks[(kind, s)]
+        fn = exe.fn
+        if acc is not None:
+            fn, args = exe.fn_acc, [acc, *args]
+        lowered = fn.lower(*args)
+        comp = lowered.compile()
+        mem = xla_memory(comp)
+        if mem is None:
+            raise ConfigError(f"memory model: the backend gives no memory analysis for task "
+                              f"{kind}{s} (its XLA temporaries are unknown)")
+        outs = [(sh, tuple(a.shape), a.dtype)
+                for sh, a in zip(comp.output_shardings, jax.tree.leaves(lowered.out_info))]
+        sums = per_device([outs[j] for j in exe.acc_pos]) if acc is not None else {}
+        out[(kind, s)] = (exe.split(outs), int(mem["temp_size_in_bytes"]), sums)
+    return out
+
+
+_BUF_GROUP = {"act": "Act", "grad": "Grad", "stash": "Stash", "wstash": "WStash"}
+
+
+def _buffers(step, compiled) -> tuple[dict, dict]:
+    """Per-device bytes of each plan buffer (kind, stage or edge) and of each stage's
+    running sums, from the tasks' output layouts."""
+    bufs: dict = {}
+    sums: dict = {}
+    parts = step.parts
+    M = step.M
+    for (kind, s), (groups, _, _) in compiled.items():
+        exe = step.tasks[(kind, s)]
+        for g, items in groups.items():
+            if g in ("wgrad", "mb"):
+                continue
+            if kind == "FB" and g == "stash":
+                continue
+            key = (_BUF_GROUP[g], s) if g in _BUF_GROUP else g  # ("Skip", e) ...
+            if items:
+                bufs[key] = per_device(items)
+        stacked: list = []
+        for g, idx in (("wgrad", exe.body[0]), ("mb", exe.body[1])):
+            for item, i in zip(groups[g], idx):
+                if parts[i].reduce == G.Reduce.Stack:
+                    stacked.append(item)
+                else:
+                    per_device([item], sums.setdefault(s, {}))
+        if stacked:
+            bufs[("WGrad", s)] = per_device([it for it, i in zip(groups["wgrad"], exe.body[0])
+                                             if parts[i].reduce == G.Reduce.Stack])
+            per_device(stacked, sums.setdefault(s, {}), times=M)
+    return bufs, sums
+
+
+def _loop_peak(step, sim, j, compiled, sums) -> dict:
+    """Per rank: the peak over the simulated loop of device position ``j``: the live
+    buffers (``sim.memory``) plus the running sums of the rank's stages that exist by then
+    (from the start of the stage's first task that makes them), plus, during a RUN, its
+    tasks' largest XLA temporaries and new sums (the old ones are still held)."""
+    out = {}
+    first: dict[int, float] = {}  # stage -> start of its first task with running sums
+    extra: dict[tuple, int] = {}  # (rank, action) -> temp + new sums of its costliest task
+    for run in sim.runs:
+        dv = step.mesh.rank_devices[run.rank][j].id
+        best = 0
+        for kind, s, _ in step.buffers.tasks_of(run.rank, run.action):
+            for exe in task_exes(step.tasks, kind, s):
+                _, temp, new = compiled[(exe.kind, exe.stage)]
+                best = max(best, temp + new.get(dv, 0))
+                if exe.acc_parts:
+                    first[s] = min(first.get(s, run.start), run.start)
+        extra[(run.rank, run.action)] = best
+    for r in range(step.num_ranks):
+        dv = step.mesh.rank_devices[r][j].id
+        mine = [(first[s], sums.get(s, {}).get(dv, 0)) for s in first
+                if step.stage_rank[s] == r]
+
+        def held(t, strict):
+            return sum(n for t0, n in mine if (t0 < t if strict else t0 <= t))
+
+        samples = sorted((m.time, m.total) for m in sim.memory[r])
+        peak = max([tot + held(t, False) for t, tot in samples] + [0])
+        for run in sim.runs:
+            if run.rank != r:
+                continue
+            during = [tot for t, tot in samples if run.start <= t < run.end]
+            before = [tot for t, tot in samples if t <= run.start]
+            buf = max(during or before[-1:] or [0])
+            peak = max(peak, buf + held(run.start, True) + extra[(r, run.action)])
+        out[r] = peak
+    return out
+
+
+def _simulated(step, bufs, compiled, sums) -> tuple[dict, dict]:
+    """Per device: the simulator's peak_total of its rank with every buffer sized for that
+    device, and the loop peak (``_loop_peak``); one simulation per device position within a
+    rank."""
+    from .api import cost_model_of
+
+    base = cost_model_of(step).to_json()
+    peak, loop = {}, {}
+    for j in range(step.mesh.devices_per_rank()):
+        cm = _core.CostModel.from_json(base)
+
+        def dev(s):
+            return step.mesh.rank_devices[step.stage_rank[s]][j].id
+
+        stages = list(cm.stages)
+        for s, sc in enumerate(stages):
+            for f, k in (("act_bytes", "Act"), ("stash_bytes", "Stash"),
+                         ("grad_bytes", "Grad"), ("wstash_bytes", "WStash"),
+                         ("wgrad_bytes", "WGrad")):
+                setattr(sc, f, int(bufs.get((k, s), {}).get(dev(s), 0)))
+        cm.stages = stages
+        skips = list(cm.skips)
+        edges = list(step.partition.skips)
+        for e, sk in enumerate(skips):
+            sk.act_bytes = int(bufs.get(("Skip", e), {}).get(dev(edges[e].src), 0))
+            sk.grad_bytes = int(bufs.get(("SkipGrad", e), {}).get(dev(edges[e].dst), 0))
+        cm.skips = skips
+        sim = step.plan.simulate(cm)
+        lp = _loop_peak(step, sim, j, compiled, sums)
+        for r in range(step.num_ranks):
+            d = step.mesh.rank_devices[r][j].id
+            peak[d] = int(sim.peak_total[r])
+            loop[d] = int(lp[r])
+    return peak, loop
+
+
+def memory(fn, args, measure: bool = False) -> Memory:
+    """The per-device memory model of ``fn`` (a ``baton.jit`` function) on ``args``
+    (see the module docstring); ``measure``: also run one step on the interpreter sampling
+    the live arrays (``Memory.measured``). One process only."""
+    if fn.group is not None:
+        raise ConfigError("step.memory(): one process only (in several processes each "
+                          "process sees only its own ranks' arrays)")
+    step = fn.compile(*args)
+    flat = jax.tree.leaves(args)
+    step.capture = {}
+    try:
+        fn._call(args)
+        captured = step.capture
+    finally:
+        step.capture = None
+    compiled = _compiled_tasks(step, captured)
+    del captured
+    bufs, sums = _buffers(step, compiled)
+    static, copies = _static_and_copies(step, flat)
+    acc: dict = {}
+    transient: dict = {}
+    for s, per in sums.items():
+        for d, n in per.items():
+            acc[d] = acc.get(d, 0) + n
+    for (kind, s), (_, temp, new_sums) in compiled.items():
+        for dv in step.mesh.rank_devices[step.stage_rank[s]]:
+            t = temp + new_sums.get(dv.id, 0)
+            transient[dv.id] = max(transient.get(dv.id, 0), t)
+    temps = {k: v[1] for k, v in compiled.items()}
+    peak, loop = _simulated(step, bufs, compiled, sums)
+    mem = Memory([[d.id for d in g] for g in step.mesh.rank_devices],
+                 {"static": static, "copies": copies, "accumulators": acc,
+                  "buffers": peak, "transient": transient, "loop": loop},
+                 temps, schedule=step.plan.schedule.name)
+    if measure:
+        mem.measured = measure_live(fn, args, temps)
+    step.memory_model = mem
+    return mem
+
+
+def measure_live(fn, args, temps: dict) -> dict:
+    """One interpreted call of ``fn`` with live-array sampling on; device id -> peak."""
+    step = fn.compile(*args)
+    live = LivePeak(step.mesh.rank_devices, temps)
+    was = step.single_program
+    step.single_program = False
+    step.live = live
+    try:
+        fn._call(args)
+    finally:
+        step.live = None
+        step.single_program = was
+    return dict(live.peak)
+
+
+__all__ = ["Memory", "LivePeak", "memory", "measure_live", "per_device"]
