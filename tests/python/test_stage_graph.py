@@ -260,3 +260,25 @@ def test_global_norm_clipping_keeps_updates_on_their_stage():
     mu = s1[1][0].mu
     for s, leaf in enumerate(mu["w"]):
         assert leaf.sharding.device_set == set(cs.mesh.rank_devices[cs.stage_rank[s]]), s
+
+
+@pytest.mark.parametrize("schedule,ranks", [(baton.OneFOneB(), 4), (baton.ZBV(), 2)],
+                         ids=["1f1b", "zbv"])
+def test_skip_edges_on_the_interpreter(schedule, ranks):
+    """The reference engine (``single_program=False``: the C++ executor) moves the skip
+    buffers too, and a traced step names them."""
+    train_step, ref = _steps(skip_loss)
+    key = jax.random.PRNGKey(1)
+    params, batch = init_skip(key), skip_batch(key, 16)
+    ps = baton.jit(train_step, mesh=baton.PipelineMesh(jax.devices()[:ranks], ranks=ranks),
+                   schedule=schedule, microbatches=4, single_program=False)
+    p1 = p2 = params
+    s1 = s2 = OPT.init(params)
+    for _ in range(2):
+        p1, s1, l1, _ = ps(p1, s1, batch)
+        p2, s2, l2, _ = ref(p2, s2, batch)
+        np.testing.assert_allclose(l1, l2, rtol=1e-5)
+        _close(p1, p2)
+    _check_direct(ps.last, [(0, 3), (1, 3)])
+    names = {t["name"].split("(")[0] for t in baton.trace(ps, p1, s1, batch).transfers}
+    assert {"skip", "skipgrad"} <= names, names
