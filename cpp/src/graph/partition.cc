@@ -53,7 +53,7 @@ struct Ctx {
 // in; a forward op whose outputs only later forward stages read (the keys and
 // values a decoder stage projects from the encoder output) moves to the
 // earliest of its readers, when its staged inputs are no larger than its
-// outputs: what crosses the stages is then the inputs (often relayed anyway)
+// outputs: what crosses the stages is then the inputs (often sent anyway)
 // instead of the outputs, and the work runs where the model's code put it.
 // Reverse program order, so chains sink together. Values read by a backward
 // op do not hold an op back (the backward op follows the residual); loop
@@ -167,7 +167,7 @@ void infer_stages(Ctx& c) {
   // unstaged (each stage that reads them recomputes them: positions, masks),
   // except the expensive ones that stage 0 computes on the way to its
   // boundary (embeddings, its layers): those are stage 0's work, and a later
-  // stage that reads them receives them (relayed) instead of rerunning them.
+  // stage that reads them receives them (a skip edge) instead of rerunning them.
   std::vector<char> seed(static_cast<size_t>(nops), 0);
   if (c.S > 1 && c.fwd_marker[0] >= 0) {
     std::vector<char> batch(p.values.size(), 0);
@@ -218,7 +218,7 @@ void infer_stages(Ctx& c) {
     }
     // In the backward part of the program a residual of F_s is read by B_s,
     // unless the op also reads cotangents of a later stage j > s: then it runs
-    // in B_j and the residual is relayed forward to stage j and stashed there
+    // in B_j and the residual is sent forward to stage j and stashed there
     // (an encoder output read by a decoder stage's backward).
     int lb = kUnplaced, res = kUnplaced;
     for (int32_t v : op.inputs) {
@@ -353,7 +353,7 @@ std::vector<SkipEdge> add_skips(const Ctx& c, std::vector<std::array<TaskWork, 3
   const int S = c.S;
   std::vector<std::set<int>> fwd(S), bwd(S);  // [k]: values crossing boundary k
   std::map<std::pair<int, int>, std::pair<std::set<int>, std::set<int>>> edges;  // fwd, bwd
-  auto relay = [&](int v, int user_pos, int user_stage) {
+  auto route = [&](int v, int user_pos, int user_stage) {
     int q = c.pos[v];
     if (q == kUnplaced) return;
     int i = c.stage_of(q);
@@ -371,12 +371,12 @@ std::vector<SkipEdge> add_skips(const Ctx& c, std::vector<std::array<TaskWork, 3
     if (op.kind == OpKind::Boundary) {
       int k = op.boundary;
       int user_pos = op.backward ? c.b_pos(k + 1) : c.f_pos(k);
-      for (int32_t v : op.inputs) relay(v, user_pos, c.stage_of(user_pos));
+      for (int32_t v : op.inputs) route(v, user_pos, c.stage_of(user_pos));
       continue;
     }
     if (op.outputs.empty()) continue;
     int position = c.pos[op.outputs[0]];
-    for (int32_t v : op.inputs) relay(v, position, c.stage_of(position));
+    for (int32_t v : op.inputs) route(v, position, c.stage_of(position));
   }
   for (int k = 0; k + 1 < S; ++k) {
     for (int v : fwd[k]) {
@@ -525,8 +525,8 @@ std::vector<TaskBody> form_tasks(Ctx& c, const std::vector<OutputPart>& parts,
         w.body.microbatch_in.push_back(v);
         continue;
       }
-      // Values that reach stage s with its activations (marker outputs and
-      // relayed values) are F's inputs and, for the backward, F's stash;
+      // Values that reach stage s with its activations (marker outputs,
+      // values sent to the neighbour or on a skip edge) are F's inputs and, for the backward, F's stash;
       // those that reach it with the input gradients are I's inputs and, for
       // W, I's wstash.
       if (act_in[s].count(v)) {
