@@ -61,7 +61,7 @@ from .frontend import (  # noqa: F401,E402
 from .stacks import Stacked, join_stacks, scan_stages, split_stacks  # noqa: F401,E402
 
 # --- stage boundaries proposed by Baton; automatic planning ---
-from .autoplan import Auto, autoplan, measure_segments  # noqa: F401,E402
+from .autoplan import Auto, autoplan, costs_at, measure_segments, search_segments  # noqa: F401,E402
 from .autostage import auto_stage  # noqa: F401,E402
 
 # --- measurement (traces of real steps, profile-driven costs) ---

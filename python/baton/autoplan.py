@@ -38,7 +38,8 @@ from .errors import ConfigError
 from .frontend.mesh import PipelineMesh
 from .frontend.trace import trace_step
 
-__all__ = ["measure_segments", "autoplan", "Auto", "Candidate", "Candidates"]
+__all__ = ["measure_segments", "autoplan", "search_segments", "costs_at", "Auto", "Candidate",
+           "Candidates"]
 
 G = _core.graph
 def _task(part, kind, s):
@@ -75,24 +76,34 @@ def _cache_dir(cache_dir) -> str:
                           os.path.join(os.path.expanduser("~"), ".cache", "baton"))
 
 
-def _profile_at(fn, args, device, stages: int, microbatches: int, runs: int):
-    """Per-stage seconds (f, b) and XLA temporaries of ``fn`` as a one-rank pipeline with
-    every candidate boundary a stage, ``microbatches`` per step."""
+def _profile_at(fn, args, device, stages: int, microbatches: int, runs: int,
+                boundaries=None):
+    """``fn`` as a one-rank pipeline of ``stages`` stages (every candidate boundary a stage, or
+    the ``boundaries`` given), ``microbatches`` per step, each task timed alone
+    (``costs="isolated"``). Returns the per-stage (f, b, XLA temporaries), the simulated loop
+    from those times, the median wall time of ``runs`` untraced steps, and the step."""
     from . import profile
     from .frontend.api import PipelinedFunction
     from .schedules import Interleaved1F1B
 
     probe = PipelinedFunction(fn, PipelineMesh([device], ranks=1),
                               Interleaved1F1B(virtual_stages=stages) if stages > 1 else "1f1b",
-                              microbatches, remat=False, fuse_forward_backward=False)
+                              microbatches, remat=False, fuse_forward_backward=False,
+                              boundaries=boundaries)
     prof = profile(probe, *args, runs=runs, warmup=1, steps=1, costs="isolated")
+    walls = []
+    for _ in range(max(runs, 1)):
+        t = time.perf_counter()
+        jax.block_until_ready(probe(*args))
+        walls.append(time.perf_counter() - t)
     out = []
     for s in range(stages):
         sc = prof.cost_model.stages[s]
         temp = max([int(prof.xla_memory.get(f"{k}{s}", {}).get("temp_size_in_bytes", 0))
                     for k in ("F", "B")] + [0])
         out.append((float(sc.f), float(sc.b), temp))
-    return out, probe.last
+    return (out, float(prof.predicted["step_time"]), float(np.median(walls)),
+            float(prof.measured["step_time"]), probe.last)
 
 
 def measure_segments(fn, *args, microbatches=(4, 8), runs: int = 3, device=None,
@@ -100,19 +111,19 @@ def measure_segments(fn, *args, microbatches=(4, 8), runs: int = 3, device=None,
     """The segment costs of ``fn`` (a training step with one ``baton.accumulate`` whose model
     marks candidate cut points with ``stage_boundary``) in the layout of
     ``baton-plan --auto --segments`` (see ``cpp/include/baton/autoplan.h``). Measured on
-    ``device`` (default: the first device) at the microbatch counts ``microbatches`` (one or
-    two of them: two give each segment's fixed per-task overhead); cached under
+    ``device`` (default: the first device) at each of the microbatch counts ``microbatches``
+    (the search uses a count's own costs, ``by_microbatches``, and scales the nearest
+    measured ones for a count not measured; see docs/ARCHITECTURE.md); cached under
     ``cache_dir`` (``$BATON_CACHE_DIR``, default ``~/.cache/baton``) by the traced program's
     fingerprint: a second call for the same step is a file read."""
     device = device or jax.devices()[0]
-    ms = sorted(set(int(m) for m in microbatches))[:2] if np.ndim(microbatches) else [
-        int(microbatches)]
+    ms = sorted(set(int(m) for m in np.atleast_1d(microbatches)))
     traced = trace_step(fn, args, ms[0])
     batch = _batch_size(traced)
     for m in ms:
         if m < 1 or batch % m:
             raise ConfigError(f"autoplan: {m} microbatches do not divide the batch of {batch}")
-    key = f"segments-{_fingerprint(traced, device)}-{'-'.join(map(str, ms))}-{runs}.json"
+    key = f"segments-v4-{_fingerprint(traced, device)}-{'-'.join(map(str, ms))}-{runs}.json"
     path = os.path.join(_cache_dir(cache_dir), key)
     if use_cache and os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
@@ -121,9 +132,22 @@ def measure_segments(fn, *args, microbatches=(4, 8), runs: int = 3, device=None,
         return out
     t0 = time.perf_counter()
     S = traced.num_stages
-    measured = {m: _profile_at(fn, args, device, S, m, runs) for m in ms}
+    # per count M: the S-stage probe (tasks timed alone, simulated loop P, wall W) and the
+    # whole model as one stage (wall W1; its traced loop at the fewest microbatches, where
+    # tracing adds least, gives the time outside the loop U = W1 - loop)
+    probes = {m: _profile_at(fn, args, device, S, m, runs) for m in ms}
+    whole = {m: _profile_at(fn, args, device, 1, m, runs, boundaries=[]) for m in ms}
+    outside = max(whole[ms[0]][2] - whole[ms[0]][3], 0.0)
+    cal = {}
+    for m in ms:
+        _, p12, w12, _, _ = probes[m]
+        loop12, loop1 = max(w12 - outside, 0.0), max(whole[m][2] - outside, 0.0)
+        scale = loop12 / p12 if p12 > 0 and loop12 > 0 else 1.0
+        saved = max(loop12 - loop1, 0.0) / (2 * max(S - 1, 1) * m)
+        cal[m] = {"scale": scale, "task_overhead": saved, "wall": w12, "simulated_loop": p12,
+                  "whole_wall": whole[m][2]}
     ref = ms[-1]  # costs are given at the smallest microbatch (most microbatches)
-    times, step = measured[ref]
+    step = probes[ref][4]
     prog = step.traced.program
     keep = G.partition(prog, False, False)
     small = G.partition(prog, False, True)
@@ -134,41 +158,52 @@ def measure_segments(fn, *args, microbatches=(4, 8), runs: int = 3, device=None,
     for seg in step.post_segments:
         opt_by_stage.setdefault(seg.stage, set()).update(
             v for v in seg.inputs if v in inputs and v not in params)
+
+    def times(m):
+        """Per segment [f, b, i, w, min_recompute] at m microbatches, calibrated."""
+        k = cal[m]["scale"]
+        rows = []
+        for s, (f_t, b_t, _) in enumerate(probes[m][0]):
+            F, B = _task(keep, "F", s), _task(keep, "B", s)
+            Bm = _task(small, "B", s)
+            Ii, Ww = _task(split, "I", s), _task(split, "W", s)
+            share = Ii.cost / (Ii.cost + Ww.cost) if Ii.cost + Ww.cost > 0 else 0.5
+            recompute = max(Bm.cost - B.cost, 0.0)
+            f, b = f_t * k, b_t * k
+            rows.append([f, b, b * share, b * (1 - share),
+                         f * recompute / F.cost if F.cost > 0 else 0.0])
+        return rows
+
     segments = []
-    for s in range(S):
-        f_t, b_t, temp = times[s]
+    for s, (f, b, i, w, rec) in enumerate(times(ref)):
         F, B = _task(keep, "F", s), _task(keep, "B", s)
-        Fm, Bm = _task(small, "F", s), _task(small, "B", s)
-        Ii, Ww = _task(split, "I", s), _task(split, "W", s)
-        overhead = 0.0
-        if len(ms) == 2:  # t = overhead + rate * microbatch size, from the two sizes
-            f_big, b_big, _ = measured[ms[0]][0][s]
-            k = (batch // ms[-1]) / (batch // ms[0])  # small / big microbatch
-            for t_small, t_big in ((f_t, f_big), (b_t, b_big)):
-                o = (t_small - k * t_big) / (1 - k) if k < 1 else 0.0
-                overhead = max(overhead, min(max(o, 0.0), t_small))
-            overhead = min(overhead, f_t, b_t)
-        share = Ii.cost / (Ii.cost + Ww.cost) if Ii.cost + Ww.cost > 0 else 0.5
-        recompute = max(Bm.cost - B.cost, 0.0)
+        Fm = _task(small, "F", s)
+        Ii = _task(split, "I", s)
         param_vals = set(F.invariant_in) | set(B.invariant_in)
         segments.append({
-            "name": f"segment {s}",
-            "f": f_t, "b": b_t, "i": b_t * share, "w": b_t * (1 - share),
-            "overhead": overhead,
+            "name": f"segment {s}", "f": f, "b": b, "i": i, "w": w, "overhead": 0.0,
             "act_bytes": _bytes(prog, F.act_out),
             "stash_bytes": _bytes(prog, F.stash_out),
             "min_stash_bytes": _bytes(prog, Fm.stash_out),
-            "min_recompute": f_t * recompute / F.cost if F.cost > 0 else 0.0,
+            "min_recompute": rec,
             "wstash_bytes": _bytes(prog, Ii.wstash_out),
             "param_bytes": _bytes(prog, param_vals),
             "opt_bytes": _bytes(prog, opt_by_stage.get(s, ())),
-            "temp_bytes": int(temp),
+            "temp_bytes": int(probes[ref][0][s][2]),
         })
+    # the seconds outside the loop, shared out by the bytes each segment updates: ranks
+    # update their stages in parallel after their loop
+    held = [2 * g["param_bytes"] + g["opt_bytes"] for g in segments]
+    for g, h in zip(segments, held):
+        g["update"] = outside * h / sum(held) if sum(held) > 0 else outside / len(segments)
     link = _measure_link(max([s["act_bytes"] for s in segments] + [8]), runs)
     out = {"batch": batch, "ref_microbatch": batch // ref, "link": link, "fused_factor": 1.0,
-           "segments": segments,
+           "task_overhead": cal[ref]["task_overhead"], "segments": segments,
+           "by_microbatches": {str(m): {"task_overhead": cal[m]["task_overhead"],
+                                        "times": times(m)} for m in ms},
            "measured": {"microbatches": ms, "seconds": time.perf_counter() - t0,
-                        "device": str(device)}}
+                        "device": str(device), "outside": outside,
+                        "calibration": {str(m): cal[m] for m in ms}}}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + f".tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -261,7 +296,29 @@ class Candidates(list):
 
 
 def _search_costs(costs: dict) -> dict:
-    return {k: v for k, v in costs.items() if k not in ("measured", "cached")}
+    return {k: v for k, v in costs.items() if k not in ("measured", "cached", "by_microbatches")}
+
+
+def costs_at(costs: dict, microbatches: int) -> dict:
+    """The segment costs (C++ layout) the search uses at ``microbatches``: the times measured
+    at that count when ``measure_segments`` measured it (activation-sized bytes scaled from the
+    reference count, as the C++ ``SegmentCosts::scaled`` does), else ``costs`` itself (the
+    C++ search scales its times by the microbatch size)."""
+    out = _search_costs(costs)
+    at = (costs.get("by_microbatches") or {}).get(str(int(microbatches)))
+    if at is None:
+        return out
+    batch = int(costs["batch"])
+    k = (batch // int(microbatches)) / int(costs["ref_microbatch"])
+    segs = []
+    for g, (f, b, i, w, rec) in zip(costs["segments"], at["times"]):
+        g = dict(g, f=f, b=b, i=i, w=w, min_recompute=rec, overhead=0.0)
+        for key in ("act_bytes", "stash_bytes", "min_stash_bytes", "wstash_bytes",
+                    "temp_bytes"):
+            g[key] = int(round(g.get(key, 0) * k))
+        segs.append(g)
+    return dict(out, segments=segs, ref_microbatch=batch // int(microbatches),
+                task_overhead=at["task_overhead"])
 
 
 def autoplan(fn, *args, ranks: int, memory_per_device=None, microbatches=None,
@@ -276,10 +333,8 @@ def autoplan(fn, *args, ranks: int, memory_per_device=None, microbatches=None,
     4 x ranks) and the rematerialization modes ``remat`` (one per plan: "keep" every residual
     or Baton's "min" stash, what ``baton.jit(remat=...)`` runs), minimising the simulated step
     time (exact branch and bound, C++). Segment costs are measured once (``measure_segments``,
-    at ``measure_at``: two microbatch counts, default the smallest and largest candidates) and
+    at ``measure_at``: the counts to measure, default every candidate count) and
     cached. Raises ``ConfigError`` naming the smallest peak and its rank when nothing fits."""
-    from .planning import autoplan_segments
-
     t0 = time.perf_counter()
     traced = trace_step(fn, args, 1)
     batch = _batch_size(traced)
@@ -287,23 +342,51 @@ def autoplan(fn, *args, ranks: int, memory_per_device=None, microbatches=None,
         microbatches = [m for m in range(1, 4 * ranks + 1) if batch % m == 0]
     microbatches = sorted(set(int(m) for m in microbatches))
     if measure_at is None:
-        measure_at = (microbatches[0], microbatches[-1])
+        measure_at = microbatches
     costs = measure_segments(fn, *args, microbatches=measure_at, runs=runs, device=device,
                              cache_dir=cache_dir, use_cache=use_cache)
+    out = search_segments(costs, ranks, memory_per_device=memory_per_device,
+                          microbatches=microbatches, families=families, remat=remat, top=top,
+                          gap=gap)
+    out.stats["measure_seconds"] = time.perf_counter() - t0 - out.stats["search_seconds"]
+    return out
+
+
+def search_segments(costs: dict, ranks: int, memory_per_device=None, microbatches=None,
+                    families=None, remat=("keep", "min"), top: int = 10,
+                    gap: float = 0.0) -> Candidates:
+    """The search half of :func:`autoplan` on segment costs already measured (the dict
+    ``measure_segments`` returns, possibly edited: e.g. its ``link`` replaced by one measured
+    between the processes that will run the plan). No JAX work. ``microbatches`` default: the
+    divisors of the batch up to 4 x ranks. Raises ``ConfigError`` naming the smallest peak
+    and its rank when nothing fits."""
+    from .planning import autoplan_segments
+
     t1 = time.perf_counter()
+    if microbatches is None:
+        batch = int(costs.get("batch", 1))
+        microbatches = [m for m in range(1, 4 * ranks + 1) if batch % m == 0]
     rows: list[Candidate] = []
     stats: dict = {}
     errors = []
-    for mode in remat:
+    measured = set((costs.get("by_microbatches") or {}).keys())
+    # counts with their own measured costs are searched one by one, the others together
+    groups = [[m] for m in microbatches if str(m) in measured]
+    rest = [m for m in microbatches if str(m) not in measured]
+    if rest:
+        groups.append(rest)
+    for mode, ms in ((mode, ms) for mode in remat for ms in groups):
         try:
-            found = autoplan_segments(_search_costs(costs), ranks, memory_per_device, top=top,
-                                      families=families, microbatches=microbatches,
-                                      remat=[mode], gap=gap)
+            found = autoplan_segments(costs_at(costs, ms[0]) if len(ms) == 1 else
+                                      _search_costs(costs), ranks, memory_per_device, top=top,
+                                      families=families, microbatches=ms, remat=[mode],
+                                      gap=gap)
         except ConfigError as e:  # nothing fits with this mode
             errors.append(str(e))
             continue
         for k, v in found.stats.items():
-            stats[f"{mode}.{k}"] = v
+            if isinstance(v, (int, float)):
+                stats[f"{mode}.{k}"] = stats.get(f"{mode}.{k}", 0) + v
         for r in found:
             rows.append(Candidate(r["schedule"], int(r["virtual_stages"]),
                                   int(r["microbatches"]), list(r["cuts"]), list(r["remat"]),
@@ -314,7 +397,6 @@ def autoplan(fn, *args, ranks: int, memory_per_device=None, microbatches=None,
     rows.sort(key=lambda c: (not c.fits, c.step_time))
     out = Candidates(rows[:top])
     out.segments = costs
-    stats["measure_seconds"] = t1 - t0
     stats["search_seconds"] = time.perf_counter() - t1
     out.stats = stats
     return out

@@ -76,6 +76,11 @@ def test_autoplan_ranks_plans_and_the_best_one_trains(tmp_path):
     rows = baton.autoplan(train_step, *args, ranks=2, microbatches=[2, 4, 8],
                           measure_at=(4,), runs=2, cache_dir=tmp_path)
     assert len(rows.segments["segments"]) == 6
+    # the cost model's calibrated pieces: a positive scale of the isolated task times, the
+    # per-task saving of merged segments, each segment's share of the update after the loop
+    assert rows.segments["measured"]["scale"] > 0
+    assert rows.segments["task_overhead"] >= 0
+    assert all(g["update"] >= 0 for g in rows.segments["segments"])
     assert rows and all(r.fits for r in rows)
     times = [r.step_time for r in rows]
     assert times == sorted(times)
@@ -104,3 +109,43 @@ def test_jit_with_auto_schedule(tmp_path):
     _check_trains_like_jax(ps)
     assert auto.chosen is not None and auto.chosen.schedule in ("1f1b", "zbh1", "gpipe")
     assert ps.last.num_stages == 2 and ps.last.M == auto.chosen.microbatches
+
+
+def test_search_on_given_costs():
+    """The search on costs the caller gives or edits (no JAX work): step_overhead moves every
+    prediction by itself, a segment's update counts on its rank, task_overhead makes merged
+    stages cheaper, and a count measured on its own (by_microbatches) is searched with its
+    own times."""
+    seg = {"f": 1e-3, "b": 2e-3, "act_bytes": 64, "param_bytes": 100}
+    costs = {"batch": 8, "ref_microbatch": 1,
+             "segments": [dict(seg) for _ in range(3)] + [dict(seg, f=4e-3, b=8e-3)]}
+    kw = dict(microbatches=[2, 4], families=["1f1b"], remat=("keep",))
+    base = baton.search_segments(costs, 2, **kw)
+    slow = baton.search_segments(dict(costs, step_overhead=0.01), 2, **kw)
+    assert [r.cuts for r in slow] == [r.cuts for r in base]
+    for a, b in zip(base, slow):
+        assert b.step_time == pytest.approx(a.step_time + 0.01)
+    # the heavy last segment alone on rank 1; its update after the loop joins rank 1's
+    # time, so a large one moves the best cut to balance the updates instead
+    assert base.best.cuts == [0, 3]
+    upd = dict(costs, segments=[dict(g, update=0.0) for g in costs["segments"][:3]]
+               + [dict(costs["segments"][3], update=0.05)])
+    assert baton.search_segments(upd, 2, **kw).best.step_time > 0.05
+    merged = baton.search_segments(dict(costs, task_overhead=5e-4), 2, **kw)
+    assert merged.best.step_time < base.best.step_time
+    # M = 2 measured on its own, twice as slow as the reference times scaled: its rows
+    # change, M = 4's do not; costs_at scales the activation bytes to the microbatch
+    times = [[2 * g["f"] * 4, 2 * g["b"] * 4, 2 * g["b"] * 4, 0.0, 0.0]
+             for g in costs["segments"]]
+    own = dict(costs, by_microbatches={"2": {"task_overhead": 0.0, "times": times}})
+    at2 = baton.costs_at(own, 2)
+    assert at2["ref_microbatch"] == 4 and at2["segments"][0]["act_bytes"] == 64 * 4
+    assert at2["segments"][0]["f"] == pytest.approx(8e-3)
+    both = baton.search_segments(own, 2, **kw)
+    plain = {(r.microbatches, tuple(r.cuts)): r.step_time for r in base}
+    for r in both:
+        key = (r.microbatches, tuple(r.cuts))
+        if r.microbatches == 4 and key in plain:
+            assert r.step_time == pytest.approx(plain[key])
+        if r.microbatches == 2 and key in plain:
+            assert r.step_time > plain[key]

@@ -10,7 +10,10 @@
 // microbatch count M (dividing `batch`) x contiguous partition of the
 // segments into ranks*v stages x a remat mode per stage. A generator that
 // refuses a (family, ranks, M, v) drops that configuration. The candidate's
-// step time is simulate(lower(schedule), stage_cost_model(...)).step_time;
+// step time is simulate(lower(schedule), stage_cost_model(...)).step_time
+// plus update_time(...) (the optimizer update after the loop: the slowest
+// rank's sum of its segments' `update` seconds; 0 when costs give none) plus
+// step_overhead;
 // its peak memory on rank r is the static bytes of its stages (params +
 // optimizer state + gradient accumulator) + the largest temp_bytes of its
 // stages + simulate(...).peak_total[r]. It fits when every rank's peak <=
@@ -80,6 +83,7 @@
 //
 // Every returned plan is verified (verify(), both communication models).
 #pragma once
+#include <array>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -104,6 +108,8 @@ struct SegmentCost {
   double f = 0, b = 0;          // forward, full backward
   double i = 0, w = 0;          // input-grad / weight-grad backward (JSON default: i = b, w = 0)
   double overhead = 0;          // fixed seconds per task that do not scale with the microbatch
+  double update = 0;            // seconds per step outside the microbatch loop (its optimizer
+                                // update), independent of the microbatch count
   int64_t act_bytes = 0;        // output sent forward if a cut follows (the gradient has as many)
   int64_t stash_bytes = 0;      // residuals kept F->B (keep-all)
   int64_t min_stash_bytes = 0;  // minimum-bytes stash ...
@@ -120,7 +126,22 @@ struct SegmentCosts {
   int64_t ref_microbatch = 1;  // samples per microbatch at which costs were measured
   LinkCost link;
   double fused_factor = 1.0;
+  // Seconds of every task that merging segments into one stage saves (a
+  // task's own dispatch and bookkeeping, which each segment's times include
+  // once because they were measured as separate tasks): a stage of n
+  // segments costs the sum of their times minus (n - 1) * task_overhead, for
+  // each task kind clamped to the smallest time of that kind (tasks_saved()),
+  // so adding a segment never makes a stage cheaper.
+  double task_overhead = 0;
+  // Seconds of every step outside the loop that no rank's stages account for
+  // (the step's own dispatch, exchanges between processes): added to every
+  // candidate's step time, so it changes predictions, never the ranking.
+  double step_overhead = 0;
   std::vector<SegmentCost> segments;
+
+  // task_overhead clamped per kind (f, b, i, w) to the smallest segment time
+  // of that kind.
+  std::array<double, 4> tasks_saved() const;
 
   // Throws ConfigError naming the field ("segments[3].f", "batch").
   void validate() const;
@@ -147,13 +168,20 @@ struct SegmentCosts {
 };
 
 // One stage [begin, end) of segments, as the simulator sees it (costs of the
-// SegmentCosts given, i.e. already scaled). f, b, i, w summed (b, i plus the
+// SegmentCosts given, i.e. already scaled). f, b, i, w summed less (n - 1)
+// times tasks_saved() of their kind (b, i plus the
 // remat's recompute), act_bytes = last segment's act_bytes, grad_bytes =
 // act_bytes of segment begin-1 (0 when begin == 0), stash_bytes per remat,
 // wstash_bytes summed, wgrad_bytes = sum param_bytes, fb = 0.
 StageCost stage_cost(const SegmentCosts& c, int begin, int end, Remat remat);
 // params + optimizer state + gradient accumulator (= params) of the stage.
 int64_t stage_static_bytes(const SegmentCosts& c, int begin, int end);
+// Seconds outside the microbatch loop: step_overhead + the max over ranks of
+// the update seconds of the segments of that rank's stages (ranks update
+// their stages in parallel, after their loop). stage_rank[s]: the rank of
+// stage s.
+double update_time(const SegmentCosts& c, const std::vector<int>& cuts,
+                   const std::vector<int>& stage_rank, int ranks);
 // The largest temp_bytes of the stage's segments.
 int64_t stage_temp_bytes(const SegmentCosts& c, int begin, int end);
 // Cost model of a partition: cuts[s] = first segment of stage s (cuts[0] ==

@@ -71,6 +71,7 @@ struct Config {
   std::vector<int> local;  // stage -> index among its rank's stages
   SegmentCosts sc;         // scaled
   std::vector<double> pf, pb, pi, pw, prec;
+  std::array<double, 4> saved{};  // sc.tasks_saved()
   std::vector<int64_t> pstash, pmin, pwstash, pstatic;
   std::vector<int64_t> tmax;  // (n+1)*(n+1): max temp of [a, e)
   double root_lb = 0;
@@ -97,10 +98,16 @@ class Searcher {
   void prepare(Config& c);
   // Per-stage quantities over [a, e) of config c.
   double sum(const std::vector<double>& p, int a, int e) const { return p[e] - p[a]; }
+  // A stage's f, b, i or w over [a, e) (k: 0..3): the prefix arrays hold each
+  // segment's time less tasks_saved()[k], and the stage pays it once.
+  double tsum(const Config& c, int k, int a, int e) const {
+    const std::vector<double>* p[4] = {&c.pf, &c.pb, &c.pi, &c.pw};
+    return (*p[k])[e] - (*p[k])[a] + c.saved[k];
+  }
   double add_min(const Config& c, int a, int e) const;
   double stage_busy(const Config& c, int s, int a, int e, double add) const {
-    return c.cf[s] * sum(c.pf, a, e) + c.cb[s] * (sum(c.pb, a, e) + add) +
-           c.ci[s] * (sum(c.pi, a, e) + add) + c.cw[s] * sum(c.pw, a, e);
+    return c.cf[s] * tsum(c, 0, a, e) + c.cb[s] * (tsum(c, 1, a, e) + add) +
+           c.ci[s] * (tsum(c, 2, a, e) + add) + c.cw[s] * tsum(c, 3, a, e);
   }
   int64_t stage_mem(const Config& c, int a, int e) const { return c.pstatic[e] - c.pstatic[a]; }
   int64_t temp(const Config& c, int a, int e) const { return c.tmax[a * (n_ + 1) + e]; }
@@ -172,7 +179,7 @@ double Searcher::add_min(const Config& c, int a, int e) const {
   for (Remat m : modes_) {
     if (m == Remat::Keep) v = std::min(v, 0.0);
     if (m == Remat::Min) v = std::min(v, sum(c.prec, a, e));
-    if (m == Remat::Full) v = std::min(v, sum(c.pf, a, e));
+    if (m == Remat::Full) v = std::min(v, tsum(c, 0, a, e));
   }
   return v;
 }
@@ -293,12 +300,13 @@ void Searcher::prepare(Config& c) {
   c.pmin.assign(n + 1, 0);
   c.pwstash.assign(n + 1, 0);
   c.pstatic.assign(n + 1, 0);
+  c.saved = c.sc.tasks_saved();
   for (int k = 0; k < n; ++k) {
     const SegmentCost& g = c.sc.segments[k];
-    c.pf[k + 1] = c.pf[k] + g.f;
-    c.pb[k + 1] = c.pb[k] + g.b;
-    c.pi[k + 1] = c.pi[k] + g.i;
-    c.pw[k + 1] = c.pw[k] + g.w;
+    c.pf[k + 1] = c.pf[k] + g.f - c.saved[0];
+    c.pb[k + 1] = c.pb[k] + g.b - c.saved[1];
+    c.pi[k + 1] = c.pi[k] + g.i - c.saved[2];
+    c.pw[k + 1] = c.pw[k] + g.w - c.saved[3];
     c.prec[k + 1] = c.prec[k] + g.min_recompute;
     c.pstash[k + 1] = c.pstash[k] + g.stash_bytes;
     c.pmin[k + 1] = c.pmin[k] + g.min_stash_bytes;
@@ -382,15 +390,29 @@ double Searcher::min_max_busy(const Config& c, std::vector<int>* cuts) const {
     any_b = any_b || c.uses_b[k];
     any_i = any_i || c.uses_i[k];
   }
+  // Per segment its marginal time (less tasks_saved(): what it adds to a
+  // stage); every one of the S stages pays the saving once.
+  const std::array<double, 4>& sv = c.saved;
   for (int k = 0; k < n_; ++k) {
-    const double add = add_min(c, k, k + 1);
-    const SegmentCost& g = c.sc.segments[k];
+    double add = kInf;  // add_min over one segment, Full at its marginal f
+    for (Remat m : modes_) {
+      if (m == Remat::Keep) add = std::min(add, 0.0);
+      if (m == Remat::Min) add = std::min(add, sum(c.prec, k, k + 1));
+      if (m == Remat::Full) add = std::min(add, sum(c.pf, k, k + 1));
+    }
+    const double f = sum(c.pf, k, k + 1), b = sum(c.pb, k, k + 1);
+    const double i = sum(c.pi, k, k + 1), w = sum(c.pw, k, k + 1);
     double bi = kInf;
-    if (any_b) bi = std::min(bi, g.b);
-    if (any_i) bi = std::min(bi, g.i);
-    chain += c.chain_c * (g.f + (bi == kInf ? 0.0 : bi));
-    total += mf * g.f + mb * (g.b + add) + mi * (g.i + add) + mw * g.w;
+    if (any_b) bi = std::min(bi, b);
+    if (any_i) bi = std::min(bi, i);
+    chain += c.chain_c * (f + (bi == kInf ? 0.0 : bi));
+    total += mf * f + mb * (b + add) + mi * (i + add) + mw * w;
   }
+  double bi_saved = kInf;
+  if (any_b) bi_saved = std::min(bi_saved, sv[1]);
+  if (any_i) bi_saved = std::min(bi_saved, sv[2]);
+  chain += c.chain_c * c.S * (sv[0] + (bi_saved == kInf ? 0.0 : bi_saved));
+  total += c.S * (mf * sv[0] + mb * sv[1] + mi * sv[2] + mw * sv[3]);
   return std::max({lo, chain, total / c.P});
 }
 
@@ -573,8 +595,8 @@ void Searcher::dfs(Config& c, int s, int a, double node_lb) {
     const double tail = c.rank_has_w[r] ? 0.0 : (s == low ? td_[s] : td_[low]);
     const double lb = std::max(node_lb, head + busy_[r] + tail);
     if (s + 1 < S) {
-      const double f = sum(c.pf, a, e);
-      const double bi = bi_min(c, s, sum(c.pb, a, e) + add, sum(c.pi, a, e) + add);
+      const double f = tsum(c, 0, a, e);
+      const double bi = bi_min(c, s, tsum(c, 1, a, e) + add, tsum(c, 2, a, e) + add);
       const double h = hop(c, s, c.sc.segments[e - 1].act_bytes);
       hd_[s + 1] = hd_[s] + c.chain_c * f + h;
       td_[s + 1] = td_[s] + c.chain_c * bi + h;
@@ -733,7 +755,11 @@ void Searcher::remat_leaf(Config& c) {
       return;
     }
   }
-  if (cut(relax(c), T_, gap_)) {
+  // The update seconds outside the loop are exact for this partition, so
+  // adding them keeps (B3) a lower bound on the candidate's step time.
+  const std::vector<int> cuts(cuts_.begin(), cuts_.begin() + S);
+  const double upd = update_time(c.sc, cuts, c.stage_rank, c.P);
+  if (cut(relax(c) + upd, T_, gap_)) {
     ++st_.pruned;
     return;
   }
@@ -742,10 +768,10 @@ void Searcher::remat_leaf(Config& c) {
   pc.schedule = c.name;
   pc.virtual_stages = c.v;
   pc.microbatches = c.M;
-  pc.cuts.assign(cuts_.begin(), cuts_.begin() + S);
+  pc.cuts = cuts;
   pc.remat.resize(S);
   for (int s = 0; s < S; ++s) pc.remat[s] = opts_[s][choice_[s]].mode;
-  pc.step_time = res.step_time;
+  pc.step_time = res.step_time + upd;
   pc.bubble_fraction = res.bubble_fraction;
   pc.peak_memory.resize(c.P);
   pc.fits = true;
@@ -1005,7 +1031,7 @@ PlanCandidate evaluate_candidate(const SegmentCosts& costs, std::string_view sch
   pc.microbatches = microbatches;
   pc.cuts = cuts;
   pc.remat = remat;
-  pc.step_time = res.step_time;
+  pc.step_time = res.step_time + update_time(sc, cuts, s.stage_rank, ranks);
   pc.bubble_fraction = res.bubble_fraction;
   pc.peak_memory.assign(ranks, 0);
   std::vector<int64_t> tmp(ranks, 0);

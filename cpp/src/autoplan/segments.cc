@@ -41,6 +41,8 @@ SegmentCost parse_segment(const json& j, const std::string& path) {
       s.w = kFields.get_number(val, p);
     } else if (key == "overhead") {
       s.overhead = kFields.get_number(val, p);
+    } else if (key == "update") {
+      s.update = kFields.get_number(val, p);
     } else if (key == "min_recompute") {
       s.min_recompute = kFields.get_number(val, p);
     } else if (key == "act_bytes") {
@@ -60,7 +62,7 @@ SegmentCost parse_segment(const json& j, const std::string& path) {
     } else {
       throw FormatError(fmt::format(
           "segment costs JSON: unknown key '{}' (segment keys: name, f, b, i, w, overhead, "
-          "act_bytes, stash_bytes, min_stash_bytes, min_recompute, wstash_bytes, param_bytes, "
+          "update, act_bytes, stash_bytes, min_stash_bytes, min_recompute, wstash_bytes, param_bytes, "
           "opt_bytes, temp_bytes)",
           p));
     }
@@ -84,6 +86,8 @@ void SegmentCosts::validate() const {
   if (!std::isfinite(fused_factor) || fused_factor <= 0)
     throw ConfigError(
         fmt::format("segment costs: fused_factor must be finite and > 0 (got {})", fused_factor));
+  kFields.check_time(task_overhead, "task_overhead");
+  kFields.check_time(step_overhead, "step_overhead");
   if (segments.empty()) throw ConfigError("segment costs: 'segments' is empty");
   for (size_t k = 0; k < segments.size(); ++k) {
     const SegmentCost& s = segments[k];
@@ -93,6 +97,7 @@ void SegmentCosts::validate() const {
     kFields.check_time(s.i, w + ".i");
     kFields.check_time(s.w, w + ".w");
     kFields.check_time(s.overhead, w + ".overhead");
+    kFields.check_time(s.update, w + ".update");
     kFields.check_time(s.min_recompute, w + ".min_recompute");
     kFields.check_bytes(s.act_bytes, w + ".act_bytes");
     kFields.check_bytes(s.stash_bytes, w + ".stash_bytes");
@@ -116,6 +121,10 @@ SegmentCosts SegmentCosts::from_json(const std::string& text) {
       c.ref_microbatch = kFields.get_int(val, "ref_microbatch", "an integer");
     } else if (key == "fused_factor") {
       c.fused_factor = kFields.get_number(val, "fused_factor");
+    } else if (key == "task_overhead") {
+      c.task_overhead = kFields.get_number(val, "task_overhead");
+    } else if (key == "step_overhead") {
+      c.step_overhead = kFields.get_number(val, "step_overhead");
     } else if (key == "link") {
       kFields.apply_link(val, c.link);
     } else if (key == "segments") {
@@ -129,13 +138,25 @@ SegmentCosts SegmentCosts::from_json(const std::string& text) {
     } else {
       throw FormatError(fmt::format(
           "segment costs JSON: unknown key '{}' (top-level keys: batch, ref_microbatch, link, "
-          "fused_factor, segments)",
+          "fused_factor, task_overhead, step_overhead, segments)",
           key));
     }
   }
   if (!have_segments) throw FormatError("segment costs JSON: 'segments' is required");
   c.validate();
   return c;
+}
+
+std::array<double, 4> SegmentCosts::tasks_saved() const {
+  std::array<double, 4> t{task_overhead, task_overhead, task_overhead, task_overhead};
+  for (const SegmentCost& s : segments) {
+    t[0] = std::min(t[0], s.f);
+    t[1] = std::min(t[1], s.b);
+    t[2] = std::min(t[2], s.i);
+    t[3] = std::min(t[3], s.w);
+  }
+  for (double& v : t) v = std::max(v, 0.0);
+  return t;
 }
 
 std::string SegmentCosts::to_json() const {
@@ -146,6 +167,7 @@ std::string SegmentCosts::to_json() const {
            {"i", s.i},
            {"w", s.w},
            {"overhead", s.overhead},
+           {"update", s.update},
            {"act_bytes", s.act_bytes},
            {"stash_bytes", s.stash_bytes},
            {"min_stash_bytes", s.min_stash_bytes},
@@ -161,6 +183,8 @@ std::string SegmentCosts::to_json() const {
          {"ref_microbatch", ref_microbatch},
          {"link", json{{"latency", link.latency}, {"bandwidth", link.bandwidth}}},
          {"fused_factor", fused_factor},
+         {"task_overhead", task_overhead},
+         {"step_overhead", step_overhead},
          {"segments", std::move(segs)}};
   return j.dump(2);
 }
@@ -219,10 +243,15 @@ StageCost stage_cost(const SegmentCosts& c, int begin, int end, Remat remat) {
     throw ConfigError(
         fmt::format("stage [{}, {}) is not a non-empty range of the {} segments", begin, end, n));
   StageCost st;
-  st.f = st.b = st.i = st.w = 0;
   st.stash_bytes = st.wstash_bytes = st.wgrad_bytes = 0;
   int64_t min_stash = 0;
   double rec = 0;
+  const std::array<double, 4> saved = c.tasks_saved();
+  const double merged = end - begin - 1;
+  st.f = -merged * saved[0];
+  st.b = -merged * saved[1];
+  st.i = -merged * saved[2];
+  st.w = -merged * saved[3];
   for (int k = begin; k < end; ++k) {
     const SegmentCost& s = c.segments[k];
     st.f += s.f;
@@ -259,6 +288,17 @@ int64_t stage_static_bytes(const SegmentCosts& c, int begin, int end) {
   int64_t v = 0;
   for (int k = begin; k < end; ++k) v += 2 * c.segments[k].param_bytes + c.segments[k].opt_bytes;
   return v;
+}
+
+double update_time(const SegmentCosts& c, const std::vector<int>& cuts,
+                   const std::vector<int>& stage_rank, int ranks) {
+  std::vector<double> per(static_cast<size_t>(ranks), 0.0);
+  const int n = static_cast<int>(c.segments.size());
+  for (size_t s = 0; s < cuts.size(); ++s) {
+    const int e = s + 1 < cuts.size() ? cuts[s + 1] : n;
+    for (int k = cuts[s]; k < e; ++k) per[static_cast<size_t>(stage_rank[s])] += c.segments[k].update;
+  }
+  return c.step_overhead + (per.empty() ? 0.0 : *std::max_element(per.begin(), per.end()));
 }
 
 int64_t stage_temp_bytes(const SegmentCosts& c, int begin, int end) {
