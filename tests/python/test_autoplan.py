@@ -76,10 +76,13 @@ def test_autoplan_ranks_plans_and_the_best_one_trains(tmp_path):
     rows = baton.autoplan(train_step, *args, ranks=2, microbatches=[2, 4, 8],
                           measure_at=(4,), runs=2, cache_dir=tmp_path)
     assert len(rows.segments["segments"]) == 6
-    # the cost model's calibrated pieces: a positive scale of the isolated task times, the
-    # per-task saving of merged segments, each segment's share of the update after the loop
-    assert rows.segments["measured"]["scale"] > 0
-    assert rows.segments["task_overhead"] >= 0
+    # the cost model's calibrated pieces (at the one count measured): a positive scale of the
+    # isolated task times, the per-task saving of merged segments, each segment's share of
+    # the update after the loop
+    cal = rows.segments["measured"]["calibration"]["4"]
+    assert cal["scale"] > 0 and cal["task_overhead"] >= 0
+    assert rows.segments["task_overhead"] == cal["task_overhead"]
+    assert list(rows.segments["by_microbatches"]) == ["4"]
     assert all(g["update"] >= 0 for g in rows.segments["segments"])
     assert rows and all(r.fits for r in rows)
     times = [r.step_time for r in rows]
