@@ -54,7 +54,7 @@ def measure(fn, mesh, args, kw, steps):
 def _evaluate(costs, c: Candidate) -> dict:
     """The simulator on one configuration (its cuts and remat), as the search evaluates it."""
     return _core.autoplan_evaluate(
-        json.dumps({k: v for k, v in costs.items() if k not in ("measured", "cached")}),
+        json.dumps(baton.costs_at(costs, c.microbatches)),
         c.schedule, RANKS, c.virtual_stages, c.microbatches, c.cuts, c.remat)
 
 
