@@ -76,34 +76,55 @@ def _cache_dir(cache_dir) -> str:
                           os.path.join(os.path.expanduser("~"), ".cache", "baton"))
 
 
+def _commit(args, device):
+    """``args`` with every jax array placed on ``device`` (committed), as a training loop
+    feeds a step its previous outputs; uncommitted arrays take a slower path on every call."""
+    return jax.tree.map(lambda x: jax.device_put(x, device) if isinstance(x, jax.Array) else x,
+                        args)
+
+
+def _wall(probe, args, runs: int) -> float:
+    """Median wall time of ``max(runs, 3)`` untraced calls after two warm-up calls."""
+    for _ in range(2):
+        jax.block_until_ready(probe(*args))
+    walls = []
+    for _ in range(max(runs, 3)):
+        t = time.perf_counter()
+        jax.block_until_ready(probe(*args))
+        walls.append(time.perf_counter() - t)
+    return float(np.median(walls))
+
+
+def _probe(fn, device, stages: int, microbatches: int, boundaries=None):
+    from .frontend.api import PipelinedFunction
+    from .schedules import Interleaved1F1B
+
+    return PipelinedFunction(fn, PipelineMesh([device], ranks=1),
+                             Interleaved1F1B(virtual_stages=stages) if stages > 1 else "1f1b",
+                             microbatches, remat=False, fuse_forward_backward=False,
+                             boundaries=boundaries)
+
+
 def _profile_at(fn, args, device, stages: int, microbatches: int, runs: int,
                 boundaries=None):
     """``fn`` as a one-rank pipeline of ``stages`` stages (every candidate boundary a stage, or
     the ``boundaries`` given), ``microbatches`` per step, each task timed alone
     (``costs="isolated"``). Returns the per-stage (f, b, XLA temporaries), the simulated loop
-    from those times, the median wall time of ``runs`` untraced steps, and the step."""
+    from those times, the wall time of untraced steps, the traced loop span, and the step."""
     from . import profile
-    from .frontend.api import PipelinedFunction
-    from .schedules import Interleaved1F1B
 
-    probe = PipelinedFunction(fn, PipelineMesh([device], ranks=1),
-                              Interleaved1F1B(virtual_stages=stages) if stages > 1 else "1f1b",
-                              microbatches, remat=False, fuse_forward_backward=False,
-                              boundaries=boundaries)
+    probe = _probe(fn, device, stages, microbatches, boundaries)
+    args = _commit(args, device)
+    wall = _wall(probe, args, runs)
     prof = profile(probe, *args, runs=runs, warmup=1, steps=1, costs="isolated")
-    walls = []
-    for _ in range(max(runs, 1)):
-        t = time.perf_counter()
-        jax.block_until_ready(probe(*args))
-        walls.append(time.perf_counter() - t)
     out = []
     for s in range(stages):
         sc = prof.cost_model.stages[s]
         temp = max([int(prof.xla_memory.get(f"{k}{s}", {}).get("temp_size_in_bytes", 0))
                     for k in ("F", "B")] + [0])
         out.append((float(sc.f), float(sc.b), temp))
-    return (out, float(prof.predicted["step_time"]), float(np.median(walls)),
-            float(prof.measured["step_time"]), probe.last)
+    return (out, float(prof.predicted["step_time"]), wall, float(prof.measured["step_time"]),
+            probe.last)
 
 
 def measure_segments(fn, *args, microbatches=(4, 8), runs: int = 3, device=None,
@@ -136,8 +157,11 @@ def measure_segments(fn, *args, microbatches=(4, 8), runs: int = 3, device=None,
     # whole model as one stage (wall W1; its traced loop at the fewest microbatches, where
     # tracing adds least, gives the time outside the loop U = W1 - loop)
     probes = {m: _profile_at(fn, args, device, S, m, runs) for m in ms}
-    whole = {m: _profile_at(fn, args, device, 1, m, runs, boundaries=[]) for m in ms}
-    outside = max(whole[ms[0]][2] - whole[ms[0]][3], 0.0)
+    one = _profile_at(fn, args, device, 1, ms[0], runs, boundaries=[])
+    outside = max(one[2] - one[3], 0.0)
+    whole = {m: (None, None, one[2] if m == ms[0] else
+                 _wall(_probe(fn, device, 1, m, []), _commit(args, device), runs))
+             for m in ms}
     cal = {}
     for m in ms:
         _, p12, w12, _, _ = probes[m]

@@ -62,7 +62,8 @@ SegmentCost parse_segment(const json& j, const std::string& path) {
     } else {
       throw FormatError(fmt::format(
           "segment costs JSON: unknown key '{}' (segment keys: name, f, b, i, w, overhead, "
-          "update, act_bytes, stash_bytes, min_stash_bytes, min_recompute, wstash_bytes, param_bytes, "
+          "update, act_bytes, stash_bytes, min_stash_bytes, min_recompute, wstash_bytes, "
+          "param_bytes, "
           "opt_bytes, temp_bytes)",
           p));
     }
@@ -296,7 +297,8 @@ double update_time(const SegmentCosts& c, const std::vector<int>& cuts,
   const int n = static_cast<int>(c.segments.size());
   for (size_t s = 0; s < cuts.size(); ++s) {
     const int e = s + 1 < cuts.size() ? cuts[s + 1] : n;
-    for (int k = cuts[s]; k < e; ++k) per[static_cast<size_t>(stage_rank[s])] += c.segments[k].update;
+    for (int k = cuts[s]; k < e; ++k)
+      per[static_cast<size_t>(stage_rank[s])] += c.segments[k].update;
   }
   return c.step_overhead + (per.empty() ? 0.0 : *std::max_element(per.begin(), per.end()));
 }
