@@ -133,8 +133,9 @@ def measure_segments(fn, *args, microbatches=(4, 8), runs: int = 3, device=None,
     marks candidate cut points with ``stage_boundary``) in the layout of
     ``baton-plan --auto --segments`` (see ``cpp/include/baton/autoplan.h``). Measured on
     ``device`` (default: the first device) at each of the microbatch counts ``microbatches``
-    (the search uses a count's own costs, ``by_microbatches``, and scales the nearest
-    measured ones for a count not measured; see docs/ARCHITECTURE.md); cached under
+    (the search uses a count's own costs, ``by_microbatches``; for a count not measured it
+    scales the reference costs, those of the largest count measured, in proportion to the
+    microbatch size; see docs/ARCHITECTURE.md); cached under
     ``cache_dir`` (``$BATON_CACHE_DIR``, default ``~/.cache/baton``) by the traced program's
     fingerprint: a second call for the same step is a file read."""
     device = device or jax.devices()[0]
