@@ -139,6 +139,12 @@ def _per_rank(mem):
     return [{d: mem.measured[d] for d in devs} for devs in mem.rank_devices]
 
 
+def _verdict(measured, budget) -> str:
+    if any(x != x for x in measured):  # NaN: the memory run failed
+        return "not measured against"
+    return "under" if max(measured) <= budget else "OVER"
+
+
 def _run(cmd, timeout=3600):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     out = [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
@@ -284,13 +290,19 @@ def main() -> int:
     first = [dict(d, profile=True) for d in first]
     results = measure(first)
     t_end = time.perf_counter() + args.budget
-    gi = 0
-    while gi < len(grid) and (time.perf_counter() < t_end or _key(grid[gi]) in done):
-        chunk = []
-        while len(chunk) < args.batch_size and gi < len(grid):
-            if _key(grid[gi]) not in seen:
-                chunk.append(grid[gi])
-            gi += 1
+    # grid configurations already measured (--reuse) count; new ones while the budget lasts
+    chunk = []
+    for d in grid:
+        if _key(d) in seen:
+            continue
+        if _key(d) in done:
+            results.append(done[_key(d)])
+        elif time.perf_counter() < t_end:
+            chunk.append(d)
+            if len(chunk) == args.batch_size:
+                results += measure(chunk)
+                chunk = []
+    if chunk and time.perf_counter() < t_end:
         results += measure(chunk)
     n_grid = sum(1 for r in results[len(first):] if "step" in r)
     ok = [r for r in results if "step" in r]
@@ -356,8 +368,11 @@ def main() -> int:
         tm = measure([td])[0]
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump([td], f)
-        mem = _run([sys.executable, ME, "--role", "memory", "--configs", f.name,
-                    *_common(args)])[0]
+        try:
+            mem = _run([sys.executable, ME, "--role", "memory", "--configs", f.name,
+                        *_common(args)])[0]
+        except SystemExit as e:  # report what failed, keep the rest of the report
+            mem = {"measured": [float("nan")] * RANKS, "table": str(e)[-2000:]}
         os.unlink(f.name)
         lines += [
             f"Memory budget {budget / 2**20:.2f} MiB per device ({frac} x the uniform plan's "
@@ -366,7 +381,7 @@ def main() -> int:
             f"{', '.join(f'{x / 2**20:.2f}' for x in tight.peak_memory)} MiB; measured peak "
             f"of live arrays per device (`step.memory(measure=True)`, one process, 2 devices) "
             f"{', '.join(f'{x / 2**20:.2f}' for x in mem['measured'])} MiB: "
-            f"{'under' if max(mem['measured']) <= budget else 'OVER'} the budget. Step "
+            f"{_verdict(mem['measured'], budget)} the budget. Step "
             f"{tm.get('step', float('nan')) * 1e3:.1f} ms measured ({tight.step_time * 1e3:.1f} "
             f"predicted) vs {t_auto * 1e3:.1f} ms unconstrained.\n",
             "```", mem["table"], "```"]
