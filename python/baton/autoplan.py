@@ -160,17 +160,17 @@ def measure_segments(fn, *args, microbatches=(4, 8), runs: int = 3, device=None,
     probes = {m: _profile_at(fn, args, device, S, m, runs) for m in ms}
     one = _profile_at(fn, args, device, 1, ms[0], runs, boundaries=[])
     outside = max(one[2] - one[3], 0.0)
-    whole = {m: (None, None, one[2] if m == ms[0] else
-                 _wall(_probe(fn, device, 1, m, []), _commit(args, device), runs))
-             for m in ms}
+    whole_wall = {m: one[2] if m == ms[0] else
+                  _wall(_probe(fn, device, 1, m, []), _commit(args, device), runs)
+                  for m in ms}
     cal = {}
     for m in ms:
         _, p12, w12, _, _ = probes[m]
-        loop12, loop1 = max(w12 - outside, 0.0), max(whole[m][2] - outside, 0.0)
+        loop12, loop1 = max(w12 - outside, 0.0), max(whole_wall[m] - outside, 0.0)
         scale = loop12 / p12 if p12 > 0 and loop12 > 0 else 1.0
         saved = max(loop12 - loop1, 0.0) / (2 * max(S - 1, 1) * m)
         cal[m] = {"scale": scale, "task_overhead": saved, "wall": w12, "simulated_loop": p12,
-                  "whole_wall": whole[m][2]}
+                  "whole_wall": whole_wall[m]}
     ref = ms[-1]  # costs are given at the smallest microbatch (most microbatches)
     step = probes[ref][4]
     prog = step.traced.program
