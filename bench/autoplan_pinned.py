@@ -366,14 +366,20 @@ def main() -> int:
             raise baton.ConfigError("no budget of 0.8-0.95 x the uniform plan's peak fits")
         td = _cfg(tight)
         tm = measure([td])[0]
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump([td], f)
-        try:
-            mem = _run([sys.executable, ME, "--role", "memory", "--configs", f.name,
-                        *_common(args)])[0]
-        except SystemExit as e:  # report what failed, keep the rest of the report
-            mem = {"measured": [float("nan")] * RANKS, "table": str(e)[-2000:]}
-        os.unlink(f.name)
+
+        def live_peaks(d):
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump([d], f)
+            try:
+                return _run([sys.executable, ME, "--role", "memory", "--configs", f.name,
+                             *_common(args)])[0]
+            except SystemExit as e:  # report what failed, keep the rest of the report
+                return {"measured": [float("nan")] * RANKS, "table": str(e)[-2000:]}
+            finally:
+                os.unlink(f.name)
+
+        mem = live_peaks(td)
+        mem_uni = live_peaks({k: v for k, v in uniform.items() if k != "profile"})
         lines += [
             f"Memory budget {budget / 2**20:.2f} MiB per device ({frac} x the uniform plan's "
             f"predicted peak {uni_peak / 2**20:.2f} MiB): the search picks {_name(td)}, "
@@ -381,10 +387,13 @@ def main() -> int:
             f"{', '.join(f'{x / 2**20:.2f}' for x in tight.peak_memory)} MiB; measured peak "
             f"of live arrays per device (`step.memory(measure=True)`, one process, 2 devices) "
             f"{', '.join(f'{x / 2**20:.2f}' for x in mem['measured'])} MiB: "
-            f"{_verdict(mem['measured'], budget)} the budget. Step "
+            f"{_verdict(mem['measured'], budget)} the budget. The uniform plan's measured "
+            f"peak: {', '.join(f'{x / 2**20:.2f}' for x in mem_uni['measured'])} MiB "
+            f"({_verdict(mem_uni['measured'], budget)} the budget). Step "
             f"{tm.get('step', float('nan')) * 1e3:.1f} ms measured ({tight.step_time * 1e3:.1f} "
             f"predicted) vs {t_auto * 1e3:.1f} ms unconstrained.\n",
-            "```", mem["table"], "```"]
+            "Under the budget:", "```", mem["table"], "```",
+            "Uniform 1F1B:", "```", mem_uni["table"], "```"]
     except baton.ConfigError as e:
         lines.append(f"Memory budget {budget} B: {e}")
     text = "\n".join(lines) + "\n"

@@ -29,6 +29,10 @@ if len(jax.devices()) < 8:
     pytest.skip("needs 8 devices (JAX_NUM_CPU_DEVICES=8)", allow_module_level=True)
 
 
+FOUR = [baton.OneFOneB(), baton.Interleaved1F1B(2), baton.ZBH1(), baton.DualPipeV()]
+FOUR_IDS = ["1f1b", "interleaved", "zbh1", "dualpipev"]
+
+
 def named_mesh(pipe, **axes):
     names = ("pipe", *axes)
     shape = (pipe, *axes.values())
@@ -107,8 +111,7 @@ def test_a_sharding_naming_a_missing_axis_or_not_dividing_names_the_parameter():
         ps.compile(params, opt_state, gpt.synthetic_batch(cfg, 8))
 
 
-@pytest.mark.parametrize("schedule", [baton.OneFOneB(), baton.ZBH1()],
-                         ids=["1f1b", "zbh1"])
+@pytest.mark.parametrize("schedule", FOUR, ids=FOUR_IDS)
 def test_pipe2_data2_tensor2_matches_plain_jax(schedule):
     ps, p1, _, _ = run_gpt(named_mesh(2, data=2, tensor=2), schedule, tensor="tensor")
     # the parameters stayed in the user's shardings on their rank's devices
@@ -149,8 +152,7 @@ def test_boundary_values_cross_shard_to_shard():
         assert "2x16x32xf32" in joined and "4x16x32xf32" not in joined, joined[:2000]
 
 
-@pytest.mark.parametrize("schedule", [baton.Interleaved1F1B(2), baton.DualPipeV()],
-                         ids=["interleaved", "dualpipev"])
+@pytest.mark.parametrize("schedule", FOUR, ids=FOUR_IDS)
 def test_pipe2_fsdp4_shards_parameters_and_optimizer_state(schedule):
     ps, p1, s1, specs = run_gpt(named_mesh(2, fsdp=4), schedule, fsdp="fsdp")
     # per-device bytes of parameters + optimizer state = total / 4 (the fsdp axis), within 1%
@@ -167,11 +169,14 @@ def test_pipe2_fsdp4_shards_parameters_and_optimizer_state(schedule):
         assert max(got) <= 1.01 * min(got), (r, got)
 
 
-def test_pipe4_data2_matches_plain_jax():
-    run_gpt(named_mesh(4, data=2), baton.OneFOneB(), steps=2, microbatches=4, mb=2)
+@pytest.mark.parametrize("schedule", FOUR, ids=FOUR_IDS)
+def test_pipe4_data2_matches_plain_jax(schedule):
+    # DualPipeV needs microbatches >= 2 x ranks
+    m = 8 if isinstance(schedule, baton.DualPipeV) else 4
+    run_gpt(named_mesh(4, data=2), schedule, microbatches=m, mb=2)
 
 
-@pytest.mark.parametrize("schedule", [baton.OneFOneB(), baton.ZBH1()], ids=["1f1b", "zbh1"])
+@pytest.mark.parametrize("schedule", FOUR, ids=FOUR_IDS)
 def test_moe_gpt_pipe2_expert2_data2_matches_plain_jax(schedule):
     """The MoE GPT (examples/moe_gpt.py): top-2 routing over 4 experts split over the expert
     axis (the dispatch and combine einsums become all-to-alls inside each stage), the router's
@@ -183,7 +188,9 @@ def test_moe_gpt_pipe2_expert2_data2_matches_plain_jax(schedule):
     mesh = named_mesh(2, expert=2, data=2)
     pm = baton.PipelineMesh(mesh)
     assert pm.batch_axes == ("expert", "data")
-    cfg = moe_gpt.MoEConfig(expert_axis="expert")  # capacity 2 x tokens x 2 / 4: no drops
+    stages = schedule.stages(pm.num_ranks)
+    # capacity 2 x tokens x 2 / 4: no drops
+    cfg = moe_gpt.MoEConfig(expert_axis="expert", layers=stages, stages=stages)
     moe_gpt.use_mesh(mesh)
     try:
         model, params, opt, st, train_step, _ = moe_gpt.make(cfg)
