@@ -2,7 +2,8 @@
 devices in one process (ranks of several devices run on the interpreter).
 
     JAX_NUM_CPU_DEVICES=8 python bench/memory.py [--dim 64] [--seq 32] [--batch 32]
-        [--microbatches 4] [--schedules 1f1b,zbh1] [--md bench/results/memory.md]
+        [--microbatches 4] [--schedules 1f1b,interleaved,zbh1,dualpipev]
+        [--md bench/results/memory.md]
 
 Configurations: the GPT (examples/gpt.py, ``param_specs(params, tensor=, fsdp=)``) as pipe 2
 x data 2 x tensor 2, pipe 2 x fsdp 4, pipe 4 x data 2, and the MoE GPT (examples/moe_gpt.py)
@@ -10,7 +11,8 @@ as pipe 2 x expert 2 x data 2. Each configuration runs in its own process (so no
 configuration's arrays are live): one warm-up step, then ``step.memory(params, opt_state,
 batch, measure=True)`` on the warm-up step's outputs (the arguments as a training loop passes
 them): the model (see python/baton/frontend/memory.py) and one step with the live jax arrays
-sampled per device. Prints one markdown table per configuration and schedule.
+sampled per device. Prints one markdown table per configuration and schedule. DualPipeV
+runs at least 2 x ranks microbatches (8 for pipe 4), the others ``--microbatches``.
 """
 
 from __future__ import annotations
@@ -69,7 +71,10 @@ def run_one(name: str, schedule: str, a: dict) -> dict:
         _, params, _, st, step, _ = moe_gpt.make(cfg)
         specs = moe_gpt.param_specs(params)
         batch = moe_gpt.synthetic_batch(cfg, a["batch"])
-    ps = baton.jit(step, mesh=pm, schedule=sched, microbatches=a["microbatches"],
+    m = a["microbatches"]
+    if schedule == "dualpipev":  # it needs microbatches >= 2 x ranks
+        m = max(m, 2 * pm.num_ranks)
+    ps = baton.jit(step, mesh=pm, schedule=sched, microbatches=m,
                    param_shardings=specs, single_program=False)
     p, s, _ = ps(params, st, batch)  # warm-up: the arguments then sit where a step leaves them
     del params, st, _
@@ -79,7 +84,7 @@ def run_one(name: str, schedule: str, a: dict) -> dict:
     secs = time.perf_counter() - t0
     n_static = sum(x.nbytes for x in jax.tree.leaves((p, s, batch)))
     return {"table": mem.table(), "worst": mem.worst_ratio(), "seconds": secs,
-            "schedule": mem.schedule, "arg_bytes": n_static}
+            "schedule": mem.schedule, "arg_bytes": n_static, "microbatches": m}
 
 
 def main():
@@ -88,7 +93,7 @@ def main():
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--schedules", default="1f1b,zbh1")
+    ap.add_argument("--schedules", default="1f1b,interleaved,zbh1,dualpipev")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--md", default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -128,7 +133,7 @@ def main():
             worst.append((name, r["schedule"], r["worst"]))
             block = [f"## {name}, {r['schedule']}", "",
                      f"model + measurement {r['seconds']:.1f} s; worst predicted / measured "
-                     f"{r['worst']:.3f}", "", r["table"], ""]
+                     f"{r['worst']:.3f}; {r['microbatches']} microbatches", "", r["table"], ""]
             print("\n".join(block), flush=True)
             out += block
     out += ["## Worst ratio per run", "", "| configuration | schedule | worst ratio |",

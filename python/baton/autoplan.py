@@ -95,6 +95,27 @@ def _wall(probe, args, runs: int) -> float:
     return float(np.median(walls))
 
 
+def _outside_times(step, device, runs: int) -> dict[int, float]:
+    """Seconds per stage of the code outside the loop (the stage's segments before and after
+    it: the optimizer update), each segment timed alone as the multi-rank step calls it (its
+    own jitted program, on zeros of its inputs' shapes: the update does the same work for any
+    values); median of ``max(runs, 3)`` calls after a warm-up."""
+    tr = step.traced
+    out: dict[int, float] = {}
+    for seg in list(step.pre_segments) + list(step.post_segments):
+        args = [tr.literals[v] if v in tr.literals else
+                jax.device_put(np.zeros(tr.avals[v].shape, tr.avals[v].dtype), device)
+                for v in seg.inputs]
+        jax.block_until_ready(seg.fn(*args))
+        walls = []
+        for _ in range(max(runs, 3)):
+            t = time.perf_counter()
+            jax.block_until_ready(seg.fn(*args))
+            walls.append(time.perf_counter() - t)
+        out[seg.stage] = out.get(seg.stage, 0.0) + float(np.median(walls))
+    return out
+
+
 def _probe(fn, device, stages: int, microbatches: int, boundaries=None):
     from .frontend.api import PipelinedFunction
     from .schedules import Interleaved1F1B
@@ -145,7 +166,7 @@ def measure_segments(fn, *args, microbatches=(4, 8), runs: int = 3, device=None,
     for m in ms:
         if m < 1 or batch % m:
             raise ConfigError(f"autoplan: {m} microbatches do not divide the batch of {batch}")
-    key = f"segments-v4-{_fingerprint(traced, device)}-{'-'.join(map(str, ms))}-{runs}.json"
+    key = f"segments-v5-{_fingerprint(traced, device)}-{'-'.join(map(str, ms))}-{runs}.json"
     path = os.path.join(_cache_dir(cache_dir), key)
     if use_cache and os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
@@ -155,13 +176,12 @@ def measure_segments(fn, *args, microbatches=(4, 8), runs: int = 3, device=None,
     t0 = time.perf_counter()
     S = traced.num_stages
     # per count M: the S-stage probe (tasks timed alone, simulated loop P, wall W) and the
-    # whole model as one stage (wall W1; its traced loop at the fewest microbatches, where
-    # tracing adds least, gives the time outside the loop U = W1 - loop)
+    # whole model as one stage (wall W1); the time outside the loop U: each stage's
+    # segments before and after the loop timed alone (_outside_times)
     probes = {m: _profile_at(fn, args, device, S, m, runs) for m in ms}
-    one = _profile_at(fn, args, device, 1, ms[0], runs, boundaries=[])
-    outside = max(one[2] - one[3], 0.0)
-    whole_wall = {m: one[2] if m == ms[0] else
-                  _wall(_probe(fn, device, 1, m, []), _commit(args, device), runs)
+    per_stage = _outside_times(probes[ms[-1]][4], device, runs)
+    outside = sum(per_stage.values())
+    whole_wall = {m: _wall(_probe(fn, device, 1, m, []), _commit(args, device), runs)
                   for m in ms}
     cal = {}
     for m in ms:
@@ -216,11 +236,10 @@ def measure_segments(fn, *args, microbatches=(4, 8), runs: int = 3, device=None,
             "opt_bytes": _bytes(prog, opt_by_stage.get(s, ())),
             "temp_bytes": int(probes[ref][0][s][2]),
         })
-    # the seconds outside the loop, shared out by the bytes each segment updates: ranks
-    # update their stages in parallel after their loop
-    held = [2 * g["param_bytes"] + g["opt_bytes"] for g in segments]
-    for g, h in zip(segments, held):
-        g["update"] = outside * h / sum(held) if sum(held) > 0 else outside / len(segments)
+    # each segment's seconds outside the loop, as timed: ranks run their stages' updates in
+    # parallel after their loop
+    for s_, g in enumerate(segments):
+        g["update"] = per_stage.get(s_, 0.0)
     link = _measure_link(max([s["act_bytes"] for s in segments] + [8]), runs)
     out = {"batch": batch, "ref_microbatch": batch // ref, "link": link, "fused_factor": 1.0,
            "task_overhead": cal[ref]["task_overhead"], "segments": segments,
