@@ -34,8 +34,18 @@ class PipelinedFunction:
                  transport: str | None = None, timeout: float = 120.0, trace: bool = False,
                  remat: bool = True, fuse_forward_backward: bool = True,
                  retain_host_memory: bool = True, single_program: bool = True,
-                 param_shardings: Any = None, boundaries: Any = None):
+                 param_shardings: Any = None, boundaries: Any = None,
+                 donate_argnums: Any = ()):
         self.param_shardings = param_shardings
+        nums = (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
+        try:
+            nums = tuple(nums)
+        except TypeError:
+            nums = (nums,)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nums):
+            raise ConfigError(f"baton.jit: donate_argnums must be non-negative argument "
+                              f"indices (got {donate_argnums!r})")
+        self.donate_argnums = tuple(sorted(set(nums)))
         self.boundaries = None if boundaries is None else [int(b) for b in boundaries]
         if transport not in (None, "local", "gloo", "nccl"):
             raise ConfigError(
@@ -174,7 +184,23 @@ class PipelinedFunction:
         return CompiledStep(traced, plan, self.mesh, bool(sched.split_backward()),
                             remat=self.remat, single_program=self.single_program,
                             transport=self.loop_transport(),
-                            in_specs=in_specs)
+                            in_specs=in_specs, donated=self._donated(args, traced))
+
+    def _donated(self, args, traced) -> frozenset:
+        """The step input values of the arguments ``donate_argnums`` names."""
+        if not self.donate_argnums:
+            return frozenset()
+        bad = [i for i in self.donate_argnums if i >= len(args)]
+        if bad:
+            raise ConfigError(f"baton.jit: donate_argnums names argument {bad[0]} but the step "
+                              f"was called with {len(args)} arguments")
+        out, pos = set(), 0
+        for i, a in enumerate(args):
+            n = len(jax.tree.leaves(a))
+            if i in self.donate_argnums:
+                out.update(traced.step_inputs[pos:pos + n])
+            pos += n
+        return frozenset(out)
 
     def _input_specs(self, args) -> list:
         """Per flat argument, its ``PartitionSpec`` on the ranks' sub-meshes, or None
@@ -224,7 +250,13 @@ class PipelinedFunction:
     def __call__(self, *args):
         return self._call(args, self.trace)
 
-    def _call(self, args, record: bool = False):
+    def _call(self, args, record: bool = False, keep_args: bool = False):
+        """One step. ``keep_args``: the measuring tools (``baton.profile``, ``memory``) run
+        steps on the caller's arguments more than once, so donated arguments are copied first
+        and the caller's stay valid."""
+        if keep_args and self.donate_argnums:
+            args = tuple(jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, a)
+                         if i in self.donate_argnums else a for i, a in enumerate(args))
         step = self.compile(*args)
         self.last = step
         flat = jax.tree.leaves(args)
@@ -384,6 +416,7 @@ def jit(
     single_program: bool = True,
     param_shardings: Any = None,
     boundaries: Any = None,
+    donate_argnums: Any = (),
 ):
     """Pipelines ``fn`` (a training step containing one ``baton.accumulate``).
 
@@ -431,6 +464,10 @@ def jit(
     ``boundaries``: the indices (0-based, in forward order) of the ``stage_boundary`` calls
     that end stages; the others are identities. For a model marked at a finer grain than its
     stages (a boundary after every layer); ``baton.autoplan`` chooses them. Default: all.
+    ``donate_argnums``: arguments (indices) the caller gives up, as in ``jax.jit``: the
+    optimizer update after the loop writes the new parameters and optimizer state into their
+    buffers instead of next to them (without it the update holds both), and the donated arrays
+    are deleted by the call. Pass the step's outputs back in, as a training loop does.
     """
     if mesh is None and (transport == "local" or
                          (transport in (None, "nccl") and launched_world_size() <= 1)):
@@ -439,6 +476,6 @@ def jit(
     def wrap(f):
         return PipelinedFunction(f, mesh, schedule, microbatches, transport, timeout, trace,
                                  remat, fuse_forward_backward, retain_host_memory,
-                                 single_program, param_shardings, boundaries)
+                                 single_program, param_shardings, boundaries, donate_argnums)
 
     return wrap if fn is None else wrap(fn)

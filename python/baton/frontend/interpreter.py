@@ -233,7 +233,10 @@ class Interpreter:
         if step.capture is not None:
             had = step.capture.get(key)
             if had is None or (had[0] is None and acc is not None):
-                step.capture[key] = (acc, args)
+                # a donating step's update consumes the parameters the tasks read: keep copies
+                keep = [x.copy() if isinstance(x, jax.Array) else x for x in args] \
+                    if step.donated else args
+                step.capture[key] = (acc, keep)
         if not exe.acc_parts:
             outs = exe.fn(*args)
             if step.live is not None:

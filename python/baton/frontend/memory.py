@@ -346,7 +346,7 @@ def memory(fn, args, measure: bool = False) -> Memory:
     flat = jax.tree.leaves(args)
     step.capture = {}
     try:
-        fn._call(args)
+        fn._call(args, keep_args=True)
         captured = step.capture
     finally:
         step.capture = None
@@ -383,7 +383,7 @@ def measure_live(fn, args, temps: dict) -> dict:
     step.single_program = False
     step.live = live
     try:
-        fn._call(args)
+        fn._call(args, keep_args=True)
     finally:
         step.live = None
         step.single_program = was

@@ -173,7 +173,7 @@ def _group_link(group, nbytes: int, runs: int, timeout: float) -> dict:
 
 
 def _traced(fn, args) -> Trace:
-    fn._call(args, record=True)
+    fn._call(args, record=True, keep_args=True)
     return fn.last_trace
 
 
@@ -265,7 +265,7 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
     # 1. capture each task's arguments during one (blocking) step
     step.capture = {}
     try:
-        fn._call(args, record=True)
+        fn._call(args, record=True, keep_args=True)
         captured = step.capture
     finally:
         step.capture = None

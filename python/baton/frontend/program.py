@@ -588,12 +588,38 @@ class SingleProgram(_LoopProgram):
         # runs that would need them stay unrolled (GPipe's forwards)
         super().__init__(cs, 0, [("run", k, s, m, -1) for k, s, m in self.tasks],
                          stacked=False)
-        self.fn = jax.jit(self._program)
+        # donated step inputs (baton.jit(donate_argnums=...)), each matched to a step output
+        # of its shape and dtype, enter as the first argument, which XLA may overwrite
+        tr = cs.traced
+        free: dict[tuple, int] = {}
+        for v in tr.step_outputs:
+            if v not in tr.literals and v not in tr.step_inputs:
+                k = (tuple(tr.avals[v].shape), str(tr.avals[v].dtype))
+                free[k] = free.get(k, 0) + 1
+        self.donate = []
+        for i, v in enumerate(tr.step_inputs):
+            k = (tuple(tr.avals[v].shape), str(tr.avals[v].dtype))
+            if v in cs.donated and v not in tr.step_outputs and free.get(k, 0) > 0:
+                free[k] -= 1
+                self.donate.append(i)
+        n = len(tr.step_inputs)
+        keep = [i for i in range(n) if i not in set(self.donate)]
+
+        def program(given, kept):
+            args = [None] * n
+            for i, x in zip(self.donate, given):
+                args[i] = x
+            for i, x in zip(keep, kept):
+                args[i] = x
+            return self._program(args)
+
+        self.kept = keep
+        self.fn = jax.jit(program, donate_argnums=0)
 
     def __call__(self, flat_args):
         cs = self.cs
         args = cs.place(cs.traced.step_inputs, list(flat_args), 0)
-        outs = self.fn(args)
+        outs = self.fn([args[i] for i in self.donate], [args[i] for i in self.kept])
         tr = cs.traced
         it = iter(outs)
         return [tr.literals[v] if v in tr.literals else next(it) for v in tr.step_outputs]

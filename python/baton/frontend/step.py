@@ -47,8 +47,11 @@ def _placed(x, sh) -> bool:
 class CompiledStep:
     def __init__(self, traced: Traced, plan: Any, mesh: PipelineMesh, split_backward: bool,
                  remat: bool = True, single_program: bool = True, transport: str = "local",
-                 in_specs: list | None = None):
+                 in_specs: list | None = None, donated: frozenset = frozenset()):
         self.traced = traced
+        # step inputs the caller gives up (baton.jit(donate_argnums=...)): the optimizer
+        # update after the loop writes the new values into their buffers
+        self.donated = frozenset(donated)
         self.mesh = mesh
         self.partition = G.partition(traced.program, split_backward, remat)
         core = plan.core if hasattr(plan, "core") else plan
@@ -76,7 +79,7 @@ class CompiledStep:
         self.buffers = Buffers(core, traced, self.partition, self.tasks)
         self.rank_actions = self.buffers.rank_actions
         self.op_stage = list(self.partition.op_stage)
-        segs = Segments(traced, self.op_stage, self.num_stages, fix_of)
+        segs = Segments(traced, self.op_stage, self.num_stages, fix_of, self.donated)
         self.pre_segments, self.post_segments = segs.pre, segs.post
         # step input value -> its PartitionSpec on the ranks' sub-meshes (the user's
         # shardings: baton.jit(param_shardings=...) or the input arrays' own); every other

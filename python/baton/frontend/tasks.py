@@ -379,7 +379,7 @@ class Segments:
     in dependency waves."""
 
     def __init__(self, traced: Traced, op_stage: list[int], num_stages: int,
-                 fix_of=lambda stage: None):
+                 fix_of=lambda stage: None, donated: frozenset = frozenset()):
         self.fix_of = fix_of
         self.traced = traced
         self.op_stage = op_stage
@@ -393,7 +393,7 @@ class Segments:
         for s in self.pre:
             avail.update(s.outputs)
         avail.update(o for _, o, _ in tr.loop_outputs)
-        self.post = self._segments(post, avail, self._small_free_copies(post))
+        self.post = self._segments(post, avail, self._small_free_copies(post), donated)
 
     def _small_free_copies(self, post: list[int]) -> dict[int, set[int]]:
         """Post-loop ops that read only step inputs, literals and each other and make small
@@ -431,10 +431,14 @@ class Segments:
         return {i: st for i, st in copies.items() if st}
 
     def _segments(self, op_ids: list[int], avail: set[int],
-                  copies: dict[int, set[int]] | None = None) -> list[Segment]:
+                  copies: dict[int, set[int]] | None = None,
+                  donated: frozenset = frozenset()) -> list[Segment]:
         """Per-stage jitted segments in dependency waves. ``copies``: op -> extra stages that
         compute their own copy of it (see _small_free_copies); a value such an op makes is
-        read on a stage only from that stage's own copy."""
+        read on a stage only from that stage's own copy. ``donated``: step inputs the caller
+        gave up (``baton.jit(donate_argnums=...)``); the last segment that reads one donates
+        it when it makes an output of its shape and dtype (the new parameters or optimizer
+        state: XLA writes them in place)."""
         tr = self.traced
         ops = tr.ops
         lits = tr.literals
@@ -479,13 +483,36 @@ class Segments:
                               if v not in produced and v not in lits})
                 outs = sorted(v for v in produced
                               if v in external or any(u not in seg_set for u in uses.get(v, ())))
-                fn = jax.jit(make_fn(tr, seg, ins, outs, self.fix_of(stage)))
-                segs.append(Segment(stage, fn, ins, outs))
+                segs.append((stage, seg, ins, outs))
                 avail.update(produced)
                 local[stage].update(produced)
             if not progress:
                 raise TraceError("internal: code outside the loop could not be ordered by stage")
-        return segs
+        out = []
+        for j, (stage, seg, ins, outs) in enumerate(segs):
+            later = set(tr.step_outputs).union(*[set(x[2]) for x in segs[j + 1:]])
+            out.append(Segment(stage, jax.jit(make_fn(tr, seg, ins, outs, self.fix_of(stage)),
+                                              donate_argnums=self._donate(ins, outs, donated,
+                                                                          later)),
+                               ins, outs))
+        return out
+
+    def _donate(self, ins, outs, donated, later) -> tuple[int, ...]:
+        """Positions of ``ins`` a segment donates: donated step inputs nothing ``later`` reads,
+        each matched to an output of the same shape and dtype (XLA reuses a donated buffer
+        only for such an output; an unmatched one would only warn)."""
+        av = self.traced.avals
+        free: dict[tuple, int] = {}
+        for v in outs:
+            k = (tuple(av[v].shape), str(av[v].dtype))
+            free[k] = free.get(k, 0) + 1
+        pos = []
+        for j, v in enumerate(ins):
+            k = (tuple(av[v].shape), str(av[v].dtype))
+            if v in donated and v not in later and free.get(k, 0) > 0:
+                free[k] -= 1
+                pos.append(j)
+        return tuple(pos)
 
 
 def final_part(part, acc, stacked, M: int):
