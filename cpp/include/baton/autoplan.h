@@ -15,8 +15,10 @@
 // rank's sum of its segments' `update` seconds; 0 when costs give none) plus
 // step_overhead;
 // its peak memory on rank r is the static bytes of its stages (params +
-// optimizer state + gradient accumulator) + the largest temp_bytes of its
-// stages + simulate(...).peak_total[r]. It fits when every rank's peak <=
+// optimizer state + gradient accumulator) + the largest transient of its
+// stages (stage_temp_bytes: XLA temporaries and the new gradient sums a task
+// writes while the old ones are held) + simulate(...).peak_total[r]. It fits
+// when every rank's peak <=
 // budget (budget 0: unlimited).
 //
 // Method (exact on that space). For each configuration (family, v, M) the
@@ -182,7 +184,10 @@ int64_t stage_static_bytes(const SegmentCosts& c, int begin, int end);
 // stage s.
 double update_time(const SegmentCosts& c, const std::vector<int>& cuts,
                    const std::vector<int>& stage_rank, int ranks);
-// The largest temp_bytes of the stage's segments.
+// A stage's transient bytes while one of its tasks runs: the largest
+// temp_bytes of its segments (XLA temporaries) plus the new gradient sums the
+// task writes while the old ones are still held (the sum of the segments'
+// param_bytes; step.memory's "transient" counts the same).
 int64_t stage_temp_bytes(const SegmentCosts& c, int begin, int end);
 // Cost model of a partition: cuts[s] = first segment of stage s (cuts[0] ==
 // 0, increasing, < number of segments), remat[s] per stage.

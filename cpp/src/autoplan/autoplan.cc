@@ -316,9 +316,11 @@ void Searcher::prepare(Config& c) {
   c.tmax.assign(static_cast<size_t>(n + 1) * (n + 1), 0);
   for (int a = 0; a < n; ++a) {
     int64_t m = 0;
+    int64_t sums = 0;
     for (int e = a + 1; e <= n; ++e) {
       m = std::max(m, c.sc.segments[e - 1].temp_bytes);
-      c.tmax[static_cast<size_t>(a) * (n + 1) + e] = m;
+      sums += c.sc.segments[e - 1].param_bytes;
+      c.tmax[static_cast<size_t>(a) * (n + 1) + e] = m + sums;  // = stage_temp_bytes
     }
   }
 }

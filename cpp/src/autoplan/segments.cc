@@ -305,8 +305,12 @@ double update_time(const SegmentCosts& c, const std::vector<int>& cuts,
 
 int64_t stage_temp_bytes(const SegmentCosts& c, int begin, int end) {
   int64_t v = 0;
-  for (int k = begin; k < end; ++k) v = std::max(v, c.segments[k].temp_bytes);
-  return v;
+  int64_t sums = 0;
+  for (int k = begin; k < end; ++k) {
+    v = std::max(v, c.segments[k].temp_bytes);
+    sums += c.segments[k].param_bytes;
+  }
+  return v + sums;
 }
 
 CostModel stage_cost_model(const SegmentCosts& c, const std::vector<int>& cuts,
