@@ -101,11 +101,19 @@ def _outside_times(step, device, runs: int) -> dict[int, float]:
     own jitted program, on zeros of its inputs' shapes: the update does the same work for any
     values); median of ``max(runs, 3)`` calls after a warm-up."""
     tr = step.traced
+
+    def zeros(aval):
+        if jax.numpy.issubdtype(aval.dtype, jax.dtypes.prng_key):  # typed PRNG keys
+            impl = aval.dtype._impl
+            data = jax.random.key_data(jax.random.key(0, impl=impl))
+            return jax.random.wrap_key_data(
+                np.zeros(tuple(aval.shape) + data.shape, data.dtype), impl=impl)
+        return np.zeros(aval.shape, aval.dtype)
+
     out: dict[int, float] = {}
     for seg in list(step.pre_segments) + list(step.post_segments):
         args = [tr.literals[v] if v in tr.literals else
-                jax.device_put(np.zeros(tr.avals[v].shape, tr.avals[v].dtype), device)
-                for v in seg.inputs]
+                jax.device_put(zeros(tr.avals[v]), device) for v in seg.inputs]
         jax.block_until_ready(seg.fn(*args))
         walls = []
         for _ in range(max(runs, 3)):

@@ -152,3 +152,27 @@ def test_search_on_given_costs():
             assert r.step_time == pytest.approx(plain[key])
         if r.microbatches == 2 and key in plain:
             assert r.step_time > plain[key]
+
+
+def test_outside_times_time_each_segment_on_zeros_of_its_inputs():
+    """The update after the loop is timed per stage on zeros of each segment's inputs, typed
+    PRNG keys included (a key split before the loop); every stage's segments are summed."""
+    import importlib
+    import types
+
+    ap = importlib.import_module("baton.autoplan")
+    keys = jax.random.split(jax.random.key(1), 4)
+    avals = {1: jax.core.ShapedArray((4,), keys.dtype),
+             2: jax.core.ShapedArray((3,), np.float32)}
+    seen = []
+
+    def upd(k, x):
+        seen.append((k.dtype, x.dtype))
+        return jax.random.key_data(k).sum(), x * 2
+
+    segs = [types.SimpleNamespace(stage=s, inputs=[1, 2], fn=jax.jit(upd)) for s in (0, 0, 1)]
+    step = types.SimpleNamespace(traced=types.SimpleNamespace(avals=avals, literals={}),
+                                 pre_segments=segs[:1], post_segments=segs[1:])
+    got = ap._outside_times(step, jax.devices()[0], 3)
+    assert sorted(got) == [0, 1] and all(t > 0 for t in got.values())
+    assert seen and seen[0][0] == keys.dtype  # traced once per distinct input signature

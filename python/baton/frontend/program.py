@@ -58,7 +58,7 @@ from .. import _core
 from .. import _jax_compat as jc
 from ..errors import ExecutionError
 from . import ffi
-from .tasks import buffer_reads, final_part, parts_of, task_exes
+from .tasks import buffer_reads, donatable, final_part, parts_of, task_exes
 
 G = _core.graph
 _MAX_PERIOD_PER_STAGE = 4
@@ -591,17 +591,9 @@ class SingleProgram(_LoopProgram):
         # donated step inputs (baton.jit(donate_argnums=...)), each matched to a step output
         # of its shape and dtype, enter as the first argument, which XLA may overwrite
         tr = cs.traced
-        free: dict[tuple, int] = {}
-        for v in tr.step_outputs:
-            if v not in tr.literals and v not in tr.step_inputs:
-                k = (tuple(tr.avals[v].shape), str(tr.avals[v].dtype))
-                free[k] = free.get(k, 0) + 1
-        self.donate = []
-        for i, v in enumerate(tr.step_inputs):
-            k = (tuple(tr.avals[v].shape), str(tr.avals[v].dtype))
-            if v in cs.donated and v not in tr.step_outputs and free.get(k, 0) > 0:
-                free[k] -= 1
-                self.donate.append(i)
+        made = [v for v in tr.step_outputs if v not in tr.literals and v not in tr.step_inputs]
+        self.donate = list(donatable(tr.avals, tr.step_inputs, made, cs.donated,
+                                     set(tr.step_outputs)))
         n = len(tr.step_inputs)
         keep = [i for i in range(n) if i not in set(self.donate)]
 

@@ -498,21 +498,24 @@ class Segments:
         return out
 
     def _donate(self, ins, outs, donated, later) -> tuple[int, ...]:
-        """Positions of ``ins`` a segment donates: donated step inputs nothing ``later`` reads,
-        each matched to an output of the same shape and dtype (XLA reuses a donated buffer
-        only for such an output; an unmatched one would only warn)."""
-        av = self.traced.avals
-        free: dict[tuple, int] = {}
-        for v in outs:
-            k = (tuple(av[v].shape), str(av[v].dtype))
-            free[k] = free.get(k, 0) + 1
-        pos = []
-        for j, v in enumerate(ins):
-            k = (tuple(av[v].shape), str(av[v].dtype))
-            if v in donated and v not in later and free.get(k, 0) > 0:
-                free[k] -= 1
-                pos.append(j)
-        return tuple(pos)
+        return donatable(self.traced.avals, ins, outs, donated, later)
+
+
+def donatable(avals, ins, outs, donated, later) -> tuple[int, ...]:
+    """Positions of ``ins`` a program donates: donated step inputs nothing ``later`` reads,
+    each matched to an output of ``outs`` with the same shape and dtype (XLA reuses a donated
+    buffer only for such an output; an unmatched donation would only warn)."""
+    free: dict[tuple, int] = {}
+    for v in outs:
+        k = (tuple(avals[v].shape), str(avals[v].dtype))
+        free[k] = free.get(k, 0) + 1
+    pos = []
+    for j, v in enumerate(ins):
+        k = (tuple(avals[v].shape), str(avals[v].dtype))
+        if v in donated and v not in later and free.get(k, 0) > 0:
+            free[k] -= 1
+            pos.append(j)
+    return tuple(pos)
 
 
 def final_part(part, acc, stacked, M: int):
