@@ -51,7 +51,7 @@ def test_one_rank_program_has_no_callbacks():
     ps, params, batch = make(baton.OneFOneB(), 1, 4)
     ps(params, batch)
     sp = ps.last.engine.single
-    found = targets(sp.fn.lower(jax.tree.leaves((params, batch))).as_text())
+    found = targets(sp.lowered_text(jax.tree.leaves((params, batch))))
     assert not any("callback" in t for t in found), found
 
 

@@ -608,10 +608,17 @@ class SingleProgram(_LoopProgram):
         self.kept = keep
         self.fn = jax.jit(program, donate_argnums=0)
 
+    def _split(self, args):  # (donated, kept) as ``fn`` takes them
+        return [args[i] for i in self.donate], [args[i] for i in self.kept]
+
+    def lowered_text(self, flat_args) -> str:
+        """The program's StableHLO for these step inputs (tests inspect its custom calls)."""
+        return self.fn.lower(*self._split(list(flat_args))).as_text()
+
     def __call__(self, flat_args):
         cs = self.cs
         args = cs.place(cs.traced.step_inputs, list(flat_args), 0)
-        outs = self.fn([args[i] for i in self.donate], [args[i] for i in self.kept])
+        outs = self.fn(*self._split(args))
         tr = cs.traced
         it = iter(outs)
         return [tr.literals[v] if v in tr.literals else next(it) for v in tr.step_outputs]
