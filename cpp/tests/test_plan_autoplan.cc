@@ -190,6 +190,25 @@ TEST(AutoplanStage, EvaluateMatchesSimulator) {
   EXPECT_EQ(p.virtual_stages, 2);
 }
 
+TEST(AutoplanStage, DualPipeVHoldsTheWeightStashBetweenIAndW) {
+  // DualPipeV's B tasks (its overlapped pairs) run as I then W because the
+  // schedule also has I and W tasks: I's weight stash is live while W runs.
+  EXPECT_TRUE(runs_b_as_i_then_w(dualpipe_v(2, 4)));
+  EXPECT_FALSE(runs_b_as_i_then_w(zb_v(2, 4)));         // I and W only
+  EXPECT_FALSE(runs_b_as_i_then_w(one_f_one_b(2, 4)));  // B only
+  const SegmentCosts c = sample_costs();
+  EXPECT_EQ(stage_temp_bytes(c, 1, 3, true), 210 + 2000 + 3000 + 2 * 30);
+  const std::vector<int> cuts{0, 1, 2, 3};
+  const std::vector<Remat> rm(4, Remat::Keep);
+  const PlanCandidate p = evaluate_candidate(c, "dualpipev", 2, 2, 4, cuts, rm);
+  const SimResult r = simulate(lower(dualpipe_v(2, 4)), stage_cost_model(c.scaled(4), cuts, rm));
+  const SegmentCosts s = c.scaled(4);
+  EXPECT_EQ(p.peak_memory[0],
+            stage_static_bytes(s, 0, 1) + stage_static_bytes(s, 3, 4) +
+                std::max(stage_temp_bytes(s, 0, 1, true), stage_temp_bytes(s, 3, 4, true)) +
+                r.peak_total[0]);
+}
+
 TEST(AutoplanStage, ParseBytes) {
   EXPECT_EQ(parse_bytes("20GiB"), int64_t{20} << 30);
   EXPECT_EQ(parse_bytes("1.5GB"), 1500000000);

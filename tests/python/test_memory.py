@@ -1,7 +1,8 @@
 """The per-device memory model (``PipelinedFunction.memory``) against what one step actually
 holds: the live jax arrays per device (``jax.live_arrays()``) sampled by the interpreter,
 plus the running task's XLA temporaries. GPT pipe 2 x data 2 x tensor 2 (tensor-parallel
-parameters, batch split over data), 1F1B, on 8 CPU devices in one process."""
+parameters, batch split over data), 1F1B and DualPipeV (whose B tasks run as I then W), on 8
+CPU devices in one process."""
 
 from __future__ import annotations
 
@@ -24,13 +25,16 @@ if len(jax.devices()) < 8:
     pytest.skip("needs 8 devices (JAX_NUM_CPU_DEVICES=8)", allow_module_level=True)
 
 
-def test_predicted_peak_per_device_matches_live_arrays():
+@pytest.mark.parametrize("schedule", [baton.OneFOneB(), baton.DualPipeV()],
+                         ids=["1f1b", "dualpipev"])
+def test_predicted_peak_per_device_matches_live_arrays(schedule):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("pipe", "data", "tensor"))
     pm = baton.PipelineMesh(mesh)
-    cfg = gpt.GPTConfig(vocab=64, seq=16, dim=32, heads=4, layers=2, stages=2)
+    stages = schedule.stages(pm.num_ranks)
+    cfg = gpt.GPTConfig(vocab=64, seq=16, dim=32, heads=4, layers=stages, stages=stages)
     _, params, _, opt_state, train_step, _ = gpt.make(cfg)
     batch = gpt.synthetic_batch(cfg, 16)
-    ps = baton.jit(train_step, mesh=pm, schedule=baton.OneFOneB(), microbatches=4,
+    ps = baton.jit(train_step, mesh=pm, schedule=schedule, microbatches=4,
                    param_shardings=gpt.param_specs(params, tensor="tensor"),
                    single_program=False)
     # the arguments as a training loop passes them: the previous step's outputs

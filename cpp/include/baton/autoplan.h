@@ -91,7 +91,7 @@
 #include <string_view>
 #include <vector>
 
-#include "baton/cost.h"
+#include "baton/cost.h"  // (baton/schedule.h)
 
 namespace baton {
 
@@ -187,8 +187,14 @@ double update_time(const SegmentCosts& c, const std::vector<int>& cuts,
 // A stage's transient bytes while one of its tasks runs: the largest
 // temp_bytes of its segments (XLA temporaries) plus the new gradient sums the
 // task writes while the old ones are still held (the sum of the segments'
-// param_bytes; step.memory's "transient" counts the same).
-int64_t stage_temp_bytes(const SegmentCosts& c, int begin, int end);
+// param_bytes; step.memory's "transient" counts the same). `b_split`: the
+// schedule runs B tasks of a split partition (runs_b_as_i_then_w), each as I
+// then W, so I's weight stash (wstash_bytes) is held while W runs.
+int64_t stage_temp_bytes(const SegmentCosts& c, int begin, int end, bool b_split = false);
+// Whether the schedule has B tasks while its partition is split into I and W
+// (DualPipeV: B in its overlapped pairs, I and W at the end): such a B runs as
+// I then W.
+bool runs_b_as_i_then_w(const Schedule& s);
 // Cost model of a partition: cuts[s] = first segment of stage s (cuts[0] ==
 // 0, increasing, < number of segments), remat[s] per stage.
 CostModel stage_cost_model(const SegmentCosts& c, const std::vector<int>& cuts,

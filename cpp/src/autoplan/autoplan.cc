@@ -313,6 +313,7 @@ void Searcher::prepare(Config& c) {
     c.pwstash[k + 1] = c.pwstash[k] + g.wstash_bytes;
     c.pstatic[k + 1] = c.pstatic[k] + 2 * g.param_bytes + g.opt_bytes;
   }
+  const bool b_split = runs_b_as_i_then_w(s);
   c.tmax.assign(static_cast<size_t>(n + 1) * (n + 1), 0);
   for (int a = 0; a < n; ++a) {
     int64_t m = 0;
@@ -320,6 +321,7 @@ void Searcher::prepare(Config& c) {
     for (int e = a + 1; e <= n; ++e) {
       m = std::max(m, c.sc.segments[e - 1].temp_bytes);
       sums += c.sc.segments[e - 1].param_bytes;
+      if (b_split) sums += c.sc.segments[e - 1].wstash_bytes;
       c.tmax[static_cast<size_t>(a) * (n + 1) + e] = m + sums;  // = stage_temp_bytes
     }
   }
@@ -1041,7 +1043,7 @@ PlanCandidate evaluate_candidate(const SegmentCosts& costs, std::string_view sch
     const int a = cuts[st], e = st + 1 < s.num_stages ? cuts[st + 1] : n;
     const int r = s.stage_rank[st];
     pc.peak_memory[r] += stage_static_bytes(sc, a, e);
-    tmp[r] = std::max(tmp[r], stage_temp_bytes(sc, a, e));
+    tmp[r] = std::max(tmp[r], stage_temp_bytes(sc, a, e, runs_b_as_i_then_w(s)));
   }
   pc.fits = true;
   for (int r = 0; r < ranks; ++r) {

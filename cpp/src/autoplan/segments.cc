@@ -303,14 +303,24 @@ double update_time(const SegmentCosts& c, const std::vector<int>& cuts,
   return c.step_overhead + (per.empty() ? 0.0 : *std::max_element(per.begin(), per.end()));
 }
 
-int64_t stage_temp_bytes(const SegmentCosts& c, int begin, int end) {
+int64_t stage_temp_bytes(const SegmentCosts& c, int begin, int end, bool b_split) {
   int64_t v = 0;
   int64_t sums = 0;
   for (int k = begin; k < end; ++k) {
     v = std::max(v, c.segments[k].temp_bytes);
     sums += c.segments[k].param_bytes;
+    if (b_split) sums += c.segments[k].wstash_bytes;
   }
   return v + sums;
+}
+
+bool runs_b_as_i_then_w(const Schedule& s) {
+  if (!s.split_backward()) return false;
+  for (const auto& row : s.rank_actions)
+    for (const auto& a : row)
+      if (a.first.kind == TaskKind::B || (a.is_fused() && a.second.kind == TaskKind::B))
+        return true;
+  return false;
 }
 
 CostModel stage_cost_model(const SegmentCosts& c, const std::vector<int>& cuts,

@@ -18,7 +18,8 @@ sharding: the user's spec over the rank's sub-mesh, or the layout XLA gave a tas
                     axes, stashes as XLA laid them out)
     transient(d)    max over r's tasks of XLA's temp_size_in_bytes of its program plus the
                     new running sums it writes (the old ones stay until it returns: the sums
-                    are not donated)
+                    are not donated); for a B that runs as I then W (a split partition's B:
+                    DualPipeV), W's plus I's weight stash, held until W is done
     loop(d)         the peak over the simulated loop of: live buffers + the running sums of
                     r's stages made by then + (during a RUN) its task's temporaries and new
                     sums; at most buffers + accumulators + transient
@@ -260,24 +261,29 @@ def _buffers(step, compiled) -> tuple[dict, dict]:
     return bufs, sums
 
 
-def _loop_peak(step, sim, j, compiled, sums) -> dict:
+def _loop_peak(step, sim, j, compiled, sums, bufs) -> tuple[dict, dict]:
     """Per rank: the peak over the simulated loop of device position ``j``: the live
     buffers (``sim.memory``) plus the running sums of the rank's stages that exist by then
     (from the start of the stage's first task that makes them), plus, during a RUN, its
-    tasks' largest XLA temporaries and new sums (the old ones are still held)."""
-    out = {}
+    tasks' largest XLA temporaries and new sums (the old ones are still held), and for a B
+    the partition runs as I then W, I's weight stash while W runs (the plan sees one B);
+    and per rank the largest such RUN transient."""
     first: dict[int, float] = {}  # stage -> start of its first task with running sums
     extra: dict[tuple, int] = {}  # (rank, action) -> temp + new sums of its costliest task
     for run in sim.runs:
         dv = step.mesh.rank_devices[run.rank][j].id
         best = 0
         for kind, s, _ in step.buffers.tasks_of(run.rank, run.action):
+            between = 0  # a B run as I then W: I's weight stash is held until W is done
             for exe in task_exes(step.tasks, kind, s):
                 _, temp, new = compiled[(exe.kind, exe.stage)]
-                best = max(best, temp + new.get(dv, 0))
+                best = max(best, between + temp + new.get(dv, 0))
+                if kind == "B" and exe.kind == "I":
+                    between = bufs.get(("WStash", s), {}).get(dv, 0)
                 if exe.acc_parts:
                     first[s] = min(first.get(s, run.start), run.start)
         extra[(run.rank, run.action)] = best
+    out, most = {}, {}
     for r in range(step.num_ranks):
         dv = step.mesh.rank_devices[r][j].id
         mine = [(first[s], sums.get(s, {}).get(dv, 0)) for s in first
@@ -296,17 +302,18 @@ def _loop_peak(step, sim, j, compiled, sums) -> dict:
             buf = max(during or before[-1:] or [0])
             peak = max(peak, buf + held(run.start, True) + extra[(r, run.action)])
         out[r] = peak
-    return out
+        most[r] = max([n for (q, _), n in extra.items() if q == r] + [0])
+    return out, most
 
 
-def _simulated(step, bufs, compiled, sums) -> tuple[dict, dict]:
+def _simulated(step, bufs, compiled, sums) -> tuple[dict, dict, dict]:
     """Per device: the simulator's peak_total of its rank with every buffer sized for that
-    device, and the loop peak (``_loop_peak``); one simulation per device position within a
-    rank."""
+    device, the loop peak and the largest transient of a RUN (``_loop_peak``); one
+    simulation per device position within a rank."""
     from .api import cost_model_of
 
     base = cost_model_of(step).to_json()
-    peak, loop = {}, {}
+    peak, loop, transient = {}, {}, {}
     for j in range(step.mesh.devices_per_rank()):
         cm = _core.CostModel.from_json(base)
 
@@ -327,12 +334,13 @@ def _simulated(step, bufs, compiled, sums) -> tuple[dict, dict]:
             sk.grad_bytes = int(bufs.get(("SkipGrad", e), {}).get(dev(edges[e].dst), 0))
         cm.skips = skips
         sim = step.plan.simulate(cm)
-        lp = _loop_peak(step, sim, j, compiled, sums)
+        lp, most = _loop_peak(step, sim, j, compiled, sums, bufs)
         for r in range(step.num_ranks):
             d = step.mesh.rank_devices[r][j].id
             peak[d] = int(sim.peak_total[r])
             loop[d] = int(lp[r])
-    return peak, loop
+            transient[d] = int(most[r])
+    return peak, loop, transient
 
 
 def memory(fn, args, measure: bool = False) -> Memory:
@@ -355,16 +363,11 @@ def memory(fn, args, measure: bool = False) -> Memory:
     bufs, sums = _buffers(step, compiled)
     static, copies = _static_and_copies(step, flat)
     acc: dict = {}
-    transient: dict = {}
     for s, per in sums.items():
         for d, n in per.items():
             acc[d] = acc.get(d, 0) + n
-    for (kind, s), (_, temp, new_sums) in compiled.items():
-        for dv in step.mesh.rank_devices[step.stage_rank[s]]:
-            t = temp + new_sums.get(dv.id, 0)
-            transient[dv.id] = max(transient.get(dv.id, 0), t)
     temps = {k: v[1] for k, v in compiled.items()}
-    peak, loop = _simulated(step, bufs, compiled, sums)
+    peak, loop, transient = _simulated(step, bufs, compiled, sums)
     mem = Memory([[d.id for d in g] for g in step.mesh.rank_devices],
                  {"static": static, "copies": copies, "accumulators": acc,
                   "buffers": peak, "transient": transient, "loop": loop},
