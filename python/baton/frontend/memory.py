@@ -19,11 +19,19 @@ sharding: the user's spec over the rank's sub-mesh, or the layout XLA gave a tas
     transient(d)    max over r's tasks of XLA's temp_size_in_bytes of its program plus the
                     new running sums it writes (the old ones stay until it returns: the sums
                     are not donated); for a B that runs as I then W (a split partition's B:
-                    DualPipeV), W's plus I's weight stash, held until W is done
+                    DualPipeV), I's weight stash, held from I's start until W is done, plus
+                    the larger of I's and W's
     loop(d)         the peak over the simulated loop of: live buffers + the running sums of
                     r's stages made by then + (during a RUN) its task's temporaries and new
                     sums; at most buffers + accumulators + transient
-    predicted(d) = static + copies + loop
+    update(d)       the peak over the segments after the loop (the optimizer update), in the
+                    order the step runs them: static + the values they read that the loop or
+                    the code before it made (the combined gradients) until their last reader
+                    + what earlier segments made (until its last reader, or to the end if the
+                    step returns it) + the segment's outputs (an output written into a
+                    donated input's buffer adds nothing) + its XLA temporaries on its rank's
+                    devices
+    predicted(d) = max(static + copies + loop, update)
 
 The tasks are compiled with the arguments one interpreted call of the step hands them (the
 capture ``baton.profile`` uses), so the layouts and temporaries are those of the programs
@@ -34,8 +42,10 @@ live ``jax.Array`` per device (``jax.live_arrays()``, each array's shards per de
 its sharding), sampled at the start of the loop, after every task's outputs are computed
 (its inputs and old running sums still held), after every RUN and every received transfer,
 plus, at a sample taken inside a task, that task's temp_size_in_bytes on its rank's devices
-(live arrays cannot see inside a running program). The peak covers the microbatch loop,
-not the optimizer update after it.
+(live arrays cannot see inside a running program). Each segment after the loop is
+sampled too, once its outputs exist, with its temporaries added (``("post", j)``). With
+donation, measure on arguments the step may consume: ``memory`` keeps the caller's arrays
+(their copies are consumed), and those stay live next to the step's own.
 """
 
 from __future__ import annotations
@@ -55,8 +65,7 @@ from .tasks import task_exes
 
 G = _core.graph
 # the model's components per device; predicted = static + copies + loop
-COMPONENTS = ("static", "copies", "accumulators", "buffers", "transient", "loop")
-_TOTAL = ("static", "copies", "loop")
+COMPONENTS = ("static", "copies", "accumulators", "buffers", "transient", "loop", "update")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -97,6 +106,8 @@ class LivePeak:
         self.devs = [{d.id for d in g} for g in rank_devices]
         self.temps = temps
         self.peak: dict[int, int] = {}
+        self.update_peak: dict[int, int] = {}  # over the samples after the loop
+        self.offset: dict[int, int] = {}  # added to every sample (measure_live)
         self.samples = 0
         self._lock = threading.Lock()
 
@@ -106,10 +117,13 @@ class LivePeak:
         with self._lock:
             self.samples += 1
             for d, n in live.items():
+                n += self.offset.get(d, 0)
                 if extra and d in self.devs[rank]:
                     n += extra
                 if n > self.peak.get(d, 0):
                     self.peak[d] = n
+                if task is not None and task[0] == "post" and n > self.update_peak.get(d, 0):
+                    self.update_peak[d] = n
 
 
 @dataclasses.dataclass
@@ -122,9 +136,12 @@ class Memory:
     temps: dict  # (kind, stage) -> XLA temp_size_in_bytes (per device)
     measured: dict | None = None  # device id -> peak bytes (live arrays + temporaries)
     schedule: str = ""
+    measured_update: dict | None = None  # the same, over the segments after the loop
 
     def predicted(self, d: int) -> int:
-        return sum(self.parts[c].get(d, 0) for c in _TOTAL)
+        p = self.parts
+        return max(p["static"].get(d, 0) + p["copies"].get(d, 0) + p["loop"].get(d, 0),
+                   p.get("update", {}).get(d, 0))
 
     def rows(self) -> list[dict]:
         out = []
@@ -137,6 +154,9 @@ class Memory:
                     row["measured"] = self.measured.get(d, 0)
                     row["ratio"] = row["predicted"] / row["measured"] if row["measured"] \
                         else float("nan")
+                if self.measured_update:
+                    m = row["measured update"] = self.measured_update.get(d, 0)
+                    row["update ratio"] = row["update"] / m if m else float("nan")
                 out.append(row)
         return out
 
@@ -146,12 +166,14 @@ class Memory:
         cols = ["rank", "device", *COMPONENTS, "predicted"]
         if self.measured is not None:
             cols += ["measured", "ratio"]
-        lines = ["| " + " | ".join(c if c in ("rank", "device", "ratio") else c + " KiB"
-                                   for c in cols) + " |",
+        if self.measured_update:
+            cols += ["measured update", "update ratio"]
+        plain = ("rank", "device", "ratio", "update ratio")
+        lines = ["| " + " | ".join(c if c in plain else c + " KiB" for c in cols) + " |",
                  "|" + "---:|" * len(cols)]
         for row in self.rows():
             cells = [str(row[c]) if c in ("rank", "device") else
-                     f"{row[c]:.3f}" if c == "ratio" else f"{row[c] / 1024:.1f}" for c in cols]
+                     f"{row[c]:.3f}" if c in plain else f"{row[c] / 1024:.1f}" for c in cols]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
@@ -266,7 +288,7 @@ def _loop_peak(step, sim, j, compiled, sums, bufs) -> tuple[dict, dict]:
     buffers (``sim.memory``) plus the running sums of the rank's stages that exist by then
     (from the start of the stage's first task that makes them), plus, during a RUN, its
     tasks' largest XLA temporaries and new sums (the old ones are still held), and for a B
-    the partition runs as I then W, I's weight stash while W runs (the plan sees one B);
+    the partition runs as I then W, I's weight stash while I and W run (the plan sees one B);
     and per rank the largest such RUN transient."""
     first: dict[int, float] = {}  # stage -> start of its first task with running sums
     extra: dict[tuple, int] = {}  # (rank, action) -> temp + new sums of its costliest task
@@ -274,12 +296,13 @@ def _loop_peak(step, sim, j, compiled, sums, bufs) -> tuple[dict, dict]:
         dv = step.mesh.rank_devices[run.rank][j].id
         best = 0
         for kind, s, _ in step.buffers.tasks_of(run.rank, run.action):
-            between = 0  # a B run as I then W: I's weight stash is held until W is done
-            for exe in task_exes(step.tasks, kind, s):
+            exes = task_exes(step.tasks, kind, s)
+            # a B run as I then W: I's weight stash (its output, which the plan's one B does
+            # not have) exists from I's start until W is done
+            between = bufs.get(("WStash", s), {}).get(dv, 0) if len(exes) > 1 else 0
+            for exe in exes:
                 _, temp, new = compiled[(exe.kind, exe.stage)]
                 best = max(best, between + temp + new.get(dv, 0))
-                if kind == "B" and exe.kind == "I":
-                    between = bufs.get(("WStash", s), {}).get(dv, 0)
                 if exe.acc_parts:
                     first[s] = min(first.get(s, run.start), run.start)
         extra[(run.rank, run.action)] = best
@@ -343,6 +366,55 @@ def _simulated(step, bufs, compiled, sums) -> tuple[dict, dict, dict]:
     return peak, loop, transient
 
 
+def _update_phase(step, layouts, static) -> tuple[dict, dict]:
+    """Per device: the peak over the segments after the loop (the module docstring's
+    update(d)), from each segment's argument layouts (``layouts[j]``, as the step handed
+    them) and its compiled outputs and temporaries; and ``("post", j)`` -> temporaries."""
+    segs = step.post_segments
+    inputs = set(step.traced.step_inputs)
+    keep = set(step.traced.step_outputs)
+    made_by = {v for seg in segs for v in seg.outputs}
+    last: dict = {}
+    live: dict = {}  # value (not a step input) -> per-device bytes, while it is held
+    for j, (seg, args) in enumerate(zip(segs, layouts)):
+        for v, x in zip(seg.inputs, args):
+            last[v] = j
+            if v not in inputs and v not in made_by and isinstance(x, jax.ShapeDtypeStruct):
+                live[v] = per_device([(x.sharding, tuple(x.shape), x.dtype)])
+    base = dict(static)
+    peak = dict(static)
+    temps: dict = {}
+    for j, (seg, args) in enumerate(zip(segs, layouts)):
+        lowered = seg.fn.lower(*args)
+        comp = lowered.compile()
+        mem = xla_memory(comp)
+        if mem is None:
+            raise ConfigError(f"memory model: the backend gives no memory analysis for "
+                              f"segment {j} after the loop (stage {seg.stage})")
+        temps[("post", j)] = int(mem["temp_size_in_bytes"])
+        made = {v: per_device([(sh, tuple(o.shape), o.dtype)])
+                for v, sh, o in zip(seg.outputs, comp.output_shardings,
+                                    jax.tree.leaves(lowered.out_info))}
+        # a donated input's buffer holds one of the outputs: it leaves the static part
+        reused = per_device([(args[i].sharding, tuple(args[i].shape), args[i].dtype)
+                             for i in seg.donate])
+        now = dict(base)
+        for per in list(live.values()) + list(made.values()):
+            for d, n in per.items():
+                now[d] = now.get(d, 0) + n
+        for d, n in reused.items():
+            now[d] -= n
+            base[d] -= n
+        for dv in step.mesh.rank_devices[step.stage_rank[seg.stage]]:
+            now[dv.id] = now.get(dv.id, 0) + temps[("post", j)]
+        for d, n in now.items():
+            peak[d] = max(peak.get(d, 0), n)
+        live.update(made)
+        for v in [v for v in live if v not in keep and last.get(v, -1) <= j]:
+            del live[v]
+    return peak, temps
+
+
 def memory(fn, args, measure: bool = False) -> Memory:
     """The per-device memory model of ``fn`` (a ``baton.jit`` function) on ``args``
     (see the module docstring); ``measure``: also run one step on the interpreter sampling
@@ -353,11 +425,12 @@ def memory(fn, args, measure: bool = False) -> Memory:
     step = fn.compile(*args)
     flat = jax.tree.leaves(args)
     step.capture = {}
+    step.capture_post = []
     try:
         fn._call(args, keep_args=True)
-        captured = step.capture
+        captured, layouts = step.capture, step.capture_post
     finally:
-        step.capture = None
+        step.capture = step.capture_post = None
     compiled = _compiled_tasks(step, captured)
     del captured
     bufs, sums = _buffers(step, compiled)
@@ -368,20 +441,29 @@ def memory(fn, args, measure: bool = False) -> Memory:
             acc[d] = acc.get(d, 0) + n
     temps = {k: v[1] for k, v in compiled.items()}
     peak, loop, transient = _simulated(step, bufs, compiled, sums)
+    update, post_temps = _update_phase(step, layouts, static)
+    temps.update(post_temps)
     mem = Memory([[d.id for d in g] for g in step.mesh.rank_devices],
                  {"static": static, "copies": copies, "accumulators": acc,
-                  "buffers": peak, "transient": transient, "loop": loop},
+                  "buffers": peak, "transient": transient, "loop": loop, "update": update},
                  temps, schedule=step.plan.schedule.name)
     if measure:
-        mem.measured = measure_live(fn, args, temps)
+        mem.measured, mem.measured_update = measure_live(fn, args, temps)
     step.memory_model = mem
     return mem
 
 
-def measure_live(fn, args, temps: dict) -> dict:
-    """One interpreted call of ``fn`` with live-array sampling on; device id -> peak."""
+def measure_live(fn, args, temps: dict) -> tuple[dict, dict]:
+    """One interpreted call of ``fn`` with live-array sampling on; device id -> peak over the
+    step, and over the segments after the loop."""
     step = fn.compile(*args)
     live = LivePeak(step.mesh.rank_devices, temps)
+    # a donating step consumes copies of the caller's donated arrays (``_call(keep_args)``):
+    # the caller's originals stay live beside them, and are not the step's to count
+    for i in fn.donate_argnums:
+        for d, n in per_device([x for x in jax.tree.leaves(args[i])
+                                if isinstance(x, jax.Array)]).items():
+            live.offset[d] = live.offset.get(d, 0) - n
     was = step.single_program
     step.single_program = False
     step.live = live
@@ -390,7 +472,7 @@ def measure_live(fn, args, temps: dict) -> dict:
     finally:
         step.live = None
         step.single_program = was
-    return dict(live.peak)
+    return dict(live.peak), dict(live.update_peak)
 
 
 __all__ = ["Memory", "LivePeak", "memory", "measure_live", "per_device"]

@@ -110,6 +110,9 @@ class CompiledStep:
         self.record = False
         self.block = False
         self.capture: dict | None = None
+        # ``capture_post`` (a list): the argument layouts of each segment after the loop
+        # (memory.py's update phase)
+        self.capture_post: list | None = None
         # ``live`` (memory.LivePeak): the interpreter samples the live arrays per device
         # after every task, transfer and task output (``PipelinedFunction.memory``)
         self.live = None
@@ -167,12 +170,41 @@ class CompiledStep:
                 out[i] = y
         return out
 
-    def _run_segments(self, segs, vals):
-        for seg in segs:
+    def _run_segments(self, segs, vals, free: bool = False):
+        """Runs ``segs`` in order on ``vals``. ``free`` (the segments after the loop): a value
+        the step does not return leaves ``vals`` after the last segment that reads it (or at
+        once if none does), so a stage's summed gradients go once its update ran, not at the
+        end of the step. With
+        ``capture_post`` (a list, ``step.memory``) each segment's argument layouts are kept;
+        with ``live`` on, the live arrays are sampled once a segment's outputs exist (its
+        inputs still held; its XLA temporaries are ``("post", j)`` in the sampler's table)."""
+        last: dict = {}
+        if free:
+            keep = set(self.traced.step_outputs)
+            for j, seg in enumerate(segs):
+                for v in seg.inputs:
+                    if v not in keep:
+                        last[v] = j
+            for v in [v for v in vals if v not in keep and v not in last]:
+                del vals[v]  # values only the loop read (what the segments before it made)
+        for j, seg in enumerate(segs):
             rank = self.stage_rank[seg.stage]
             args = self.place(seg.inputs, [vals[v] for v in seg.inputs], rank)
-            for v, x in zip(seg.outputs, seg.fn(*args)):
+            if self.capture_post is not None:
+                self.capture_post.append(
+                    [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding)
+                     if isinstance(x, jax.Array) else x for x in args])
+            outs = seg.fn(*args)
+            del args
+            for v, x in zip(seg.outputs, outs):
                 vals[v] = x
+            if self.live is not None:
+                jax.block_until_ready(outs)
+                self.live.sample(rank, ("post", j))
+            del outs
+            for v in seg.inputs:
+                if last.get(v) == j:
+                    vals.pop(v, None)
 
     # -- the loop's outputs --------------------------------------------------------------------
     def home(self, idx):
@@ -222,7 +254,8 @@ class CompiledStep:
             final = self.engine.run_local(vals, timeout)
         for outer, idx in self.by_outer.items():
             vals[outer] = self.combine(idx, {i: final[i] for i in idx})
-        self._run_segments(self.post_segments, vals)
+        del final  # (partial sums of a value several stages make: combined above)
+        self._run_segments(self.post_segments, vals, free=True)
         return [vals[v] if v in vals else tr.literals[v] for v in tr.step_outputs]
 
     # -- several processes ------------------------------------------------------------

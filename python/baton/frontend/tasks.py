@@ -372,6 +372,7 @@ class Segment:
     fn: Any
     inputs: list[int]
     outputs: list[int]
+    donate: tuple = ()  # positions of ``inputs`` the program donates
 
 
 class Segments:
@@ -491,10 +492,9 @@ class Segments:
         out = []
         for j, (stage, seg, ins, outs) in enumerate(segs):
             later = set(tr.step_outputs).union(*[set(x[2]) for x in segs[j + 1:]])
+            give = self._donate(ins, outs, donated, later)
             out.append(Segment(stage, jax.jit(make_fn(tr, seg, ins, outs, self.fix_of(stage)),
-                                              donate_argnums=self._donate(ins, outs, donated,
-                                                                          later)),
-                               ins, outs))
+                                              donate_argnums=give), ins, outs, give))
         return out
 
     def _donate(self, ins, outs, donated, later) -> tuple[int, ...]:
