@@ -164,3 +164,47 @@ def test_launch_rejects_bad_nprocs(argv):
     p = subprocess.run([sys.executable, "-m", "baton.launch", *argv], capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 2
+
+
+SPANNING = textwrap.dedent('''
+    import os, sys
+    os.environ["JAX_NUM_CPU_DEVICES"] = "2"
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+    import baton
+
+    me = int(os.environ["BATON_RANK"])
+    jax.distributed.initialize(f"127.0.0.1:{sys.argv[1]}", num_processes=2, process_id=me)
+    assert len(jax.devices()) == 4 and len(jax.local_devices()) == 2
+    # pipe 2 x data 2 where process p's devices are data position p of both ranks: each
+    # rank's sub-mesh spans both processes
+    devs = np.array(jax.devices()).reshape(2, 2).T
+    try:
+        baton.jit(lambda x: x, mesh=Mesh(devs, ("pipe", "data")), microbatches=2)
+    except baton.ConfigError as e:
+        print(f"process {me} refused: {e}", flush=True)
+    else:
+        print(f"process {me} accepted", flush=True)
+    jax.distributed.shutdown()
+''')
+
+
+def test_rank_spanning_processes_is_refused(tmp_path):
+    """Under jax.distributed a mesh whose ranks span processes gets a clear refusal in every
+    process (not a hang or a wrong placement)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "spanning.py"
+    script.write_text(SPANNING)
+    p = subprocess.run([sys.executable, "-m", "baton.launch", "--nprocs", "2", "--timeout",
+                        "100", str(script), str(port)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for me, other in ((0, 1), (1, 0)):
+        assert (f"process {me} refused: baton.jit: the mesh holds devices of processes "
+                f"[{other}] besides this process ({me})") in p.stdout, p.stdout + p.stderr
+        assert "not supported yet" in p.stdout

@@ -160,10 +160,24 @@ def local_devices(mesh: Any) -> Any:
     if mesh is None:
         return list(jax.local_devices())
     if isinstance(mesh, Mesh):
+        devs = list(mesh.devices.flat)
+    elif isinstance(mesh, PipelineMesh):
+        devs = [d for g in mesh.rank_devices for d in g]
+    else:
+        devs = list(mesh)
+    me = jax.process_index()
+    foreign = sorted({d.process_index for d in devs if d.process_index != me})
+    if foreign:
+        raise ConfigError(
+            f"baton.jit: the mesh holds devices of processes {foreign} besides this process "
+            f"({me}): in multi-process mode each process passes a mesh of its own devices "
+            f"(jax.local_devices()) holding whole pipeline ranks; a rank whose sub-mesh spans "
+            f"processes (one jax.distributed mesh over several hosts) is not supported yet")
+    if isinstance(mesh, Mesh):
         return PipelineMesh(mesh) if "pipe" in mesh.axis_names else mesh
     if isinstance(mesh, PipelineMesh):
         return mesh
-    return list(mesh)
+    return devs
 
 
 def ranks_per_process(local: Any) -> int:
