@@ -16,7 +16,8 @@
 #
 # Environment: BATON_JOBS (build parallelism, default 2), BATON_PYTEST_TIMEOUT (seconds
 # for the whole pytest run, default 2700), BATON_PYTEST_WORKERS (pytest-xdist processes,
-# default 2; 0 runs in one process).
+# default 2; 0 runs in one process), BATON_JAX_CACHE (0: no persistent compilation cache;
+# default on, in .cache/jax).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -86,6 +87,15 @@ if ((run_py)); then
   export PATH="$VENV/bin:$PATH"
   workers=()
   ((${BATON_PYTEST_WORKERS:-2} > 0)) && workers=(-n "${BATON_PYTEST_WORKERS:-2}")
+  # JAX's persistent compilation cache, shared by the pytest workers and the processes the
+  # tests launch (compiling is most of the tests' time; a second run reuses it; its keys
+  # hold the JAX version and the program). BATON_JAX_CACHE=0 turns it off.
+  if [[ "${BATON_JAX_CACHE:-1}" != 0 ]]; then
+    export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$ROOT/.cache/jax}"
+    export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+    export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+    log "JAX compilation cache: $JAX_COMPILATION_CACHE_DIR"
+  fi
   # pytest exits 5 when it collects nothing: that is a failure here too.
   timeout --kill-after=30 "${BATON_PYTEST_TIMEOUT:-2700}" \
     "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${workers[@]}" "${pytest_args[@]}"
