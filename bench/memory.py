@@ -57,8 +57,8 @@ def run_one(name: str, schedule: str, a: dict) -> dict:
     if c["model"] == "gpt":
         import gpt
 
-        cfg = gpt.GPTConfig(vocab=256, seq=a["seq"], dim=a["dim"], heads=4, layers=4,
-                            stages=stages)
+        cfg = gpt.GPTConfig(vocab=256, seq=a["seq"], dim=a["dim"], heads=4,
+                            layers=max(4, stages), stages=stages)
         _, params, _, st, step, _ = gpt.make(cfg)
         specs = gpt.param_specs(params, tensor=c.get("tensor"), fsdp=c.get("fsdp"))
         batch = gpt.synthetic_batch(cfg, a["batch"])
@@ -66,8 +66,8 @@ def run_one(name: str, schedule: str, a: dict) -> dict:
         import moe_gpt
 
         moe_gpt.use_mesh(mesh)
-        cfg = moe_gpt.MoEConfig(vocab=256, seq=a["seq"], dim=a["dim"], heads=4, layers=4,
-                                stages=stages, expert_axis="expert")
+        cfg = moe_gpt.MoEConfig(vocab=256, seq=a["seq"], dim=a["dim"], heads=4,
+                                layers=max(4, stages), stages=stages, expert_axis="expert")
         _, params, _, st, step, _ = moe_gpt.make(cfg)
         specs = moe_gpt.param_specs(params)
         batch = moe_gpt.synthetic_batch(cfg, a["batch"])
@@ -108,9 +108,9 @@ def main():
            f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
            f"- machine: {platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, "
            f"Python {platform.python_version()}",
-           f"- models: examples/gpt.py and examples/moe_gpt.py, 4 blocks, dim {a['dim']}, "
-           f"seq {a['seq']}, vocab 256; global batch {a['batch']} in {a['microbatches']} "
-           f"microbatches; AdamW",
+           f"- models: examples/gpt.py and examples/moe_gpt.py, 4 blocks (one per stage when "
+           f"there are more stages), dim {a['dim']}, seq {a['seq']}, vocab 256; global batch "
+           f"{a['batch']} in {a['microbatches']} microbatches; AdamW",
            "- command: `JAX_NUM_CPU_DEVICES=8 python bench/memory.py "
            f"--md bench/results/memory.md` (8 CPU devices, one process per configuration, "
            "the interpreter)",

@@ -322,7 +322,9 @@ void bind_plan(nb::module_& m) {
           nb::is_operator())
       .def("__repr__", [](const baton::SkipEdge& e) {
         return "SkipEdge(" + std::to_string(e.from) + ", " + std::to_string(e.to) +
-               (e.forward && e.backward ? "" : e.forward ? ", forward only" : ", backward only") +
+               (e.forward && e.backward ? ""
+                : e.forward             ? ", forward only"
+                                        : ", backward only") +
                ")";
       });
 
@@ -594,7 +596,7 @@ void bind_autoplan(nb::module_& m) {
          std::optional<std::vector<int>> microbatches,
          std::optional<std::vector<std::string>> remat,
          std::optional<std::vector<int>> interleaved_v, int max_microbatches, double gap,
-         int64_t node_budget) {
+         int64_t node_budget, bool update_in_place) {
         baton::SegmentCosts costs = baton::SegmentCosts::from_json(segments_json);
         baton::AutoplanOptions o;
         o.ranks = ranks;
@@ -608,6 +610,7 @@ void bind_autoplan(nb::module_& m) {
         o.max_microbatches = max_microbatches;
         o.gap = gap;
         o.node_budget = node_budget;
+        o.update_in_place = update_in_place;
         baton::AutoplanResult r;
         {
           nb::gil_scoped_release release;
@@ -629,26 +632,29 @@ void bind_autoplan(nb::module_& m) {
       },
       "segments_json"_a, "ranks"_a, "memory"_a = 0, "top"_a = 10, "families"_a = nb::none(),
       "microbatches"_a = nb::none(), "remat"_a = nb::none(), "interleaved_v"_a = nb::none(),
-      "max_microbatches"_a = 0, "gap"_a = 0.0, "node_budget"_a = 20000,
+      "max_microbatches"_a = 0, "gap"_a = 0.0, "node_budget"_a = 20000, "update_in_place"_a = false,
       "Searches stage cuts x schedule x microbatches x per-stage remat for the segment costs "
       "(JSON, autoplan.h). Returns (plans, stats): plans best first, each a dict with schedule, "
       "virtual_stages, microbatches, cuts, remat, step_time, bubble_fraction, peak_memory, fits. "
       "memory: bytes per rank (0: unlimited). node_budget: DFS nodes per configuration (0: no "
-      "limit, exact); stats says whether the result is exact, else its certified gap. Raises "
+      "limit, exact); stats says whether the result is exact, else its certified gap. "
+      "update_in_place: the update after the loop writes the new parameters and optimizer "
+      "state in place (a donating step); otherwise they count beside the old ones. Raises "
       "ConfigError when nothing fits.");
   m.def(
       "autoplan_evaluate",
       [](const std::string& segments_json, const std::string& schedule, int ranks,
          int virtual_stages, int microbatches, const std::vector<int>& cuts,
-         const std::vector<std::string>& remat, int64_t memory) {
+         const std::vector<std::string>& remat, int64_t memory, bool update_in_place) {
         baton::SegmentCosts costs = baton::SegmentCosts::from_json(segments_json);
         std::vector<baton::Remat> rm;
         for (const auto& r : remat) rm.push_back(baton::parse_remat(r));
         return candidate_dict(baton::evaluate_candidate(costs, schedule, ranks, virtual_stages,
-                                                        microbatches, cuts, rm, memory));
+                                                        microbatches, cuts, rm, memory,
+                                                        update_in_place));
       },
-      "segments_json"_a, "schedule"_a, "ranks"_a, "virtual_stages"_a, "microbatches"_a,
-      "cuts"_a, "remat"_a, "memory"_a = 0,
+      "segments_json"_a, "schedule"_a, "ranks"_a, "virtual_stages"_a, "microbatches"_a, "cuts"_a,
+      "remat"_a, "memory"_a = 0, "update_in_place"_a = false,
       "One candidate (given cuts and remat per stage) simulated: the dict autoplan returns.");
   m.def("parse_bytes", &baton::parse_bytes, "text"_a);
 }

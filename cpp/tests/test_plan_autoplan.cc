@@ -176,7 +176,7 @@ TEST(AutoplanStage, EvaluateMatchesSimulator) {
   const SegmentCosts c = sample_costs();
   const std::vector<int> cuts{0, 1, 2, 3};
   const std::vector<Remat> rm{Remat::Keep, Remat::Min, Remat::Keep, Remat::Full};
-  const PlanCandidate p = evaluate_candidate(c, "zbv", 2, 2, 4, cuts, rm);
+  const PlanCandidate p = evaluate_candidate(c, "zbv", 2, 2, 4, cuts, rm, 0, true);
   const SimResult r = simulate(lower(zb_v(2, 4)), stage_cost_model(c.scaled(4), cuts, rm));
   // Plus the update after the loop: rank 0 (stages 0 and 3) 0.1 + 0.7, rank 1
   // 0.2 + 0.3; plus step_overhead.
@@ -188,6 +188,15 @@ TEST(AutoplanStage, EvaluateMatchesSimulator) {
                                   std::max(stage_temp_bytes(s, 0, 1), stage_temp_bytes(s, 3, 4)) +
                                   r.peak_total[0]);
   EXPECT_EQ(p.virtual_stages, 2);
+  // Without donation the update after the loop allocates the new parameters
+  // and optimizer state beside the old ones: rank 0 (stages 0 and 3) then
+  // peaks at static + (1000 + 2000) + (4000 + 8000), above its loop.
+  EXPECT_EQ(stage_update_bytes(s, 3, 4), 4000 + 8000);
+  const PlanCandidate q = evaluate_candidate(c, "zbv", 2, 2, 4, cuts, rm);
+  const int64_t statics = stage_static_bytes(s, 0, 1) + stage_static_bytes(s, 3, 4);
+  ASSERT_GT(15000, p.peak_memory[0] - statics);
+  EXPECT_EQ(q.peak_memory[0], statics + 15000);
+  EXPECT_EQ(q.step_time, p.step_time);
 }
 
 TEST(AutoplanStage, DualPipeVHoldsTheWeightStashBetweenIAndW) {
@@ -200,7 +209,7 @@ TEST(AutoplanStage, DualPipeVHoldsTheWeightStashBetweenIAndW) {
   EXPECT_EQ(stage_temp_bytes(c, 1, 3, true), 210 + 2000 + 3000 + 2 * 30);
   const std::vector<int> cuts{0, 1, 2, 3};
   const std::vector<Remat> rm(4, Remat::Keep);
-  const PlanCandidate p = evaluate_candidate(c, "dualpipev", 2, 2, 4, cuts, rm);
+  const PlanCandidate p = evaluate_candidate(c, "dualpipev", 2, 2, 4, cuts, rm, 0, true);
   const SimResult r = simulate(lower(dualpipe_v(2, 4)), stage_cost_model(c.scaled(4), cuts, rm));
   const SegmentCosts s = c.scaled(4);
   EXPECT_EQ(p.peak_memory[0],
@@ -230,7 +239,8 @@ struct Space {
 };
 
 // Every (family, v, M, partition, remat) candidate, evaluated by simulation.
-std::vector<PlanCandidate> enumerate_all(const SegmentCosts& c, int P, const Space& sp) {
+std::vector<PlanCandidate> enumerate_all(const SegmentCosts& c, int P, const Space& sp,
+                                         bool in_place) {
   std::vector<PlanCandidate> out;
   const int n = static_cast<int>(c.segments.size());
   for (const std::string& f : sp.families) {
@@ -253,7 +263,7 @@ std::vector<PlanCandidate> enumerate_all(const SegmentCosts& c, int P, const Spa
           std::vector<int> idx(S, 0);
           for (;;) {
             for (int k = 0; k < S; ++k) rm[k] = sp.modes[idx[k]];
-            out.push_back(evaluate_candidate(c, f, P, v, M, cuts, rm));
+            out.push_back(evaluate_candidate(c, f, P, v, M, cuts, rm, 0, in_place));
             int k = 0;
             while (k < S && ++idx[k] == static_cast<int>(sp.modes.size())) idx[k++] = 0;
             if (k == S) break;
@@ -317,7 +327,8 @@ TEST(AutoplanSearch, MatchesBruteForce) {
     sp.modes = all_modes;
     std::shuffle(sp.modes.begin(), sp.modes.end(), rng);
     if (n >= 5 && P >= 2) sp.modes.resize(2);
-    const std::vector<PlanCandidate> cands = enumerate_all(c, P, sp);
+    const bool in_place = rng() % 2 == 0;  // donated update, or new copies beside the old
+    const std::vector<PlanCandidate> cands = enumerate_all(c, P, sp, in_place);
     if (cands.empty()) continue;
     // Budget: unlimited, a random candidate's peak (often tight), or below every peak.
     int64_t budget = 0;
@@ -340,8 +351,10 @@ TEST(AutoplanSearch, MatchesBruteForce) {
     o.families = sp.families;
     o.microbatches = sp.microbatches;
     o.remat_modes = sp.modes;
-    SCOPED_TRACE(::testing::Message() << "instance " << inst << " P=" << P << " n=" << n
-                                      << " budget=" << budget << " costs=" << c.to_json());
+    o.update_in_place = in_place;
+    SCOPED_TRACE(::testing::Message()
+                 << "instance " << inst << " P=" << P << " n=" << n << " in_place=" << in_place
+                 << " budget=" << budget << " costs=" << c.to_json());
     if (best == std::numeric_limits<double>::infinity()) {
       ++none_fit;
       try {
@@ -365,7 +378,7 @@ TEST(AutoplanSearch, MatchesBruteForce) {
       EXPECT_TRUE(p.fits);
       // The row is what evaluate_candidate (an independent simulation) says.
       const PlanCandidate q = evaluate_candidate(c, p.schedule, P, p.virtual_stages, p.microbatches,
-                                                 p.cuts, p.remat, budget);
+                                                 p.cuts, p.remat, budget, in_place);
       EXPECT_EQ(q.step_time, p.step_time);
       EXPECT_EQ(q.peak_memory, p.peak_memory);
       EXPECT_TRUE(q.fits);

@@ -88,6 +88,7 @@ struct Options {
   int max_microbatches = 0;
   std::string json;
   double gap = 0;
+  bool update_in_place = false;
   int virtual_stages = 1;
   std::string costs;
   std::string svg;
@@ -147,6 +148,7 @@ int run_auto(const Options& o, bool have_ranks) {
   }
   ao.max_microbatches = o.max_microbatches;
   ao.gap = o.gap;
+  ao.update_in_place = o.update_in_place;
   const baton::AutoplanResult r = baton::autoplan(costs, ao);
   if (!o.json.empty()) write_file(o.json, r.to_json() + "\n", "result file");
   std::cout << baton::autoplan_table(r, ao.memory);
@@ -233,6 +235,9 @@ int main(int argc, char** argv) {
   app.add_option("--gap", o.gap,
                  "Relative optimality gap (--auto): 0 is exact, 0.01 returns a plan within 1%")
       ->capture_default_str();
+  app.add_flag("--update-in-place", o.update_in_place,
+               "The step donates its parameters and optimizer state (--auto): the update after "
+               "the loop writes the new ones in place instead of beside the old ones");
   app.add_option("--json", o.json, "Write the ranked plans and search statistics as JSON (--auto)");
   app.add_option("-v,--virtual-stages", o.virtual_stages, "Stages per rank (interleaved only)")
       ->capture_default_str();

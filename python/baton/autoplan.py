@@ -376,7 +376,7 @@ def costs_at(costs: dict, microbatches: int) -> dict:
 def autoplan(fn, *args, ranks: int, memory_per_device=None, microbatches=None,
              families=None, remat=("keep", "min"), top: int = 10, runs: int = 3,
              measure_at=None, device=None, cache_dir=None, use_cache: bool = True,
-             gap: float = 0.0) -> Candidates:
+             gap: float = 0.0, update_in_place: bool = False) -> Candidates:
     """Ranked plans for ``fn`` (a training step whose model marks candidate cut points with
     ``stage_boundary``, or uses ``baton.auto_stage``) on ``ranks`` pipeline ranks under
     ``memory_per_device`` (bytes or e.g. ``"20GiB"``; None: unlimited). Searches every
@@ -386,7 +386,10 @@ def autoplan(fn, *args, ranks: int, memory_per_device=None, microbatches=None,
     or Baton's "min" stash, what ``baton.jit(remat=...)`` runs), minimising the simulated step
     time (exact branch and bound, C++). Segment costs are measured once (``measure_segments``,
     at ``measure_at``: the counts to measure, default every candidate count) and
-    cached. Raises ``ConfigError`` naming the smallest peak and its rank when nothing fits."""
+    cached. ``update_in_place``: the step donates its parameters and optimizer state
+    (``baton.jit(donate_argnums=...)``); otherwise the update after the loop holds the new
+    ones beside the old, which a rank's peak counts. Raises ``ConfigError`` naming the
+    smallest peak and its rank when nothing fits."""
     t0 = time.perf_counter()
     traced = trace_step(fn, args, 1)
     batch = _batch_size(traced)
@@ -399,14 +402,14 @@ def autoplan(fn, *args, ranks: int, memory_per_device=None, microbatches=None,
                              cache_dir=cache_dir, use_cache=use_cache)
     out = search_segments(costs, ranks, memory_per_device=memory_per_device,
                           microbatches=microbatches, families=families, remat=remat, top=top,
-                          gap=gap)
+                          gap=gap, update_in_place=update_in_place)
     out.stats["measure_seconds"] = time.perf_counter() - t0 - out.stats["search_seconds"]
     return out
 
 
 def search_segments(costs: dict, ranks: int, memory_per_device=None, microbatches=None,
                     families=None, remat=("keep", "min"), top: int = 10,
-                    gap: float = 0.0) -> Candidates:
+                    gap: float = 0.0, update_in_place: bool = False) -> Candidates:
     """The search half of :func:`autoplan` on segment costs already measured (the dict
     ``measure_segments`` returns, possibly edited: e.g. its ``link`` replaced by one measured
     between the processes that will run the plan). No JAX work. ``microbatches`` default: the
@@ -432,7 +435,7 @@ def search_segments(costs: dict, ranks: int, memory_per_device=None, microbatche
             found = autoplan_segments(costs_at(costs, ms[0]) if len(ms) == 1 else
                                       _search_costs(costs), ranks, memory_per_device, top=top,
                                       families=families, microbatches=ms, remat=[mode],
-                                      gap=gap)
+                                      gap=gap, update_in_place=update_in_place)
         except ConfigError as e:  # nothing fits with this mode
             errors.append(str(e))
             continue
@@ -468,10 +471,11 @@ class Auto:
     chosen: Any = None
     candidates: Any = None
 
-    def plan(self, fn, args, ranks: int) -> Candidate:
+    def plan(self, fn, args, ranks: int, update_in_place: bool = False) -> Candidate:
         self.candidates = autoplan(fn, *args, ranks=ranks,
                                    memory_per_device=self.memory_per_device,
                                    microbatches=self.microbatches, families=self.families,
-                                   remat=self.remat, runs=self.runs, cache_dir=self.cache_dir)
+                                   remat=self.remat, runs=self.runs, cache_dir=self.cache_dir,
+                                   update_in_place=update_in_place)
         self.chosen = self.candidates.best
         return self.chosen

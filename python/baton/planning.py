@@ -320,6 +320,7 @@ def autoplan_segments(
     max_microbatches: int = 0,
     gap: float = 0.0,
     node_budget: int = 20000,
+    update_in_place: bool = False,
 ) -> AutoplanRows:
     """Chooses stage cuts, schedule, microbatch count and per-stage remat.
 
@@ -334,8 +335,11 @@ def autoplan_segments(
     exactness for speed (the best row is then within ``1 + gap`` of the
     optimum). ``node_budget`` bounds the depth-first nodes per configuration
     (0: no limit); beyond it the result is approximate and ``rows.stats``
-    holds ``exact=False`` and the certified ``gap``. Raises ``ConfigError`` when no plan fits (naming the smallest
-    peak found and its rank), ``FormatError`` on malformed costs.
+    holds ``exact=False`` and the certified ``gap``. ``update_in_place``: the step donates
+    its parameters and optimizer state, so the update after the loop writes the new ones in
+    place; otherwise a rank's peak is also at least its static bytes plus its stages' new
+    parameters and optimizer state. Raises ``ConfigError`` when no plan fits (naming the
+    smallest peak found and its rank), ``FormatError`` on malformed costs.
     """
     text = _json_text(costs, "segment costs dict", "segment cost file")
     if text is None:
@@ -354,6 +358,7 @@ def autoplan_segments(
         int(max_microbatches),
         float(gap),
         int(node_budget),
+        bool(update_in_place),
     )
     rows = AutoplanRows(plans)
     rows.stats = dict(stats)

@@ -154,6 +154,29 @@ def test_search_on_given_costs():
             assert r.step_time > plain[key]
 
 
+def test_update_copies_count_unless_the_step_donates():
+    """Without donation the update after the loop allocates each stage's new parameters and
+    optimizer state beside the old ones: a rank's peak is at least static + those bytes, which
+    can exceed the loop's peak; a donating step (update_in_place) writes them in place."""
+    seg = {"f": 1e-3, "b": 2e-3, "act_bytes": 64, "stash_bytes": 128, "param_bytes": 4000,
+           "opt_bytes": 8000}
+    costs = {"batch": 8, "ref_microbatch": 1, "segments": [dict(seg) for _ in range(4)]}
+    kw = dict(microbatches=[4], families=["1f1b"], remat=("keep",))
+    plain = baton.search_segments(costs, 2, **kw).best
+    donated = baton.search_segments(costs, 2, update_in_place=True, **kw).best
+    assert plain.cuts == donated.cuts == [0, 2]
+    static = 2 * (2 * 4000 + 8000)  # two segments per rank: params, their grads, opt state
+    for r in range(2):
+        assert plain.peak_memory[r] == static + 2 * (4000 + 8000)  # the new copies
+        assert static < donated.peak_memory[r] < plain.peak_memory[r]  # the loop's buffers
+    # a budget between the two: only the donating step fits
+    budget = max(donated.peak_memory)
+    assert baton.search_segments(costs, 2, memory_per_device=budget,
+                                 update_in_place=True, **kw).best.fits
+    with pytest.raises(baton.ConfigError, match="no plan fits"):
+        baton.search_segments(costs, 2, memory_per_device=budget, **kw)
+
+
 def test_outside_times_time_each_segment_on_zeros_of_its_inputs():
     """The update after the loop is timed per stage on zeros of each segment's inputs, typed
     PRNG keys included (a key split before the loop); every stage's segments are summed."""

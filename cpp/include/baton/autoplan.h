@@ -15,11 +15,13 @@
 // rank's sum of its segments' `update` seconds; 0 when costs give none) plus
 // step_overhead;
 // its peak memory on rank r is the static bytes of its stages (params +
-// optimizer state + gradient accumulator) + the largest transient of its
-// stages (stage_temp_bytes: XLA temporaries and the new gradient sums a task
-// writes while the old ones are held) + simulate(...).peak_total[r]. It fits
-// when every rank's peak <=
-// budget (budget 0: unlimited).
+// optimizer state + gradient accumulator) + the larger of the loop's part,
+// the largest transient of its stages (stage_temp_bytes: XLA temporaries and
+// the new gradient sums a task writes while the old ones are held) +
+// simulate(...).peak_total[r], and the update's part (stage_update_bytes
+// summed over its stages: new parameters and optimizer state beside the old;
+// 0 with update_in_place). It fits when every rank's peak <= budget (budget
+// 0: unlimited).
 //
 // Method (exact on that space). For each configuration (family, v, M) the
 // schedule is generated and lowered once. Candidates are then searched by
@@ -195,6 +197,10 @@ int64_t stage_temp_bytes(const SegmentCosts& c, int begin, int end, bool b_split
 // (DualPipeV: B in its overlapped pairs, I and W at the end): such a B runs as
 // I then W.
 bool runs_b_as_i_then_w(const Schedule& s);
+// The bytes the optimizer update after the loop allocates for a stage's new
+// parameters and optimizer state (param_bytes + opt_bytes of its segments),
+// beside the old ones unless the step donates them (update_in_place).
+int64_t stage_update_bytes(const SegmentCosts& c, int begin, int end);
 // Cost model of a partition: cuts[s] = first segment of stage s (cuts[0] ==
 // 0, increasing, < number of segments), remat[s] per stage.
 CostModel stage_cost_model(const SegmentCosts& c, const std::vector<int>& cuts,
@@ -225,6 +231,11 @@ struct AutoplanOptions {
   // The default keeps 64 segments x 8 ranks x every family near 2 s; the
   // property-test sizes never reach it.
   int64_t node_budget = 20000;
+  // Whether the update after the loop writes the new parameters and optimizer
+  // state in place of the old ones (baton.jit(donate_argnums=...)). When not,
+  // a rank's peak is static + max(loop, its stages' stage_update_bytes): the
+  // new copies exist beside the old after the loop's buffers are gone.
+  bool update_in_place = false;
 };
 
 // One evaluated candidate.
@@ -274,7 +285,8 @@ AutoplanResult autoplan(const SegmentCosts& costs, const AutoplanOptions& opts);
 // batch). fits is computed against `memory` (0: unlimited).
 PlanCandidate evaluate_candidate(const SegmentCosts& costs, std::string_view schedule, int ranks,
                                  int virtual_stages, int microbatches, const std::vector<int>& cuts,
-                                 const std::vector<Remat>& remat, int64_t memory = 0);
+                                 const std::vector<Remat>& remat, int64_t memory = 0,
+                                 bool update_in_place = false);
 
 // The ranked table (one row per plan), for the CLI.
 std::string autoplan_table(const AutoplanResult& r, int64_t memory);

@@ -72,7 +72,7 @@ struct Config {
   SegmentCosts sc;         // scaled
   std::vector<double> pf, pb, pi, pw, prec;
   std::array<double, 4> saved{};  // sc.tasks_saved()
-  std::vector<int64_t> pstash, pmin, pwstash, pstatic;
+  std::vector<int64_t> pstash, pmin, pwstash, pstatic, pupdate;
   std::vector<int64_t> tmax;  // (n+1)*(n+1): max temp of [a, e)
   double root_lb = 0;
   std::vector<int> seed_cuts;
@@ -110,6 +110,16 @@ class Searcher {
            c.ci[s] * (tsum(c, 2, a, e) + add) + c.cw[s] * tsum(c, 3, a, e);
   }
   int64_t stage_mem(const Config& c, int a, int e) const { return c.pstatic[e] - c.pstatic[a]; }
+  // The new parameters and optimizer state the update after the loop allocates
+  // beside the old ones (0 when it writes them in place: update_in_place).
+  int64_t stage_upd(const Config& c, int a, int e) const {
+    return o_.update_in_place ? 0 : c.pupdate[e] - c.pupdate[a];
+  }
+  // A rank's peak: its static bytes plus the larger of the loop (transient +
+  // pipeline buffers) and the update's new copies.
+  int64_t rank_peak(int r, int64_t buffers) const {
+    return static_[r] + std::max(temp_[r] + buffers, upd_[r]);
+  }
   int64_t temp(const Config& c, int a, int e) const { return c.tmax[a * (n_ + 1) + e]; }
   double bi_min(const Config& c, int s, double b, double i) const {
     double v = kInf;
@@ -156,7 +166,7 @@ class Searcher {
   // DFS state (per configuration).
   std::vector<int> cuts_;
   std::vector<double> busy_;  // per rank
-  std::vector<int64_t> static_, temp_;
+  std::vector<int64_t> static_, temp_, upd_;
   std::vector<double> hd_, td_;
   // Leaf state.
   std::vector<StageCost> stc_;
@@ -300,6 +310,7 @@ void Searcher::prepare(Config& c) {
   c.pmin.assign(n + 1, 0);
   c.pwstash.assign(n + 1, 0);
   c.pstatic.assign(n + 1, 0);
+  c.pupdate.assign(n + 1, 0);
   c.saved = c.sc.tasks_saved();
   for (int k = 0; k < n; ++k) {
     const SegmentCost& g = c.sc.segments[k];
@@ -312,6 +323,7 @@ void Searcher::prepare(Config& c) {
     c.pmin[k + 1] = c.pmin[k] + g.min_stash_bytes;
     c.pwstash[k + 1] = c.pwstash[k] + g.wstash_bytes;
     c.pstatic[k + 1] = c.pstatic[k] + 2 * g.param_bytes + g.opt_bytes;
+    c.pupdate[k + 1] = c.pupdate[k] + g.param_bytes + g.opt_bytes;
   }
   const bool b_split = runs_b_as_i_then_w(s);
   c.tmax.assign(static_cast<size_t>(n + 1) * (n + 1), 0);
@@ -562,7 +574,8 @@ void Searcher::dfs(Config& c, int s, int a, double node_lb) {
     const double busy = busy_[r] + stage_busy(c, s, a, e, add_min(c, a, e));
     const double head = s == low ? hd_[s] : hd_[low];
     const double tail = c.rank_has_w[r] ? 0.0 : (s == low ? td_[s] : td_[low]);
-    const int64_t mem = static_[r] + stage_mem(c, a, e) + std::max(temp_[r], temp(c, a, e));
+    const int64_t mem = static_[r] + stage_mem(c, a, e) +
+                        std::max(std::max(temp_[r], temp(c, a, e)), upd_[r] + stage_upd(c, a, e));
     if (mem > budget_) {
       ++st_.pruned;
       note_peak(mem, r, describe(c, cuts_), false);
@@ -591,9 +604,10 @@ void Searcher::dfs(Config& c, int s, int a, double node_lb) {
     const double add = add_min(c, a, e);
     const double sb = stage_busy(c, s, a, e, add);
     const double save_busy = busy_[r];
-    const int64_t save_static = static_[r], save_temp = temp_[r];
+    const int64_t save_static = static_[r], save_temp = temp_[r], save_upd = upd_[r];
     busy_[r] += sb;
     static_[r] += stage_mem(c, a, e);
+    upd_[r] += stage_upd(c, a, e);
     temp_[r] = std::max(temp_[r], temp(c, a, e));
     const double head = s == low ? hd_[s] : hd_[low];
     const double tail = c.rank_has_w[r] ? 0.0 : (s == low ? td_[s] : td_[low]);
@@ -610,6 +624,7 @@ void Searcher::dfs(Config& c, int s, int a, double node_lb) {
     }
     busy_[r] = save_busy;
     static_[r] = save_static;
+    upd_[r] = save_upd;
     temp_[r] = save_temp;
   }
 }
@@ -654,7 +669,7 @@ void Searcher::leaf(Config& c) {
     apply(s);
   }
   for (int r = 0; r < c.P; ++r) {
-    const int64_t m = static_[r] + temp_[r] + rank_stash_lb(c, r);
+    const int64_t m = rank_peak(r, rank_stash_lb(c, r));
     if (m > budget_) {
       ++st_.pruned;
       note_peak(m, r, describe(c, cuts_), false);
@@ -709,7 +724,7 @@ void Searcher::remat_dfs(Config& c, size_t k) {
     stc_[s] = opts_[s][j].cost;
     if (rank_end_[k] >= 0) {
       const int r = rank_end_[k];
-      const int64_t m = static_[r] + temp_[r] + rank_stash_lb(c, r);
+      const int64_t m = rank_peak(r, rank_stash_lb(c, r));
       if (m > budget_) {
         ++st_.pruned;
         note_peak(m, r, describe(c, cuts_), false);
@@ -780,7 +795,7 @@ void Searcher::remat_leaf(Config& c) {
   pc.peak_memory.resize(c.P);
   pc.fits = true;
   for (int r = 0; r < c.P; ++r) {
-    pc.peak_memory[r] = static_[r] + temp_[r] + res.peak_total[r];
+    pc.peak_memory[r] = rank_peak(r, res.peak_total[r]);
     if (pc.peak_memory[r] > budget_) pc.fits = false;
   }
   if (!pc.fits) {
@@ -800,6 +815,7 @@ void Searcher::clear_dfs_state(const Config& c) {
   busy_.assign(c.P, 0);
   static_.assign(c.P, 0);
   temp_.assign(c.P, 0);
+  upd_.assign(c.P, 0);
   hd_.assign(c.S, 0);
   td_.assign(c.S, 0);
 }
@@ -812,6 +828,7 @@ void Searcher::set_partition(const Config& c, const std::vector<int>& cuts) {
     cuts_[s] = a;
     busy_[r] += stage_busy(c, s, a, e, add_min(c, a, e));
     static_[r] += stage_mem(c, a, e);
+    upd_[r] += stage_upd(c, a, e);
     temp_[r] = std::max(temp_[r], temp(c, a, e));
   }
 }
@@ -856,7 +873,7 @@ void Searcher::probe_min_memory(const Config& c) {
   int64_t peak = -1;
   int rank = 0;
   for (int r = 0; r < c.P; ++r) {
-    const int64_t m = static_[r] + temp_[r] + res.peak_total[r];
+    const int64_t m = rank_peak(r, res.peak_total[r]);
     if (m > peak) {
       peak = m;
       rank = r;
@@ -1013,7 +1030,8 @@ AutoplanResult autoplan(const SegmentCosts& costs, const AutoplanOptions& opts) 
 
 PlanCandidate evaluate_candidate(const SegmentCosts& costs, std::string_view schedule, int ranks,
                                  int virtual_stages, int microbatches, const std::vector<int>& cuts,
-                                 const std::vector<Remat>& remat, int64_t memory) {
+                                 const std::vector<Remat>& remat, int64_t memory,
+                                 bool update_in_place) {
   const SegmentCosts sc = costs.scaled(microbatches);
   const Schedule s =
       make_schedule(schedule, ranks, microbatches,
@@ -1038,16 +1056,17 @@ PlanCandidate evaluate_candidate(const SegmentCosts& costs, std::string_view sch
   pc.step_time = res.step_time + update_time(sc, cuts, s.stage_rank, ranks);
   pc.bubble_fraction = res.bubble_fraction;
   pc.peak_memory.assign(ranks, 0);
-  std::vector<int64_t> tmp(ranks, 0);
+  std::vector<int64_t> tmp(ranks, 0), upd(ranks, 0);
   for (int st = 0; st < s.num_stages; ++st) {
     const int a = cuts[st], e = st + 1 < s.num_stages ? cuts[st + 1] : n;
     const int r = s.stage_rank[st];
     pc.peak_memory[r] += stage_static_bytes(sc, a, e);
     tmp[r] = std::max(tmp[r], stage_temp_bytes(sc, a, e, runs_b_as_i_then_w(s)));
+    if (!update_in_place) upd[r] += stage_update_bytes(sc, a, e);
   }
   pc.fits = true;
   for (int r = 0; r < ranks; ++r) {
-    pc.peak_memory[r] += tmp[r] + res.peak_total[r];
+    pc.peak_memory[r] += std::max(tmp[r] + res.peak_total[r], upd[r]);
     if (memory > 0 && pc.peak_memory[r] > memory) pc.fits = false;
   }
   return pc;

@@ -314,6 +314,12 @@ int64_t stage_temp_bytes(const SegmentCosts& c, int begin, int end, bool b_split
   return v + sums;
 }
 
+int64_t stage_update_bytes(const SegmentCosts& c, int begin, int end) {
+  int64_t v = 0;
+  for (int k = begin; k < end; ++k) v += c.segments[k].param_bytes + c.segments[k].opt_bytes;
+  return v;
+}
+
 bool runs_b_as_i_then_w(const Schedule& s) {
   if (!s.split_backward()) return false;
   for (const auto& row : s.rank_actions)

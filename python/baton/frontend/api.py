@@ -144,7 +144,9 @@ class PipelinedFunction:
                             if isinstance(x, Remote) else x, args)
         in_specs = self._input_specs(args)  # (a bad sharding is named before tracing)
         if self.auto is not None and self.spec is None:  # plan once, at the first call
-            best = self.auto.plan(self.fn, args, self.mesh.num_ranks)
+            # a donating step's update writes in place (the planner's update term)
+            best = self.auto.plan(self.fn, args, self.mesh.num_ranks,
+                                  update_in_place=bool(self.donate_argnums))
             kw = best.jit_kwargs()
             self.spec, self.microbatches = kw["schedule"], kw["microbatches"]
             self.remat, self.boundaries = kw["remat"], kw["boundaries"]
