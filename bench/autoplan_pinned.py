@@ -26,6 +26,10 @@ every block: 12 segments; batch 16 x seq 32; AdamW) on 2 ranks:
    it, run in one process with the live arrays per device sampled (``step.memory(...,
    measure=True)``), measured peak next to the budget.
 
+``--role bias --reuse RAW`` prints, from a ``--raw`` file, how the predictions err per
+microbatch count (measured / predicted step, and each profiled run's traced loop against the
+simulation of its own task times).
+
 A benchmark, not a test: it never fails on timing.
 """
 
@@ -182,9 +186,48 @@ def _key(d) -> tuple:
     return (d["schedule"], d["v"], d["M"], tuple(d["cuts"]), d["remat"])
 
 
+def role_bias(args) -> int:
+    """Prints how the search's prediction errs per microbatch count, from a ``--raw`` file
+    (``--reuse``): measured / predicted step (the cost model the file holds, through the same
+    simulator the search uses) by count, and for the profiled runs the traced loop against
+    the simulation of that run's own task times."""
+    import statistics
+
+    from baton import _core
+    from baton.autoplan import costs_at
+
+    with open(args.reuse, encoding="utf-8") as f:
+        raw = json.load(f)
+    costs = raw["costs"]
+    by_m: dict = {}
+    loops: dict = {}
+    for r in raw["results"]:
+        c = r["config"]
+        if not r.get("step"):
+            continue
+        try:
+            e = _core.autoplan_evaluate(json.dumps(costs_at(costs, c["M"])), c["schedule"],
+                                        RANKS, c["v"], c["M"], c["cuts"],
+                                        [c["remat"]] * len(c["cuts"]))
+        except Exception:  # a configuration the generator refuses
+            continue
+        by_m.setdefault(c["M"], []).append(r["step"] / e["step_time"])
+        if r.get("loop_measured"):
+            loops.setdefault(c["M"], []).append(r["loop_measured"] / r["loop_predicted"])
+    print(f"{args.reuse}: measured / predicted step by microbatch count\n")
+    print("| M | runs | median | min | max | profiled runs | traced loop / its simulation |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for m in sorted(by_m):
+        v, lp = by_m[m], loops.get(m, [])
+        print(f"| {m} | {len(v)} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} "
+              f"| {len(lp)} | {statistics.median(lp) if lp else float('nan'):.2f} |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--role", choices=["main", "segments", "measure", "memory"], default="main")
+    ap.add_argument("--role", choices=["main", "segments", "measure", "memory", "bias"],
+                    default="main")
     ap.add_argument("--configs")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--dim", type=int, default=64)
@@ -205,6 +248,8 @@ def main() -> int:
         return role_measure(args)
     if args.role == "memory":
         return role_memory(args)
+    if args.role == "bias":
+        return role_bias(args)
 
     import baton
 
