@@ -43,9 +43,9 @@ its sharding), sampled at the start of the loop, after every task's outputs are 
 (its inputs and old running sums still held), after every RUN and every received transfer,
 plus, at a sample taken inside a task, that task's temp_size_in_bytes on its rank's devices
 (live arrays cannot see inside a running program). Each segment after the loop is
-sampled too, once its outputs exist, with its temporaries added (``("post", j)``). With
-donation, measure on arguments the step may consume: ``memory`` keeps the caller's arrays
-(their copies are consumed), and those stay live next to the step's own.
+sampled too, once its outputs exist, with its temporaries added (``("post", j)``). A
+donating step consumes copies of the caller's donated arrays (``memory`` keeps the caller's
+valid); the originals are subtracted from every sample, as if the caller had given them up.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from .profile import xla_memory
 from .tasks import task_exes
 
 G = _core.graph
-# the model's components per device; predicted = static + copies + loop
+# the model's components per device; predicted = max(static + copies + loop, update)
 COMPONENTS = ("static", "copies", "accumulators", "buffers", "transient", "loop", "update")
 
 

@@ -174,10 +174,10 @@ class CompiledStep:
         """Runs ``segs`` in order on ``vals``. ``free`` (the segments after the loop): a value
         the step does not return leaves ``vals`` after the last segment that reads it (or at
         once if none does), so a stage's summed gradients go once its update ran, not at the
-        end of the step. With
-        ``capture_post`` (a list, ``step.memory``) each segment's argument layouts are kept;
-        with ``live`` on, the live arrays are sampled once a segment's outputs exist (its
-        inputs still held; its XLA temporaries are ``("post", j)`` in the sampler's table)."""
+        end of the step. With ``capture_post`` (a list, ``step.memory``) each segment's
+        argument layouts are kept; with ``live`` on, the live arrays are sampled once a
+        segment's outputs exist (its inputs still held; its XLA temporaries are
+        ``("post", j)`` in the sampler's table)."""
         last: dict = {}
         if free:
             keep = set(self.traced.step_outputs)
