@@ -114,11 +114,12 @@ def main():
            "- command: `JAX_NUM_CPU_DEVICES=8 python bench/memory.py "
            f"--md bench/results/memory.md` (8 CPU devices, one process per configuration, "
            "the interpreter)",
-           "- predicted: `step.memory(...)` (static + copies + accumulators + buffers + "
-           "transient, see docs/ARCHITECTURE.md, \"Memory\"); measured: the peak over one "
-           "step's microbatch loop of the live jax arrays' bytes per device "
-           "(`jax.live_arrays()`), plus the running task's XLA temporaries at samples taken "
-           "inside a task; ratio = predicted / measured", ""]
+           "- predicted: `step.memory(...)` (max(static + copies + loop, update), see "
+           "docs/ARCHITECTURE.md, \"Memory\"); measured: the peak over one step (the "
+           "microbatch loop and the optimizer update after it) of the live jax arrays' bytes "
+           "per device (`jax.live_arrays()`), plus the running task's or update segment's XLA "
+           "temporaries at samples taken inside it; ratio = predicted / measured; \"update\": "
+           "the same over the segments after the loop only", ""]
     worst = []
     for name in args.configs.split(","):
         for schedule in args.schedules.split(","):
