@@ -94,6 +94,9 @@ if ((run_py)); then
     export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$ROOT/.cache/jax}"
     export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
     export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+    # a size limit turns on JAX's file lock around every read and write (without it a
+    # reader can meet an entry another process is still writing: a warning, a recompile)
+    export JAX_COMPILATION_CACHE_MAX_SIZE="${JAX_COMPILATION_CACHE_MAX_SIZE:-4294967296}"
     log "JAX compilation cache: $JAX_COMPILATION_CACHE_DIR"
   fi
   # pytest exits 5 when it collects nothing: that is a failure here too.
