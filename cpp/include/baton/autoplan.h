@@ -93,7 +93,8 @@
 #include <string_view>
 #include <vector>
 
-#include "baton/cost.h"  // (baton/schedule.h)
+#include "baton/cost.h"
+#include "baton/schedule.h"
 
 namespace baton {
 

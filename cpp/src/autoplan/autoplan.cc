@@ -1057,11 +1057,12 @@ PlanCandidate evaluate_candidate(const SegmentCosts& costs, std::string_view sch
   pc.bubble_fraction = res.bubble_fraction;
   pc.peak_memory.assign(ranks, 0);
   std::vector<int64_t> tmp(ranks, 0), upd(ranks, 0);
+  const bool b_split = runs_b_as_i_then_w(s);
   for (int st = 0; st < s.num_stages; ++st) {
     const int a = cuts[st], e = st + 1 < s.num_stages ? cuts[st + 1] : n;
     const int r = s.stage_rank[st];
     pc.peak_memory[r] += stage_static_bytes(sc, a, e);
-    tmp[r] = std::max(tmp[r], stage_temp_bytes(sc, a, e, runs_b_as_i_then_w(s)));
+    tmp[r] = std::max(tmp[r], stage_temp_bytes(sc, a, e, b_split));
     if (!update_in_place) upd[r] += stage_update_bytes(sc, a, e);
   }
   pc.fits = true;
