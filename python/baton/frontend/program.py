@@ -577,6 +577,87 @@ class _LoopProgram:
         return whole_mb
 
 
+def _ring_aval(a):
+    """How an array of ``a`` is kept in a ring slot: typed keys as their key data, float0 as
+    bool (no widening: a ring holds values, not messages)."""
+    if jc._is_key(a.dtype) or a.dtype == jax.dtypes.float0:
+        return jc.wire_aval(a)
+    return jax.ShapeDtypeStruct(tuple(a.shape), a.dtype)
+
+
+def _ring_in(x):
+    if jc._is_key(x.dtype):
+        return jax.random.key_data(x)
+    if x.dtype == jax.dtypes.float0:
+        return jnp.zeros(x.shape, jnp.bool_)
+    return x
+
+
+def table_steps(items) -> list[tuple[list[Item], Item | None]]:
+    """A rank's items as table steps: each task with the stretch of transfers before it (a
+    stretch after the last task is a step without a task)."""
+    out, cur = [], []
+    for it in items:
+        if it[0] == "run":
+            out.append((cur, it))
+            cur = []
+        else:
+            cur.append(it)
+    if cur:
+        out.append((cur, None))
+    return out
+
+
+def _symbolic(items) -> tuple[tuple, list[int]]:
+    """``items`` with each microbatch replaced by its symbol (0, 1, ... in order of first
+    appearance), and the microbatch of each symbol."""
+    sym: dict[int, int] = {}
+    pat = tuple((op, k, s, sym.setdefault(m, len(sym)), peer) for op, k, s, m, peer in items)
+    return pat, list(sym)
+
+
+def ring_sizes(cs, steps) -> dict[tuple[str, int], int]:
+    """The slots of each buffer kind's ring (``(kind, stage)`` -> R; microbatch m lives in slot
+    ``m % R``): the smallest R for which no buffer is overwritten before its last reader. A
+    step's transfers are position 2i, its task 2i+1; a buffer lives from the position that
+    writes it to the last that reads it (itself when nothing reads it), and a write in that
+    span to the same slot would clobber it (a write at the last read counts too, so a unit
+    never reads and writes one slot)."""
+    read_kinds = {(k, s) for st, task in steps for it in st + ([task] if task else [])
+                  for k, s, _ in item_reads(cs, it)}
+    life: dict[tuple[str, int], dict[int, list[int]]] = {}
+    for i, (st, task) in enumerate(steps):
+        for pos, its in ((2 * i, st), (2 * i + 1, [task] if task else [])):
+            for it in its:
+                for k, s, m in item_writes(cs, it):
+                    if (k, s) in read_kinds:
+                        life.setdefault((k, s), {})[m] = [pos, pos]
+                for k, s, m in item_reads(cs, it):
+                    iv = life[(k, s)][m]
+                    iv[1] = max(iv[1], pos)
+    out = {}
+    for ks, iv in life.items():
+        for R in range(1, max(iv) + 2):
+            by: dict[int, list] = {}
+            for m, (w, last) in iv.items():
+                by.setdefault(m % R, []).append((w, last))
+            ok = True
+            for spans in by.values():
+                spans.sort()
+                end = -1
+                for w, last in spans:
+                    if w <= end:
+                        ok = False
+                        break
+                    end = max(end, last)
+                if not ok:
+                    break
+            if ok:
+                out[ks] = R
+                break
+    return out
+
+
 class SingleProgram(_LoopProgram):
     """A one-rank ``CompiledStep`` as one jitted program (see the module docstring)."""
 
@@ -666,9 +747,10 @@ class RankProgram(_LoopProgram):
         self.comm = comm
         self.timeout = float(timeout)
         comm.set_timeout(self.timeout)
-        # no stacked buffers between loops: runs that would need them stay unrolled
-        super().__init__(cs, rank, rank_items(cs, rank),
-                         _MAX_ITEMS_PER_STAGE * max(1, cs.num_stages), stacked=False)
+        self.cs = cs
+        self.rank = rank
+        self.items = rank_items(cs, rank)
+        self._table_init()
         self.needs = [o for o in cs.loop_needs[rank] if o not in cs.traced.literals]
         self.mine = [i for i, p in enumerate(cs.parts) if cs.stage_rank[p.stage] == rank]
         names: dict[tuple, list[str]] = {}
@@ -693,6 +775,203 @@ class RankProgram(_LoopProgram):
             comm.set_names(peer, chan, send, ns)
         self.fn = jax.jit(self._program)
         self.compiled = None  # the executable (compile)
+
+    # -- the table ------------------------------------------------------------------------
+    def _table_init(self):
+        """The rank's loop as a table (see ``_loop``): its steps, the distinct transfer
+        stretches (microbatches as symbols) and tasks as units, one row per step, and the
+        ring of each buffer kind a later unit reads."""
+        cs = self.cs
+        self.steps = table_steps(self.items)
+        self.stretches: list[tuple] = []  # symbolic transfer stretches
+        self.units: list[tuple[str, int]] = []  # (kind, stage) of each task unit
+        rows = []
+        for st, task in self.steps:
+            row = [-1, -1, 0]
+            if st:
+                pat, ms = _symbolic(st)
+                if pat not in self.stretches:
+                    self.stretches.append(pat)
+                row[0] = self.stretches.index(pat)
+                row += ms
+            if task is not None:
+                if task[1:3] not in self.units:
+                    self.units.append(task[1:3])
+                row[1] = self.units.index(task[1:3])
+                row[2] = task[3]
+            rows.append(row)
+        width = max(len(r) for r in rows)
+        self.rows = np.asarray([r + [0] * (width - len(r)) for r in rows], np.int32)
+        self.rings = ring_sizes(cs, self.steps)
+        self.mb_inputs = sorted({v for k, s in self.units for exe in _exes(cs, k, s)
+                                 for v in exe.in_groups[1]})
+
+    def describe(self) -> str:
+        """The table: its steps, its units (tasks, and transfer stretches with symbolic
+        microbatches: ``>Act0`` send, ``+Grad1`` receive posted, ``<Grad1`` received) and
+        the slots of each ring, e.g. ``table 16 steps; tasks F0 B0; transfers [>Act0.a]
+        [+Grad1.a]; rings Stash0:2``."""
+        sym = {"send": ">", "post": "+", "wait": "<"}
+        tasks = " ".join(f"{k}{s}" for k, s in self.units)
+        tr = " ".join("[" + " ".join(f"{sym[op]}{k}{s}.{chr(97 + m)}"
+                                     for op, k, s, m, _ in pat) + "]"
+                      for pat in self.stretches)
+        rings = " ".join(f"{k}{s}:{r}" for (k, s), r in sorted(self.rings.items()))
+        return f"table {len(self.rows)} steps; tasks {tasks}; transfers {tr}; rings {rings}"
+
+    def unit_sequence(self) -> list[str]:
+        """The units each step runs, in order (``>Act0.a`` style for stretches)."""
+        out = []
+        for st, task in self.steps:
+            if st:
+                out.append(" ".join(f"{op[0]}{k}{s}" for op, k, s, _, _ in st))
+            if task is not None:
+                out.append(f"{task[1]}{task[2]}")
+        return out
+
+    def _ring_avals(self, outer, mbs):
+        """The avals of every ringed buffer kind: received ones from the plan's layouts, the
+        ones a task makes from tracing each task unit once, abstractly, in stream order."""
+        cs = self.cs
+        avals: dict[tuple[str, int], list] = {}
+        for st, _ in self.steps:
+            for op, k, s, _, _ in st:
+                if op == "wait":
+                    avals[(k, s)] = list(cs.buffers.layout(k, s))
+
+        def discover():
+            done = set()
+            marks, self.marks = self.marks, False
+            try:
+                for _, task in self.steps:
+                    if task is None or task[1:3] in done:
+                        continue
+                    done.add(task[1:3])
+                    _, kind, s, _, _ = task
+
+                    def get(key):
+                        return [jc.from_wire(jnp.zeros(_ring_aval(a).shape,
+                                                       _ring_aval(a).dtype), a.dtype)
+                                for a in avals[key[:2]]]
+
+                    def put(key, v):
+                        avals[key[:2]] = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in v]
+
+                    _run_task(cs, kind, s, 0, outer, lambda v, _m: mbs[v][0], get, put,
+                              lambda i, _m, x: None, lambda fn, args: fn(*args))
+            finally:
+                self.marks = marks
+            return 0
+
+        jax.eval_shape(discover)
+        return avals
+
+    def _loop(self, env, outer, whole_mb, token):
+        """The rank's loop as one ``fori_loop`` over its table (one row per step). The body
+        holds each unit once: every transfer stretch and every task of the rank, each a
+        two-branch ``lax.switch`` (branch 0 passes its operands through, branch 1 runs the
+        unit) that runs when the row names it. Buffers live in rings (slot ``m % R`` per
+        kind, ``ring_sizes``), weight-gradient sums and stacked outputs in the loop's carry;
+        a unit's switch takes as operands only what it reads, and returns only what it
+        writes, so XLA updates them in place (a pass-through in branch 0 is not copied).
+        So each task is compiled once per rank, whatever the schedule, and the token that
+        threads every unit keeps the stream's order."""
+        cs = self.cs
+        M = cs.M
+        mbs = {v: whole_mb(v) for v in self.mb_inputs}
+        avals = self._ring_avals(outer, mbs)
+        rings = {ks: [jnp.zeros((R, *_ring_aval(a).shape), _ring_aval(a).dtype)
+                      for a in avals[ks]] for ks, R in self.rings.items()}
+        parts = sorted({i for k, s in self.units for i in _parts_of(cs, k, s)})
+        acc, stk = {}, {}
+        for i in parts:
+            aval = cs.traced.avals[cs.parts[i].body]
+            if cs.parts[i].reduce == G.Reduce.Stack:
+                stk[i] = jnp.zeros((M, *aval.shape), aval.dtype)
+            else:
+                acc[i] = jnp.zeros(aval.shape, aval.dtype)
+        table = jnp.asarray(self.rows)
+
+        def unit_io(items):
+            """(ring kinds read, ring kinds written, parts added to) of a unit's items."""
+            rd = {key[:2] for it in items for key in item_reads(cs, it)}
+            wr = {key[:2] for it in items for key in item_writes(cs, it)} & set(rings)
+            ps = {i for it in items if it[0] == "run" for i in _parts_of(cs, it[1], it[2])}
+            return sorted(rd - wr), sorted(wr), sorted(ps)
+
+        def run_unit(items, ms, rd, wr, ps):
+            def branch(w, r, row):
+                w_rings, w_acc, w_stk, dep = w
+                w_rings = {ks: list(v) for ks, v in w_rings.items()}
+                w_acc, w_stk = dict(w_acc), dict(w_stk)
+                r_rings = dict(r)
+                local: dict[tuple, list] = {}
+
+                def mat(j):
+                    return row[ms[j]]
+
+                def get(key):
+                    if key in local:
+                        return local[key]
+                    k, s, j = key
+                    src = w_rings[(k, s)] if (k, s) in w_rings else r_rings[(k, s)]
+                    slot = jax.lax.rem(mat(j), self.rings[(k, s)])
+                    return [jc.from_wire(jax.lax.dynamic_index_in_dim(x, slot, keepdims=False),
+                                         a.dtype) for x, a in zip(src, avals[(k, s)])]
+
+                def put(key, v):
+                    local[key] = v
+                    k, s, j = key
+                    if (k, s) in w_rings:
+                        slot = jax.lax.rem(mat(j), self.rings[(k, s)])
+                        w_rings[(k, s)] = [jax.lax.dynamic_update_index_in_dim(x, _ring_in(y),
+                                                                               slot, 0)
+                                           for x, y in zip(w_rings[(k, s)], v)]
+
+                def add(i, j, x):
+                    if i in w_acc:
+                        w_acc[i] = w_acc[i] + x
+                    else:
+                        w_stk[i] = jax.lax.dynamic_update_index_in_dim(w_stk[i], x, mat(j), 0)
+
+                tok = _Token(dep)
+                self._items(list(items), 0, outer,
+                            lambda v, j: jax.lax.dynamic_index_in_dim(mbs[v], mat(j),
+                                                                      keepdims=False),
+                            get, put, add, lambda: w_acc, tok)
+                return w_rings, w_acc, w_stk, tok.dep
+
+            return branch
+
+        units = []  # (row column, id, items, microbatch columns, rd, wr, ps)
+        for j, pat in enumerate(self.stretches):
+            n = 1 + max(it[3] for it in pat)
+            units.append((0, j, pat, list(range(3, 3 + n))) + unit_io(pat))
+        for j, (kind, s) in enumerate(self.units):
+            it = ("run", kind, s, 0, -1)
+            units.append((1, j, (it,), [2]) + unit_io([it]))
+
+        def body(t, carry):
+            rg, ac, sk, dep = carry
+            rg, ac, sk = dict(rg), dict(ac), dict(sk)
+            row = table[t]
+            for col, j, items, ms, rd, wr, ps in units:
+                w = ({ks: rg[ks] for ks in wr}, {i: ac[i] for i in ps if i in ac},
+                     {i: sk[i] for i in ps if i in sk}, dep)
+                r = {ks: rg[ks] for ks in rd if ks in rg}
+                w_rings, w_acc, w_stk, dep = jax.lax.switch(
+                    (row[col] == j).astype(jnp.int32),
+                    [lambda w, r, row: w, run_unit(items, ms, rd, wr, ps)], w, r, row)
+                rg.update(w_rings)
+                ac.update(w_acc)
+                sk.update(w_stk)
+            return rg, ac, sk, dep
+
+        _, acc, stk, token.dep = jax.lax.fori_loop(0, len(self.rows), body,
+                                                  (rings, acc, stk, token.dep))
+        env.acc.update(acc)
+        for i, x in stk.items():
+            env.stack_rows[i] = [(0, M, 1, x)]
 
     def set_timeout(self, timeout) -> None:
         """Bounds every wait of the next steps (seconds)."""
