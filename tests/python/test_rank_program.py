@@ -1,6 +1,6 @@
 """The structure of a rank's one-program loop (program.RankProgram) for multi-process steps:
-the items a rank's instruction stream becomes, how they roll into scans, and the invariants
-every schedule's items keep. Running the programs across processes (against plain JAX) is in
+the items a rank's instruction stream becomes, the table of units they run as, its rings, and
+the invariants every schedule's items keep. Running the programs across processes (against plain JAX) is in
 test_mp_e2e.py; these checks need no second process."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 
 import baton  # noqa: E402
 from baton import _core  # noqa: E402
-from baton.frontend.program import RankProgram, _analyze, item_reads, item_writes, rank_items  # noqa: E402
+from baton.frontend.program import RankProgram, item_reads, item_writes, rank_items  # noqa: E402
 
 SCHEDULES = ["gpipe", "1f1b", "eager1f1b", "interleaved", "zbh1", "zbh2", "zbv", "dualpipev"]
 
@@ -26,25 +26,24 @@ def _step(name, ranks, microbatches):
 
 
 def test_one_f_one_b_rank_programs():
-    """2 ranks, 1F1B, 8 microbatches: rank 0's steady state is one scan advancing two
-    microbatches per repetition, so each stash is read (B0) before the next repetition's F0
-    overwrites its carry slot; rank 1's pattern is rotated so each period's transfers are one
-    call. Receives are posted where the interpreter posts them (Executor::post_ahead: before
-    the task preceding the RECV), so the simulator's memory model holds for the program."""
+    """2 ranks, 1F1B, 8 microbatches: each rank's loop is a table whose units are its tasks
+    (each once: F0 and B0 on rank 0, the fused FB1 on rank 1) and its distinct transfer
+    stretches; rank 0 keeps two stashes in flight (a ring of 2), every other buffer is read by
+    the next unit (rings of 1). Receives are posted where the interpreter posts them
+    (Executor::post_ahead: before the task preceding the RECV), so the simulator's memory
+    model holds for the program."""
     cs = _step("1f1b", 2, 8)
     r0 = RankProgram(cs, 0, _core.runtime.RankComm(0), 10.0)
     r1 = RankProgram(cs, 1, _core.runtime.RankComm(1), 10.0)
     assert r0.describe() == (
-        "[F0]; [>Act0]; scan 3 x [+Grad1 F0 >Act0 <Grad1 B0 +Grad1 F0 >Act0 <Grad1 B0]/2; "
-        "[+Grad1]; [F0]; [>Act0]; [+Grad1]; [<Grad1]; [B0]; [<Grad1]; [B0]")
+        "table 16 steps; tasks F0 B0; transfers [>Act0.a +Grad1.a] [>Act0.a <Grad1.b] "
+        "[+Grad1.a] [>Act0.a +Grad1.a <Grad1.b] [<Grad1.a]; rings Act0:1 Grad1:1 Stash0:2")
     assert r1.describe() == (
-        "scan 2 x [+Act0]; [<Act0]; scan 5 x [FB1 >Grad1 +Act0 <Act0]; [FB1]; [>Grad1]; "
-        "[+Act0]; scan 2 x [<Act0 FB1 >Grad1]")
-    assert r0.stacked_buffers() == r1.stacked_buffers() == []
-    for rp in (r0, r1):
-        for (pat, r, d), slots in zip(rp.runs, rp._slots):
-            if r > 1:
-                assert _analyze(cs, pat, d).copies == 0, pat  # every carry slot in place
+        "table 9 steps; tasks FB1; transfers [+Act0.a +Act0.b <Act0.a] "
+        "[>Grad1.a +Act0.b <Act0.c] [>Grad1.a <Act0.b] [>Grad1.a]; rings Act0:1 Grad1:1")
+    assert r0.unit_sequence()[:5] == ["F0", ">Act0 +Grad1", "F0", ">Act0 <Grad1", "B0"]
+    assert [u for u in r0.unit_sequence() if u[0] not in "<>+"] == \
+        ["F0", "F0"] + ["B0", "F0"] * 6 + ["B0", "B0"]
     # rank 0: Grad1(m) is posted right after Act0(m) is sent, before F0(m+1), and waited on
     # before B0(m)
     items = rank_items(cs, 0)
@@ -83,9 +82,32 @@ def test_rank_items_keep_the_stream(name, ranks):
             for key in item_reads(cs, it):
                 assert key in have, (r, it, key)
             have.update(item_writes(cs, it))
-        rp = RankProgram(cs, r, _core.runtime.RankComm(r), 10.0)
-        assert rp.stacked_buffers() == [], (r, rp.describe())
+        _check_rings(cs, r)
     assert sent == waited
+
+
+def _check_rings(cs, r):
+    """Replays rank ``r``'s table with its rings: every read finds the buffer it wants in
+    slot ``m % R`` (nothing overwrote it), and a unit never writes a slot it reads."""
+    rp = RankProgram(cs, r, _core.runtime.RankComm(r), 10.0)
+    slots: dict[tuple, tuple] = {}
+    for st, task in rp.steps:
+        for its in (st, [task] if task else []):
+            read = set()
+            for it in its:
+                for k, s, m in item_reads(cs, it):
+                    key = (k, s, m % rp.rings[(k, s)])
+                    assert slots.get(key) == (k, s, m), (r, it, slots.get(key))
+                    read.add(key)
+            for it in its:
+                for k, s, m in item_writes(cs, it):
+                    if (k, s) in rp.rings:
+                        key = (k, s, m % rp.rings[(k, s)])
+                        assert key not in read, (r, it)
+                        slots[key] = (k, s, m)
+    # every task kind once per rank, whatever the schedule
+    tasks = [it[1:3] for it in rp.items if it[0] == "run"]
+    assert sorted(rp.units) == sorted(set(tasks)), (r, rp.describe())
 
 
 @pytest.mark.parametrize("name,ranks", [(n, 2) for n in SCHEDULES]

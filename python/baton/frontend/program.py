@@ -19,20 +19,20 @@ writes it); sends read the arrays they send, waits produce the arrays tasks read
 task's end marker (``baton_mark``) reads its outputs, so the transfers happen in the stream's
 order and no earlier than their data (the argument is in ``docs/ARCHITECTURE.md``). Transfers
 match by order per (peer, channel), the verifier's FIFO model; the tags need no buffer id.
-What the program saves is the per-task host work of the interpreter (a jit dispatch of ~100
-arguments and outputs per task, the callbacks, the sums as separate arrays) and the Python
-callback per stretch of transfers.
 
-Both roll their item lists into loops: ``roll`` splits the items (tasks, and for a rank's
-loop its sends, receive posts and receive waits) into runs of a repeating pattern whose
-microbatches grow by ``delta`` per repetition (``[FB0]`` x 8 for fused 1F1B on one rank;
-``[F0]`` x 8 for GPipe's forwards; two microbatches per repetition for rank 0 of a 2-rank
-1F1B, whose stashes live two repetitions) and each run of two or more repetitions becomes a
+The loop is a table (``RankProgram._loop``): one ``fori_loop`` whose body holds each *unit* of
+the rank once (each distinct task, each distinct transfer stretch with its microbatches as
+symbols), each a two-branch ``lax.switch`` run when the step's row names it; buffers live in
+per-kind rings (slot ``m % R``, ``ring_sizes``). So every task is compiled once per rank.
+
+**One rank** rolls its task list into loops instead: ``roll`` splits the items into runs of a
+repeating pattern whose microbatches grow by ``delta`` per repetition (``[FB0]`` x 8 for fused
+1F1B; ``[F0 I0 W0]`` x 8 for ZB-H1) and each run of two or more repetitions becomes a
 ``lax.scan``:
 
 * weight-gradient sums are its carry (zeros, ``+``, ``/ M``);
-* a buffer read one repetition after the one that made it (rank 0's stashes above) is a
-  carry slot, written where it is made and read where the next repetition reads it;
+* a buffer read one repetition after the one that made it is a carry slot, written where it
+  is made and read where the next repetition reads it;
 * microbatch slices are its ``xs``;
 * buffers read after the run and stacked per-microbatch outputs are its ``ys``.
 
@@ -62,7 +62,7 @@ from .tasks import buffer_reads, donatable, final_part, parts_of, task_exes
 
 G = _core.graph
 _MAX_PERIOD_PER_STAGE = 4
-_MAX_ITEMS_PER_STAGE = 16  # a rank's pattern: its tasks and their transfers
+_MAX_ITEMS_PER_STAGE = 16  # a rank's pattern (rolled lowering): its tasks and transfers
 
 # An item: (op, kind, stage, microbatch, peer). op "run": kind a task kind (F, B, I, W, FB);
 # "send" / "post" (a receive posted) / "wait" (a receive waited on): kind a buffer kind.
@@ -747,19 +747,26 @@ class RankProgram(_LoopProgram):
         self.comm = comm
         self.timeout = float(timeout)
         comm.set_timeout(self.timeout)
-        self.cs = cs
-        self.rank = rank
-        self.items = rank_items(cs, rank)
-        self._table_init()
-        self.needs = [o for o in cs.loop_needs[rank] if o not in cs.traced.literals]
-        self.mine = [i for i, p in enumerate(cs.parts) if cs.stage_rank[p.stage] == rank]
-        names: dict[tuple, list[str]] = {}
-        self._order: dict[tuple, list[int]] = {}
         # A rank of several devices runs SPMD: each transfer is called per device (shard_map
         # over the rank's sub-mesh) on its local shard, and device i of one rank exchanges
         # with device i of the other (the same block of the same spec: shard to shard).
         self.sub = cs.mesh.meshes[rank]
         self.D = int(self.sub.devices.size)
+        # One device: the table (each task compiled once). Several: the items rolled into
+        # scans, since JAX's Shardy partitioner does not apply the model's sharding
+        # constraints inside a conditional's branches as it does in straight-line code (the
+        # MoE GPT's dispatch became all-gathers instead of all-to-alls; docs/ARCHITECTURE.md)
+        self.table = self.D == 1
+        if self.table:
+            self.cs, self.rank, self.items = cs, rank, rank_items(cs, rank)
+            self._table_init()
+        else:  # no stacked buffers between loops: runs that would need them stay unrolled
+            super().__init__(cs, rank, rank_items(cs, rank),
+                             _MAX_ITEMS_PER_STAGE * max(1, cs.num_stages), stacked=False)
+        self.needs = [o for o in cs.loop_needs[rank] if o not in cs.traced.literals]
+        self.mine = [i for i, p in enumerate(cs.parts) if cs.stage_rank[p.stage] == rank]
+        names: dict[tuple, list[str]] = {}
+        self._order: dict[tuple, list[int]] = {}
         if self.D > 1:
             comm.set_shards([int(d.id) for d in self.sub.devices.flat])
         chan = cs.buffers.channel
@@ -807,10 +814,12 @@ class RankProgram(_LoopProgram):
                                  for v in exe.in_groups[1]})
 
     def describe(self) -> str:
-        """The table: its steps, its units (tasks, and transfer stretches with symbolic
+        """The table (a rank of several devices: the rolled runs, ``_LoopProgram``): its steps, its units (tasks, and transfer stretches with symbolic
         microbatches: ``>Act0`` send, ``+Grad1`` receive posted, ``<Grad1`` received) and
         the slots of each ring, e.g. ``table 16 steps; tasks F0 B0; transfers [>Act0.a]
         [+Grad1.a]; rings Stash0:2``."""
+        if not self.table:
+            return super().describe()
         sym = {"send": ">", "post": "+", "wait": "<"}
         tasks = " ".join(f"{k}{s}" for k, s in self.units)
         tr = " ".join("[" + " ".join(f"{sym[op]}{k}{s}.{chr(97 + m)}"
@@ -820,11 +829,12 @@ class RankProgram(_LoopProgram):
         return f"table {len(self.rows)} steps; tasks {tasks}; transfers {tr}; rings {rings}"
 
     def unit_sequence(self) -> list[str]:
-        """The units each step runs, in order (``>Act0.a`` style for stretches)."""
+        """The units the steps run, in order: ``F0``, or a stretch as ``>Act0 +Grad1``."""
+        sym = {"send": ">", "post": "+", "wait": "<"}
         out = []
         for st, task in self.steps:
             if st:
-                out.append(" ".join(f"{op[0]}{k}{s}" for op, k, s, _, _ in st))
+                out.append(" ".join(f"{sym[op]}{k}{s}" for op, k, s, _, _ in st))
             if task is not None:
                 out.append(f"{task[1]}{task[2]}")
         return out
@@ -876,6 +886,8 @@ class RankProgram(_LoopProgram):
         writes, so XLA updates them in place (a pass-through in branch 0 is not copied).
         So each task is compiled once per rank, whatever the schedule, and the token that
         threads every unit keeps the stream's order."""
+        if not self.table:
+            return super()._loop(env, outer, whole_mb, token)
         cs = self.cs
         M = cs.M
         mbs = {v: whole_mb(v) for v in self.mb_inputs}
@@ -924,9 +936,9 @@ class RankProgram(_LoopProgram):
                     k, s, j = key
                     if (k, s) in w_rings:
                         slot = jax.lax.rem(mat(j), self.rings[(k, s)])
-                        w_rings[(k, s)] = [jax.lax.dynamic_update_index_in_dim(x, _ring_in(y),
-                                                                               slot, 0)
-                                           for x, y in zip(w_rings[(k, s)], v)]
+                        w_rings[(k, s)] = [
+                            jax.lax.dynamic_update_index_in_dim(x, _ring_in(y), slot, 0)
+                            for x, y in zip(w_rings[(k, s)], v)]
 
                 def add(i, j, x):
                     if i in w_acc:
@@ -934,11 +946,11 @@ class RankProgram(_LoopProgram):
                     else:
                         w_stk[i] = jax.lax.dynamic_update_index_in_dim(w_stk[i], x, mat(j), 0)
 
+                def mb(v, j):  # microbatch ``j`` of loop input ``v``
+                    return jax.lax.dynamic_index_in_dim(mbs[v], mat(j), keepdims=False)
+
                 tok = _Token(dep)
-                self._items(list(items), 0, outer,
-                            lambda v, j: jax.lax.dynamic_index_in_dim(mbs[v], mat(j),
-                                                                      keepdims=False),
-                            get, put, add, lambda: w_acc, tok)
+                self._items(list(items), 0, outer, mb, get, put, add, lambda: w_acc, tok)
                 return w_rings, w_acc, w_stk, tok.dep
 
             return branch
