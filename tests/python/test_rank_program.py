@@ -1,7 +1,7 @@
 """The structure of a rank's one-program loop (program.RankProgram) for multi-process steps:
 the items a rank's instruction stream becomes, the table of units they run as, its rings, and
-the invariants every schedule's items keep. Running the programs across processes (against plain JAX) is in
-test_mp_e2e.py; these checks need no second process."""
+the invariants every schedule's items keep. Running the programs across processes (against
+plain JAX) is in test_mp_e2e.py; these checks need no second process."""
 
 from __future__ import annotations
 

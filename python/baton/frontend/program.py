@@ -814,10 +814,11 @@ class RankProgram(_LoopProgram):
                                  for v in exe.in_groups[1]})
 
     def describe(self) -> str:
-        """The table (a rank of several devices: the rolled runs, ``_LoopProgram``): its steps, its units (tasks, and transfer stretches with symbolic
+        """The table: its steps, its units (tasks, and transfer stretches with symbolic
         microbatches: ``>Act0`` send, ``+Grad1`` receive posted, ``<Grad1`` received) and
         the slots of each ring, e.g. ``table 16 steps; tasks F0 B0; transfers [>Act0.a]
-        [+Grad1.a]; rings Stash0:2``."""
+        [+Grad1.a]; rings Stash0:2``. A rank of several devices: its rolled runs
+        (``_LoopProgram.describe``)."""
         if not self.table:
             return super().describe()
         sym = {"send": ">", "post": "+", "wait": "<"}
