@@ -322,7 +322,7 @@ def _scan_step(params, opt_state, batch, m):
     return optax.apply_updates(params, updates), opt_state, loss, grads
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("nprocs", [2, pytest.param(4, marks=pytest.mark.heavy)])
 def test_every_schedule_multi_process(tmp_path, nprocs):
     names = list(SCHEDULES)
     p, elapsed = launch(tmp_path, nprocs, ",".join(names), timeout=420)
@@ -338,6 +338,7 @@ def test_every_schedule_multi_process(tmp_path, nprocs):
         assert all(h.startswith("program: table") for h in hows), (name, hows)
 
 
+@pytest.mark.heavy
 def test_gpt_tied_embedding_two_processes(tmp_path):
     p, _ = launch(tmp_path, 2, "gpt", timeout=240)
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
@@ -372,6 +373,7 @@ def test_two_devices_per_process(tmp_path):
             assert how.startswith("program"), how
 
 
+@pytest.mark.heavy
 def test_tensor_parallel_stages_across_processes(tmp_path):
     """pipe 2 x (data 2 x tensor 2): two processes of four devices, the GPT's parameters in
     Megatron-style tensor-parallel shardings, the batch over data; the compiled engine runs
@@ -393,6 +395,7 @@ def test_tensor_parallel_stages_across_processes(tmp_path):
         assert how.startswith("program"), how
 
 
+@pytest.mark.heavy
 def test_moe_experts_across_processes(tmp_path):
     """The MoE GPT (examples/moe_gpt.py) with 2 processes of 4 devices (expert 2 x data 2 per
     rank), compiled; against plain JAX's gradient accumulation over the same microbatches

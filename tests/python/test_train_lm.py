@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "examples" / "train_lm.py")
 COMMON = ["--dim", "32", "--seq", "16", "--batch", "8", "--microbatches", "4", "--heads", "2",
@@ -24,6 +26,7 @@ def _run(args, launched=False, timeout=300):
     return out, {int(m[1]): m[2] for m in re.finditer(r"^loss (\d+) (\S+)$", p.stdout, re.M)}
 
 
+@pytest.mark.heavy
 def test_stop_and_resume_gives_the_same_losses(tmp_path):
     _, straight = _run(["--ranks", "2", "--steps", "6"])
     assert sorted(straight) == [1, 2, 3, 4, 5, 6]
