@@ -23,7 +23,7 @@ match by order per (peer, channel), the verifier's FIFO model; the tags need no 
 The loop is a table (``RankProgram._loop``): one ``fori_loop`` whose body holds each *unit* of
 the rank once (each distinct task, each distinct transfer stretch with its microbatches as
 symbols), each a two-branch ``lax.switch`` run when the step's row names it; buffers live in
-per-kind rings (slot ``m % R``, ``ring_sizes``). So every task is compiled once per rank.
+per-kind rings (a slot per buffer, ``ring_slots``). So every task is compiled once per rank.
 
 **One rank** rolls its task list into loops instead: ``roll`` splits the items into runs of a
 repeating pattern whose microbatches grow by ``delta`` per repetition (``[FB0]`` x 8 for fused
@@ -616,13 +616,11 @@ def _symbolic(items) -> tuple[tuple, list[int]]:
     return pat, list(sym)
 
 
-def ring_sizes(cs, steps) -> dict[tuple[str, int], int]:
-    """The slots of each buffer kind's ring (``(kind, stage)`` -> R; microbatch m lives in slot
-    ``m % R``): the smallest R for which no buffer is overwritten before its last reader. A
-    step's transfers are position 2i, its task 2i+1; a buffer lives from the position that
-    writes it to the last that reads it (itself when nothing reads it), and a write in that
-    span to the same slot would clobber it (a write at the last read counts too, so a unit
-    never reads and writes one slot)."""
+def buffer_lives(cs, steps) -> dict[tuple[str, int], dict[int, tuple[int, int]]]:
+    """When each ringed buffer lives: ``(kind, stage)`` -> microbatch -> (position of its
+    write, position of its last read). A step's transfers are position 2i, its task 2i+1; a
+    buffer nothing reads lives at its write only. Only kinds a later unit reads are ringed
+    (a buffer only sent is handed from its task to the stretch after it by value)."""
     read_kinds = {(k, s) for st, task in steps for it in st + ([task] if task else [])
                   for k, s, _ in item_reads(cs, it)}
     life: dict[tuple[str, int], dict[int, list[int]]] = {}
@@ -635,27 +633,35 @@ def ring_sizes(cs, steps) -> dict[tuple[str, int], int]:
                 for k, s, m in item_reads(cs, it):
                     iv = life[(k, s)][m]
                     iv[1] = max(iv[1], pos)
-    out = {}
-    for ks, iv in life.items():
-        for R in range(1, max(iv) + 2):
-            by: dict[int, list] = {}
-            for m, (w, last) in iv.items():
-                by.setdefault(m % R, []).append((w, last))
-            ok = True
-            for spans in by.values():
-                spans.sort()
-                end = -1
-                for w, last in spans:
-                    if w <= end:
-                        ok = False
-                        break
-                    end = max(end, last)
-                if not ok:
-                    break
-            if ok:
-                out[ks] = R
-                break
-    return out
+    return {ks: {m: (w, last) for m, (w, last) in iv.items()} for ks, iv in life.items()}
+
+
+def ring_slots(lives, pool_of, M: int) -> tuple[dict, dict]:
+    """Rings for buffers: kinds with the same ``pool_of[(kind, stage)]`` (the same avals)
+    share one ring. Returns (``(kind, stage)`` -> int32 [M], the slot of each microbatch's
+    buffer; pool -> its number of slots). No buffer may be written into a slot between
+    another buffer's write and its last read, both included (so a unit never reads and
+    writes one slot). Slots are given greedily in order of the writes, each buffer the lowest
+    slot free at its write: for intervals that is optimal, so a ring has exactly as many
+    slots as the most buffers of its pool ever live at once. Sharing one ring among the
+    kinds of equal shape (a rank's boundary activations and gradients; the stashes of a
+    rank's two stages in a V schedule) is what brings a table's buffers down to the
+    schedule's peak: per-kind rings held the sum of each kind's peak (ZB-V, 4 ranks: 23
+    slots where at most 14 buffers are ever live)."""
+    slots = {ks: np.zeros(M, np.int32) for ks in lives}
+    sizes: dict = {}
+    ends: dict = {}  # pool -> per slot, the last position its buffer is read
+    order = sorted((w, ks, m, last) for ks, iv in lives.items() for m, (w, last) in iv.items())
+    for w, ks, m, last in order:
+        e = ends.setdefault(pool_of[ks], [])
+        free = [j for j, x in enumerate(e) if x < w]
+        j = free[0] if free else len(e)
+        if j == len(e):
+            e.append(last)
+        e[j] = last
+        slots[ks][m] = j
+    sizes = {pool: len(e) for pool, e in ends.items()}
+    return slots, sizes
 
 
 class SingleProgram(_LoopProgram):
@@ -809,9 +815,37 @@ class RankProgram(_LoopProgram):
             rows.append(row)
         width = max(len(r) for r in rows)
         self.rows = np.asarray([r + [0] * (width - len(r)) for r in rows], np.int32)
-        self.rings = ring_sizes(cs, self.steps)
+        # (kind, stage) -> microbatch -> (write, last read); rings per kind until the
+        # lowering knows the avals and pools the kinds of equal shape (``_pool``)
+        self.lives = buffer_lives(cs, self.steps)
+        self._pool({ks: ks for ks in self.lives})
         self.mb_inputs = sorted({v for k, s in self.units for exe in _exes(cs, k, s)
                                  for v in exe.in_groups[1]})
+
+    def _pool(self, pool_of):
+        """Kinds with equal ``pool_of`` share a ring: ``self.pools`` (pool -> its kinds),
+        ``self.slots`` ((kind, stage) -> the slot of each microbatch's buffer), ``self.rings``
+        (pool -> slots)."""
+        self.pool_of = dict(pool_of)
+        self.slots, self.rings = ring_slots(self.lives, self.pool_of, self.cs.M)
+        self.pools: dict = {}
+        for ks in sorted(self.lives):
+            self.pools.setdefault(self.pool_of[ks], []).append(ks)
+
+    def ring_bytes(self, pooled: bool = True) -> int:
+        """Bytes the rank's rings hold (after lowering): with the rings the program uses
+        (``pooled``: kinds of equal avals share one), or with one ring per kind."""
+        if pooled:
+            return sum(R * self.buffer_bytes[kinds[0]] for pool, kinds in self.pools.items()
+                       for R in [self.rings[pool]])
+        _, sizes = ring_slots(self.lives, {ks: ks for ks in self.lives}, self.cs.M)
+        return sum(R * self.buffer_bytes[ks] for ks, R in sizes.items())
+
+    def live_buffer_peak(self) -> int:
+        """The most bytes of ringed buffers ever live at once (a lower bound for any rings)."""
+        ends = sorted({w for iv in self.lives.values() for w, _ in iv.values()})
+        return max((sum(self.buffer_bytes[ks] for ks, iv in self.lives.items()
+                        for w, last in iv.values() if w <= p <= last) for p in ends), default=0)
 
     def describe(self) -> str:
         """The table: its steps, its units (tasks, and transfer stretches with symbolic
@@ -826,7 +860,8 @@ class RankProgram(_LoopProgram):
         tr = " ".join("[" + " ".join(f"{sym[op]}{k}{s}.{chr(97 + m)}"
                                      for op, k, s, m, _ in pat) + "]"
                       for pat in self.stretches)
-        rings = " ".join(f"{k}{s}:{r}" for (k, s), r in sorted(self.rings.items()))
+        rings = " ".join(sorted("+".join(f"{k}{s}" for k, s in kinds) + f":{self.rings[pool]}"
+                                for pool, kinds in self.pools.items()))
         return f"table {len(self.rows)} steps; tasks {tasks}; transfers {tr}; rings {rings}"
 
     def unit_sequence(self) -> list[str]:
@@ -881,8 +916,8 @@ class RankProgram(_LoopProgram):
         """The rank's loop as one ``fori_loop`` over its table (one row per step). The body
         holds each unit once: every transfer stretch and every task of the rank, each a
         two-branch ``lax.switch`` (branch 0 passes its operands through, branch 1 runs the
-        unit) that runs when the row names it. Buffers live in rings (slot ``m % R`` per
-        kind, ``ring_sizes``), weight-gradient sums and stacked outputs in the loop's carry;
+        unit) that runs when the row names it. Buffers live in rings (one per kind, a slot
+        per buffer: ``ring_slots``), weight-gradient sums and stacked outputs in the loop's carry;
         a unit's switch takes as operands only what it reads, and returns only what it
         writes, so XLA updates them in place (a pass-through in branch 0 is not copied).
         So each task is compiled once per rank, whatever the schedule, and the token that
@@ -893,8 +928,16 @@ class RankProgram(_LoopProgram):
         M = cs.M
         mbs = {v: whole_mb(v) for v in self.mb_inputs}
         avals = self._ring_avals(outer, mbs)
-        rings = {ks: [jnp.zeros((R, *_ring_aval(a).shape), _ring_aval(a).dtype)
-                      for a in avals[ks]] for ks, R in self.rings.items()}
+        # kinds of equal avals share a ring (ring_slots)
+        self._pool({ks: tuple((_ring_aval(a).shape, np.dtype(_ring_aval(a).dtype).str)
+                              for a in avals[ks]) for ks in self.lives})
+        pool_of = self.pool_of
+        # bytes of one buffer of each kind (ring_bytes: what the rings hold)
+        self.buffer_bytes = {ks: sum(int(np.prod(_ring_aval(a).shape)) *
+                                     np.dtype(_ring_aval(a).dtype).itemsize for a in avals[ks])
+                             for ks in self.lives}
+        rings = {pool: [jnp.zeros((R, *_ring_aval(a).shape), _ring_aval(a).dtype)
+                        for a in avals[self.pools[pool][0]]] for pool, R in self.rings.items()}
         parts = sorted({i for k, s in self.units for i in _parts_of(cs, k, s)})
         acc, stk = {}, {}
         for i in parts:
@@ -904,11 +947,14 @@ class RankProgram(_LoopProgram):
             else:
                 acc[i] = jnp.zeros(aval.shape, aval.dtype)
         table = jnp.asarray(self.rows)
+        slot_of = {ks: jnp.asarray(sl) for ks, sl in self.slots.items()}
 
         def unit_io(items):
             """(ring kinds read, ring kinds written, parts added to) of a unit's items."""
-            rd = {key[:2] for it in items for key in item_reads(cs, it)}
-            wr = {key[:2] for it in items for key in item_writes(cs, it)} & set(rings)
+            rd = {pool_of[key[:2]] for it in items for key in item_reads(cs, it)
+                  if key[:2] in pool_of}
+            wr = {pool_of[key[:2]] for it in items for key in item_writes(cs, it)
+                  if key[:2] in pool_of}
             ps = {i for it in items if it[0] == "run" for i in _parts_of(cs, it[1], it[2])}
             return sorted(rd - wr), sorted(wr), sorted(ps)
 
@@ -927,19 +973,20 @@ class RankProgram(_LoopProgram):
                     if key in local:
                         return local[key]
                     k, s, j = key
-                    src = w_rings[(k, s)] if (k, s) in w_rings else r_rings[(k, s)]
-                    slot = jax.lax.rem(mat(j), self.rings[(k, s)])
+                    pool = pool_of[(k, s)]
+                    src = w_rings[pool] if pool in w_rings else r_rings[pool]
+                    slot = slot_of[(k, s)][mat(j)]
                     return [jc.from_wire(jax.lax.dynamic_index_in_dim(x, slot, keepdims=False),
                                          a.dtype) for x, a in zip(src, avals[(k, s)])]
 
                 def put(key, v):
                     local[key] = v
                     k, s, j = key
-                    if (k, s) in w_rings:
-                        slot = jax.lax.rem(mat(j), self.rings[(k, s)])
-                        w_rings[(k, s)] = [
+                    if (k, s) in pool_of:
+                        pool, slot = pool_of[(k, s)], slot_of[(k, s)][mat(j)]
+                        w_rings[pool] = [
                             jax.lax.dynamic_update_index_in_dim(x, _ring_in(y), slot, 0)
-                            for x, y in zip(w_rings[(k, s)], v)]
+                            for x, y in zip(w_rings[pool], v)]
 
                 def add(i, j, x):
                     if i in w_acc:
