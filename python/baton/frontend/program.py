@@ -645,9 +645,9 @@ def ring_slots(lives, pool_of, M: int) -> tuple[dict, dict]:
     slot free at its write: for intervals that is optimal, so a ring has exactly as many
     slots as the most buffers of its pool ever live at once. Sharing one ring among the
     kinds of equal shape (a rank's boundary activations and gradients; the stashes of a
-    rank's two stages in a V schedule) is what brings a table's buffers down to the
-    schedule's peak: per-kind rings held the sum of each kind's peak (ZB-V, 4 ranks: 23
-    slots where at most 14 buffers are ever live)."""
+    rank's two stages in a V schedule) brings a table's buffers to the schedule's live peak
+    for most schedules, where per-kind rings held the sum of each kind's peak
+    (``bench/results/table_memory.md``)."""
     slots = {ks: np.zeros(M, np.int32) for ks in lives}
     sizes: dict = {}
     ends: dict = {}  # pool -> per slot, the last position its buffer is read
