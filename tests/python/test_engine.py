@@ -86,7 +86,8 @@ def test_steady_calls_compile_nothing():
 def test_traced_and_untraced_steps_run_the_same_executable():
     """Tracing is a runtime switch of the programs' task markers and transfer records: a
     traced call runs the executables the untraced calls run (nothing is compiled for it),
-    and its trace has every rank's tasks in the plan's order."""
+    and its trace has every rank's tasks in the plan's order. (Also: the programs' rings are
+    shared by buffer kinds of equal avals.)"""
     from mlp_step import make
 
     compiles = []
@@ -98,6 +99,12 @@ def test_traced_and_untraced_steps_run_the_same_executable():
     step = ps.last
     progs = list(step.engine.local_progs)
     exes = [p.compiled for p in progs]
+    # the lowering shares a ring among buffer kinds of equal avals: ZB-V's rings hold less
+    # than one ring per kind would, and never less than the buffers live at once
+    held = [(p.live_buffer_peak(), p.ring_bytes(), p.ring_bytes(pooled=False)) for p in progs]
+    assert all(live <= shared <= per_kind for live, shared, per_kind in held), held
+    assert any(shared < per_kind for _, shared, per_kind in held), held
+    assert any("+" in p.describe().split("; rings ")[1] for p in progs)
     compiles.clear()
     tr = baton.trace(ps, params, batch)
     ps(params, batch)

@@ -23,7 +23,8 @@ match by order per (peer, channel), the verifier's FIFO model; the tags need no 
 The loop is a table (``RankProgram._loop``): one ``fori_loop`` whose body holds each *unit* of
 the rank once (each distinct task, each distinct transfer stretch with its microbatches as
 symbols), each a two-branch ``lax.switch`` run when the step's row names it; buffers live in
-per-kind rings (a slot per buffer, ``ring_slots``). So every task is compiled once per rank.
+rings, one per set of kinds of equal avals, a slot per buffer (``ring_slots``). So every task
+is compiled once per rank.
 
 **One rank** rolls its task list into loops instead: ``roll`` splits the items into runs of a
 repeating pattern whose microbatches grow by ``delta`` per repetition (``[FB0]`` x 8 for fused
@@ -649,7 +650,6 @@ def ring_slots(lives, pool_of, M: int) -> tuple[dict, dict]:
     for most schedules, where per-kind rings held the sum of each kind's peak
     (``bench/results/table_memory.md``)."""
     slots = {ks: np.zeros(M, np.int32) for ks in lives}
-    sizes: dict = {}
     ends: dict = {}  # pool -> per slot, the last position its buffer is read
     order = sorted((w, ks, m, last) for ks, iv in lives.items() for m, (w, last) in iv.items())
     for w, ks, m, last in order:
@@ -916,8 +916,9 @@ class RankProgram(_LoopProgram):
         """The rank's loop as one ``fori_loop`` over its table (one row per step). The body
         holds each unit once: every transfer stretch and every task of the rank, each a
         two-branch ``lax.switch`` (branch 0 passes its operands through, branch 1 runs the
-        unit) that runs when the row names it. Buffers live in rings (one per kind, a slot
-        per buffer: ``ring_slots``), weight-gradient sums and stacked outputs in the loop's carry;
+        unit) that runs when the row names it. Buffers live in rings (one per set of kinds of
+        equal avals, a slot per buffer: ``ring_slots``), weight-gradient sums and stacked
+        outputs in the loop's carry;
         a unit's switch takes as operands only what it reads, and returns only what it
         writes, so XLA updates them in place (a pass-through in branch 0 is not copied).
         So each task is compiled once per rank, whatever the schedule, and the token that
