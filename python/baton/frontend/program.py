@@ -654,11 +654,11 @@ def ring_slots(lives, pool_of, M: int) -> tuple[dict, dict]:
     order = sorted((w, ks, m, last) for ks, iv in lives.items() for m, (w, last) in iv.items())
     for w, ks, m, last in order:
         e = ends.setdefault(pool_of[ks], [])
-        free = [j for j, x in enumerate(e) if x < w]
-        j = free[0] if free else len(e)
+        j = next((j for j, x in enumerate(e) if x < w), len(e))
         if j == len(e):
             e.append(last)
-        e[j] = last
+        else:
+            e[j] = last
         slots[ks][m] = j
     sizes = {pool: len(e) for pool, e in ends.items()}
     return slots, sizes
