@@ -17,7 +17,9 @@
 # Environment: BATON_JOBS (build parallelism, default 2), BATON_PYTEST_TIMEOUT (seconds
 # for the whole pytest run, default 2700), BATON_PYTEST_WORKERS (pytest-xdist processes,
 # default 2; 0 runs in one process), BATON_JAX_CACHE (0: no persistent compilation cache;
-# default on, in .cache/jax).
+# default on, in .cache/jax), BATON_TEST_XLA_OPT (0, the default: the tests compile with XLA's
+# optimizations off, JAX_DISABLE_MOST_OPTIMIZATIONS=1 and JAX_OPTIMIZATION_LEVEL=O0; 1: XLA's
+# default optimizations, as users run).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -98,6 +100,15 @@ if ((run_py)); then
     # reader can meet an entry another process is still writing: a warning, a recompile)
     export JAX_COMPILATION_CACHE_MAX_SIZE="${JAX_COMPILATION_CACHE_MAX_SIZE:-4294967296}"
     log "JAX compilation cache: $JAX_COMPILATION_CACHE_DIR"
+  fi
+  # The tests check behaviour (every pipelined result against plain JAX compiled with the same
+  # flags, not wall-clock times), and compiling is most of their time: by default XLA
+  # compiles them with its optimizations off (LLVM -O0, no expensive HLO passes), about half
+  # the compile time. The processes the tests launch inherit it. BATON_TEST_XLA_OPT=1 compiles
+  # with XLA's defaults (.ci/run's oldest-JAX pass does).
+  if [[ "${BATON_TEST_XLA_OPT:-0}" == 0 ]]; then
+    export JAX_DISABLE_MOST_OPTIMIZATIONS=1 JAX_OPTIMIZATION_LEVEL=O0
+    log "XLA optimizations off for the tests (BATON_TEST_XLA_OPT=1 turns them on)"
   fi
   # pytest exits 5 when it collects nothing: that is a failure here too.
   timeout --kill-after=30 "${BATON_PYTEST_TIMEOUT:-2700}" \
