@@ -103,8 +103,8 @@ if ((run_py)); then
   fi
   # The tests check behaviour (every pipelined result against plain JAX compiled with the same
   # flags, not wall-clock times), and compiling is most of their time: by default XLA
-  # compiles them with its optimizations off (LLVM -O0, no expensive HLO passes), about half
-  # the compile time. The processes the tests launch inherit it. BATON_TEST_XLA_OPT=1 compiles
+  # compiles them with its optimizations off (LLVM at -O0 without its expensive passes, XLA's
+  # optimization effort O0), about half the compile time. The processes the tests launch inherit it. BATON_TEST_XLA_OPT=1 compiles
   # with XLA's defaults (.ci/run's oldest-JAX pass does).
   if [[ "${BATON_TEST_XLA_OPT:-0}" == 0 ]]; then
     export JAX_DISABLE_MOST_OPTIMIZATIONS=1 JAX_OPTIMIZATION_LEVEL=O0
