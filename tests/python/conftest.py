@@ -40,3 +40,18 @@ def pytest_ignore_collect(collection_path, config):
         named = any(MAXTEXT_TESTS in str(a) for a in config.args)
         return None if named else True
     return None
+
+
+# Files whose tests launch several JAX processes: the longest cases of the run.
+LAUNCHING = {"test_mp_e2e.py", "test_multi_rank_process.py", "test_train_lm.py",
+             "test_twohost.py"}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The longest cases first (marked ``heavy``, or launching processes), the rest in file
+    order: with pytest-xdist's workers a long case picked up last leaves the other worker
+    idle while it runs (a stable sort, the same order in every worker)."""
+    def long_first(item):
+        return 0 if (item.get_closest_marker("heavy") or item.path.name in LAUNCHING) else 1
+
+    items.sort(key=long_first)
