@@ -284,13 +284,30 @@ class ProgramEngine:
 
 def compile_all(progs, vals) -> list:
     """Compiles every program before any runs (a rank never waits on a compile): traced one
-    by one (Python), compiled in parallel (XLA releases the GIL); each one's exception."""
-    lowered = [p.lower(vals) for p in progs]
+    by one (Python, holding the GIL), each compiled on its own thread as soon as it is
+    lowered (XLA releases the GIL), so the next program's tracing overlaps the compiles
+    already started; each one's exception."""
+    import threading
 
-    def comp(j):
-        progs[j].compiled = lowered[j].compile()
+    errors: list = [None] * len(progs)
 
-    return on_rank_threads(len(progs), comp)
+    def comp(j, lowered):
+        try:
+            progs[j].compiled = lowered.compile()
+        except BaseException as e:  # noqa: BLE001  (the caller raises)
+            errors[j] = e
+
+    threads = []
+    try:
+        for j, p in enumerate(progs):
+            t = threading.Thread(target=comp, args=(j, p.lower(vals)),
+                                 name=f"baton-compile-{p.rank}", daemon=True)
+            t.start()
+            threads.append(t)
+    finally:  # (a program that fails to lower raises here, once the started ones are done)
+        for t in threads:
+            t.join()
+    return errors
 
 
 def raise_origin(progs, errors) -> None:

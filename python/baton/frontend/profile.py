@@ -15,8 +15,8 @@ cost model then uses what the tasks and transfers cost inside ``steps`` traced s
 mean RUN span per task, and the median transfer time from send start to receive (minus the bytes
 at the ping-pong bandwidth) as latency. Tasks run slower inside a step than alone (their
 inputs are not in cache, other tasks' buffers come and go), and a transfer waits for the
-transport threads on a busy core, so these predict the step better. Then ``steps`` further
-traced calls give the measured step time (median), each rank's bubble and the peak live
+transport threads on a busy core, so these predict the step better. ``steps`` further traced
+calls, alternating with those, give the measured step time (median), each rank's bubble and the peak live
 buffers, which ``summary()`` puts next to the simulator's prediction. The capture and the
 isolated timings run on the interpreter; the traced steps run what users run (the compiled
 engine for a multi-rank step: peak bytes are then its trace's replay with the plan's sizes). XLA's memory
@@ -249,7 +249,7 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
     ``fn.simulate()`` use it from then on. ``runs``: timed calls per task; ``steps``: traced
     whole steps for the measured step time (default ``runs``). ``costs``: ``"step"`` (task
     and link costs measured inside ``steps`` traced steps, which are then not the ones
-    compared with the prediction) or ``"isolated"`` (each task timed alone, the link by
+    compared with the prediction; the two sets alternate) or ``"isolated"`` (each task timed alone, the link by
     ping-pong)."""
     from .api import cost_model_of
 
@@ -297,10 +297,14 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
     else:
         link = _group_link(fn.group, big, runs, fn.timeout)
     iso_times, iso_link = times, link
-    # 4. costs inside real steps (default): per-task medians of the RUN spans of `steps`
-    # traced calls, link latency from their transfers
+    # 4. costs inside real steps (default): the mean RUN span per task over `steps` traced
+    # calls, link latency from their transfers. Those calls alternate with the `steps`
+    # measured ones (5.), so a machine whose speed drifts during profiling moves both sets
+    # alike (two sets run one after the other differed by up to 15% on a shared VM).
+    n = max(steps, 1)
+    traced = [_traced(fn, args) for _ in range(2 * n if costs == "step" else n)]
+    ctx, traces = (traced[0::2], traced[1::2]) if costs == "step" else ([], traced)
     if costs == "step":
-        ctx = [_traced(fn, args) for _ in range(max(steps, 1))]
         times = _step_task_times(ctx, iso_times)
         link = _step_link(ctx, iso_link)
     split = step.partition.split_backward
@@ -313,7 +317,6 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
     cm.link = lc
     cm.validate()
     # 5. measured steps (not those the costs came from) vs the simulator's prediction
-    traces = [_traced(fn, args) for _ in range(max(steps, 1))]
     order = sorted(range(len(traces)), key=lambda i: traces[i].step_time)
     med = traces[order[len(order) // 2]]
     sim = step.plan.simulate(cm)
