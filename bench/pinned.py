@@ -29,8 +29,8 @@ import os
 import subprocess
 import sys
 
-from timing import (SCHEDULE_NAMES, baseline_step, command_line, gpt_config, machine_lines,
-                    median_step, pin_to_core, publish)
+from timing import (SCHEDULE_NAMES, baseline_step, command_line, first_and_median, gpt_config,
+                    machine_lines, pin_to_core, publish)
 
 
 def baseline(args):
@@ -39,8 +39,8 @@ def baseline(args):
         from baton import runtime
 
         runtime.retain_host_memory()
-    t = median_step(baseline_step(args, args.mb_size), args.steps, warmup=2)
-    print("RESULT " + json.dumps({"step": t}), flush=True)
+    first, t = first_and_median(baseline_step(args, args.mb_size), args.steps, warmup=2)
+    print("RESULT " + json.dumps({"step": t, "first": first}), flush=True)
 
 
 def worker(args):
@@ -69,7 +69,8 @@ def worker(args):
         state["p"], state["o"], loss = step(state["p"], state["o"], batch)
         return loss
 
-    res = {"step": median_step(call, args.steps, warmup=2)}
+    first, t = first_and_median(call, args.steps, warmup=2)
+    res = {"step": t, "first": first}
     prof = baton.profile(step, state["p"], state["o"], batch, runs=args.steps)
     res["measured"] = prof.measured
     res["predicted"] = prof.predicted
@@ -214,6 +215,19 @@ def main():
             + ", ".join(f"{1e3 * x:.1f}" for x in r["all_steps"])
             + "; speed-up per round: " + ", ".join(f"{x:.3f}" for x in ratios))
         print(rows[-1], flush=True)
+    # call 1 of each process (rank 0's for a pipeline: it returns once every rank's part of
+    # the step is done): trace, plan, compile (each process its own rank's programs, on its
+    # own core), the transport's connection and one step
+    firsts = ["", "First call (the median launch's; rank 0's process for a pipeline):", "",
+              "| run | call 1 s | step s | call 1 - step s | / baseline's |", "|---|---|---|---|---|",
+              f"| jax.jit + lax.scan, 1 process on core 0 | {base['first']:.2f} "
+              f"| {base['step']:.2f} | {base['first'] - base['step']:.2f} | 1.00 |"]
+    for (sched, role), rs in zip(runs, per):
+        r = _median_result(rs)
+        part = r["first"] - r["step"]
+        firsts.append(f"| Baton {SCHEDULE_NAMES.get(sched, sched)}, {role} | {r['first']:.2f} "
+                      f"| {r['step']:.2f} | {part:.2f} "
+                      f"| {part / (base['first'] - base['step']):.2f} |")
     head = [
         "# Pinned pipelines vs the 1-process baseline",
         "",
@@ -242,7 +256,7 @@ def main():
     details.insert(0, f"- baseline: step ms per round: {base_runs}; "
                    "two copies at once: " + ", ".join(f"{1e3 * x:.1f}" for x in pair))
     notes = ["", "Profiled costs (task means inside steps):", ""]
-    publish("\n".join(head + rows + notes + details) + "\n", args.md)
+    publish("\n".join(head + rows + firsts + notes + details) + "\n", args.md)
 
 
 if __name__ == "__main__":

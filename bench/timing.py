@@ -66,16 +66,26 @@ def command_line(script: str) -> str:
 def median_step(fn, steps: int, warmup: int = 0) -> float:
     """Median wall time (seconds) of ``steps`` calls of ``fn``, each waited for, after
     ``warmup`` untimed calls."""
+    return first_and_median(fn, steps, warmup)[1]
+
+
+def first_and_median(fn, steps: int, warmup: int = 0) -> tuple[float, float]:
+    """(wall time of the first call of ``fn``, the first of the ``warmup`` calls when there
+    are any: trace, compile and one step; the median of the ``steps`` calls after them)."""
     import jax
 
+    first = None
     for _ in range(warmup):
+        t = time.perf_counter()
         jax.block_until_ready(fn())
+        if first is None:
+            first = time.perf_counter() - t
     out = []
     for _ in range(steps):
         t = time.perf_counter()
         jax.block_until_ready(fn())
         out.append(time.perf_counter() - t)
-    return statistics.median(out)
+    return (out[0] if first is None else first), statistics.median(out)
 
 
 def publish(text: str, md: str | None) -> None:
