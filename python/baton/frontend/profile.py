@@ -16,8 +16,8 @@ mean RUN span per task, and the median transfer time from send start to receive 
 at the ping-pong bandwidth) as latency. Tasks run slower inside a step than alone (their
 inputs are not in cache, other tasks' buffers come and go), and a transfer waits for the
 transport threads on a busy core, so these predict the step better. ``steps`` further traced
-calls, alternating with those, give the measured step time (median), each rank's bubble and the peak live
-buffers, which ``summary()`` puts next to the simulator's prediction. The capture and the
+calls, alternating with those, give the measured step time (median), each rank's bubble and
+the peak live buffers, which ``summary()`` puts next to the simulator's prediction. The capture and the
 isolated timings run on the interpreter; the traced steps run what users run (the compiled
 engine for a multi-rank step: peak bytes are then its trace's replay with the plan's sizes). XLA's memory
 analysis of each task (``compiled.memory_analysis()``) is kept where JAX provides it.
@@ -249,8 +249,8 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
     ``fn.simulate()`` use it from then on. ``runs``: timed calls per task; ``steps``: traced
     whole steps for the measured step time (default ``runs``). ``costs``: ``"step"`` (task
     and link costs measured inside ``steps`` traced steps, which are then not the ones
-    compared with the prediction; the two sets alternate) or ``"isolated"`` (each task timed alone, the link by
-    ping-pong)."""
+    compared with the prediction; the two sets alternate) or ``"isolated"`` (each task
+    timed alone, the link by ping-pong)."""
     from .api import cost_model_of
 
     if not isinstance(runs, int) or runs < 1 or warmup < 0:
