@@ -122,6 +122,9 @@ def worker_main(mode: str, outdir: str) -> None:
         if name == "gpt-tp":
             gpt_tp_main(rank, world, outdir)
             continue
+        if name.startswith("gpt-span-"):
+            gpt_span_main(rank, world, outdir, name[len("gpt-span-"):])
+            continue
         if name == "moe":
             moe_main(rank, world, outdir)
             continue
@@ -215,6 +218,41 @@ def gpt_tp_main(rank, world, outdir):
     train_and_save(ps, params, st, batch, rank, outdir, "gpt-tp")
 
 
+def gpt_span_main(rank, world, outdir, schedule="1f1b"):
+    """pipe 2 x data 2 x tensor 2 over 4 processes of 2 devices (jax.distributed): process p
+    holds data position p % 2 of rank p // 2, so each rank's sub-mesh spans two processes;
+    the GPT's parameters tensor-parallel, the batch over data."""
+    import gpt
+    from jax.sharding import Mesh
+
+    jax.distributed.initialize(os.environ["BATON_TEST_COORD"], num_processes=world,
+                               process_id=rank)
+    params, st, step, _, batch = gpt_config(2, tp=True)
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("pipe", "data", "tensor"))
+    sched = baton.DualPipeV() if schedule == "dualpipev" else baton.OneFOneB()
+    if schedule == "dualpipev":  # 4 stages on 2 ranks
+        params, st, step, _, batch = gpt_config(4, tp=True)
+    ps = baton.jit(step, mesh=baton.PipelineMesh(mesh, axis="pipe"), schedule=sched,
+                   microbatches=4, param_shardings=gpt.param_specs(params, tensor="tensor"))
+    assert ps.ranks == [rank // 2], ps.ranks
+    if schedule == "die":  # process 3 (slot 1 of rank 1) dies during the second step
+        params, st, _ = ps(params, st, batch)
+        if rank == 3:
+            import threading
+
+            threading.Timer(0.3, lambda: os._exit(9)).start()
+        for _ in range(3):
+            params, st, _ = ps(params, st, batch)
+        return
+    train_and_save(ps, params, st, batch, rank, outdir, f"gpt-span-{schedule}")
+    # a traced step records each rank's tasks on its slot 0 and its transfers
+    tr = baton.trace(ps, params, st, batch)
+    ranks = sorted({r["rank"] for r in tr.runs})
+    (pathlib.Path(outdir) / f"gpt-span-{schedule}-trace{rank}.txt").write_text(
+        f"{ranks} {len(tr.runs)} {len(tr.transfers)} {tr.step_time > 0}")
+    jax.distributed.shutdown()
+
+
 def moe_config():
     import moe_gpt
 
@@ -275,10 +313,10 @@ print(f"rank {{os.environ['BATON_RANK']}} done", flush=True)
 """
 
 
-def launch(tmp_path, nprocs, mode, devices=1, timeout=300):
+def launch(tmp_path, nprocs, mode, devices=1, timeout=300, env=None):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu", **(env or {}))
     t0 = time.monotonic()
     p = subprocess.run(
         [sys.executable, "-m", "baton.launch", "--nprocs", str(nprocs), "--grace", "20",
@@ -400,6 +438,58 @@ def test_tensor_parallel_stages_across_processes(tmp_path):
     for r in range(2):
         how = (tmp_path / f"gpt-tp-mode-rank{r}.txt").read_text()
         assert how.startswith("program"), how
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("dualpipev", marks=pytest.mark.heavy)])
+def test_ranks_spanning_processes(tmp_path, schedule):
+    """pipe 2 x data 2 x tensor 2 on 4 processes of 2 devices joined by jax.distributed:
+    each rank's sub-mesh spans two processes (its data axis), its program is one
+    multi-controller SPMD program, and slot j of rank 0 exchanges shards with slot j of
+    rank 1. Matches plain JAX over 3 AdamW steps."""
+    name = f"gpt-span-{schedule}"
+    p, _ = launch(tmp_path, 4, name, devices=2, timeout=300,
+                  env={"BATON_TEST_COORD": f"127.0.0.1:{free_port()}"})
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    got = np.load(tmp_path / f"{name}.npz")
+    params, st, _, ref, batch = gpt_config(4 if schedule == "dualpipev" else 2, tp=True)
+    ref = jax.jit(ref)
+    for _ in range(3):
+        params, st, loss = ref(params, st, batch)
+    want = jax.tree.leaves((params, st))
+    assert len(got.files) == len(want)
+    for j, w in enumerate(want):
+        np.testing.assert_allclose(got[f"x{j}"], np.asarray(w), rtol=1e-5, atol=1e-5)
+    # 1F1B: stage 0's F and B, stage 1's fused FB, per microbatch
+    runs = {"1f1b": 3 * 4, "dualpipev": None}[schedule]
+    traces = {(tmp_path / f"{name}-trace{r}.txt").read_text() for r in range(4)}
+    assert len(traces) == 1, traces  # every process has the same merged trace
+    got = traces.pop().split()
+    # each rank's tasks (recorded on its slot 0), transfers both ways
+    assert got[:2] == ["[0,", "1]"] and int(got[3]) > 0 and got[4] == "True", got
+    assert int(got[2]) == (runs or int(got[2])) > 0, got
+    for r in range(4):
+        how = (tmp_path / f"{name}-mode-rank{r}.txt").read_text()
+        assert how.startswith("program"), how
+
+
+def test_dead_process_stops_spanning_ranks(tmp_path):
+    """Process 3 (slot 1 of rank 1, whose sub-mesh spans processes 2 and 3) dies during a
+    step: all four processes stop well within the timeout and the launcher names it."""
+    p, elapsed = launch(tmp_path, 4, "gpt-span-die", devices=2, timeout=240,
+                        env={"BATON_TEST_COORD": f"127.0.0.1:{free_port()}"})
+    out = p.stdout + p.stderr
+    assert p.returncode == 9, out[-6000:]
+    assert "baton.launch: failed: rank 3 exited with code 9" in out, out[-6000:]
+    assert elapsed < 200, elapsed
+    print(out[-3000:])
 
 
 @pytest.mark.heavy

@@ -12,7 +12,8 @@ from jax.sharding import NamedSharding
 
 from .. import _core
 from ..errors import ConfigError, TraceError
-from .distributed import Remote, agree_ranks_per_process, gather, launched_world_size
+from .distributed import Remote, agree_ranks_per_process, agree_spanning_mesh, gather
+from .distributed import launched_world_size
 from .distributed import local_devices, process_group, process_mesh, ranks_per_process
 from .step import CompiledStep
 from .mesh import PipelineMesh
@@ -114,7 +115,12 @@ class PipelinedFunction:
     def _connect(self):
         if self.multi and self.group is None:
             group = process_group("gloo")
-            agree_ranks_per_process(group, ranks_per_process(self.mesh), self.timeout)
+            if isinstance(self.mesh, PipelineMesh) and any(
+                    d.process_index != jax.process_index()
+                    for g in self.mesh.rank_devices for d in g):
+                agree_spanning_mesh(group, self.mesh, self.timeout)
+            else:
+                agree_ranks_per_process(group, ranks_per_process(self.mesh), self.timeout)
             self.mesh = process_mesh(self.mesh, group.world_size)
             self.group = group
         return self.group
@@ -309,7 +315,7 @@ class PipelinedFunction:
         if not self.multi:
             return list(range(self.mesh.num_ranks))
         g = self._connect()
-        return g.ranks(self.mesh.ranks_per_process)
+        return self.mesh.ranks_of(g.rank)
 
     def gather(self, tree: Any) -> Any:
         """Full values of ``tree`` as numpy arrays, e.g. parameters for checking or

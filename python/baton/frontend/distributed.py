@@ -67,7 +67,8 @@ class ProcessGroup:
     source: str = ""
     # Compiled steps holding an executor on this transport: released before it closes.
     steps: list = dataclasses.field(default_factory=list)
-    # k -> this process's k per-rank Gloo contexts (k > 1 ranks per process)
+    # k -> this process's k per-rank Gloo contexts (k > 1 ranks per process); ("slot", j) ->
+    # the slot context of a process holding slot j of a rank that spans processes
     rank_ts: dict = dataclasses.field(default_factory=dict)
 
     def ranks(self, k: int) -> list[int]:
@@ -106,6 +107,35 @@ class ProcessGroup:
                                             f"{e}" for j, e in bad)) from bad[0][1]
             self.rank_ts[k] = ts
             atexit.register(self.release)  # (runs before these transports' close: LIFO)
+        return ts
+
+    def loop_transports(self, mesh: Any, connect_timeout: float = 60.0) -> list:
+        """The transports of this process's ranks' loops (:meth:`rank_transports`), or, when
+        ranks span processes, this process's *slot* context: one Gloo context per slot j
+        joining slot j of every rank (world = the number of ranks, rank id = the pipeline
+        rank, store keys under ``baton/slot<j>``), so a rank's transfers address peers by
+        pipeline rank as before, and shard i goes from the process holding it on one rank
+        to the process holding it on the other."""
+        if not mesh.spans:
+            return self.rank_transports(mesh.ranks_per_process, connect_timeout)
+        (r,) = mesh.ranks_of(self.rank)
+        j = mesh.procs(r).index(self.rank)
+        key = ("slot", j)
+        ts = self.rank_ts.get(key)
+        if ts is None:
+            from ..runtime import rendezvous
+
+            info = rendezvous.rank_info()
+            try:
+                t = rendezvous.init_transport(
+                    "gloo", info=dataclasses.replace(info, rank=r, world_size=mesh.num_ranks),
+                    connect_timeout=connect_timeout, prefix=f"baton/slot{j}")
+            except Exception as e:
+                raise ConfigError(f"baton.jit: connecting slot {j} of rank {r} (process "
+                                  f"{self.rank}) to the other ranks failed: "
+                                  f"{type(e).__name__}: {e}") from e
+            ts = self.rank_ts[key] = [t]
+            atexit.register(self.release)
         return ts
 
     def abort_all(self, msg: str) -> None:
@@ -152,7 +182,9 @@ def local_devices(mesh: Any) -> Any:
     """This process's ranks: ``None`` -> ``jax.local_devices()`` (one rank); a list of
     devices (one rank); a ``jax.sharding.Mesh`` of this process's devices with named axes
     (one rank, the mesh its sub-mesh; with a ``"pipe"`` axis: a ``PipelineMesh`` of that many
-    ranks); or a ``PipelineMesh`` of this process's devices with k ranks."""
+    ranks); a ``PipelineMesh`` of this process's devices with k ranks; or a mesh over every
+    process's devices (``jax.distributed``) whose ranks span processes
+    (:func:`spanning_layout`)."""
     from jax.sharding import Mesh
 
     from .mesh import PipelineMesh
@@ -168,16 +200,55 @@ def local_devices(mesh: Any) -> Any:
     me = jax.process_index()
     foreign = sorted({d.process_index for d in devs if d.process_index != me})
     if foreign:
-        raise ConfigError(
-            f"baton.jit: the mesh holds devices of processes {foreign} besides this process "
-            f"({me}): in multi-process mode each process passes a mesh of its own devices "
-            f"(jax.local_devices()) holding whole pipeline ranks; a rank whose sub-mesh spans "
-            f"processes (one jax.distributed mesh over several hosts) is not supported yet")
+        if isinstance(mesh, Mesh) and "pipe" in mesh.axis_names:
+            mesh = PipelineMesh(mesh)
+        if not isinstance(mesh, PipelineMesh):
+            raise ConfigError(
+                f"baton.jit: the mesh holds devices of processes {foreign} besides this "
+                f"process ({me}) but has no pipeline axis: pass a mesh of this process's own "
+                f"devices, or a mesh over every process's devices with a 'pipe' axis "
+                f"(baton.PipelineMesh(mesh, axis=...)) whose ranks span processes")
+        spanning_layout(mesh, me)
+        return mesh
     if isinstance(mesh, Mesh):
         return PipelineMesh(mesh) if "pipe" in mesh.axis_names else mesh
     if isinstance(mesh, PipelineMesh):
         return mesh
     return devs
+
+
+def spanning_layout(mesh: Any, me: int) -> list[list[int]]:
+    """Per rank of ``mesh`` (a ``PipelineMesh`` over several processes' devices), the
+    processes that hold it, ordered by the first sub-mesh position each holds: process
+    ``procs[r][j]`` is *slot* j of rank r. Raises ``ConfigError`` unless every rank has the
+    same number of processes, no process holds devices of two ranks, process ``me`` holds a
+    rank, and slot j holds the same sub-mesh positions in every rank (then slot j of two
+    ranks holds the same shards of any value laid out by the same spec, and a transfer
+    between the ranks goes from slot j to slot j)."""
+    procs, pos = [], []
+    owner: dict[int, int] = {}
+    for r, sub in enumerate(mesh.meshes):
+        at: dict[int, list[int]] = {}
+        for i, d in enumerate(sub.devices.flat):
+            at.setdefault(d.process_index, []).append(i)
+        for p in at:
+            if owner.setdefault(p, r) != r:
+                raise ConfigError(
+                    f"baton.jit: process {p} holds devices of ranks {owner[p]} and {r}: when "
+                    f"ranks span processes, each process belongs to one rank")
+        order = sorted(at, key=lambda p: at[p][0])
+        procs.append(order)
+        pos.append([at[p] for p in order])
+    if me not in owner:
+        raise ConfigError(f"baton.jit: process {me} holds none of the mesh's ranks")
+    for r in range(1, len(procs)):
+        if pos[r] != pos[0]:
+            raise ConfigError(
+                f"baton.jit: ranks 0 and {r} split their sub-meshes over processes differently "
+                f"(rank 0: processes {procs[0]} hold positions {pos[0]}; rank {r}: processes "
+                f"{procs[r]} hold {pos[r]}): every rank needs the same number of processes, "
+                f"each holding the same positions of its sub-mesh")
+    return procs
 
 
 def ranks_per_process(local: Any) -> int:
@@ -200,11 +271,38 @@ def agree_ranks_per_process(group: ProcessGroup, k: int, timeout: float) -> None
                 f"process {p} has {q}" for p, q in enumerate(ks)))
 
 
+def agree_spanning_mesh(group: ProcessGroup, mesh: Any, timeout: float) -> None:
+    """For a mesh whose ranks span processes: checks that this process's index in the
+    launcher's group is its ``jax.process_index()`` (the mesh names processes by the latter,
+    the transfers by the former) and that every process passed the same mesh (one
+    all-gather); raises ``ConfigError`` in every process otherwise."""
+    router = Router(group, timeout)
+    import json
+
+    key = json.dumps([jax.process_index(), [[d.id for d in g] for g in mesh.rank_devices],
+                      list(mesh.axis_names), list(mesh.batch_axes)])
+    blobs = router.allgather(key)
+    router.finish()
+    got = [json.loads(b) for b in blobs]
+    bad = [p for p, g in enumerate(got) if g[0] != p]
+    if bad:
+        raise ConfigError(
+            "baton.jit: the launcher's process numbers differ from jax.process_index() (" +
+            ", ".join(f"process {p} is JAX process {got[p][0]}" for p in bad) + "): start "
+            "jax.distributed with process_id = the launcher's rank (BATON_RANK)")
+    if any(g[1:] != got[0][1:] for g in got):
+        raise ConfigError(
+            "baton.jit: the processes passed different meshes: " + "; ".join(
+                f"process {p}: ranks {g[1]} axes {g[2]}" for p, g in enumerate(got)))
+
+
 def process_mesh(local: Any, world_size: int):
     """The PipelineMesh of ``world_size`` processes of k ranks each: global rank ``p*k + j``
     is this process's rank j (a process only ever places values for its own ranks).
     ``local``: a list of devices (one rank, one ``"data"`` axis), a ``jax.sharding.Mesh``
-    (one rank, its named axes), or a ``PipelineMesh`` of k ranks."""
+    (one rank, its named axes), or a ``PipelineMesh`` of k ranks. A ``PipelineMesh`` whose
+    ranks span processes is the mesh itself (each process runs the rank it holds a slot
+    of); it must cover every process."""
     import copy
 
     from jax.sharding import Mesh
@@ -214,19 +312,53 @@ def process_mesh(local: Any, world_size: int):
     if isinstance(local, PipelineMesh):
         m = copy.copy(local)
         m.__dict__.pop("_replicated", None)  # (a per-rank cache)
+        procs = {d.process_index for g in m.rank_devices for d in g}
+        if len(procs) > 1 or procs != {jax.process_index()}:
+            m.rank_procs = spanning_layout(m, jax.process_index())
+            missing = sorted(set(range(world_size)) - procs)
+            if missing:
+                raise ConfigError(
+                    f"baton.jit: the mesh's ranks span processes but hold no device of "
+                    f"processes {missing} (of {world_size}): every process must hold a slot "
+                    f"of one rank")
+            m.ranks_per_process = 1
+            return m
     else:
         m = PipelineMesh.__new__(PipelineMesh)
         mesh = local if isinstance(local, Mesh) else Mesh(np.array(list(local)), (DATA_AXIS,))
         m.rank_devices, m.meshes, m.axis = [list(mesh.devices.flat)], [mesh], "pipe"
         m.batch_axes = tuple(n for n in mesh.axis_names if n in BATCH_AXES)
-    m.ranks_per_process = len(m.rank_devices)
+    k = m.ranks_per_process = len(m.rank_devices)
     m.rank_devices = list(m.rank_devices) * world_size
     m.meshes = list(m.meshes) * world_size
+    m.rank_procs = [[r // k] for r in range(len(m.rank_devices))]
     return m
 
 
 def _host(x) -> np.ndarray:
     return np.asarray(x, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
+
+
+def spread(x) -> bool:
+    """``x`` is a ``jax.Array`` over several processes' devices (a rank spanning processes)
+    of which this process holds only some shards."""
+    return (isinstance(x, jax.Array) and not x.is_fully_addressable
+            and not x.is_fully_replicated)
+
+
+def host_value(x) -> np.ndarray:
+    """``x`` in host memory. An array over several processes' devices: its local copy when
+    replicated; else, when :func:`spread`, gathered with a replicating jit over its devices,
+    which every process holding it must call (collective)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if not x.is_fully_replicated:
+            from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+            devs = sorted(x.sharding.device_set, key=lambda d: d.id)
+            rep = NamedSharding(Mesh(np.array(devs), ("all",)), PartitionSpec())
+            x = jax.jit(lambda a: a, out_shardings=rep)(x)
+        x = x.addressable_data(0)
+    return _host(x)
 
 
 class Router:
@@ -279,27 +411,35 @@ class Router:
                 vals[k] = x
         return where
 
-    def need(self, keys: Sequence[Any], process: int, vals: dict, where: dict) -> None:
-        """Makes every value of ``keys`` present on ``process`` (sent by its lowest holder;
-        ``where``: key -> the processes that hold it)."""
+    def need(self, keys: Sequence[Any], process: int | Sequence[int], vals: dict,
+             where: dict) -> None:
+        """Makes every value of ``keys`` present on ``process`` (one process, or every
+        process of a list: a rank spanning processes), sent by its lowest holder (``where``:
+        key -> the processes that hold it). A value spread over the processes of a rank
+        (:func:`spread`) is gathered to host by all of them first."""
         me = self.g.rank
         t = self.g.transport
+        procs = [process] if isinstance(process, (int, np.integer)) else list(process)
         recvs = []
         for k in keys:
             hold = where.get(k)
             if not hold:
                 raise ConfigError(
-                    f"process {process} needs a value (id {k}) that no process holds: pass the "
+                    f"processes {procs} need a value (id {k}) that no process holds: pass the "
                     f"full value (or the Remote placeholder its owner returned) in every process")
-            if process in hold:
+            missing = [q for q in procs if q not in hold]
+            if not missing:
                 continue
             src = min(hold)
-            tag = self._tag()
-            if me == src:
-                self.sends.append(t.isend(process, tag, [_host(vals[k])]))
-            elif me == process:
-                recvs.append((k, t.irecv(src, tag)))
-            hold.add(process)
+            if me in hold and spread(vals[k]):
+                vals[k] = host_value(vals[k])  # (every holder: the gather is collective)
+            for q in missing:
+                tag = self._tag()
+                if me == src:
+                    self.sends.append(t.isend(q, tag, [_host(vals[k])]))
+                elif me == q:
+                    recvs.append((k, t.irecv(src, tag)))
+                hold.add(q)
         t.flush()
         for k, req in recvs:
             vals[k] = req.wait(self.timeout)[0]
@@ -321,4 +461,4 @@ def gather(group: ProcessGroup, tree: Any, timeout: float = 120.0) -> Any:
     for q in range(group.world_size):
         router.need(keys, q, vals, where)
     router.finish()
-    return jax.tree.unflatten(treedef, [np.asarray(vals[k]) for k in keys])
+    return jax.tree.unflatten(treedef, [host_value(vals[k]) for k in keys])

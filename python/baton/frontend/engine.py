@@ -5,7 +5,10 @@
   from its own thread so the ranks overlap, transfers through an in-process ``LocalHub``
   from inside the programs (FFI calls);
 * several processes: the ``RankProgram`` of each of this process's k ranks, one thread per
-  rank, over the process group's transport (k = 1) or the rank's own Gloo context (k > 1).
+  rank, over the process group's transport (k = 1) or the rank's own Gloo context (k > 1);
+  when ranks span processes, every process of a rank runs its program (one multi-controller
+  SPMD program; XLA calls the transfer handlers for the process's own devices) over its
+  slot's Gloo context (``ProcessGroup.loop_transports``).
 
 Programs are compiled before their first run (a rank never waits on another's compile).
 A step the engine cannot run raises ``ConfigError`` saying why (``refusal``); there is no
@@ -223,8 +226,8 @@ class ProgramEngine:
         compiled raises ``ConfigError``; the processes first exchange whether they could, so
         every process raises instead of waiting on the others."""
         step = self.step
-        k = step.mesh.ranks_per_process
-        ts = group.rank_transports(k, timeout)
+        k = len(step.mesh.ranks_of(group.rank))
+        ts = group.loop_transports(step.mesh, timeout)
         progs = self.rank_progs
         if (progs is None or progs[0].transport is not ts[0]
                 or not all(p.comm.attached for p in progs)):  # (a failed NCCL context stays failed)
@@ -240,14 +243,14 @@ class ProgramEngine:
             from .tracing import gather_events
 
             step.last_events, step.last_offsets = gather_events(
-                group, [p.events() for p in progs], timeout)
+                group, [p.events() for p in progs], timeout, step.mesh)
         return final
 
     def _build_rank(self, group, router, vals, timeout, ts):
         from .program import RankProgram
 
         step = self.step
-        ranks = group.ranks(len(ts))
+        ranks = step.mesh.ranks_of(group.rank)
         whys = {r: refusal(step, r) for r in ranks}
         progs = []
         if not any(whys.values()):

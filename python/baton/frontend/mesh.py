@@ -31,8 +31,11 @@ class PipelineMesh:
     devices ``[2r, 2r+1]`` as a one-axis ``"data"`` sub-mesh.
     """
 
-    # multi-process mode (distributed.process_mesh): the ranks each process runs (k)
+    # multi-process mode (distributed.process_mesh): the ranks each process runs (k), and per
+    # rank the processes that hold its devices (one, process r // k; or, when ranks span
+    # processes, every process of the rank's sub-mesh: distributed.spanning_layout)
     ranks_per_process: int | None = None
+    rank_procs: list | None = None
 
     def __init__(self, devices: Any = None, ranks: int | None = None, axis: str = "pipe",
                  batch_axes: Sequence[str] | None = None):
@@ -89,6 +92,19 @@ class PipelineMesh:
     def axis_names(self) -> tuple[str, ...]:
         """The axes of every rank's sub-mesh (the pipe axis removed)."""
         return tuple(self.meshes[0].axis_names)
+
+    def procs(self, rank: int) -> list[int]:
+        """The processes that hold ``rank`` (multi-process mode)."""
+        return self.rank_procs[rank]
+
+    def ranks_of(self, process: int) -> list[int]:
+        """The ranks process ``process`` runs (multi-process mode)."""
+        return [r for r, ps in enumerate(self.rank_procs) if process in ps]
+
+    @property
+    def spans(self) -> bool:
+        """Some rank's sub-mesh spans several processes (multi-process mode)."""
+        return bool(self.rank_procs) and any(len(ps) > 1 for ps in self.rank_procs)
 
     def axis_size(self, name: str) -> int:
         return int(self.meshes[0].shape[name])

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from .. import _core
-from ..errors import ExecutionError
+from ..errors import ConfigError, ExecutionError
 from . import engine as engine_mod
 from .engine import ProgramEngine
 from .interpreter import Interpreter
@@ -42,6 +42,16 @@ def _placed(x, sh) -> bool:
     call's outputs) are committed."""
     return isinstance(x, jax.Array) and getattr(x, "committed", True) and (
         x.sharding is sh or x.sharding.is_equivalent_to(sh, x.ndim))
+
+
+def _movable(x, sh):
+    """``x`` as ``jax.device_put`` can move it to ``sh``: an array held by this process alone
+    goes through host memory to a sharding over several processes' devices (a rank spanning
+    processes: every process of the rank gives the same value, each places its shards)."""
+    if (isinstance(x, jax.Array) and x.is_fully_addressable
+            and not sh.is_fully_addressable):
+        return np.asarray(x)
+    return x
 
 
 class CompiledStep:
@@ -131,7 +141,7 @@ class CompiledStep:
             sh = self.mesh.batch_sharded(rank, np.shape(x))
         else:
             sh = self.mesh.replicated(rank)
-        return x if _placed(x, sh) else jax.device_put(x, sh)
+        return x if _placed(x, sh) else jax.device_put(_movable(x, sh), sh)
 
     def sharding(self, v, rank):
         """Where value ``v`` lives on ``rank`` when it has to be moved there: its user spec
@@ -166,7 +176,8 @@ class CompiledStep:
             move.append(i)
             to.append(sh)
         if move:
-            for i, y in zip(move, jax.device_put([out[i] for i in move], to)):
+            for i, y in zip(move, jax.device_put([_movable(out[i], sh) for i, sh in
+                                                  zip(move, to)], to)):
                 out[i] = y
         return out
 
@@ -260,24 +271,28 @@ class CompiledStep:
 
     # -- several processes ------------------------------------------------------------
     def _run_group(self, flat_args, group, timeout):
-        k = self.mesh.ranks_per_process
         try:
-            return self._run_group_body(flat_args, group, timeout, k)
+            return self._run_group_body(flat_args, group, timeout)
         except ExecutionError:
             raise
         except BaseException as e:
             # e.g. code outside the loop raised: tell the other processes' ranks instead of
             # letting them wait out the timeout.
-            group.abort_all(f"rank {group.rank * k}: {type(e).__name__}: {e}")
+            group.abort_all(f"rank {self.mesh.ranks_of(group.rank)[0]}: "
+                            f"{type(e).__name__}: {e}")
             raise
 
-    def _run_group_body(self, flat_args, group, timeout, k):
-        """This process (``group.rank``) runs ranks ``p*k .. p*k+k-1``: the code outside the
+    def _run_group_body(self, flat_args, group, timeout):
+        """This process (``group.rank``) runs ranks ``mesh.ranks_of(p)`` (``p*k .. p*k+k-1``,
+        or the one rank it holds a slot of when ranks span processes): the code outside the
         loop of their stages, their loops (``engine.run_rank``), and the transfers of values
         that cross processes outside the loop (inputs another process holds, partial sums of
         a value shared by stages on several processes, per-microbatch outputs sent to every
         process). ``where`` says which processes hold a value; every process walks the same
-        sequence of transfers, so they pair up."""
+        sequence of transfers, so they pair up. When ranks span processes, the code outside the
+        loop of a rank runs as multi-controller jits in every process of the rank, its values
+        ``jax.Array``s over the rank's sub-mesh, and a value needed on a rank goes to each of
+        its processes."""
         from .distributed import Remote, Router
 
         tr = self.traced
@@ -287,25 +302,31 @@ class CompiledStep:
         vals: dict[Any, Any] = {}
         where = router.holders(tr.step_inputs, flat_args, vals)
         made: dict[Any, int] = {}  # value -> the rank that made it (named by Remote)
-        self._group_segments(self.pre_segments, vals, where, router, me, k, made)
+        procs = self.mesh.procs
+        self._group_segments(self.pre_segments, vals, where, router, me, made)
         for r in range(self.num_ranks):
-            router.need([o for o in self.loop_needs[r] if o not in lits], r // k, vals, where)
+            router.need([o for o in self.loop_needs[r] if o not in lits], procs(r), vals, where)
         if self.single_program and self.capture is None:
             final = self.engine.run_rank(group, router, vals, timeout)
+        elif self.mesh.spans:
+            raise ConfigError(
+                "baton.jit: the interpreter (single_program=False, or baton.profile's cost "
+                "capture) runs ranks held by one process each; ranks that span processes run "
+                "on the compiled engine only (measure them with baton.trace)")
         else:
             final = self.interpreter.run_rank(group, router, vals, timeout)
         for i, p in enumerate(self.parts):
-            where[("part", i)] = {self.stage_rank[p.stage] // k}
+            where[("part", i)] = set(procs(self.stage_rank[p.stage]))
             if i in final:
                 vals[("part", i)] = final[i]
         for outer, idx in self.by_outer.items():
             home = self.home(idx)
             if len(idx) > 1:
-                router.need([("part", i) for i in idx], home // k, vals, where)
-            if me == home // k:
+                router.need([("part", i) for i in idx], procs(home), vals, where)
+            if me in procs(home):
                 vals[outer] = self.combine(idx, {i: vals[("part", i)] for i in idx})
-            where[outer], made[outer] = {home // k}, home
-        self._group_segments(self.post_segments, vals, where, router, me, k, made)
+            where[outer], made[outer] = set(procs(home)), home
+        self._group_segments(self.post_segments, vals, where, router, me, made)
         seen = set()
         for v in tr.step_outputs:
             if v in self._broadcast and v not in seen:
@@ -321,19 +342,20 @@ class CompiledStep:
             else:
                 aval = tr.avals[v]
                 outs.append(Remote(tuple(aval.shape), np.dtype(aval.dtype),
-                                   made.get(v, min(where[v]) * k)))
+                                   made.get(v, self.mesh.ranks_of(min(where[v]))[0])))
         router.finish()
         return outs
 
-    def _group_segments(self, segs, vals, where, router, me, k, made):
+    def _group_segments(self, segs, vals, where, router, me, made):
         lits = self.traced.literals
         for seg in segs:
             r = self.stage_rank[seg.stage]
-            router.need([v for v in seg.inputs if v not in lits], r // k, vals, where)
-            if r // k == me:
+            procs = self.mesh.procs(r)
+            router.need([v for v in seg.inputs if v not in lits], procs, vals, where)
+            if me in procs:
                 self._run_segments([seg], vals)
             for v in seg.outputs:  # a value copied on several stages is held by each
-                where.setdefault(v, set()).add(r // k)
+                where.setdefault(v, set()).update(procs)
                 made.setdefault(v, r)
 
     # -- planning data -----------------------------------------------------------

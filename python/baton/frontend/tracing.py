@@ -327,15 +327,22 @@ def clock_offsets(transport: Any, rank: int, world: int, timeout: float,
     return None
 
 
-def gather_events(group: Any, events: list[list], timeout: float) -> tuple[list, list[int]]:
+def gather_events(group: Any, events: list[list], timeout: float,
+                  mesh: Any = None) -> tuple[list, list[int]]:
     """Every rank's events and clock offsets to process 0, in every process (collective).
-    ``events``: one list per rank this process runs (process p of k ranks runs ranks
-    ``p*k .. p*k+k-1``, all on this process's clock)."""
+    ``events``: one list per rank this process runs (``mesh.ranks_of(p)``: process p of k
+    ranks runs ranks ``p*k .. p*k+k-1``, all on this process's clock). When ranks span
+    processes, a rank's events are those of its slot 0 (the process holding shard 0, whose
+    handlers keep the task marks)."""
     t = group.transport
     offsets = clock_offsets(t, group.rank, group.world_size, timeout)
     blobs = t.exchange(json.dumps({"events": [[list(e) for e in ev] for ev in events],
                                    "offsets": offsets}), timeout)
     parsed = [json.loads(b) for b in blobs]
+    if mesh is not None and mesh.spans:
+        first = [mesh.procs(r)[0] for r in range(mesh.num_ranks)]
+        return ([[tuple(e) for e in parsed[p]["events"][0]] for p in first],
+                [parsed[0]["offsets"][p] for p in first])
     all_events = [[tuple(e) for e in ev] for p in parsed for ev in p["events"]]
     k = len(events)
     return all_events, [o for o in parsed[0]["offsets"] for _ in range(k)]
