@@ -8,6 +8,8 @@ import sys
 import textwrap
 import time
 
+import baton
+import numpy as np
 import pytest
 from scalar_pipeline import worker_prelude
 
@@ -209,3 +211,33 @@ def test_process_holding_two_ranks_is_refused(tmp_path):
         assert (f"process {me} refused: baton.jit: process 0 holds devices of ranks 0 and 1: "
                 f"when ranks span processes, each process belongs to one rank") in p.stdout, \
             p.stdout + p.stderr
+
+
+def _fake_mesh(procs_per_rank):
+    """A stand-in for a PipelineMesh whose rank r's sub-mesh positions live on the processes
+    ``procs_per_rank[r]`` (one entry per position)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(meshes=[SimpleNamespace(devices=np.array(
+        [SimpleNamespace(process_index=p) for p in ps])) for ps in procs_per_rank])
+
+
+@pytest.mark.parametrize("layout,me,error", [
+    ([[0, 0, 1, 1], [2, 2, 3, 3]], 0, None),
+    ([[0, 1, 0, 1], [3, 2, 3, 2]], 2, None),  # slots ordered by their first position
+    ([[0, 0, 1, 1], [1, 1, 2, 2]], 0, "process 1 holds devices of ranks 0 and 1"),
+    ([[0, 0, 1, 1], [2, 3, 3, 3]], 0, "ranks 0 and 1 split their sub-meshes over processes"),
+    ([[0, 0, 1, 1], [2, 2, 2, 2]], 0, "ranks 0 and 1 split their sub-meshes over processes"),
+    ([[0, 0, 1, 1], [2, 2, 3, 3]], 4, "process 4 holds none of the mesh's ranks"),
+])
+def test_spanning_layout(layout, me, error):
+    """Slots of ranks that span processes, and the layouts refused by name."""
+    from baton.frontend.distributed import spanning_layout
+
+    mesh = _fake_mesh(layout)
+    if error is None:
+        procs = spanning_layout(mesh, me)
+        assert procs == [sorted(set(ps), key=ps.index) for ps in layout]
+    else:
+        with pytest.raises(baton.ConfigError, match=error):
+            spanning_layout(mesh, me)

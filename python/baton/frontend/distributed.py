@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import json
 from typing import Any, Sequence
 
 import jax
@@ -277,8 +278,6 @@ def agree_spanning_mesh(group: ProcessGroup, mesh: Any, timeout: float) -> None:
     the transfers by the former) and that every process passed the same mesh (one
     all-gather); raises ``ConfigError`` in every process otherwise."""
     router = Router(group, timeout)
-    import json
-
     key = json.dumps([jax.process_index(), [[d.id for d in g] for g in mesh.rank_devices],
                       list(mesh.axis_names), list(mesh.batch_axes)])
     blobs = router.allgather(key)
