@@ -228,12 +228,16 @@ def gpt_span_main(rank, world, outdir, schedule="1f1b"):
     jax.distributed.initialize(os.environ["BATON_TEST_COORD"], num_processes=world,
                                process_id=rank)
     params, st, step, _, batch = gpt_config(2, tp=True)
-    mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("pipe", "data", "tensor"))
+    # "fsdp": the parameters and optimizer state also split over the axis that spans the
+    # processes, so no process holds a whole parameter of its rank
+    fsdp = "fsdp" if schedule == "fsdp" else None
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("pipe", fsdp or "data", "tensor"))
     sched = baton.DualPipeV() if schedule == "dualpipev" else baton.OneFOneB()
     if schedule == "dualpipev":  # 4 stages on 2 ranks
         params, st, step, _, batch = gpt_config(4, tp=True)
     ps = baton.jit(step, mesh=baton.PipelineMesh(mesh, axis="pipe"), schedule=sched,
-                   microbatches=4, param_shardings=gpt.param_specs(params, tensor="tensor"))
+                   microbatches=4,
+                   param_shardings=gpt.param_specs(params, tensor="tensor", fsdp=fsdp))
     assert ps.ranks == [rank // 2], ps.ranks
     if schedule == "die":  # process 3 (slot 1 of rank 1) dies during the second step
         params, st, _ = ps(params, st, batch)
@@ -250,6 +254,12 @@ def gpt_span_main(rank, world, outdir, schedule="1f1b"):
     ranks = sorted({r["rank"] for r in tr.runs})
     (pathlib.Path(outdir) / f"gpt-span-{schedule}-trace{rank}.txt").write_text(
         f"{ranks} {len(tr.runs)} {len(tr.transfers)} {tr.step_time > 0}")
+    # the bytes of its rank's parameters this process holds, over their total
+    mine = [x for x in jax.tree.leaves(tr.outputs[0]) if isinstance(x, jax.Array)]
+    held = sum(sum({str(sh.index): sh.data.nbytes for sh in x.addressable_shards}.values())
+               for x in mine)
+    (pathlib.Path(outdir) / f"gpt-span-{schedule}-held{rank}.txt").write_text(
+        f"{held / sum(x.nbytes for x in mine)}")
     jax.distributed.shutdown()
 
 
@@ -448,12 +458,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("dualpipev", marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("dualpipev", marks=pytest.mark.heavy),
+                                      pytest.param("fsdp", marks=pytest.mark.heavy)])
 def test_ranks_spanning_processes(tmp_path, schedule):
     """pipe 2 x data 2 x tensor 2 on 4 processes of 2 devices joined by jax.distributed:
     each rank's sub-mesh spans two processes (its data axis), its program is one
     multi-controller SPMD program, and slot j of rank 0 exchanges shards with slot j of
-    rank 1. Matches plain JAX over 3 AdamW steps."""
+    rank 1. Matches plain JAX over 3 AdamW steps. "fsdp": pipe 2 x fsdp 2 x tensor 2, the
+    parameters and optimizer state split over the processes of each rank too (1F1B)."""
     name = f"gpt-span-{schedule}"
     p, _ = launch(tmp_path, 4, name, devices=2, timeout=300,
                   env={"BATON_TEST_COORD": f"127.0.0.1:{free_port()}"})
@@ -468,7 +480,7 @@ def test_ranks_spanning_processes(tmp_path, schedule):
     for j, w in enumerate(want):
         np.testing.assert_allclose(got[f"x{j}"], np.asarray(w), rtol=1e-5, atol=1e-5)
     # 1F1B: stage 0's F and B, stage 1's fused FB, per microbatch
-    runs = {"1f1b": 3 * 4, "dualpipev": None}[schedule]
+    runs = {"1f1b": 3 * 4, "fsdp": 3 * 4, "dualpipev": None}[schedule]
     traces = {(tmp_path / f"{name}-trace{r}.txt").read_text() for r in range(4)}
     assert len(traces) == 1, traces  # every process has the same merged trace
     got = traces.pop().split()
@@ -478,6 +490,9 @@ def test_ranks_spanning_processes(tmp_path, schedule):
     for r in range(4):
         how = (tmp_path / f"{name}-mode-rank{r}.txt").read_text()
         assert how.startswith("program"), how
+        # each process holds all of its rank's parameters (split over data) or half (fsdp)
+        held = float((tmp_path / f"{name}-held{r}.txt").read_text())
+        assert (0.45 < held < 0.55) if schedule == "fsdp" else held == 1.0, (r, held)
 
 
 def test_dead_process_stops_spanning_ranks(tmp_path):
