@@ -6,8 +6,9 @@ between ranks of several devices. Every run is checked against plain JAX
 In one process XLA:CPU runs one multi-device program at a time, so ranks of several devices
 run here on the interpreter (chosen: ``single_program=False``; the compiled engine refuses
 them by name); the compiled engine runs them one process per rank
-(``test_mp_e2e.py::test_tensor_parallel_stages_across_processes``), and its lowered program
-is inspected here."""
+(``test_mp_e2e.py::test_moe_experts_across_processes``) or several processes per rank
+(``test_mp_e2e.py::test_ranks_spanning_processes``), and its lowered program is inspected
+here."""
 
 from __future__ import annotations
 
