@@ -390,6 +390,20 @@ def main() -> int:
             f"- uniform plan: predicted {predicted(uniform)[0] * 1e3:.1f} ms, measured "
             f"{uni['step'] * 1e3:.1f} ms; traced loop span {uni['loop_measured'] * 1e3:.1f} ms.",
         ]
+    # baton.autoplan(measure_top=k)'s rule: the search's top k, run on the devices, the
+    # fastest measured kept (here k = every top candidate, measured as 2 pinned processes)
+    fin = [r for r in results[:len(first)] if "step" in r]
+    if fin:
+        pick = min(fin, key=lambda r: r["step"])
+        p_pick = predicted(pick["config"])[0]
+        lines += [
+            f"- **automatic with the finalists measured** (`autoplan(measure_top={len(first)})`: "
+            f"the fastest of the {len(fin)} top candidates run): {_name(pick['config'])}, "
+            f"measured {pick['step'] * 1e3:.1f} ms, predicted {p_pick * 1e3:.1f} ms "
+            f"(pred/meas {p_pick / pick['step']:.3f}); vs fastest measured "
+            f"{pick['step'] / fastest['step']:.3f}x; vs the uniform 1F1B plan "
+            f"{pick['step'] / uni['step']:.3f}x.",
+        ]
     errs = [r["step"] / predicted(r["config"])[0] for r in ok]
     if errs:
         errs.sort()

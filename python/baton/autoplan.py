@@ -299,6 +299,8 @@ class Candidate:
     bubble: float
     peak_memory: list
     fits: bool
+    # seconds per step measured on the mesh (``autoplan(measure_top=k)``), else None
+    measured_step: float | None = None
 
     @property
     def boundaries(self) -> list[int]:
@@ -334,14 +336,16 @@ class Candidates(list):
         return self[0]
 
     def __str__(self) -> str:
-        head = ("| # | schedule | M | stage cuts (first segment) | remat | step (ms) | bubble | "
-                "peak per rank (MiB) | fits |\n|---|---|---|---|---|---|---|---|---|")
+        head = ("| # | schedule | M | stage cuts (first segment) | remat | step (ms) | measured "
+                "(ms) | bubble | peak per rank (MiB) | fits |\n"
+                "|---|---|---|---|---|---|---|---|---|---|")
         rows = []
         for k, c in enumerate(self):
             name = c.schedule + (f" v{c.virtual_stages}" if c.schedule == "interleaved" else "")
+            meas = "" if c.measured_step is None else f"{c.measured_step * 1e3:.2f}"
             rows.append(
                 f"| {k} | {name} | {c.microbatches} | {c.cuts} | {c.remat[0]} | "
-                f"{c.step_time * 1e3:.2f} | {c.bubble:.1%} | "
+                f"{c.step_time * 1e3:.2f} | {meas} | {c.bubble:.1%} | "
                 f"{', '.join(f'{b / 2**20:.1f}' for b in c.peak_memory)} | "
                 f"{'yes' if c.fits else 'no'} |")
         return "\n".join([head, *rows])
@@ -376,7 +380,8 @@ def costs_at(costs: dict, microbatches: int) -> dict:
 def autoplan(fn, *args, ranks: int, memory_per_device=None, microbatches=None,
              families=None, remat=("keep", "min"), top: int = 10, runs: int = 3,
              measure_at=None, device=None, cache_dir=None, use_cache: bool = True,
-             gap: float = 0.0, update_in_place: bool = False) -> Candidates:
+             gap: float = 0.0, update_in_place: bool = False, measure_top: int = 0,
+             mesh=None, steps: int = 5) -> Candidates:
     """Ranked plans for ``fn`` (a training step whose model marks candidate cut points with
     ``stage_boundary``, or uses ``baton.auto_stage``) on ``ranks`` pipeline ranks under
     ``memory_per_device`` (bytes or e.g. ``"20GiB"``; None: unlimited). Searches every
@@ -388,8 +393,13 @@ def autoplan(fn, *args, ranks: int, memory_per_device=None, microbatches=None,
     at ``measure_at``: the counts to measure, default every candidate count) and
     cached. ``update_in_place``: the step donates its parameters and optimizer state
     (``baton.jit(donate_argnums=...)``); otherwise the update after the loop holds the new
-    ones beside the old, which a rank's peak counts. Raises ``ConfigError`` naming the
-    smallest peak and its rank when nothing fits."""
+    ones beside the old, which a rank's peak counts. ``measure_top`` = k > 0 (with ``mesh``,
+    the ``PipelineMesh`` the plan will run on): the k best fitting candidates are then run on
+    ``mesh`` (``steps`` timed calls after two warm-ups each, median, on the caller's
+    arguments, which stay valid) and ranked first by measured step time
+    (``Candidate.measured_step``): the prediction prunes the search, the devices pick among
+    the finalists. Raises ``ConfigError`` naming the smallest peak and its rank when nothing
+    fits."""
     t0 = time.perf_counter()
     traced = trace_step(fn, args, 1)
     batch = _batch_size(traced)
@@ -404,7 +414,33 @@ def autoplan(fn, *args, ranks: int, memory_per_device=None, microbatches=None,
                           microbatches=microbatches, families=families, remat=remat, top=top,
                           gap=gap, update_in_place=update_in_place)
     out.stats["measure_seconds"] = time.perf_counter() - t0 - out.stats["search_seconds"]
+    if measure_top:
+        if mesh is None:
+            raise ConfigError("autoplan: measure_top needs the mesh the plan will run on "
+                              "(mesh=baton.PipelineMesh(...))")
+        t1 = time.perf_counter()
+        measure_finalists(out, fn, args, mesh, int(measure_top), steps)
+        out.stats["finalists_seconds"] = time.perf_counter() - t1
     return out
+
+
+def measure_finalists(rows: Candidates, fn, args, mesh, k: int, steps: int = 5) -> None:
+    """Runs the first ``k`` fitting candidates of ``rows`` on ``mesh`` (each as its own
+    ``baton.jit``, without donation, so the caller's arguments stay valid; two warm-up calls,
+    then the median of ``steps`` timed calls), sets their ``measured_step``, and reorders
+    ``rows`` in place: the measured ones first, fastest first, then the rest as ranked."""
+    fits = [c for c in rows if c.fits][:max(k, 0)]
+    for c in fits:
+        step = c.jit(fn, mesh)
+        times = []
+        for i in range(2 + max(steps, 1)):
+            t = time.perf_counter()
+            jax.block_until_ready(step(*args))
+            if i >= 2:
+                times.append(time.perf_counter() - t)
+        c.measured_step = float(np.median(times))
+    rest = [c for c in rows if c not in fits]
+    rows[:] = sorted(fits, key=lambda c: c.measured_step) + rest
 
 
 def search_segments(costs: dict, ranks: int, memory_per_device=None, microbatches=None,
@@ -448,13 +484,30 @@ def search_segments(costs: dict, ranks: int, memory_per_device=None, microbatche
                                   float(r["step_time"]), float(r["bubble_fraction"]),
                                   [int(b) for b in r["peak_memory"]], bool(r["fits"])))
     if not rows:
-        raise ConfigError("autoplan: no plan fits: " + "; ".join(errors))
+        raise ConfigError(_smallest_peak_error(errors))
     rows.sort(key=lambda c: (not c.fits, c.step_time))
     out = Candidates(rows[:top])
     out.segments = costs
     stats["search_seconds"] = time.perf_counter() - t1
     out.stats = stats
     return out
+
+
+def _smallest_peak_error(errors: list[str]) -> str:
+    """One message for a search where nothing fits: of the searches' errors (one per remat
+    mode and microbatch group, each naming its smallest peak and rank), the one whose peak
+    is smallest; every error when none names a peak."""
+    import re
+
+    peaks = []
+    for e in errors:
+        m = re.search(r"smallest peak found is .*?\((\d+) bytes\)", e)
+        if m:
+            peaks.append((int(m.group(1)), e))
+    if not peaks:
+        return "autoplan: no plan fits: " + "; ".join(errors)
+    return (min(peaks)[1].rstrip(".") + f" (the smallest over the {len(errors)} searches: "
+            f"every remat mode and microbatch count)")
 
 
 @dataclasses.dataclass
@@ -468,14 +521,19 @@ class Auto:
     remat: tuple = ("keep", "min")
     runs: int = 3
     cache_dir: Any = None
+    # run the k best predicted plans on the mesh and keep the fastest measured (0: the best
+    # predicted)
+    measure_top: int = 0
     chosen: Any = None
     candidates: Any = None
 
-    def plan(self, fn, args, ranks: int, update_in_place: bool = False) -> Candidate:
+    def plan(self, fn, args, ranks: int, update_in_place: bool = False,
+             mesh: Any = None) -> Candidate:
         self.candidates = autoplan(fn, *args, ranks=ranks,
                                    memory_per_device=self.memory_per_device,
                                    microbatches=self.microbatches, families=self.families,
                                    remat=self.remat, runs=self.runs, cache_dir=self.cache_dir,
-                                   update_in_place=update_in_place)
+                                   update_in_place=update_in_place,
+                                   measure_top=self.measure_top, mesh=mesh)
         self.chosen = self.candidates.best
         return self.chosen

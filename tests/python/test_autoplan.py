@@ -6,6 +6,7 @@ microbatches x remat on 2 ranks, and the chosen plan trains like plain JAX.
 """
 
 import os
+import re
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
@@ -98,6 +99,21 @@ def test_autoplan_ranks_plans_and_the_best_one_trains(tmp_path):
                            measure_at=(4,), runs=2, cache_dir=tmp_path)
     assert again.segments.get("cached")
     assert [r.cuts for r in again] == [r.cuts for r in rows]
+    # finalists measured on the mesh: the two best predicted, ranked first by measured time
+    mesh = baton.PipelineMesh(jax.devices()[:2], ranks=2)
+    timed = baton.autoplan(train_step, *args, ranks=2, microbatches=[2, 4, 8],
+                           measure_at=(4,), runs=2, cache_dir=tmp_path, measure_top=2,
+                           mesh=mesh, steps=2)
+    key = lambda c: (c.schedule, c.microbatches, tuple(c.cuts), tuple(c.remat))  # noqa: E731
+    assert {key(c) for c in timed[:2]} == {key(c) for c in rows[:2]}
+    assert all(c.measured_step > 0 for c in timed[:2])
+    assert timed[0].measured_step <= timed[1].measured_step
+    assert all(c.measured_step is None for c in timed[2:])
+    assert [key(c) for c in timed[2:]] == [key(c) for c in rows[2:]]
+    assert "| measured (ms) |" in str(timed) and timed.stats["finalists_seconds"] > 0
+    with pytest.raises(baton.ConfigError, match="measure_top needs the mesh"):
+        baton.autoplan(train_step, *args, ranks=2, microbatches=[2, 4, 8], measure_at=(4,),
+                       runs=2, cache_dir=tmp_path, measure_top=2)
     # a budget nothing meets names the smallest peak and its rank
     with pytest.raises(baton.ConfigError, match="rank"):
         baton.autoplan(train_step, *args, ranks=2, memory_per_device=1000,
@@ -173,8 +189,25 @@ def test_update_copies_count_unless_the_step_donates():
     budget = max(donated.peak_memory)
     assert baton.search_segments(costs, 2, memory_per_device=budget,
                                  update_in_place=True, **kw).best.fits
-    with pytest.raises(baton.ConfigError, match="no plan fits"):
+    with pytest.raises(baton.ConfigError, match="no candidate fits") as e:
         baton.search_segments(costs, 2, memory_per_device=budget, **kw)
+    # one message: the smallest peak over every search (remat mode, microbatch count), its rank
+    msg = str(e.value)
+    assert msg.count("no candidate fits") == 1 and re.search(r"smallest peak found is .* on "
+                                                             r"rank \d", msg), msg
+    assert "searches" in msg, msg
+
+
+def test_nothing_fits_names_the_smallest_peak_of_all_searches():
+    from baton.autoplan import _smallest_peak_error
+
+    def err(peak, rank):
+        return (f"autoplan: no candidate fits the memory budget of 1.00KiB (1024 bytes) per "
+                f"rank; the smallest peak found is x ({peak} bytes) on rank {rank} (1f1b)")
+
+    msg = _smallest_peak_error([err(9000, 0), err(2000, 1), err(5000, 0)])
+    assert "(2000 bytes) on rank 1" in msg and "9000" not in msg and "3 searches" in msg
+    assert _smallest_peak_error(["a", "b"]) == "autoplan: no plan fits: a; b"
 
 
 def test_outside_times_time_each_segment_on_zeros_of_its_inputs():

@@ -152,7 +152,7 @@ class PipelinedFunction:
         if self.auto is not None and self.spec is None:  # plan once, at the first call
             # a donating step's update writes in place (the planner's update term)
             best = self.auto.plan(self.fn, args, self.mesh.num_ranks,
-                                  update_in_place=bool(self.donate_argnums))
+                                  update_in_place=bool(self.donate_argnums), mesh=self.mesh)
             kw = best.jit_kwargs()
             self.spec, self.microbatches = kw["schedule"], kw["microbatches"]
             self.remat, self.boundaries = kw["remat"], kw["boundaries"]
