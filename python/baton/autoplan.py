@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import time
 from typing import Any
 
@@ -497,8 +498,6 @@ def _smallest_peak_error(errors: list[str]) -> str:
     """One message for a search where nothing fits: of the searches' errors (one per remat
     mode and microbatch group, each naming its smallest peak and rank), the one whose peak
     is smallest; every error when none names a peak."""
-    import re
-
     peaks = []
     for e in errors:
         m = re.search(r"smallest peak found is .*?\((\d+) bytes\)", e)
@@ -521,8 +520,8 @@ class Auto:
     remat: tuple = ("keep", "min")
     runs: int = 3
     cache_dir: Any = None
-    # run the k best predicted plans on the mesh and keep the fastest measured (0: the best
-    # predicted)
+    # run the k best predicted plans on the mesh (``runs`` timed steps each) and keep the
+    # fastest measured (0: the best predicted)
     measure_top: int = 0
     chosen: Any = None
     candidates: Any = None
@@ -534,6 +533,7 @@ class Auto:
                                    microbatches=self.microbatches, families=self.families,
                                    remat=self.remat, runs=self.runs, cache_dir=self.cache_dir,
                                    update_in_place=update_in_place,
-                                   measure_top=self.measure_top, mesh=mesh)
+                                   measure_top=self.measure_top, mesh=mesh,
+                                   steps=max(self.runs, 1))
         self.chosen = self.candidates.best
         return self.chosen

@@ -120,13 +120,31 @@ def test_autoplan_ranks_plans_and_the_best_one_trains(tmp_path):
                        microbatches=[2, 4, 8], measure_at=(4,), runs=2, cache_dir=tmp_path)
 
 
-def test_jit_with_auto_schedule(tmp_path):
+def test_jit_with_auto_schedule(tmp_path, monkeypatch):
+    import importlib
+
+    ap = importlib.import_module("baton.autoplan")  # (baton.autoplan is the function)
+
+    # measure_top reaches the finalists' measurement with the step's mesh (measured for real
+    # in test_autoplan_ranks_plans_and_the_best_one_trains; here the second of the two is
+    # made the faster, so the chosen plan is the measured best, not the predicted best)
+    seen = []
+
+    def fake(rows, fn, args, mesh, k, steps=5):
+        seen.append((mesh, k, steps))
+        for j, c in enumerate(rows[:k]):
+            c.measured_step = 2.0 - j
+        rows[:k] = rows[:k][::-1]
+
+    monkeypatch.setattr(ap, "measure_finalists", fake)
     auto = baton.Auto(microbatches=[4, 8], runs=2, cache_dir=tmp_path,
-                      families=["1f1b", "zbh1", "gpipe"])
-    ps = baton.jit(train_step, mesh=baton.PipelineMesh(jax.devices()[:2], ranks=2),
-                   schedule=auto)
+                      families=["1f1b", "zbh1", "gpipe"], measure_top=2)
+    mesh = baton.PipelineMesh(jax.devices()[:2], ranks=2)
+    ps = baton.jit(train_step, mesh=mesh, schedule=auto)
     _check_trains_like_jax(ps)
+    assert seen == [(ps.mesh, 2, 2)]
     assert auto.chosen is not None and auto.chosen.schedule in ("1f1b", "zbh1", "gpipe")
+    assert auto.chosen is auto.candidates[0] and auto.chosen.measured_step == 1.0
     assert ps.last.num_stages == 2 and ps.last.M == auto.chosen.microbatches
 
 
