@@ -187,6 +187,25 @@ def test_pipe4_data2_matches_plain_jax(schedule):
     run_gpt(named_mesh(4, data=2), schedule, microbatches=m, mb=2)
 
 
+def test_an_expert_count_the_expert_axis_does_not_divide_names_the_parameter():
+    """3 experts over expert=2: a ConfigError naming an expert weight's path and the axis,
+    before tracing."""
+    import moe_gpt
+
+    mesh = named_mesh(2, expert=2, data=2)
+    cfg = moe_gpt.MoEConfig(expert_axis="expert", experts=3)
+    model, params, opt, st, train_step, _ = moe_gpt.make(cfg)  # (initialized unsharded)
+    moe_gpt.use_mesh(mesh)
+    try:
+        ps = baton.jit(train_step, mesh=baton.PipelineMesh(mesh), schedule=baton.OneFOneB(),
+                       microbatches=4, param_shardings=moe_gpt.param_specs(params))
+        with pytest.raises(baton.ConfigError,
+                           match=r"\['w[12]'\].*dimension 0 of shape \(3, .*axis expert"):
+            ps.compile(params, st, moe_gpt.synthetic_batch(cfg, 16))
+    finally:
+        moe_gpt.use_mesh(None)
+
+
 @pytest.mark.parametrize("schedule", four("zbh1"))
 def test_moe_gpt_pipe2_expert2_data2_matches_plain_jax(schedule):
     """The MoE GPT (examples/moe_gpt.py): top-2 routing over 4 experts split over the expert
