@@ -3,13 +3,17 @@
 # (ctest, build/cpp, -Werror), then the Python tests (pytest). Exits non-zero if
 # anything fails.
 #
-#   bash scripts/test.sh                 # everything
+#   bash scripts/test.sh                 # the C++ tests, then every Python test but the
+#                                        # ones marked `heavy` (pyproject.toml's markers)
+#   bash scripts/test.sh --all           # the same, and the `heavy` cases too (.ci/run
+#                                        # runs them as its own pass)
 #   bash scripts/test.sh --cpp-only      # C++ tests only
 #   bash scripts/test.sh --py-only       # Python tests only
 #   bash scripts/test.sh --py-only --jax-oldest      # Python tests against the oldest JAX
 #                                        # Baton supports (its own venv, .venv-jax-oldest)
 #   bash scripts/test.sh --py-only -- -k planner   # arguments after -- go to pytest
-#                                        # (default: the testpaths of pyproject.toml)
+#                                        # (default: the testpaths of pyproject.toml, less
+#                                        # `heavy` unless --all; given arguments replace it)
 #   bash scripts/test.sh --maxtext       # MaxText as a Baton client: sets up .venv-maxtext
 #                                        # (scripts/setup_maxtext.sh), runs tests/python/test_maxtext.py
 #   BATON_SANITIZE=1 bash scripts/test.sh --cpp-only   # ASan+UBSan build in build/asan
@@ -28,17 +32,19 @@ cd "$ROOT"
 run_cpp=1
 run_py=1
 run_maxtext=0
+run_heavy=0
 pytest_args=()
 while (($#)); do
   case "$1" in
     --cpp-only) run_py=0 ;;
     --py-only) run_cpp=0 ;;
     --maxtext) run_cpp=0; run_maxtext=1 ;;
+    --all) run_heavy=1 ;;
     --jax-oldest)
       # The oldest JAX Baton supports (README "Requirements"); the newest is what pip picks.
       export BATON_VENV=.venv-jax-oldest BATON_JAX="jax==0.11.0 jaxlib==0.11.0" ;;
     --) shift; pytest_args=("$@"); break ;;
-    *) echo "usage: $0 [--cpp-only | --py-only | --maxtext] [--jax-oldest] [-- pytest args]" >&2
+    *) echo "usage: $0 [--cpp-only | --py-only | --maxtext] [--all] [--jax-oldest] [-- pytest args]" >&2
        exit 64 ;;
   esac
   shift
@@ -89,6 +95,13 @@ if ((run_py)); then
   export PATH="$VENV/bin:$PATH"
   workers=()
   ((${BATON_PYTEST_WORKERS:-2} > 0)) && workers=(-n "${BATON_PYTEST_WORKERS:-2}")
+  # Without arguments: every test but the `heavy` cases (each repeats the code path of a
+  # lighter case at a larger size: more processes, more devices, more schedules), which keeps
+  # the command under 10 minutes on a 2-core machine; --all runs them too (.ci/run does).
+  if ((${#pytest_args[@]} == 0 && ! run_heavy)); then
+    pytest_args=(-m "not heavy")
+    log "leaving out the cases marked heavy (--all runs them)"
+  fi
   # JAX's persistent compilation cache, shared by the pytest workers and the processes the
   # tests launch (compiling is most of the tests' time; a second run reuses it; its keys
   # hold the JAX version and the program). BATON_JAX_CACHE=0 turns it off.

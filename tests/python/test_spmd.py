@@ -35,9 +35,10 @@ FOUR_IDS = ["1f1b", "interleaved", "zbh1", "dualpipev"]
 
 
 def four(*light):
-    """FOUR as pytest parameters; all but the ``light`` ones are marked ``heavy`` (the
-    oldest-JAX pass of ``.ci/run`` runs ``-m "not heavy"``: every configuration, fewer
-    schedules)."""
+    """FOUR as pytest parameters; all but the ``light`` ones are marked ``heavy``
+    (``scripts/test.sh`` and the oldest-JAX pass of ``.ci/run`` run ``-m "not heavy"``:
+    every configuration, fewer schedules; ``.ci/run`` runs the heavy ones in a pass of their
+    own)."""
     return [pytest.param(s, id=i, marks=() if i in light else pytest.mark.heavy)
             for s, i in zip(FOUR, FOUR_IDS)]
 
