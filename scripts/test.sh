@@ -96,8 +96,8 @@ if ((run_py)); then
   workers=()
   ((${BATON_PYTEST_WORKERS:-2} > 0)) && workers=(-n "${BATON_PYTEST_WORKERS:-2}")
   # Without arguments: every test but the `heavy` cases (each repeats the code path of a
-  # lighter case at a larger size: more processes, more devices, more schedules), which keeps
-  # the command under 10 minutes on a 2-core machine; --all runs them too (.ci/run does).
+  # lighter case at a larger size: more processes, more devices, more schedules): about 10
+  # minutes on a 2-core machine instead of 17; --all runs them too (.ci/run does).
   if ((${#pytest_args[@]} == 0 && ! run_heavy)); then
     pytest_args=(-m "not heavy")
     log "leaving out the cases marked heavy (--all runs them)"
