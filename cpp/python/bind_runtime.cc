@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/array.h>
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
@@ -728,6 +729,23 @@ void init_runtime(nb::module_& root) {
           "The rank's devices: the handler call of device ordinal ordinals[i] (the jax device id "
           "on CPU) is shard i, which exchanges with shard i of the peers. [] (the default): one "
           "shard, any device. Resets the shards' counters; call it while no program runs.")
+      .def(
+          "set_route",
+          [](PyComm& c, int ordinal, PyComm* member) {
+            c.comm->set_route(ordinal, member ? member->comm : nullptr);
+          },
+          "ordinal"_a, "member"_a.none(),
+          "A program several ranks share is lowered with this context's id: the handler call "
+          "of device `ordinal` runs on `member`'s context (None: on this one again). Call it "
+          "while no program runs.")
+      .def(
+          "set_alias",
+          [](PyComm& c, std::vector<std::array<int, 3>> from, std::vector<std::array<int, 3>> to) {
+            c.comm->set_alias(std::move(from), std::move(to));
+          },
+          "from"_a, "to"_a,
+          "Runs a shared program's transfer of (peer, channel, stage) from[i] (as the rank it "
+          "was lowered for names it) as one of to[i] ([] and []: as they are).")
       .def_prop_ro(
           "shards", [](PyComm& c) { return c.comm->shards(); },
           "The device ordinals given to set_shards ([]: one shard, any device).")

@@ -19,6 +19,11 @@
 // it to a shard (RankComm::set_shards; one shard by default). Under
 // jax.shard_map over a rank's devices XLA calls the handlers once per device,
 // concurrently; each device's calls use that shard's counters and tags.
+// A program that several one-device ranks share (program.py SharedProgram, an
+// SPMD program over their devices) is lowered with its first rank's context;
+// that context routes each device's calls to its own rank's context
+// (RankComm::set_route), which runs the first rank's operations as its own
+// (RankComm::set_alias).
 //
 //   baton_device_ordinal  token -> int32 (one element): the calling device's
 //                ordinal (a debugging aid: checks what the handlers see)
@@ -48,12 +53,16 @@ ffi::Error pass_token(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out
   return ffi::Error::Success();
 }
 
-std::shared_ptr<rt::RankComm> comm_of(int64_t id) {
+// The context of a call from device `ordinal` to a program lowered with
+// context `id`: the member's when the program is shared by several ranks
+// (RankComm::route), else that one.
+std::shared_ptr<rt::RankComm> comm_of(int64_t id, int32_t ordinal) {
   auto c = rt::find_comm(id);
   if (!c)
     throw rt::ExecutionError(
         "baton: the transfer context of this program is gone (the "
         "step that compiled it was closed)");
+  if (auto m = c->route(ordinal)) return m;
   return c;
 }
 
@@ -67,7 +76,7 @@ ffi::Error CommImpl(ffi::AnyBuffer token, ffi::RemainingArgs args,
     if (ffi::Error e = baton::python::read_group(args, rets, kinds, peers, channels, stages, g);
         e.failure())
       return e;
-    auto c = comm_of(comm);
+    auto c = comm_of(comm, device_ordinal);
     c->run_group(g.ops, g.sends, g.outs, c->shard_of(device_ordinal));
   } catch (const std::exception& e) {
     return ffi::Error::Internal(e.what());
@@ -78,7 +87,7 @@ ffi::Error CommImpl(ffi::AnyBuffer token, ffi::RemainingArgs args,
 ffi::Error DrainImpl(ffi::AnyBuffer token, ffi::Result<ffi::AnyBuffer> token_out,
                      int32_t device_ordinal, int64_t comm) {
   try {
-    auto c = comm_of(comm);
+    auto c = comm_of(comm, device_ordinal);
     c->drain(c->shard_of(device_ordinal));
   } catch (const std::exception& e) {
     return ffi::Error::Internal(e.what());
@@ -90,7 +99,7 @@ ffi::Error MarkImpl(ffi::AnyBuffer token, ffi::RemainingArgs /*after: ordering o
                     ffi::Result<ffi::AnyBuffer> token_out, int32_t device_ordinal, int64_t comm,
                     int32_t phase) {
   try {
-    auto c = comm_of(comm);
+    auto c = comm_of(comm, device_ordinal);
     c->mark(phase, c->shard_of(device_ordinal));
   } catch (const std::exception& e) {
     return ffi::Error::Internal(e.what());

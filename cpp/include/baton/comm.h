@@ -54,6 +54,7 @@
 // recorded once (the first wins); the other shards' pending waits fail at once
 // and their later calls fail immediately.
 #pragma once
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -167,6 +168,19 @@ class RankComm {
   // Throws ExecutionError when the ordinal is not one of the rank's devices.
   int shard_of(int ordinal) const;
 
+  // A program that several ranks of this process share (one SPMD program over
+  // their devices, lowered for the first of them with this context's id;
+  // program.py SharedProgram): the handler call of device `ordinal` runs on
+  // `member`'s context. route() gives it (null: this context). Set while no
+  // program runs.
+  void set_route(int ordinal, std::shared_ptr<RankComm> member);
+  std::shared_ptr<RankComm> route(int ordinal) const;
+  // A shared program's operations name the (peer, channel, stage) of the rank
+  // it was lowered for; this context runs an operation of `from[i]` as one of
+  // `to[i]` (equal lengths; an operation not in `from` is an internal error).
+  // Empty (the default): operations run as they are. Set while no program runs.
+  void set_alias(std::vector<std::array<int, 3>> from, std::vector<std::array<int, 3>> to);
+
   // Runs one group of `shard` (see shard_of). `sends` are the SEND operations'
   // tensors in order (the layout of each SEND is its (channel, stage) layout);
   // `outs` the WAIT operations' result tensors in order. Throws ExecutionError
@@ -239,6 +253,8 @@ class RankComm {
   CommLayouts layouts_;
   std::map<std::tuple<int, int, bool>, std::vector<std::string>> names_;
   std::vector<int> ordinals_;                   // set_shards; empty: one shard
+  std::map<int, std::shared_ptr<RankComm>> routes_;       // set_route
+  std::map<std::array<int, 3>, std::array<int, 3>> alias_;  // set_alias
   std::vector<std::unique_ptr<Shard>> shards_;  // at least one
   std::optional<std::pair<int, std::string>> failure_;
   bool record_ = false;

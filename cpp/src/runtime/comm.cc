@@ -117,6 +117,36 @@ void RankComm::set_shards(std::vector<int> ordinals) {
   reset_shards();
 }
 
+void RankComm::set_route(int ordinal, std::shared_ptr<RankComm> member) {
+  if (ordinal < 0) throw ConfigError(fmt::format("rank {}: route of device ordinal {} (< 0)",
+                                                 rank_, ordinal));
+  if (member)
+    routes_[ordinal] = std::move(member);
+  else
+    routes_.erase(ordinal);
+}
+
+std::shared_ptr<RankComm> RankComm::route(int ordinal) const {
+  auto it = routes_.find(ordinal);
+  return it == routes_.end() ? nullptr : it->second;
+}
+
+void RankComm::set_alias(std::vector<std::array<int, 3>> from,
+                         std::vector<std::array<int, 3>> to) {
+  if (from.size() != to.size())
+    throw ConfigError(fmt::format("rank {}: set_alias got {} operations to map and {} targets",
+                                  rank_, from.size(), to.size()));
+  std::map<std::array<int, 3>, std::array<int, 3>> alias;
+  for (size_t i = 0; i < from.size(); ++i) {
+    auto [it, fresh] = alias.emplace(from[i], to[i]);
+    if (!fresh && it->second != to[i])
+      throw ConfigError(fmt::format("rank {}: set_alias maps (peer {}, channel {}, stage {}) "
+                                    "twice, differently",
+                                    rank_, from[i][0], from[i][1], from[i][2]));
+  }
+  alias_ = std::move(alias);
+}
+
 int RankComm::shard_of(int ordinal) const {
   if (ordinals_.empty()) return 0;
   for (size_t i = 0; i < ordinals_.size(); ++i)
@@ -249,9 +279,24 @@ void RankComm::post_recv(Shard& sh, const CommOp& op, int shard) {
   sh.posted[key].push_back(std::move(p));
 }
 
-void RankComm::run_group(const std::vector<CommOp>& ops, const std::vector<ConstBytes>& sends,
+void RankComm::run_group(const std::vector<CommOp>& given, const std::vector<ConstBytes>& sends,
                          const std::vector<MutBytes>& outs, int shard) {
   Shard& sh = shard_state(shard);
+  std::vector<CommOp> aliased;  // (set_alias: a shared program's operations as this rank's)
+  if (!alias_.empty()) {
+    aliased = given;
+    for (CommOp& op : aliased) {
+      auto it = alias_.find({op.peer, op.channel, op.stage});
+      if (it == alias_.end())
+        throw ExecutionError(fmt::format("rank {}: internal: the shared program's transfer "
+                                         "(peer {}, channel {}, stage {}) has no alias here",
+                                         rank_, op.peer, op.channel, op.stage),
+                             rank_);
+      std::tie(op.peer, op.channel, op.stage) =
+          std::make_tuple(it->second[0], it->second[1], it->second[2]);
+    }
+  }
+  const std::vector<CommOp>& ops = alias_.empty() ? given : aliased;
   if (!transport_)
     throw ExecutionError(
         fmt::format("rank {}: internal: a rank program ran with no transport attached", rank_),

@@ -36,7 +36,7 @@ class PipelinedFunction:
                  remat: bool = True, fuse_forward_backward: bool = True,
                  retain_host_memory: bool = True, single_program: bool = True,
                  param_shardings: Any = None, boundaries: Any = None,
-                 donate_argnums: Any = ()):
+                 donate_argnums: Any = (), share_programs: bool = True):
         self.param_shardings = param_shardings
         nums = (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
         try:
@@ -90,6 +90,10 @@ class PipelinedFunction:
             raise ConfigError(f"baton.jit: single_program must be True or False "
                               f"(got {single_program!r})")
         self.single_program = single_program
+        if not isinstance(share_programs, bool):
+            raise ConfigError(f"baton.jit: share_programs must be True or False "
+                              f"(got {share_programs!r})")
+        self.share_programs = share_programs
         self._cache: dict[Any, CompiledStep] = {}
         self._tree = None
         self.last: CompiledStep | None = None
@@ -191,6 +195,7 @@ class PipelinedFunction:
             rt.retain_host_memory()
         return CompiledStep(traced, plan, self.mesh, bool(sched.split_backward()),
                             remat=self.remat, single_program=self.single_program,
+                            share_programs=self.share_programs,
                             transport=self.loop_transport(),
                             in_specs=in_specs, donated=self._donated(args, traced))
 
@@ -425,6 +430,7 @@ def jit(
     param_shardings: Any = None,
     boundaries: Any = None,
     donate_argnums: Any = (),
+    share_programs: bool = True,
 ):
     """Pipelines ``fn`` (a training step containing one ``baton.accumulate``).
 
@@ -469,6 +475,13 @@ def jit(
     multi-rank step whose ranks have several devices; a transport the devices cannot use)
     raises ``baton.ConfigError``. ``False``: the interpreter (the C++ executor, one Python callback
     per task), the reference engine; it also runs ``baton.profile`` and traced one-rank steps.
+    ``share_programs``: with several ranks in this process (CPU devices, one each), ranks
+    that do the same work on different parameters (the middle ranks of a pipeline of equal
+    blocks) run one compiled program, an SPMD program over their devices, so it is traced
+    and compiled once (``frontend/shared.py``; 4-rank 1F1B: 3 programs, 8 ranks: 3 instead
+    of 8). XLA compiles that program on its own, so its kernels may round differently from
+    the one-rank programs' (seen: 1e-7 in a GPT block's gradients; an MLP's are bit-identical);
+    ``False``: one program per rank.
     ``boundaries``: the indices (0-based, in forward order) of the ``stage_boundary`` calls
     that end stages; the others are identities. For a model marked at a finer grain than its
     stages (a boundary after every layer); ``baton.autoplan`` chooses them. Default: all.
@@ -484,6 +497,7 @@ def jit(
     def wrap(f):
         return PipelinedFunction(f, mesh, schedule, microbatches, transport, timeout, trace,
                                  remat, fuse_forward_backward, retain_host_memory,
-                                 single_program, param_shardings, boundaries, donate_argnums)
+                                 single_program, param_shardings, boundaries, donate_argnums,
+                                 share_programs)
 
     return wrap if fn is None else wrap(fn)

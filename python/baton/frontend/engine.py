@@ -128,6 +128,10 @@ class ProgramEngine:
         self.step = step
         self.single = None  # SingleProgram (one rank)
         self.local_progs = None  # one process, several ranks: RankProgram per rank
+        # ... and the programs that run them: a SharedProgram for the largest group of
+        # ranks that can share one (shared.py; ``share``), the others' own
+        self.local_units = None
+        self.share = True
         self._local_hub = None  # their in-process transports
         self.rank_progs = None  # several processes: this process's ranks' RankPrograms
         self._nccl_builds = 0
@@ -165,8 +169,15 @@ class ProgramEngine:
             else:
                 comms = [_core.runtime.RankComm(r, float(timeout)) for r in range(R)]
             progs = [RankProgram(step, r, comms[r], timeout) for r in range(R)]
-            raise_first(compile_all(progs, vals))
+            units = progs
+            if self.share and step.transport != "nccl":
+                from .shared import SharedProgram, share_groups
+
+                units = [g[0].prog if len(g) == 1 else SharedProgram(g)
+                         for g in share_groups(progs)]
+            raise_first(compile_all(units, vals))
             self.local_progs = progs
+            self.local_units = units
             self._local_hub = None
         progs = self.local_progs
         if self._local_hub is None and step.transport != "nccl":
@@ -179,10 +190,11 @@ class ProgramEngine:
         return progs
 
     def _launch(self, progs, vals) -> tuple[dict[int, Any], list]:
-        """Runs ``progs`` (one thread per rank; inline for one), recording when the step
+        """Runs ``progs`` (one thread per program; inline for one), recording when the step
         does; returns their loop output parts and each one's exception (or None)."""
         for p in progs:
-            p.comm.record(self.step.record)
+            for c in getattr(p, "comms", [p.comm]):
+                c.record(self.step.record)
         finals: list[dict] = [{} for _ in progs]
 
         def go(j):
@@ -200,7 +212,8 @@ class ProgramEngine:
         step = self.step
         progs = self._local_programs(vals, timeout)
         R = step.num_ranks
-        final, errors = self._launch(progs, vals)
+        units = self.local_units
+        final, errors = self._launch(units, vals)
         if any(e is not None for e in errors):
             if step.transport == "nccl":  # a failed NCCL context stays failed: built anew
                 for p in progs:
@@ -212,7 +225,7 @@ class ProgramEngine:
                 for t in self._local_hub or ():
                     t.close()
                 self._local_hub = None
-            raise_origin(progs, errors)
+            raise_origin(units, errors)
         if step.record:
             step.last_events = [p.events() for p in progs]
             step.last_offsets = [0] * R

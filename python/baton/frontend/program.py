@@ -747,6 +747,8 @@ class RankProgram(_LoopProgram):
     ``baton._core.runtime.RankComm``, attached to its transport by the caller."""
 
     marks = True
+    share = None  # the SharedProgram that runs this rank's table with others' (shared.py)
+    shared_in = None  # while it traces: this device's (rows, slots) inputs
 
     def __init__(self, cs, rank, comm, timeout):
         ffi.register()
@@ -927,7 +929,12 @@ class RankProgram(_LoopProgram):
             return super()._loop(env, outer, whole_mb, token)
         cs = self.cs
         M = cs.M
-        mbs = {v: whole_mb(v) for v in self.mb_inputs}
+        share = self.share if self.shared_in is not None else None
+        # (shared by several ranks, shared.py: the units of every member, in this one's frame)
+        t_units, t_stretches = (share.units, share.stretches) if share else (self.units,
+                                                                             self.stretches)
+        mbs = {v: whole_mb(v) for v in sorted({v for k, s in t_units for exe in _exes(cs, k, s)
+                                               for v in exe.in_groups[1]})}
         avals = self._ring_avals(outer, mbs)
         # kinds of equal avals share a ring (ring_slots)
         self._pool({ks: tuple((_ring_aval(a).shape, np.dtype(_ring_aval(a).dtype).str)
@@ -937,9 +944,15 @@ class RankProgram(_LoopProgram):
         self.buffer_bytes = {ks: sum(int(np.prod(_ring_aval(a).shape)) *
                                      np.dtype(_ring_aval(a).dtype).itemsize for a in avals[ks])
                              for ks in self.lives}
+        sizes = self.rings
+        if share is not None:  # (shared by several ranks: shared.py; each its rows, slots)
+            sizes = share.rings(self.slots, self.rings, pool_of)
+            for sh in share.shares[1:]:
+                sh.prog.buffer_bytes = {(k, sh.stage[s]): self.buffer_bytes[(k, s)]
+                                        for k, s in self.lives}
         rings = {pool: [jnp.zeros((R, *_ring_aval(a).shape), _ring_aval(a).dtype)
-                        for a in avals[self.pools[pool][0]]] for pool, R in self.rings.items()}
-        parts = sorted({i for k, s in self.units for i in _parts_of(cs, k, s)})
+                        for a in avals[self.pools[pool][0]]] for pool, R in sizes.items()}
+        parts = sorted({i for k, s in t_units for i in _parts_of(cs, k, s)})
         acc, stk = {}, {}
         for i in parts:
             aval = cs.traced.avals[cs.parts[i].body]
@@ -947,8 +960,12 @@ class RankProgram(_LoopProgram):
                 stk[i] = jnp.zeros((M, *aval.shape), aval.dtype)
             else:
                 acc[i] = jnp.zeros(aval.shape, aval.dtype)
-        table = jnp.asarray(self.rows)
-        slot_of = {ks: jnp.asarray(sl) for ks, sl in self.slots.items()}
+        if share is None:
+            table = jnp.asarray(self.rows)
+            slot_of = {ks: jnp.asarray(sl) for ks, sl in self.slots.items()}
+        else:  # this device's rank's rows and slots (program inputs)
+            table, slots = self.shared_in
+            slot_of = {ks: slots[j] for j, ks in enumerate(share.kinds)}
 
         def unit_io(items):
             """(ring kinds read, ring kinds written, parts added to) of a unit's items."""
@@ -1005,10 +1022,10 @@ class RankProgram(_LoopProgram):
             return branch
 
         units = []  # (row column, id, items, microbatch columns, rd, wr, ps)
-        for j, pat in enumerate(self.stretches):
+        for j, pat in enumerate(t_stretches):
             n = 1 + max(it[3] for it in pat)
             units.append((0, j, pat, list(range(3, 3 + n))) + unit_io(pat))
-        for j, (kind, s) in enumerate(self.units):
+        for j, (kind, s) in enumerate(t_units):
             it = ("run", kind, s, 0, -1)
             units.append((1, j, (it,), [2]) + unit_io([it]))
 
@@ -1028,8 +1045,8 @@ class RankProgram(_LoopProgram):
                 sk.update(w_stk)
             return rg, ac, sk, dep
 
-        _, acc, stk, token.dep = jax.lax.fori_loop(0, len(self.rows), body,
-                                                  (rings, acc, stk, token.dep))
+        _, acc, stk, token.dep = jax.lax.fori_loop(0, share.T if share else len(self.rows),
+                                                  body, (rings, acc, stk, token.dep))
         env.acc.update(acc)
         for i, x in stk.items():
             env.stack_rows[i] = [(0, M, 1, x)]

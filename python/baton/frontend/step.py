@@ -57,7 +57,8 @@ def _movable(x, sh):
 class CompiledStep:
     def __init__(self, traced: Traced, plan: Any, mesh: PipelineMesh, split_backward: bool,
                  remat: bool = True, single_program: bool = True, transport: str = "local",
-                 in_specs: list | None = None, donated: frozenset = frozenset()):
+                 in_specs: list | None = None, donated: frozenset = frozenset(),
+                 share_programs: bool = True):
         self.traced = traced
         # step inputs the caller gives up (baton.jit(donate_argnums=...)): the optimizer
         # update after the loop writes the new values into their buffers
@@ -133,6 +134,7 @@ class CompiledStep:
         # the loop's transport: "local" (one process), "gloo" (CPU processes), "nccl" (GPUs)
         self.transport = transport
         self.engine = ProgramEngine(self)
+        self.engine.share = bool(share_programs)
         self.interpreter = Interpreter(self)
 
     # -- placement --------------------------------------------------------------------------
