@@ -2,14 +2,16 @@
 ``jax.jit`` of the same step, and the steady calls after it. Prints a table.
 
     python bench/compile_time.py [--ranks 4] [--layers 4] [--schedules 1f1b,zbh1,interleaved]
-                                 [--md FILE]
+                                 [--unshared] [--md FILE]
 
 The model is examples/gpt.py (dim 64, ``--layers`` blocks, ``--ranks`` stages per rank count
 of the schedule), 8 microbatches of 2 sequences, AdamW, on ``--ranks`` CPU devices of one
 process. "plain jax.jit" is the training step with ``accumulate`` as a ``lax.scan`` over the
 same microbatches on one device. First call: wall time of call 1 (outputs ready); its compile
 part is call 1 minus the median steady call. Compilations counted with jax.monitoring's
-backend-compile events. A benchmark, not a test.
+backend-compile events. ``--unshared``: each schedule also with ``share_programs=False`` (one
+program per rank; by default ranks that do the same work share one, ``frontend/shared.py``).
+A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def main():
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--schedules", default="1f1b,zbh1,interleaved")
+    ap.add_argument("--unshared", action="store_true",
+                    help="also run each schedule with share_programs=False")
     ap.add_argument("--md", default=None)
     a = ap.parse_args()
     rows = []
@@ -68,17 +72,23 @@ def main():
             plain = jax.jit(gpt.scan_step(model, opt, 8))
             times, counts = timed_calls(plain, params, st, batch)
             rows.append(("plain jax.jit + lax.scan (1 device)", times, counts))
-        ps = baton.jit(step, mesh=baton.PipelineMesh(jax.devices()[:a.ranks], ranks=a.ranks),
-                       schedule=sched, microbatches=8)
-        times, counts = timed_calls(ps, params, st, batch)
-        rows.append((f"baton.jit {name}, {a.ranks} ranks", times, counts))
+        for share in (True, False) if a.unshared else (True,):
+            ps = baton.jit(step, mesh=baton.PipelineMesh(jax.devices()[:a.ranks],
+                                                         ranks=a.ranks),
+                           schedule=sched, microbatches=8, share_programs=share)
+            times, counts = timed_calls(ps, params, st, batch)
+            progs = len(ps.last.engine.local_units)
+            how = "" if share else ", share_programs=False"
+            rows.append((f"baton.jit {name}, {a.ranks} ranks{how} ({progs} loop programs)",
+                         times, counts))
     base = rows[0][1][0] - statistics.median(rows[0][1][1:])
     lines = [
         f"# First-call and steady-call cost ({datetime.date.today()}, {platform.node()}, "
         f"{os.cpu_count()} CPUs, jax {jax.__version__})",
         "",
         f"`python bench/compile_time.py --ranks {a.ranks} --layers {a.layers} --schedules "
-        f"{a.schedules}`: GPT dim 64, 8 microbatches of 2, AdamW. Times in seconds.",
+        f"{a.schedules}{' --unshared' if a.unshared else ''}`: GPT dim 64, 8 microbatches "
+        f"of 2, AdamW. Times in seconds.",
         "",
         "| step | call 1 | steady call (median of 2-6) | compile part of call 1 | "
         "/ plain | XLA compiles in call 1 (s) | compiles in calls 2-6 |",

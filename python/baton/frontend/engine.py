@@ -330,6 +330,9 @@ def raise_origin(progs, errors) -> None:
     """Raises the error of the program whose rank the failure started on (its
     ``failed_rank``), else the first one; nothing when every program ran."""
     errs = [(p.rank, e) for p, e in zip(progs, errors) if e is not None]
+    task = [e for _, e in errs if getattr(e, "task_error", False)]
+    if task:  # (a shared program's task error: the others' errors are its consequences)
+        raise task[0]
     if errs:
         origins = {getattr(e, "failed_rank", r) for r, e in errs}
         raise next((e for r, e in errs if r in origins), errs[0][1])

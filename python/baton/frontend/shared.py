@@ -372,6 +372,16 @@ class SharedProgram:
                                   for t, d in zip(self._tables, self.devices)])
         return out
 
+    def lowered_text(self) -> str:
+        """The program's StableHLO, lowered from the loop inputs' avals (tests inspect its
+        custom calls)."""
+        lead, n = self.lead, len(self.progs)
+        avals = lead.cs.traced.avals
+        args = [jax.ShapeDtypeStruct((n * avals[o].shape[0], *avals[o].shape[1:])
+                                     if avals[o].ndim else (n,), avals[o].dtype,
+                                     sharding=self.sharding) for o in lead.needs]
+        return self.fn.lower(args, self.rows, self._slots_arg()).as_text()
+
     def set_timeout(self, timeout) -> None:
         for p in self.progs:
             p.set_timeout(timeout)
@@ -391,9 +401,34 @@ class SharedProgram:
         return final
 
     def error(self, e: BaseException):
-        """``e`` as the step's ``ExecutionError``: the first member context's recorded
-        failure (it names the rank where the failure started), else the lead's view."""
+        """``e`` as the step's ``ExecutionError``. XLA reports a failure of the program once
+        every device's part has stopped, and does not say which part failed: a transfer
+        error is the members' recorded failure (it names the rank where it started); any
+        other (a task that raised on one device) names the group's ranks and is marked
+        ``task_error`` (``engine.raise_origin`` prefers it to the timeouts it caused)."""
+        from ..errors import ExecutionError
+
+        if isinstance(e, ExecutionError):
+            return e
+        text = str(e)
+        fails = [f for f in (p.comm.failure() for p in self.progs) if f is not None]
+        if any(msg in text for _, msg in fails):
+            return _failed(*fails[0])
+        ranks = ", ".join(str(p.rank) for p in self.progs)
+        msg = (f"ranks {ranks} (one shared program, baton.jit(share_programs=True); XLA "
+               f"does not say which rank's part failed): {type(e).__name__}: {e}")
         for p in self.progs:
-            if p.comm.failure() is not None:
-                return p.error(e)
-        return self.lead.error(e)
+            if p.comm.attached:
+                p.comm.abort(msg)
+        err = ExecutionError(msg)
+        err.failed_rank = self.lead.rank
+        err.task_error = True
+        return err
+
+
+def _failed(origin, msg):
+    from ..errors import ExecutionError
+
+    err = ExecutionError(msg)
+    err.failed_rank = origin
+    return err

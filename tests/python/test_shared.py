@@ -1,0 +1,117 @@
+"""Ranks of one process that do the same work share one compiled program
+(``frontend/shared.py``): an SPMD program over their devices, each device its own rank's
+table, ring slots and parameters, its transfers routed to its own rank's context."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import baton
+from baton.frontend.shared import SharedProgram
+from mlp_step import make
+from test_engine import targets
+
+
+def _run(schedule, ranks, share, **kw):
+    ps, params, batch = make(schedule, ranks, 2 * schedule.stages(ranks),
+                             share_programs=share, **kw)
+    return ps, params, batch, ps(params, batch)
+
+
+def _shared(ps):
+    units = ps.last.engine.local_units
+    return units, [u for u in units if isinstance(u, SharedProgram)]
+
+
+@pytest.mark.parametrize("ranks,schedule", [(4, baton.OneFOneB()), (4, baton.ZBV()),
+                                            (8, baton.Interleaved1F1B(2))],
+                         ids=["4-1f1b", "4-zbv", "8-interleaved"])
+def test_middle_ranks_share_one_program_bit_identical(ranks, schedule):
+    """The middle ranks (equal blocks, shifted stages and peers, different tables: 1F1B's
+    warm-up depth differs per rank) run as one program; the first and last rank (the loss)
+    as their own. Results equal one program per rank, bit for bit."""
+    ps, _, _, got = _run(schedule, ranks, True)
+    units, shared = _shared(ps)
+    assert len(shared) == 1 and [p.rank for p in shared[0].progs] == list(range(1, ranks - 1))
+    assert len(units) == 3 and ps.last.engine.local_progs[0] is units[0]
+    # one program, FFI transfers, no Python callback
+    found = targets(shared[0].lowered_text())
+    assert {"baton_comm", "baton_drain"} <= found and not any("callback" in t for t in found)
+    ps1, _, _, want = _run(schedule, ranks, False)
+    assert len(_shared(ps1)[0]) == ranks and not _shared(ps1)[1]
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_shared_program_traces_every_rank():
+    """A traced step runs the shared executable (nothing compiled for it); every rank's
+    trace has its own tasks in its plan's order and its transfers."""
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: compiles.append(name)
+        if "backend_compile" in name or "cache_retrieval" in name else None)
+    ps, params, batch, _ = _run(baton.OneFOneB(), 4, True)
+    step = ps.last
+    exe = _shared(ps)[1][0].compiled
+    compiles.clear()
+    tr = baton.trace(ps, params, batch)
+    assert compiles == [] and _shared(ps)[1][0].compiled is exe
+    for r in range(4):
+        assert tr.rank_order(r) == [str(a) for a in step.rank_actions[r]]
+    peers = {(t["src"], t["dst"]) for t in tr.transfers}
+    assert {(1, 2), (2, 1), (2, 3), (3, 2)} <= peers, peers
+
+
+def test_failure_on_a_shared_rank_names_it():
+    """A task that raises on rank 2 only (its device runs the shared program's code with
+    rank 2's parameters) stops every rank within the step's timeout; the error is the task's,
+    naming the shared program's ranks (XLA does not say which device's part failed)."""
+    ps, params, batch, want = _run(baton.OneFOneB(), 4, True, timeout=5.0)
+    step = ps.last
+    exes = [step.tasks[("F", 1)], step.tasks[("F", 2)]]
+    o = step.loop_src[exes[1].in_groups[0][0]][0]
+    assert o in step.traced.step_inputs
+    leaf = jax.tree.leaves((params, batch))[step.traced.step_inputs.index(o)]
+    target = float(np.asarray(leaf, np.float64).sum())
+
+    def check(x):  # the same function on both stages: their jaxprs stay equal
+        if abs(float(x) - target) <= 1e-6 * max(1.0, abs(target)):
+            raise ValueError("injected failure")
+        return np.int32(0)
+
+    good = [e.plain for e in exes]
+
+    def failing(plain):
+        def fn(*args):
+            outs = plain(*args)
+            flag = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.int32),
+                                     jnp.sum(args[0].astype(jnp.float32)))
+            return [outs[0] + flag.astype(outs[0].dtype)] + list(outs[1:])
+        return fn
+
+    for e, g in zip(exes, good):
+        e.plain = failing(g)
+    step.engine.local_progs = None  # rebuilt with the failing task
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(baton.ExecutionError) as info:
+            ps(params, batch)
+        # bounded by the step's timeout: XLA returns the shared program's error once every
+        # device's part stopped, and the parts that wait on rank 2 stop at their timeout
+        assert time.monotonic() - t0 < 5.0 + 15
+        assert _shared(ps)[1], "the patched stages no longer share a program"
+        msg = str(info.value)
+        assert "injected failure" in msg and msg.startswith("ranks 1, 2 (one shared"), msg
+        assert info.value.failed_rank == 1
+    finally:
+        for e, g in zip(exes, good):
+            e.plain = g
+    step.engine.local_progs = None
+    got = ps(params, batch)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
