@@ -77,6 +77,43 @@ TEST(RuntimeComm, SendPostWaitMovesTheBytes) {
   EXPECT_EQ(p.b->counts().second, 1u);
 }
 
+TEST(RuntimeComm, AliasRunsAnotherRanksOperationsAsItsOwn) {
+  // Three ranks: rank 2 runs operations written for rank 1 (peer 0 on channel 0, stage 0:
+  // a shared program lowered for rank 1) as its own (peer 1 on channel 1, stage 1).
+  auto hub = LocalHub::create(3);
+  std::vector<std::shared_ptr<RankComm>> c;
+  for (int r = 0; r < 3; ++r) {
+    c.push_back(std::make_shared<RankComm>(r, milliseconds(5000)));
+    c[r]->attach(std::shared_ptr<Transport>(hub->transport(r)));
+    c[r]->set_layout(0, 0, {16 * sizeof(float)});
+    c[r]->set_layout(1, 1, {16 * sizeof(float)});
+  }
+  c[2]->set_alias({{0, 0, 0}}, {{1, 1, 1}});
+  const auto x = iota(16, 3.0f);
+  c[1]->run_group({op(CommOpKind::Send, 2, 1, 1)}, {in(x)}, {});
+  std::vector<float> y(16, 0.0f);
+  c[2]->run_group({op(CommOpKind::Wait, 0, 0, 0)}, {}, {out(y)});
+  EXPECT_EQ(x, y);
+  c[1]->drain();
+  // an operation the alias does not name is an internal error, not a transfer elsewhere
+  EXPECT_THROW(c[2]->run_group({op(CommOpKind::Wait, 1, 0, 0)}, {}, {out(y)}), ExecutionError);
+  // two different targets for one operation
+  EXPECT_THROW(c[0]->set_alias({{1, 0, 0}, {1, 0, 0}}, {{2, 0, 0}, {2, 1, 1}}), ConfigError);
+  EXPECT_THROW(c[0]->set_alias({{1, 0, 0}}, {}), ConfigError);
+}
+
+TEST(RuntimeComm, RouteGivesEachDeviceItsRanksContext) {
+  auto a = std::make_shared<RankComm>(1, milliseconds(1000));
+  auto b = std::make_shared<RankComm>(2, milliseconds(1000));
+  EXPECT_EQ(a->route(7), nullptr);
+  a->set_route(7, b);
+  EXPECT_EQ(a->route(7), b);
+  EXPECT_EQ(a->route(6), nullptr);
+  a->set_route(7, nullptr);
+  EXPECT_EQ(a->route(7), nullptr);
+  EXPECT_THROW(a->set_route(-1, b), ConfigError);
+}
+
 TEST(RuntimeComm, TransfersPairInFifoOrderPerPeerAndChannel) {
   // Three act sends and one grad send (two tensors) interleaved; the receiver posts all,
   // then waits channel by channel: each wait gets the oldest of its channel.
