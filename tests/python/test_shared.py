@@ -28,12 +28,14 @@ def _shared(ps):
     return units, [u for u in units if isinstance(u, SharedProgram)]
 
 
-@pytest.mark.parametrize("ranks,schedule", [(4, baton.OneFOneB()), (4, baton.ZBV()),
-                                            (8, baton.Interleaved1F1B(2))],
-                         ids=["4-1f1b", "4-zbv", "8-interleaved"])
+@pytest.mark.parametrize("ranks,schedule", [
+    (4, baton.ZBV()), (8, baton.OneFOneB()),
+    pytest.param(8, baton.Interleaved1F1B(2), marks=pytest.mark.heavy)],
+    ids=["4-zbv", "8-1f1b", "8-interleaved"])
 def test_middle_ranks_share_one_program_bit_identical(ranks, schedule):
     """The middle ranks (equal blocks, shifted stages and peers, different tables: 1F1B's
-    warm-up depth differs per rank) run as one program; the first and last rank (the loss)
+    warm-up depth differs per rank; ZB-V's second stage on a rank runs the other way) run as
+    one program; the first and last rank (the loss)
     as their own. Results equal one program per rank, bit for bit."""
     ps, _, _, got = _run(schedule, ranks, True)
     units, shared = _shared(ps)
