@@ -193,7 +193,7 @@ class ProgramEngine:
         """Runs ``progs`` (one thread per program; inline for one), recording when the step
         does; returns their loop output parts and each one's exception (or None)."""
         for p in progs:
-            for c in getattr(p, "comms", [p.comm]):
+            for c in p.comms:
                 c.record(self.step.record)
         finals: list[dict] = [{} for _ in progs]
 

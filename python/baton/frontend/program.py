@@ -821,8 +821,6 @@ class RankProgram(_LoopProgram):
         # lowering knows the avals and pools the kinds of equal shape (``_pool``)
         self.lives = buffer_lives(cs, self.steps)
         self._pool({ks: ks for ks in self.lives})
-        self.mb_inputs = sorted({v for k, s in self.units for exe in _exes(cs, k, s)
-                                 for v in exe.in_groups[1]})
 
     def _pool(self, pool_of):
         """Kinds with equal ``pool_of`` share a ring: ``self.pools`` (pool -> its kinds),
@@ -1050,6 +1048,11 @@ class RankProgram(_LoopProgram):
         env.acc.update(acc)
         for i, x in stk.items():
             env.stack_rows[i] = [(0, M, 1, x)]
+
+    @property
+    def comms(self) -> list:
+        """The transfer contexts this program's calls use (a ``SharedProgram``: its ranks')."""
+        return [self.comm]
 
     def set_timeout(self, timeout) -> None:
         """Bounds every wait of the next steps (seconds)."""

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .program import _exes, _symbolic  # noqa: F401  (_symbolic: the stretches' form)
+from .program import _exes
 
 _AX = "baton_ranks"
 
@@ -364,6 +364,8 @@ class SharedProgram:
             tables.append(t)
         self._tables = tables  # (placed by ``lower`` once traced)
         self.ring_sizes = sizes
+        for s in self.shares:  # (what each rank's rings hold: the shared sizes)
+            s.prog.rings = {p: sizes[p] for p in s.prog.rings}
         return sizes
 
     def lower(self, vals):
