@@ -12,7 +12,8 @@ the first's in order (``stage``), its peers are the first's shifted by the rank 
 and
 
 * each task of a mapped stage is the same computation: the same jaxpr text and constants
-  (``jax.make_jaxpr`` of the task function on its input avals), reading the mapped loop
+  (``jax.make_jaxpr`` of the task function on its input avals; none that places values on
+  devices: sharding constraints, ``shard_map``, ``device_put``), reading the mapped loop
   inputs (equal avals; literals equal) and adding into the mapped loop output parts (equal
   avals and reduction);
 * its table uses only units (tasks and transfer stretches, microbatches as symbols) that
@@ -43,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .program import _exes
 
 _AX = "baton_ranks"
+_PLACED = ("sharding_constraint", "shard_map", "device_put")  # primitives that name devices
 
 
 def _stages(cs, rank) -> list[int]:
@@ -86,7 +88,12 @@ class _Jaxprs:
         return self.memo[k]
 
     def same(self, a, b) -> bool:
+        """The two tasks are the same computation. Not when they name devices: a sharding
+        constraint or ``shard_map`` is moved onto its rank's own sub-mesh (``tasks.on_rank``),
+        which a jaxpr's text does not show, and a ``device_put`` may name a device."""
         (ta, ca), (tb, cb) = self.key(a), self.key(b)
+        if any(p in ta for p in _PLACED):
+            return False
         return ta == tb and len(ca) == len(cb) and all(
             x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y)
             for x, y in zip(ca, cb))
