@@ -189,6 +189,18 @@ class ProgramEngine:
             p.set_timeout(timeout)
         return progs
 
+    def post_groups(self):
+        """The code after the loop of this process's shared ranks (``shared.SharedSegments``;
+        built once), or None when no ranks share a program."""
+        from .shared import SharedProgram, SharedSegments
+
+        sp = next((u for u in self.local_units or () if isinstance(u, SharedProgram)), None)
+        if sp is None:
+            return None
+        if getattr(sp, "post", None) is None:
+            sp.post = SharedSegments(sp, self.step.post_segments)
+        return sp.post
+
     def _launch(self, progs, vals) -> tuple[dict[int, Any], list]:
         """Runs ``progs`` (one thread per program; inline for one), recording when the step
         does; returns their loop output parts and each one's exception (or None)."""

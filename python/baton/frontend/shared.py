@@ -245,6 +245,25 @@ def _identity(p) -> Share:
                  list(getattr(p, "stretches", [])))
 
 
+def _stack(xs, devices, sharding):
+    """The members' arrays (one per device of ``devices``, equal avals) as one array split
+    over the devices along its leading axis (no copy); a scalar as one element each (through
+    the host)."""
+    if xs[0].ndim == 0:
+        xs = [jax.device_put(np.asarray(x).reshape(1), d) for x, d in zip(xs, devices)]
+    shape = (len(xs) * xs[0].shape[0], *xs[0].shape[1:])
+    return jax.make_array_from_single_device_arrays(shape, sharding, xs)
+
+
+def _unstack(x, scalar: bool, devices) -> list:
+    """The members' blocks of a stacked output, in the order of ``devices``."""
+    pos = {int(d.id): j for j, d in enumerate(devices)}
+    out: list[Any] = [None] * len(devices)
+    for sh in x.addressable_shards:
+        out[pos[int(sh.device.id)]] = sh.data.reshape(()) if scalar else sh.data
+    return out
+
+
 class SharedProgram:
     """The program of a group of ranks (``share_groups``): the lead's ``RankProgram``
     traced once inside a ``shard_map`` over the members' devices (see the module
@@ -290,19 +309,10 @@ class SharedProgram:
 
     # -- inputs and outputs ------------------------------------------------------------------
     def _stack(self, xs):
-        """The members' arrays (one per device, equal avals) as one array split over the
-        group's devices along its leading axis (no copy); scalars as one element each."""
-        xs = [x.reshape(1) if x.ndim == 0 else x for x in xs]
-        shape = (len(xs) * xs[0].shape[0], *xs[0].shape[1:])
-        return jax.make_array_from_single_device_arrays(shape, self.sharding, xs)
+        return _stack(xs, self.devices, self.sharding)
 
     def _unstack(self, x, scalar: bool) -> list:
-        """The members' blocks of a stacked output, in member order."""
-        pos = {int(d.id): j for j, d in enumerate(self.devices)}
-        out: list[Any] = [None] * len(self.progs)
-        for sh in x.addressable_shards:
-            out[pos[int(sh.device.id)]] = sh.data.reshape(()) if scalar else sh.data
-        return out
+        return _unstack(x, scalar, self.devices)
 
     def _args(self, vals):
         lead = self.lead
@@ -310,14 +320,7 @@ class SharedProgram:
         for s in self.shares:
             needs = [s.outer[o] for o in lead.needs]
             per.append(s.prog.cs.place(needs, [vals[o] for o in needs], s.prog.rank))
-        args = []
-        for j in range(len(lead.needs)):
-            xs = [p[j] for p in per]
-            if xs[0].ndim == 0:  # (a scalar: one element per device, through the host)
-                xs = [jax.device_put(np.asarray(x).reshape(1), d)
-                      for x, d in zip(xs, self.devices)]
-            args.append(self._stack(xs))
-        return args
+        return [self._stack([p[j] for p in per]) for j in range(len(lead.needs))]
 
     def _slots_arg(self):
         if self.slots is None:  # (before lowering: its aval)
@@ -441,3 +444,94 @@ def _failed(origin, msg):
     err = ExecutionError(msg)
     err.failed_rank = origin
     return err
+
+
+class SharedSegments:
+    """The code after the loop (``CompiledStep.post_segments``) of a ``SharedProgram``'s ranks:
+    a lead segment and the members' segments that are the same function (equal jaxpr text and
+    constants on equal input avals, nothing placed on devices, nothing donated) run as one
+    SPMD program over the group's devices, compiled once (each rank's optimizer update of
+    equal blocks). ``plan`` gives, per segment index, the group that runs there."""
+
+    def __init__(self, sp: SharedProgram, segs):
+        cs = sp.lead.cs
+        self.sp = sp
+        self.starts: dict[int, tuple[list[int], Any]] = {}  # index -> (segment indices, fn)
+        self.skip: set[int] = set()
+        made = {v: j for j, seg in enumerate(segs) for v in seg.outputs}
+        by_stage: dict[int, list[int]] = {}
+        for j, seg in enumerate(segs):
+            by_stage.setdefault(seg.stage, []).append(j)
+        jaxprs: dict[int, Any] = {}
+        avals = cs.traced.avals
+
+        def key(j):
+            if j not in jaxprs:
+                seg = segs[j]
+                closed = jax.make_jaxpr(seg.fn)(*[jax.ShapeDtypeStruct(avals[v].shape,
+                                                                       avals[v].dtype)
+                                                  for v in seg.inputs])
+                jaxprs[j] = (str(closed.jaxpr), [np.asarray(c) for c in closed.consts])
+            return jaxprs[j]
+
+        def same(a, b):
+            (ta, ca), (tb, cb) = key(a), key(b)
+            return (not any(p in ta for p in _PLACED) and ta == tb and len(ca) == len(cb)
+                    and all(x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y)
+                            for x, y in zip(ca, cb)))
+
+        lead_stages = _stages(cs, sp.lead.rank)
+        for s0 in lead_stages:
+            for k, j0 in enumerate(by_stage.get(s0, [])):
+                if segs[j0].donate:
+                    continue
+                group, devs = [j0], [sp.devices[0]]
+                for sh, d in zip(sp.shares[1:], sp.devices[1:]):
+                    cand = by_stage.get(sh.stage.get(s0, -1), [])
+                    if k >= len(cand) or segs[cand[k]].donate:
+                        continue
+                    jm = cand[k]
+                    if ([(avals[v].shape, avals[v].dtype) for v in segs[jm].inputs]
+                            != [(avals[v].shape, avals[v].dtype) for v in segs[j0].inputs]):
+                        continue
+                    if same(j0, jm):
+                        group.append(jm)
+                        devs.append(d)
+                if len(group) < 2:
+                    continue
+                start = min(group)
+                if any(made.get(v, -1) >= start for j in group for v in segs[j].inputs):
+                    continue  # (an input made by a segment that runs after the group would)
+                self.starts[start] = (group, self._runner(segs, group, devs))
+                self.skip.update(j for j in group if j != start)
+
+    def _runner(self, segs, group, devs):
+        mesh = Mesh(np.array(devs), (_AX,))
+        sharding = NamedSharding(mesh, PartitionSpec(_AX))
+        cs = self.sp.lead.cs
+        avals = cs.traced.avals
+        lead = segs[group[0]]
+        scal_in = [avals[v].ndim == 0 for v in lead.inputs]
+        scal_out = [avals[v].ndim == 0 for v in lead.outputs]
+        ranks = [cs.stage_rank[segs[j].stage] for j in group]
+
+        def body(*args):
+            args = [a.reshape(()) if sc else a for a, sc in zip(args, scal_in)]
+            outs = lead.fn(*args)
+            return [o.reshape(1) if sc else o for o, sc in zip(outs, scal_out)]
+
+        P = PartitionSpec(_AX)
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P, out_specs=P, check_vma=False))
+
+        def run(vals):
+            lits = cs.traced.literals
+            per = [cs.place(segs[j].inputs, [vals[v] if v in vals else lits[v]
+                                             for v in segs[j].inputs], r)
+                   for j, r in zip(group, ranks)]
+            outs = fn(*[_stack([p[i] for p in per], devs, sharding)
+                        for i in range(len(lead.inputs))])
+            for i, x in enumerate(outs):
+                for j, y in zip(group, _unstack(x, scal_out[i], devs)):
+                    vals[segs[j].outputs[i]] = y
+
+        return run

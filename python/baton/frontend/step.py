@@ -183,14 +183,15 @@ class CompiledStep:
                 out[i] = y
         return out
 
-    def _run_segments(self, segs, vals, free: bool = False):
+    def _run_segments(self, segs, vals, free: bool = False, shared=None):
         """Runs ``segs`` in order on ``vals``. ``free`` (the segments after the loop): a value
         the step does not return leaves ``vals`` after the last segment that reads it (or at
         once if none does), so a stage's summed gradients go once its update ran, not at the
         end of the step. With ``capture_post`` (a list, ``step.memory``) each segment's
         argument layouts are kept; with ``live`` on, the live arrays are sampled once a
         segment's outputs exist (its inputs still held; its XLA temporaries are
-        ``("post", j)`` in the sampler's table)."""
+        ``("post", j)`` in the sampler's table). ``shared`` (``shared.SharedSegments``): the
+        segments that run as one program for several ranks, at the first one's index."""
         last: dict = {}
         if free:
             keep = set(self.traced.step_outputs)
@@ -201,6 +202,13 @@ class CompiledStep:
             for v in [v for v in vals if v not in keep and v not in last]:
                 del vals[v]  # values only the loop read (what the segments before it made)
         for j, seg in enumerate(segs):
+            if shared is not None and (j in shared.skip or j in shared.starts):
+                if j in shared.starts:
+                    shared.starts[j][1](vals)
+                for v in seg.inputs:
+                    if last.get(v) == j:
+                        vals.pop(v, None)
+                continue
             rank = self.stage_rank[seg.stage]
             args = self.place(seg.inputs, [vals[v] for v in seg.inputs], rank)
             if self.capture_post is not None:
@@ -268,7 +276,10 @@ class CompiledStep:
         for outer, idx in self.by_outer.items():
             vals[outer] = self.combine(idx, {i: final[i] for i in idx})
         del final  # (partial sums of a value several stages make: combined above)
-        self._run_segments(self.post_segments, vals, free=True)
+        shared = None
+        if not interp and self.capture_post is None and self.live is None:
+            shared = self.engine.post_groups()
+        self._run_segments(self.post_segments, vals, free=True, shared=shared)
         return [vals[v] if v in vals else tr.literals[v] for v in tr.step_outputs]
 
     # -- several processes ------------------------------------------------------------
