@@ -4,8 +4,6 @@ table, ring slots and parameters, its transfers routed to its own rank's context
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import jax
@@ -15,7 +13,7 @@ import pytest
 
 import baton
 from baton.frontend.shared import SharedProgram
-from mlp_step import make
+from mlp_step import make, make_train
 from test_engine import targets
 
 
@@ -124,24 +122,8 @@ def test_failure_on_a_shared_rank_names_it():
 def _adamw_run(share, ranks=4, steps=2):
     import optax
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-    import mlp
-
-    sched = baton.OneFOneB()
-    key = jax.random.PRNGKey(5)
-    params = mlp.init_params(key, sched.stages(ranks))
-    batch = mlp.synthetic_batch(key, 16)
-    opt = optax.adamw(1e-2)
-    vg = jax.value_and_grad(mlp.make_loss())
-
-    def step(p, s, b):
-        loss, g = baton.accumulate(vg, p, batch=b)
-        u, s = opt.update(g, s, p)
-        return optax.apply_updates(p, u), s, loss
-
-    ps = baton.jit(step, mesh=baton.PipelineMesh(jax.devices()[:ranks], ranks=ranks),
-                   schedule=sched, microbatches=4, share_programs=share)
-    p, s = params, opt.init(params)
+    ps, p, s, batch = make_train(baton.OneFOneB(), ranks, optax.adamw(1e-2), seed=5,
+                                 share_programs=share)
     for _ in range(steps):
         p, s, loss = ps(p, s, batch)
     return ps, (p, s, loss)
