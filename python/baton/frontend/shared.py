@@ -239,7 +239,6 @@ def share_groups(progs) -> list[list[Share]]:
 
 def _identity(p) -> Share:
     cs = p.cs
-    ss = _stages(cs, p.rank)
     return Share(p, p, {s: s for s in range(cs.num_stages)}, {o: o for o in p.needs},
                  {i: i for i in p.mine}, list(getattr(p, "units", [])),
                  list(getattr(p, "stretches", [])))
