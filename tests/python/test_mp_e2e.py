@@ -424,8 +424,14 @@ def assert_matches_plain_gpt(npz, stages):
         params, st, _ = ref(params, st, batch)
     want = jax.tree.leaves((params, st))
     assert len(got.files) == len(want)
+    # AdamW divides each element's gradient by its running RMS, so an element whose gradient
+    # rounds differently (its sum over the data axis across processes against one device's
+    # sum; XLA's kernels for this CPU) moves by a fraction of the learning rate (1e-3): atol
+    # 3e-5. Seen 1.1e-5 on one element of 4096 (fsdp, 2026-12-03), also with the code of the
+    # session before, which had passed at 1e-5 on this machine: the environment rounds
+    # differently now, not the code.
     for j, w in enumerate(want):
-        np.testing.assert_allclose(got[f"x{j}"], np.asarray(w), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[f"x{j}"], np.asarray(w), rtol=1e-5, atol=3e-5)
 
 
 def free_port() -> int:
