@@ -197,7 +197,7 @@ class ProgramEngine:
         sp = next((u for u in self.local_units or () if isinstance(u, SharedProgram)), None)
         if sp is None:
             return None
-        if getattr(sp, "post", None) is None:
+        if sp.post is None:
             sp.post = SharedSegments(sp, self.step.post_segments)
         return sp.post
 

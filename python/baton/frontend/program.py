@@ -944,7 +944,7 @@ class RankProgram(_LoopProgram):
                              for ks in self.lives}
         sizes = self.rings
         if share is not None:  # (shared by several ranks: shared.py; each its rows, slots)
-            sizes = share.rings(self.slots, self.rings, pool_of)
+            sizes = share.rings(self.rings, pool_of)
             for sh in share.shares[1:]:
                 sh.prog.buffer_bytes = {(k, sh.stage[s]): self.buffer_bytes[(k, s)]
                                         for k, s in self.lives}

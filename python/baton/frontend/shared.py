@@ -70,28 +70,28 @@ def _stage_map(cs, ls, ps) -> dict[int, int] | None:
 
 
 class _Jaxprs:
-    """The jaxpr text and constants of each task function, made once per step."""
+    """The jaxpr text and constants of functions of a step's values (a task's ``plain``, a
+    segment's ``fn``), each made once, on the avals of the values it takes."""
 
     def __init__(self, cs):
         self.cs = cs
         self.memo: dict = {}
 
-    def key(self, exe):
-        k = id(exe)
+    def key(self, fn, ins):
+        k = id(fn)
         if k not in self.memo:
             avals = self.cs.traced.avals
-            ins = [v for g in exe.in_groups for v in g]
-            closed = jax.make_jaxpr(exe.plain)(*[jax.ShapeDtypeStruct(avals[v].shape,
-                                                                      avals[v].dtype)
-                                                 for v in ins])
+            closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(avals[v].shape, avals[v].dtype)
+                                          for v in ins])
             self.memo[k] = (str(closed.jaxpr), [np.asarray(c) for c in closed.consts])
         return self.memo[k]
 
     def same(self, a, b) -> bool:
-        """The two tasks are the same computation. Not when they name devices: a sharding
-        constraint or ``shard_map`` is moved onto its rank's own sub-mesh (``tasks.on_rank``),
-        which a jaxpr's text does not show, and a ``device_put`` may name a device."""
-        (ta, ca), (tb, cb) = self.key(a), self.key(b)
+        """Functions ``a`` and ``b`` (each ``(fn, input ids)``) are the same computation. Not
+        when they name devices: a sharding constraint or ``shard_map`` is moved onto its rank's
+        own sub-mesh (``tasks.on_rank``), which a jaxpr's text does not show, and a
+        ``device_put`` may name a device."""
+        (ta, ca), (tb, cb) = self.key(*a), self.key(*b)
         if any(p in ta for p in _PLACED):
             return False
         return ta == tb and len(ca) == len(cb) and all(
@@ -99,10 +99,14 @@ class _Jaxprs:
             for x, y in zip(ca, cb))
 
 
+def _task(exe):
+    return exe.plain, [v for g in exe.in_groups for v in g]
+
+
 class Share:
     """How member rank ``prog`` maps onto the group's first rank ``lead``: its stages
     (``stage``), loop inputs (``outer``: lead's outer value -> member's), loop output parts
-    (``parts``) and its table rows in the lead's unit numbering (``rows``)."""
+    (``parts``), and its units and transfer stretches in the lead's frame."""
 
     def __init__(self, lead, prog, stage, outer, parts, units, stretches):
         self.lead, self.prog = lead, prog
@@ -203,7 +207,7 @@ def match(lead, prog, jaxprs: _Jaxprs) -> Share | None:
         return None
     for kind, s in sorted(set(lead.units) | set(units)):
         a, b = _exes(cs, kind, s), _exes(cs, kind, stage[s])
-        if len(a) != len(b) or not all(jaxprs.same(x, y) for x, y in zip(a, b)):
+        if len(a) != len(b) or not all(jaxprs.same(_task(x), _task(y)) for x, y in zip(a, b)):
             return None
     return Share(lead, prog, stage, outer, parts, units, stretches)
 
@@ -301,7 +305,7 @@ class SharedProgram:
         self.rows = self._stack([jax.device_put(r, d) for r, d in zip(rows, devs)])
         self.kinds = sorted(self.lead.lives)  # the lead's ringed kinds, in slot-table order
         self.slots = None  # [members * kinds, M] int32, set by the lowering (ring_slots)
-        self.ring_sizes = None
+        self.post = None  # SharedSegments: their code after the loop (engine.post_groups)
         self.lead.share = self
         self.fn = jax.jit(self._program)
         self.compiled = None
@@ -348,7 +352,7 @@ class SharedProgram:
         return jax.shard_map(body, mesh=self.mesh, in_specs=(P, P, P), out_specs=P,
                              check_vma=False)(args, rows, slots)
 
-    def rings(self, lead_slots, lead_rings, pool_of):
+    def rings(self, lead_rings, pool_of):
         """Called by the lead's lowering once its rings are pooled: every member's slots
         (``ring_slots`` with the lead's pools, mapped) and the rings sized for the largest.
         Returns (pool -> slots) for the program."""
@@ -372,7 +376,6 @@ class SharedProgram:
                     t[j] = sl[mk]
             tables.append(t)
         self._tables = tables  # (placed by ``lower`` once traced)
-        self.ring_sizes = sizes
         for s in self.shares:  # (what each rank's rings hold: the shared sizes)
             s.prog.rings = {p: sizes[p] for p in s.prog.rings}
         return sizes
@@ -461,23 +464,11 @@ class SharedSegments:
         by_stage: dict[int, list[int]] = {}
         for j, seg in enumerate(segs):
             by_stage.setdefault(seg.stage, []).append(j)
-        jaxprs: dict[int, Any] = {}
+        jaxprs = _Jaxprs(cs)
         avals = cs.traced.avals
 
-        def key(j):
-            if j not in jaxprs:
-                seg = segs[j]
-                closed = jax.make_jaxpr(seg.fn)(*[jax.ShapeDtypeStruct(avals[v].shape,
-                                                                       avals[v].dtype)
-                                                  for v in seg.inputs])
-                jaxprs[j] = (str(closed.jaxpr), [np.asarray(c) for c in closed.consts])
-            return jaxprs[j]
-
         def same(a, b):
-            (ta, ca), (tb, cb) = key(a), key(b)
-            return (not any(p in ta for p in _PLACED) and ta == tb and len(ca) == len(cb)
-                    and all(x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y)
-                            for x, y in zip(ca, cb)))
+            return jaxprs.same((segs[a].fn, segs[a].inputs), (segs[b].fn, segs[b].inputs))
 
         lead_stages = _stages(cs, sp.lead.rank)
         for s0 in lead_stages:
