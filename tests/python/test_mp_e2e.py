@@ -472,9 +472,12 @@ def test_ranks_spanning_processes(tmp_path, schedule):
         assert (0.45 < held < 0.55) if schedule == "fsdp" else held == 1.0, (r, held)
 
 
+@pytest.mark.heavy
 def test_dead_process_stops_spanning_ranks(tmp_path):
     """Process 3 (slot 1 of rank 1, whose sub-mesh spans processes 2 and 3) dies during a
-    step: all four processes stop well within the timeout and the launcher names it."""
+    step: all four processes stop well within the timeout and the launcher names it. Marked
+    ``heavy`` (four processes of two devices; a dead process of one-device ranks is
+    test_multi_rank_process.py's ``kill`` case)."""
     p, elapsed = launch(tmp_path, 4, "gpt-span-die", devices=2, timeout=240,
                         env={"BATON_TEST_COORD": f"127.0.0.1:{free_port()}"})
     out = p.stdout + p.stderr

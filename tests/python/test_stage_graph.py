@@ -195,10 +195,12 @@ def _check_direct(step, edges, microbatches=4):
 # Eager 1F1B and ZB-H2 place the stages and move the skip edge as 1F1B and ZB-H1 do (stage s on
 # rank s; only the order of tasks differs, which test_skip_connections_across_stages runs for
 # all eight).
-ENC_DEC = [s for s in SCHEDULES if s[0] in ("1f1b", "zbh1", "interleaved", "zbv", "dualpipev")]
+# DualPipeV places the stages as ZB-V does (a V over two ranks) and is marked ``heavy``.
+ENC_DEC = [pytest.param(*s, id=s[0], marks=pytest.mark.heavy if s[0] == "dualpipev" else ())
+           for s in SCHEDULES if s[0] in ("1f1b", "zbh1", "interleaved", "zbv", "dualpipev")]
 
 
-@pytest.mark.parametrize("name,schedule,ranks", ENC_DEC, ids=[s[0] for s in ENC_DEC])
+@pytest.mark.parametrize("name,schedule,ranks", ENC_DEC)
 def test_encoder_decoder_every_placement(name, schedule, ranks):
     key = jax.random.PRNGKey(0)
     ps = _train(seq2seq_loss, init_seq2seq(key), seq2seq_batch(key, 8), schedule, ranks)
