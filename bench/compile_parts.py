@@ -2,7 +2,7 @@
 
     python bench/compile_parts.py [--ranks 4] [--schedule 1f1b] [--md FILE]
 
-The model and step are ``bench/compile_time.py``'s (examples/gpt.py, dim 64, one block per
+The model and step are ``bench/compile_time.py``'s (examples/gpt.py, dim 32, one block per
 stage, 8 microbatches of 2, AdamW) with ``share_programs=False``, so every rank has its own
 program. For each rank, compiled alone and one after another (caches cold for each):
 
@@ -110,7 +110,7 @@ def main():
         f"# Compile time by rank program ({datetime.date.today()}, {platform.node()}, "
         f"{os.cpu_count()} CPUs, jax {jax.__version__})",
         "",
-        f"`python bench/compile_parts.py --ranks {a.ranks} --schedule {a.schedule}`: GPT dim 64, "
+        f"`python bench/compile_parts.py --ranks {a.ranks} --schedule {a.schedule}`: GPT dim 32, "
         f"one block per stage, 8 microbatches of 2, `share_programs=False`. Seconds of "
         f"`Lowered.compile()`.",
         "",

@@ -4,7 +4,7 @@
     python bench/compile_time.py [--ranks 4] [--layers 4] [--schedules 1f1b,zbh1,interleaved]
                                  [--unshared] [--md FILE]
 
-The model is examples/gpt.py (dim 64, ``--layers`` blocks, ``--ranks`` stages per rank count
+The model is examples/gpt.py (dim 32, ``--layers`` blocks, ``--ranks`` stages per rank count
 of the schedule), 8 microbatches of 2 sequences, AdamW, on ``--ranks`` CPU devices of one
 process. "plain jax.jit" is the training step with ``accumulate`` as a ``lax.scan`` over the
 same microbatches on one device. First call: wall time of call 1 (outputs ready); its compile
@@ -87,7 +87,7 @@ def main():
         f"{os.cpu_count()} CPUs, jax {jax.__version__})",
         "",
         f"`python bench/compile_time.py --ranks {a.ranks} --layers {a.layers} --schedules "
-        f"{a.schedules}{' --unshared' if a.unshared else ''}`: GPT dim 64, 8 microbatches "
+        f"{a.schedules}{' --unshared' if a.unshared else ''}`: GPT dim 32, 8 microbatches "
         f"of 2, AdamW. Times in seconds.",
         "",
         "| step | call 1 | steady call (median of 2-6) | compile part of call 1 | "
