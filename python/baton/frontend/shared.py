@@ -453,7 +453,8 @@ class SharedSegments:
     a lead segment and the members' segments that are the same function (equal jaxpr text and
     constants on equal input avals, nothing placed on devices, nothing donated) run as one
     SPMD program over the group's devices, compiled once (each rank's optimizer update of
-    equal blocks). ``plan`` gives, per segment index, the group that runs there."""
+    equal blocks). ``starts``: segment index -> (the group's segment indices, its runner), run
+    at the group's first index; ``skip``: the group's other indices."""
 
     def __init__(self, sp: SharedProgram, segs):
         cs = sp.lead.cs

@@ -202,27 +202,23 @@ class CompiledStep:
             for v in [v for v in vals if v not in keep and v not in last]:
                 del vals[v]  # values only the loop read (what the segments before it made)
         for j, seg in enumerate(segs):
-            if shared is not None and (j in shared.skip or j in shared.starts):
-                if j in shared.starts:
-                    shared.starts[j][1](vals)
-                for v in seg.inputs:
-                    if last.get(v) == j:
-                        vals.pop(v, None)
-                continue
-            rank = self.stage_rank[seg.stage]
-            args = self.place(seg.inputs, [vals[v] for v in seg.inputs], rank)
-            if self.capture_post is not None:
-                self.capture_post.append(
-                    [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding)
-                     if isinstance(x, jax.Array) else x for x in args])
-            outs = seg.fn(*args)
-            del args
-            for v, x in zip(seg.outputs, outs):
-                vals[v] = x
-            if self.live is not None:
-                jax.block_until_ready(outs)
-                self.live.sample(rank, ("post", j))
-            del outs
+            if shared is not None and j in shared.starts:  # (the group's segments, at once)
+                shared.starts[j][1](vals)
+            elif shared is None or j not in shared.skip:
+                rank = self.stage_rank[seg.stage]
+                args = self.place(seg.inputs, [vals[v] for v in seg.inputs], rank)
+                if self.capture_post is not None:
+                    self.capture_post.append(
+                        [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding)
+                         if isinstance(x, jax.Array) else x for x in args])
+                outs = seg.fn(*args)
+                del args
+                for v, x in zip(seg.outputs, outs):
+                    vals[v] = x
+                if self.live is not None:
+                    jax.block_until_ready(outs)
+                    self.live.sample(rank, ("post", j))
+                del outs
             for v in seg.inputs:
                 if last.get(v) == j:
                     vals.pop(v, None)
