@@ -27,12 +27,12 @@ bench-pipeline: setup
 bench-pinned: setup
 	$(PY) bench/pinned.py --steps 8 --repeat 3 --md bench/results/pinned.md
 	$(PY) bench/pinned.py --schedules 1f1b --one-rank "" --dim 512 --steps 6 --repeat 5 \
-		--md bench/results/pinned_dim512.md
+		--md bench/results/pinned.md
 
 bench-pinned-ab: setup
-	$(PY) bench/pinned_ab.py --schedules 1f1b,interleaved --rounds 8 --md bench/results/pinned_ab.md
+	$(PY) bench/pinned_ab.py --schedules 1f1b,interleaved --rounds 8 --md bench/results/pinned.md
 	$(PY) bench/pinned_ab.py --dim 512 --schedules 1f1b --rounds 6 \
-		--md bench/results/pinned_ab_dim512.md
+		--md bench/results/pinned.md
 
 bench-stage-costs: setup
 	$(PY) bench/stage_costs.py --rounds 3 --md bench/results/stage_costs.md

@@ -7,6 +7,7 @@ import datetime
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -50,12 +51,27 @@ def baseline_step(args, mb_size: int):
 
 
 def machine_lines() -> list[str]:
-    """The date and machine lines of a report."""
+    """The date, machine and commit lines of a report."""
     return [
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- machine: {platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}",
+        f"- commit: {_commit()}",
     ]
+
+
+def _commit() -> str:
+    """The checkout's commit (short hash, ``+`` when the tree has local changes), or
+    ``unknown`` outside a git checkout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True,
+                             capture_output=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=here, text=True, capture_output=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return rev + ("+" if dirty else "")
 
 
 def command_line(script: str) -> str:
@@ -89,8 +105,20 @@ def first_and_median(fn, steps: int, warmup: int = 0) -> tuple[float, float]:
 
 
 def publish(text: str, md: str | None) -> None:
-    """Prints a benchmark's markdown report and, with ``md``, writes it there too."""
+    """Prints a benchmark's markdown report and, with ``md``, writes it there too: a new file
+    is the report as it is; an existing one (a benchmark's results file, which keeps every
+    run) gets the report appended as a dated section, its headings one level down."""
     print(text)
-    if md:
+    if not md:
+        return
+    if not (os.path.exists(md) and os.path.getsize(md) > 0):
         with open(md, "w", encoding="utf-8") as f:
             f.write(text)
+        return
+    lines = text.rstrip("\n").split("\n")
+    date = next((ln[len("- date: "):] for ln in lines if ln.startswith("- date: ")), "undated")
+    title = lines[0].lstrip("# ") if lines and lines[0].startswith("# ") else "run"
+    body = lines[1:] if lines and lines[0].startswith("# ") else lines
+    section = [f"## {date}: {title}"] + ["#" + ln if ln.startswith("#") else ln for ln in body]
+    with open(md, "a", encoding="utf-8") as f:
+        f.write("\n" + "\n".join(section) + "\n")
