@@ -1,6 +1,6 @@
 """Pipeline-buffer memory of the table rank programs: the bytes their rings hold, with kinds
 of equal avals sharing one ring (what the programs use) and with one ring per buffer kind
-(sessions before 15), against the most bytes of buffers ever live at once (the schedule's
+(before commit b98cbd1), against the most bytes of buffers ever live at once (the schedule's
 peak, a lower bound for any rings), and XLA's memory analysis of each compiled rank program
 (temporaries: the rings are loop carries, so they live there). Prints a table.
 
