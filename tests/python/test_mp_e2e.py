@@ -428,7 +428,7 @@ def assert_matches_plain_gpt(npz, stages):
     # rounds differently (its sum over the data axis across processes against one device's
     # sum; XLA's kernels for this CPU) moves by a fraction of the learning rate (1e-3): atol
     # 3e-5. Seen 1.1e-5 on one element of 4096 (fsdp, 2026-12-03), also with the code of
-    # commit 2d21783's parent, which had passed at 1e-5 on this machine: the environment
+    # commit c4de2be, which had passed at 1e-5 on this machine: the environment
     # rounds differently now, not the code.
     for j, w in enumerate(want):
         np.testing.assert_allclose(got[f"x{j}"], np.asarray(w), rtol=1e-5, atol=3e-5)
