@@ -1,7 +1,7 @@
 """2-rank Baton steps and the 1-process baseline, alternating in the same two pinned processes.
 
     python bench/pinned_ab.py [--schedules 1f1b,eager1f1b] [--dim 256] [--rounds 10]
-                              [--md bench/results/pinned_ab.md]
+                              [--md bench/results/pinned.md]
 
 ``bench/pinned.py`` runs every configuration in processes of its own, and this VM's timings move
 5-10% from one launch to the next. That is as large as the differences the 2-rank targets are
