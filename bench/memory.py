@@ -115,7 +115,7 @@ def main():
            f"--md bench/results/memory.md` (8 CPU devices, one process per configuration, "
            "the interpreter)",
            "- predicted: `step.memory(...)` (max(static + copies + loop, update), see "
-           "docs/ARCHITECTURE.md, \"Memory\"); measured: the peak over one step (the "
+           "docs/ARCHITECTURE.md, \"Measurement and memory\"); measured: the peak over one step (the "
            "microbatch loop and the optimizer update after it) of the live jax arrays' bytes "
            "per device (`jax.live_arrays()`), plus the running task's or update segment's XLA "
            "temporaries at samples taken inside it; ratio = predicted / measured; \"update\": "

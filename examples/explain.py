@@ -18,8 +18,8 @@ update after the microbatch loop) is pipelined with ``baton.jit`` on 2 ranks and
 4. ``plan.to_text()``: the instruction stream of every rank.
 
 It then runs one step and checks the loss and the updated parameters against
-``jax.value_and_grad`` + SGD on the full batch. docs/ARCHITECTURE.md ("Worked
-example") walks through this output.
+``jax.value_and_grad`` + SGD on the full batch. docs/WORKED_EXAMPLE.md walks
+through this output.
 """
 
 from __future__ import annotations

@@ -362,7 +362,7 @@ def test_a_stalled_rank_is_reported_instead_of_hanging():
 
 
 def test_worked_example_of_the_architecture_doc(capsys):
-    """examples/explain.py (the worked example in docs/ARCHITECTURE.md) runs, checks itself
+    """examples/explain.py (the worked example in docs/WORKED_EXAMPLE.md) runs, checks itself
     against the full-batch reference, and still shows what the document describes. (Value
     ids and primitive names depend on the JAX version, so only the structure is checked.)"""
     assert explain.main([]) == 0

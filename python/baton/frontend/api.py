@@ -356,7 +356,7 @@ class PipelinedFunction:
         buffers, XLA temporaries; ``.table()``), shown by ``summary()`` from then on.
         ``measure``: also run one step sampling the live jax arrays per device
         (``Memory.measured``). Runs one interpreted step to compile the tasks as they run;
-        one process only. See docs/ARCHITECTURE.md, "Memory"."""
+        one process only. See docs/ARCHITECTURE.md, "Measurement and memory"."""
         from .memory import memory
 
         return memory(self, args, measure)

@@ -108,7 +108,8 @@ def _with_acc(fn, pos: list[int]):
     """``fn`` with the running sums fused in: ``g(acc, *args)`` returns ``fn(*args)`` with
     output ``pos[k]`` replaced by ``acc[k] + output``: XLA adds inside the task's program
     instead of a separate pass over parameter-sized buffers per microbatch. (Donating ``acc``
-    was measured no faster here, and slower in some steps: see docs/ARCHITECTURE.md.)"""
+    was measured no faster here, and slower in some steps: see bench/results/pinned.md,
+    "Analysis notes".)"""
 
     def g(acc, *args):
         outs = list(fn(*args))
