@@ -39,7 +39,9 @@ TEST(NcclCommLinks, CanonicalOrderIsTheSameOnBothEnds) {
 }
 
 TEST(NcclCommLinks, RejectsBadPeersAndChannels) {
-  EXPECT_THROW(staging::canonical_links(0, 2, {{0, 0, true}}), ConfigError);   // itself
+  // A self link: both directions are one key (a 1-rank communicator).
+  EXPECT_EQ(staging::canonical_links(0, 2, {{0, 0, true}, {0, 0, false}}),
+            (std::vector<LinkKey>{{0, 0, 0}}));
   EXPECT_THROW(staging::canonical_links(0, 2, {{2, 0, true}}), ConfigError);   // out of range
   EXPECT_THROW(staging::canonical_links(0, 2, {{-1, 0, true}}), ConfigError);  // negative
   EXPECT_THROW(staging::canonical_links(0, 2, {{1, -1, true}}), ConfigError);  // channel

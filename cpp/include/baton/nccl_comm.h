@@ -115,8 +115,10 @@ struct LinkKey {
 };
 
 // The links of `rank` as LinkKeys, sorted and without duplicates: the same
-// relative order on every rank (a subsequence of one global order). Throws
-// ConfigError for a peer out of range, the rank itself, or a negative channel.
+// relative order on every rank (a subsequence of one global order). A link to
+// the rank itself (a self link: its send and receive directions are one key)
+// is a 1-rank communicator. Throws ConfigError for a peer out of range or a
+// negative channel.
 std::vector<LinkKey> canonical_links(int rank, int world, const std::vector<NcclLink>& links);
 
 // Offsets of tensors of `bytes` packed into one slot, each aligned to `align`;
@@ -200,6 +202,9 @@ class LinkFifo {
     auto it = q_.find({peer, channel});
     return it == q_.end() || it->second.empty();
   }
+  // The oldest / newest entry (references stay valid until that entry is popped).
+  T& front(int peer, int channel) { return q_.at({peer, channel}).front(); }
+  T& back(int peer, int channel) { return q_.at({peer, channel}).back(); }
   T pop(int peer, int channel) {  // the oldest; the queue must not be empty
     auto& q = q_.at({peer, channel});
     T v = std::move(q.front());

@@ -17,7 +17,7 @@ std::vector<LinkKey> canonical_links(int rank, int world, const std::vector<Nccl
   std::vector<LinkKey> out;
   out.reserve(links.size());
   for (const NcclLink& l : links) {
-    if (l.peer < 0 || l.peer >= world || l.peer == rank)
+    if (l.peer < 0 || l.peer >= world)
       throw ConfigError(fmt::format("NCCL link of rank {}: peer {} is invalid (world size {})",
                                     rank, l.peer, world));
     if (l.channel < 0)

@@ -85,6 +85,8 @@ struct NcclComm::Impl {
   // around each poll) until it is enqueued, within the timeout.
   void settle(Link& l, const std::string& doing);
   void reserve_events(size_t n);  // at least n idle fast events
+  // Issues every pair of a staged self send and a posted self receive of `channel`.
+  void pair_self(Link& l, int channel);
   void take_spent();
   void check_failed() const;
   [[noreturn]] void fail(const std::string& msg, int origin);
@@ -108,6 +110,10 @@ struct NcclComm::Impl {
   std::map<std::tuple<int, int, bool>, std::vector<std::string>> names_;
   staging::LinkFifo<PendingRecv> fifo_;
   std::vector<PendingSend> sends_;
+  // Self links (a rank sending to itself): NCCL needs a send to self and its
+  // receive in one group, so each is held until its partner comes (pair_self).
+  std::map<int, std::deque<PendingSend>> self_sends_;  // by channel: staged, not issued
+  std::map<int, std::deque<PendingRecv*>> self_recvs_;  // by channel: posted, not issued
   std::unique_ptr<staging::SlotPool> pool_;
   std::vector<cudaEvent_t> fast_;
 
@@ -239,7 +245,8 @@ NcclComm::Impl::Impl(int rank, int world, int device, std::shared_ptr<Store> sto
     ncclResult_t init = ncclSuccess;
     for (size_t i = 0; i < keys.size() && (init == ncclSuccess || init == ncclInProgress); ++i) {
       ncclConfig_t cfg = nccl_detail::nonblocking_config();
-      init = api.CommInitRankConfig(&links_.at(keys[i]).comm, 2, ids[i],
+      const bool self = keys[i].src == keys[i].dst;  // a self link: a 1-rank communicator
+      init = api.CommInitRankConfig(&links_.at(keys[i]).comm, self ? 1 : 2, ids[i],
                                     keys[i].src == rank_ ? 0 : 1, &cfg);
     }
     const ncclResult_t end = api.GroupEnd();
@@ -254,6 +261,12 @@ NcclComm::Impl::Impl(int rank, int world, int device, std::shared_ptr<Store> sto
     ncclResult_t r = ncclSuccess;
     for (auto& [k, l] : links_) {
       if (r != ncclSuccess && r != ncclInProgress) break;
+      if (k.src == k.dst) {  // a self link: its send and receive in the same group
+        r = api.Send(warm, 1, ncclUint8, 0, l.comm, l.stream);
+        if (r == ncclSuccess || r == ncclInProgress)
+          r = api.Recv(static_cast<char*>(warm) + 1, 1, ncclUint8, 0, l.comm, l.stream);
+        continue;
+      }
       r = k.src == rank_ ? api.Send(warm, 1, ncclUint8, 1, l.comm, l.stream)
                          : api.Recv(static_cast<char*>(warm) + 1, 1, ncclUint8, 0, l.comm, l.stream);
     }
@@ -345,6 +358,10 @@ void NcclComm::Impl::close() {
     cudaEventDestroy(s.done);
   }
   sends_.clear();
+  for (auto& [c, q] : self_sends_)  // staged sends to itself never paired (no event yet)
+    for (PendingSend& s : q) pool_->retire(s.slot, s.bytes, nullptr);
+  self_sends_.clear();
+  self_recvs_.clear();  // (their entries are in fifo_, dropped below)
   while (fifo_.pending()) {
     // drop posted receives that were never waited for
     bool any = false;
@@ -406,6 +423,47 @@ void NcclComm::Impl::reserve_events(size_t n) {
     cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate (reserve)");
     ++events_created_;
     fast_.push_back(e);
+  }
+}
+
+void NcclComm::Impl::pair_self(Link& l, int channel) {
+  auto& sends = self_sends_[channel];
+  auto& recvs = self_recvs_[channel];
+  const nccl_detail::NcclApi& api = nccl_api();
+  while (!sends.empty() && !recvs.empty()) {
+    PendingSend s = std::move(sends.front());
+    sends.pop_front();
+    PendingRecv* r = recvs.front();
+    recvs.pop_front();
+    if (s.bytes != r->bytes)
+      throw ExecutionError(fmt::format("rank {}: {} ({} bytes) to itself is received as {} ({} "
+                                       "bytes)",
+                                       rank_, s.what, s.bytes, r->what, r->bytes),
+                           rank_);
+    if (s.bytes) {
+      ncclResult_t a = ncclSuccess, b = ncclSuccess, e = ncclSuccess;
+      {
+        std::lock_guard<std::mutex> lock(nccl_mu_);
+        if (gone_.done()) {
+          check_failed();
+          throw ExecutionError(fmt::format("rank {}: the NCCL communicators are gone", rank_),
+                               rank_);
+        }
+        nccl_check(api.GroupStart(), "ncclGroupStart (self link)");
+        a = api.Send(s.slot, s.bytes, ncclUint8, 0, l.comm, l.stream);
+        b = api.Recv(r->slot, r->bytes, ncclUint8, 0, l.comm, l.stream);
+        e = api.GroupEnd();
+      }
+      accepted(a, "ncclSend (self link)");
+      accepted(b, "ncclRecv (self link)");
+      accepted(e, "ncclGroupEnd (self link)");
+      if (a == ncclInProgress || b == ncclInProgress || e == ncclInProgress)
+        settle(l, "sending " + s.what + " to itself");
+    }
+    s.done = fast_event();
+    cuda_check(cudaEventRecord(s.done, l.stream), "cudaEventRecord");
+    cuda_check(cudaEventRecord(r->done, l.stream), "cudaEventRecord");
+    sends_.push_back(std::move(s));
   }
 }
 
@@ -568,6 +626,12 @@ void NcclComm::Impl::send(cudaStream_t stream, const CommOp& op,
   cuda_check(cudaEventRecord(copied, stream), "cudaEventRecord");
   cuda_check(cudaStreamWaitEvent(l.stream, copied, 0), "cudaStreamWaitEvent");
   give_fast(copied);  // the wait above captured it: free to re-record
+  if (op.peer == rank_) {  // a self link: issued with its receive (pair_self)
+    self_sends_[op.channel].push_back(std::move(p));
+    pair_self(l, op.channel);
+    ++sent_;
+    return;
+  }
   const size_t rec = note(CommOpKind::Send, op, seq, l.stream);
   if (total) {
     ncclResult_t r = ncclSuccess;
@@ -599,6 +663,14 @@ void NcclComm::Impl::post(const CommOp& op) {
   // A slot from the pool is idle on the device (its fences completed), so the
   // receive stream needs no wait on the compute stream.
   p.slot = pool_->take(total);
+  if (op.peer == rank_) {  // a self link: issued with its send (pair_self)
+    p.done = fast_event();
+    fifo_.push(op.peer, op.channel, std::move(p));
+    self_recvs_[op.channel].push_back(&fifo_.back(op.peer, op.channel));
+    pair_self(l, op.channel);
+    ++received_;
+    return;
+  }
   const size_t rec = note(CommOpKind::Post, op, seq, l.stream);
   if (total) {
     ncclResult_t r = ncclSuccess;
@@ -623,6 +695,15 @@ void NcclComm::Impl::post(const CommOp& op) {
 void NcclComm::Impl::wait(cudaStream_t stream, const CommOp& op, const std::vector<MutBytes>& outs,
                           size_t& out) {
   if (fifo_.empty(op.peer, op.channel)) post(op);  // not posted ahead: post it now
+  if (op.peer == rank_) {
+    auto& pending = self_recvs_[op.channel];
+    if (!pending.empty() && pending.front() == &fifo_.front(op.peer, op.channel))
+      throw ExecutionError(
+          fmt::format("rank {}: receiving {} from itself before it was sent (a self link's "
+                      "send must come before its wait in the rank's stream)",
+                      rank_, fifo_.front(op.peer, op.channel).what),
+          rank_);
+  }
   PendingRecv p = fifo_.pop(op.peer, op.channel);
   const auto& sizes = layout(op.channel, op.stage);
   const std::vector<size_t> offs = staging::packed_offsets(sizes);
@@ -826,7 +907,7 @@ void NcclComm::run_group(void* stream_ptr, const std::vector<CommOp>& ops,
     m.set_device();
     m.reap(false);
     for (const CommOp& op : ops) {
-      if (op.peer < 0 || op.peer >= m.world_ || op.peer == m.rank_)
+      if (op.peer < 0 || op.peer >= m.world_)  // (the rank itself: a self link)
         throw ExecutionError(
             fmt::format("rank {}: internal: transfer peer {} out of range", m.rank_, op.peer),
             m.rank_);
