@@ -1,8 +1,10 @@
 // NCCL point-to-point transport (built only when CUDA and nccl.h are found).
 //
-// NCCL is loaded with dlopen at run time ($BATON_NCCL_LIBRARY, else
-// libnccl.so.2 from the loader path): the JAX CUDA plugin ships its own NCCL
-// and Baton should use that same copy rather than link a second one.
+// NCCL is loaded with dlopen at run time (nccl_api.h: the copy JAX already
+// mapped when there is one, else $BATON_NCCL_LIBRARY, libnccl.so.2; its
+// version checked against nccl.h), never linked, so one copy serves both.
+// Communicators are non-blocking: setup polls them under a deadline, and no
+// NCCL call holds nccl_mu_ while waiting for a peer (abort_comms needs it).
 //
 // One progress thread issues the posted operations in order, one
 // communication group (as ended by flush()) at a time, on its own stream, as
