@@ -96,6 +96,9 @@ struct NcclComm::Impl {
   // ---- failures (any thread)
   void abort(const std::string& msg, int origin, bool publish);
   void abort_comms();
+  // Under mu_: watched receives whose events completed go to spent_; the
+  // message of one the compute stream has waited for past the timeout, if any.
+  std::string sweep_watched_locked();
   void watchdog();
   void close();
 
@@ -405,6 +408,13 @@ void NcclComm::Impl::close() {
 
 cudaEvent_t NcclComm::Impl::fast_event() {
   if (fast_.empty()) take_spent();
+  if (fast_.empty()) {  // completed receives the watchdog has not swept yet
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      sweep_watched_locked();  // (a timeout found here is the watchdog's to report)
+    }
+    take_spent();
+  }
   if (!fast_.empty()) {
     cudaEvent_t e = fast_.back();
     fast_.pop_back();
@@ -767,6 +777,38 @@ void NcclComm::Impl::abort(const std::string& msg, int origin, bool publish) {
   }
 }
 
+std::string NcclComm::Impl::sweep_watched_locked() {
+  std::string timed_out;
+  const auto now = Clock::now();
+  const auto limit = std::chrono::milliseconds(timeout_ms_.load());
+  size_t keep = 0;
+  for (size_t i = 0; i < watched_.size(); ++i) {
+    Watched& w = watched_[i];
+    if (cudaEventQuery(w.done) == cudaSuccess) {
+      // `reached` precedes `done`'s consumer on the compute stream; wait for
+      // it too so the event is idle before it is re-recorded.
+      if (cudaEventQuery(w.reached) == cudaSuccess) {
+        spent_.push_back(w.reached);
+        spent_.push_back(w.done);
+        continue;
+      }
+    } else if (!w.seen) {
+      if (cudaEventQuery(w.reached) == cudaSuccess) {
+        w.seen = true;
+        w.since = now;
+      }
+    } else if (now - w.since > limit && timed_out.empty() && !failure_) {
+      timed_out = fmt::format("rank {}: timed out after {:g} s receiving {} (the compute "
+                              "stream waited for it; NCCL communicators aborted)",
+                              rank_, comm_seconds(limit), w.what);
+    }
+    if (keep != i) watched_[keep] = std::move(watched_[i]);
+    ++keep;
+  }
+  watched_.resize(keep);
+  return timed_out;
+}
+
 void NcclComm::Impl::watchdog() {
   cudaSetDevice(device_);
   const std::string abort_key = prefix_ + "/abort";
@@ -775,33 +817,7 @@ void NcclComm::Impl::watchdog() {
     std::string timed_out;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      const auto now = Clock::now();
-      const auto limit = std::chrono::milliseconds(timeout_ms_.load());
-      size_t keep = 0;
-      for (size_t i = 0; i < watched_.size(); ++i) {
-        Watched& w = watched_[i];
-        if (cudaEventQuery(w.done) == cudaSuccess) {
-          // `reached` precedes `done`'s consumer on the compute stream; wait for
-          // it too so the event is idle before it is re-recorded.
-          if (cudaEventQuery(w.reached) == cudaSuccess) {
-            spent_.push_back(w.reached);
-            spent_.push_back(w.done);
-            continue;
-          }
-        } else if (!w.seen) {
-          if (cudaEventQuery(w.reached) == cudaSuccess) {
-            w.seen = true;
-            w.since = now;
-          }
-        } else if (now - w.since > limit && timed_out.empty() && !failure_) {
-          timed_out = fmt::format("rank {}: timed out after {:g} s receiving {} (the compute "
-                                  "stream waited for it; NCCL communicators aborted)",
-                                  rank_, comm_seconds(limit), w.what);
-        }
-        if (keep != i) watched_[keep] = std::move(watched_[i]);
-        ++keep;
-      }
-      watched_.resize(keep);
+      timed_out = sweep_watched_locked();
     }
     if (!timed_out.empty()) abort(timed_out, rank_, true);
     // 2. asynchronous NCCL errors
