@@ -137,14 +137,14 @@ EOF
 fi
 
 # 3e. Single-GPU checks of the CUDA path's first-contact hazards ---------------------------------
-# One script, four rows: a self link through the FFI inside a jitted fori_loop (exact results,
+# One script, five rows: a self link through the FFI inside a jitted fori_loop (exact results,
 # staging slots and CUDA events flat after the first step, time per unit); a peer that never
 # arrives raising within the setup timeout (and the CUDA context usable after); the implicit-
-# synchronization probe; exactly one libnccl mapped.
+# synchronization probe; a lax.switch unit against the same unit straight; one libnccl mapped.
 if [ -f "$STAGE/baton/__init__.py" ]; then
   timeout 240 "$PY" bench/gpu_check_single.py >"$LOG/single_gpu.txt" 2>&1
   RC=$?
-  for name in "self link (FFI, fori_loop)" "peer never arrives" "implicit sync probe" "one libnccl mapped"; do
+  for name in "self link (FFI, fori_loop)" "peer never arrives" "implicit sync probe" "switch vs straight" "one libnccl mapped"; do
     line=$(grep -F "ROW $name|" "$LOG/single_gpu.txt" | tail -1)
     if [ -z "$line" ]; then
       row "$name" FAIL "did not run (rc=$RC): $(tail -3 "$LOG/single_gpu.txt" | tr '\n' ' ')"

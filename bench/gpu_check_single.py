@@ -13,6 +13,8 @@ what it claims prints FAIL with the reason. Checks:
 * implicit sync probe: how long a cudaMalloc (``reserve`` of a new size) takes on the host
   while the GPU is busy (INFO: a call as long as the busy work means the allocation waited
   for the device, which is why the staging pool is reserved before the first step);
+* switch vs straight (INFO): time per unit of a loop of ``lax.switch`` units (the table form)
+  and of the same units straight (the form GPU ranks get), results equal;
 * one libnccl mapped: after all of this, exactly one ``libnccl`` is mapped in the process and
   it is the one Baton uses.
 """
@@ -126,10 +128,45 @@ def implicit_sync_probe(rt) -> None:
         "staging is reserved before the first step either way")
 
 
+def switch_cost() -> None:
+    """Time per unit of a loop whose 8 units are each a two-branch ``lax.switch`` (the table
+    form) against the same units straight (the GPU form): XLA's GPU conditional thunk copies
+    the branch index to the host and waits for it before each branch."""
+    name = "switch vs straight"
+    x0 = jnp.ones((256, 256), jnp.float32)
+    units = 8
+
+    def unit(x):
+        return jnp.tanh(x @ x) * 0.5
+
+    def body_switch(i, x):
+        for _ in range(units):
+            x = jax.lax.switch((i >= 0).astype(jnp.int32), [lambda y: y, unit], x)
+        return x
+
+    def body_straight(_, x):
+        for _ in range(units):
+            x = unit(x)
+        return x
+
+    times = {}
+    for label, body in (("switch", body_switch), ("straight", body_straight)):
+        f = jax.jit(lambda x, k, body=body: jax.lax.fori_loop(0, k, body, x))
+        jax.block_until_ready(f(x0, 2))
+        t = time.perf_counter()
+        y = jax.block_until_ready(f(x0, 200))
+        times[label] = (time.perf_counter() - t) / (200 * units)
+        times[label + "_y"] = np.asarray(y)
+    same = bool(np.allclose(times["switch_y"], times["straight_y"]))
+    row(name, "INFO" if same else "FAIL",
+        f"per unit: switch {times['switch'] * 1e6:.1f} us, straight "
+        f"{times['straight'] * 1e6:.1f} us (256x256 matmul+tanh); results equal {same}")
+
+
 def one_libnccl(rt) -> None:
     name = "one libnccl mapped"
+    path, version, was_mapped, err = rt.nccl_library()  # (loads it if nothing did yet)
     mapped = rt.mapped_libraries("libnccl")
-    path, version, was_mapped, err = rt.nccl_library()
     real = {__import__("os").path.realpath(p) for p in mapped}
     ok = len(real) == 1 and not err and __import__("os").path.realpath(path) in real
     row(name, "PASS" if ok else "FAIL",
@@ -149,7 +186,7 @@ def main() -> None:
     ffi.register()
     for check in (lambda: self_link(rt, ffi), lambda: peer_never_arrives(rt, (BatonError,
                                                                                RuntimeError)),
-                  lambda: implicit_sync_probe(rt), lambda: one_libnccl(rt)):
+                  lambda: implicit_sync_probe(rt), switch_cost, lambda: one_libnccl(rt)):
         try:
             check()
         except Exception:  # noqa: BLE001  (the row says what failed)

@@ -115,3 +115,38 @@ def test_nccl_library_rules_as_bound():
     path, version, was_mapped, err = rt.nccl_library()
     assert isinstance(path, str) and isinstance(version, int) and isinstance(err, str)
     assert (err == "") == bool(path)  # loaded (with a path), or the reason it was not
+
+
+def test_an_already_mapped_nccl_is_the_one_used(tmp_path):
+    """When the process already maps a libnccl (as JAX's CUDA plugin does), Baton opens that
+    copy (RTLD_NOLOAD) even when $BATON_NCCL_LIBRARY names another file, so one copy is
+    mapped. In a fresh process: the library is loaded once per process."""
+    import ctypes.util
+    import subprocess
+    import sys
+
+    if not _core.ffi.has_cuda():
+        pytest.skip("built without CUDA/nccl.h: Baton loads no NCCL")
+    try:
+        ctypes.CDLL("libnccl.so.2")
+    except OSError:
+        pytest.skip("no libnccl.so.2 on the loader path of this machine")
+    code = (
+        "import ctypes, os\n"
+        "ctypes.CDLL('libnccl.so.2')  # mapped first, as JAX's plugin would\n"
+        "from baton import _core\n"
+        "rt = _core.runtime\n"
+        "before = rt.mapped_libraries('libnccl')\n"
+        "path, version, was_mapped, err = rt.nccl_library()\n"
+        "after = rt.mapped_libraries('libnccl')\n"
+        "assert err == '', err\n"
+        "assert was_mapped, (path, before)\n"
+        "assert len(before) == 1 and after == before, (before, after)\n"
+        "assert os.path.realpath(path) == os.path.realpath(before[0]), (path, before)\n"
+        "print('ok', path, version)\n")
+    env = dict(os.environ, BATON_NCCL_LIBRARY=str(tmp_path / "libnccl-other.so"))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("ok ")
+    assert "already mapped" in r.stderr  # the one log line names where NCCL came from
