@@ -268,8 +268,9 @@ class NcclComm {
   // `member` (null removes the route). Set while no program runs.
   void set_route(int ordinal, std::shared_ptr<NcclComm> member);
   // The context of a call from device `ordinal`: the routed slot's, else this
-  // one when `ordinal` is its own device; ExecutionError naming the rank and
-  // the ordinal otherwise (a handler called on a device this rank lacks).
+  // one when `ordinal` is its own device or no routes are set (one slot);
+  // ExecutionError naming the rank and the ordinals otherwise (a handler called
+  // on a device this rank lacks).
   NcclComm& route(int ordinal);
 
   // One group (see RankComm::run_group); `stream` is the compute stream

@@ -149,7 +149,8 @@ void NcclComm::set_route(int ordinal, std::shared_ptr<NcclComm> member) {
 
 NcclComm& NcclComm::route(int ordinal) {
   if (auto m = routes_.find(ordinal)) return *m;
-  if (ordinal == device()) return *this;
+  // No routes: one slot, any ordinal (as DeviceSlots with no ordinals; a one-device rank).
+  if (ordinal == device() || routes_.empty()) return *this;
   throw ExecutionError(
       fmt::format("rank {}: a transfer ran on CUDA device {}, but this rank's NCCL contexts are "
                   "on device {}{}{} (one context per device slot: NcclRankComm.set_route)",
