@@ -150,3 +150,74 @@ def test_an_already_mapped_nccl_is_the_one_used(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("ok ")
     assert "already mapped" in r.stderr  # the one log line names where NCCL came from
+
+
+class _FakeNccl:
+    """Stands in for ``NcclRankComm`` (no GPU here): records what ``nccl_comms`` builds."""
+
+    made: list = []
+    fail_on: tuple | None = None
+
+    def __init__(self, rank, world, device, store, links, timeout, prefix):
+        if _FakeNccl.fail_on == (rank, prefix.rsplit("/", 1)[1]):
+            raise RuntimeError(f"rank {rank}: NCCL setup: the peer never arrived")
+        self.rank, self.world, self.device, self.prefix = rank, world, device, prefix
+        self.routes: dict = {}
+        self.closed = False
+        _FakeNccl.made.append(self)
+
+    def set_route(self, ordinal, member):
+        self.routes[ordinal] = member
+
+    def close(self):
+        self.closed = True
+
+
+def _gpu_step(ranks=2, per_rank=2, procs=None):
+    """A step whose ranks have ``per_rank`` GPUs (CUDA ordinals counting from 0 in each
+    process); ``procs[r][j]``: the process of rank r's slot j (default: all in this one)."""
+    devs = []
+    for r in range(ranks):
+        row = []
+        for j in range(per_rank):
+            p = procs[r][j] if procs else 0
+            row.append(SimpleNamespace(platform="gpu", id=r * per_rank + j, process_index=p,
+                                       local_hardware_id=(r * per_rank + j) if not procs
+                                       else j))
+        devs.append(row)
+    meshes = [SimpleNamespace(devices=np.array(row, dtype=object), shape={"tensor": per_rank})
+              for row in devs]
+    mesh = SimpleNamespace(rank_devices=devs, meshes=meshes, ranks_per_process=None)
+    return SimpleNamespace(mesh=mesh, num_ranks=ranks, transport="nccl")
+
+
+def test_nccl_comms_one_context_per_device_slot(monkeypatch):
+    """Ranks of two GPUs in one process: four contexts (rank x slot), each on its own CUDA
+    device with store keys under ``/slot<j>``; each rank's lead (slot 0) routes slot 1's
+    ordinal to slot 1's context. A slot whose setup fails names the rank and the slot, and
+    the contexts already made are closed."""
+    monkeypatch.setattr(_core.runtime, "NcclRankComm", _FakeNccl)
+    monkeypatch.setattr(engine, "links", lambda step, r: [(1 - r, 0, r == 0)])
+    _FakeNccl.made, _FakeNccl.fail_on = [], None
+    leads = engine.nccl_comms(_gpu_step(), [0, 1], store=None, timeout=5.0, prefix="p")
+    assert [(c.rank, c.device, c.prefix) for c in sorted(_FakeNccl.made, key=lambda c: c.device)] \
+        == [(0, 0, "p/slot0"), (0, 1, "p/slot1"), (1, 2, "p/slot0"), (1, 3, "p/slot1")]
+    assert [c.device for c in leads] == [0, 2]
+    assert {o: m.device for o, m in leads[0].routes.items()} == {1: 1}
+    assert {o: m.device for o, m in leads[1].routes.items()} == {3: 3}
+    _FakeNccl.made, _FakeNccl.fail_on = [], (1, "slot1")
+    with pytest.raises(baton.ConfigError, match=r"rank 1 \(device slot 1\).*never arrived"):
+        engine.nccl_comms(_gpu_step(), [0, 1], store=None, timeout=5.0, prefix="p")
+    assert len(_FakeNccl.made) == 3 and all(c.closed for c in _FakeNccl.made)
+
+
+def test_nccl_comms_one_process_per_gpu(monkeypatch):
+    """Ranks spanning processes (one process per GPU): this process (0) holds slot 0 of rank
+    0 only; its one context is that slot's, with no routes (as a Gloo slot context)."""
+    monkeypatch.setattr(_core.runtime, "NcclRankComm", _FakeNccl)
+    monkeypatch.setattr(engine, "links", lambda step, r: [(1 - r, 0, r == 0)])
+    _FakeNccl.made, _FakeNccl.fail_on = [], None
+    step = _gpu_step(procs=[[0, 1], [2, 3]])
+    (lead,) = engine.nccl_comms(step, [0], store=None, timeout=5.0, prefix="p")
+    assert (lead.rank, lead.device, lead.prefix, lead.routes) == (0, 0, "p/slot0", {})
+    assert len(_FakeNccl.made) == 1
