@@ -408,11 +408,13 @@ class NcclTransport : public Transport {
   }
 
   // Waits for the stream; false when the transport failed or is closing meanwhile.
+  // Waits for the group just issued: first until NCCL has enqueued it (a
+  // non-blocking communicator reports ncclInProgress until then, and the stream
+  // may look idle meanwhile), then for the stream. False when the transport
+  // failed or is closing meanwhile.
   bool sync() {
+    bool enqueued = false;
     for (;;) {
-      const cudaError_t q = cudaStreamQuery(stream_);
-      if (q == cudaSuccess) return true;
-      if (q != cudaErrorNotReady) cuda_check(q, "cudaStreamQuery");
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (failed_ || stop_) return false;
@@ -420,11 +422,21 @@ class NcclTransport : public Transport {
       {
         std::lock_guard<std::mutex> lock(nccl_mu_);
         if (aborted_comm_) return false;
+        bool pending = false;
         for (ncclComm_t c : comms_) {
           ncclResult_t async = ncclSuccess;
           nccl_api().CommGetAsyncError(c, &async);
-          if (async != ncclInProgress) nccl_check(async, "NCCL (asynchronous)");
+          if (async == ncclInProgress)
+            pending = true;
+          else
+            nccl_check(async, "NCCL (asynchronous)");
         }
+        enqueued = enqueued || !pending;
+      }
+      if (enqueued) {
+        const cudaError_t q = cudaStreamQuery(stream_);
+        if (q == cudaSuccess) return true;
+        if (q != cudaErrorNotReady) cuda_check(q, "cudaStreamQuery");
       }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
