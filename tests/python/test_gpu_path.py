@@ -145,6 +145,7 @@ def test_an_already_mapped_nccl_is_the_one_used(tmp_path):
         "assert os.path.realpath(path) == os.path.realpath(before[0]), (path, before)\n"
         "print('ok', path, version)\n")
     env = dict(os.environ, BATON_NCCL_LIBRARY=str(tmp_path / "libnccl-other.so"))
+    env.pop("BATON_QUIET", None)  # (the log line is checked)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
