@@ -60,7 +60,7 @@ for r in roots:
 EOF
 )
 [ -n "$NCCL_LIB" ] && export BATON_NCCL_LIBRARY="$NCCL_LIB"
-row "nccl library" INFO "${BATON_NCCL_LIBRARY:-libnccl.so.2 from the loader path}"
+row "nccl library" INFO "${BATON_NCCL_LIBRARY:-libnccl.so.2 from the loader path} (used only when JAX has not mapped one: Baton uses JAX's copy)"
 
 # 2. Build --------------------------------------------------------------------------------
 NB_DIR=$("$PY" -m nanobind --cmake_dir 2>/dev/null)
