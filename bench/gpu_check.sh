@@ -8,11 +8,17 @@
 #      precision in both, so TF32 rounding does not differ between the two programs);
 #   c. two ranks over NCCL through the FFI path, one process with one GPU per rank (1F1B and
 #      ZB-H1 GPT steps equal to jax.jit, ms/step): needs 2 GPUs (INFO otherwise);
-#   d. an NCCL transport send/recv to self (one GPU can only be one rank).
+#   d. an NCCL transport send/recv to self (one GPU can only be one rank);
+#   e. single-GPU checks of the CUDA path (bench/gpu_check_single.py): a self link through the
+#      FFI in a jitted fori_loop, a peer that never arrives, the implicit-sync probe, one libnccl;
+#   f. pipe 2 x tensor 2 on 4 GPUs, equal to jax.jit (bench/gpu_check_pipe_tensor.py; INFO with
+#      fewer GPUs).
+# Every check FAILs when it cannot run what it claims (the build row too, when the CUDA path
+# was not built).
 # Prints a table. Usage, from the repository root:   bash bench/gpu_check.sh [python]
 # Environment: BUILD_DIR (default build/gpu), JOBS (default nproc).
 # Exit status: 0 when every check passed, 1 otherwise. Each step is bounded by `timeout`
-# (about 6 minutes in all on an H200 machine, most of it the build).
+# (about 8 minutes in all on an H200 machine, most of it the build).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-${PYTHON:-python3}}
@@ -54,7 +60,7 @@ for r in roots:
 EOF
 )
 [ -n "$NCCL_LIB" ] && export BATON_NCCL_LIBRARY="$NCCL_LIB"
-row "nccl library" INFO "${BATON_NCCL_LIBRARY:-libnccl.so.2 from the loader path}"
+row "nccl library" INFO "${BATON_NCCL_LIBRARY:-libnccl.so.2 from the loader path} (used only when JAX has not mapped one: Baton uses JAX's copy)"
 
 # 2. Build --------------------------------------------------------------------------------
 NB_DIR=$("$PY" -m nanobind --cmake_dir 2>/dev/null)
@@ -69,7 +75,11 @@ else
     rm -rf "$STAGE" && mkdir -p "$STAGE" && cp -r python/baton "$STAGE/" &&
       cp "$BUILD_DIR"/_core*.so "$STAGE/baton/"
     NCCL_ON=$(grep -c "NCCL transport enabled" "$LOG/configure.txt")
-    row "build" PASS "$(( $(date +%s) - T0 )) s, NCCL transport and CUDA handlers compiled: $([ "$NCCL_ON" -gt 0 ] && echo yes || echo NO)"
+    if [ "$NCCL_ON" -gt 0 ]; then
+      row "build" PASS "$(( $(date +%s) - T0 )) s; $(grep -o 'NCCL transport enabled.*' "$LOG/configure.txt")"
+    else  # built, but without the CUDA path: every GPU check below would test nothing
+      row "build" FAIL "the CUDA path was NOT built: $(grep -o 'NCCL transport NOT built.*' "$LOG/configure.txt" | head -1) (see $LOG/configure.txt)"
+    fi
   else
     row "build" FAIL "see $LOG/configure.txt and $LOG/build.txt: $(tail -3 "$LOG/build.txt" 2>/dev/null | tr '\n' ' ')"
   fi
@@ -124,6 +134,36 @@ EOF
   RC=$?
   LAST=$(tail -1 "$LOG/pytest_cuda_ffi.txt")
   if [ $RC -eq 0 ]; then row "pytest test_cuda_ffi.py" PASS "$LAST"; else row "pytest test_cuda_ffi.py" FAIL "rc=$RC $LAST (see $LOG/pytest_cuda_ffi.txt)"; fi
+fi
+
+# 3e. Single-GPU checks of the CUDA path's first-contact hazards ---------------------------------
+# One script, five rows: a self link through the FFI inside a jitted fori_loop (exact results,
+# staging slots and CUDA events flat after the first step, time per unit); a peer that never
+# arrives raising within the setup timeout (and the CUDA context usable after); the implicit-
+# synchronization probe; a lax.switch unit against the same unit straight; one libnccl mapped.
+if [ -f "$STAGE/baton/__init__.py" ]; then
+  timeout 240 "$PY" bench/gpu_check_single.py >"$LOG/single_gpu.txt" 2>&1
+  RC=$?
+  for name in "self link (FFI, fori_loop)" "peer never arrives" "implicit sync probe" "switch vs straight" "one libnccl mapped"; do
+    line=$(grep -F "ROW $name|" "$LOG/single_gpu.txt" | tail -1)
+    if [ -z "$line" ]; then
+      row "$name" FAIL "did not run (rc=$RC): $(tail -3 "$LOG/single_gpu.txt" | tr '\n' ' ')"
+    else
+      st=$(echo "$line" | cut -d'|' -f2); detail=$(echo "$line" | cut -d'|' -f3-)
+      row "$name" "$st" "$detail"
+    fi
+  done
+fi
+
+# 3f. Pipe 2 x tensor 2 on 4 GPUs (ranks of several GPUs: one NCCL context per device slot) ------
+NGPU4=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ "${NGPU4:-0}" -lt 4 ]; then
+  row "pipe 2 x tensor 2 (NCCL)" INFO "needs 4 GPUs (found ${NGPU4:-0})"
+elif [ -f "$STAGE/baton/__init__.py" ]; then
+  timeout 300 "$PY" bench/gpu_check_pipe_tensor.py >"$LOG/pipe_tensor.txt" 2>&1
+  RC=$?
+  if [ $RC -eq 0 ]; then row "pipe 2 x tensor 2 (NCCL)" PASS "$(tail -1 "$LOG/pipe_tensor.txt")"
+  else row "pipe 2 x tensor 2 (NCCL)" FAIL "rc=$RC $(tail -3 "$LOG/pipe_tensor.txt" | tr '\n' ' ')"; fi
 fi
 
 # 3b. One-rank pipelined GPT step vs monolithic jax.jit -------------------------------------

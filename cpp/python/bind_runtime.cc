@@ -18,6 +18,7 @@
 
 #include "baton/comm.h"
 #include "baton/nccl_comm.h"
+#include "baton/nccl_library.h"
 #include "baton/plan.h"
 #include "baton/runtime.h"
 
@@ -449,6 +450,15 @@ void init_runtime(nb::module_& root) {
 
   m.def("runtime_version", &rt::runtime_version);
   m.def("nccl_available", &rt::nccl_available);
+  m.def("mapped_libraries", &rt::nccl_library::mapped, "prefix"_a,
+        "Paths of the shared objects mapped into this process whose file name starts with "
+        "`prefix` (e.g. 'libnccl').");
+  m.def("nccl_version_mismatch", &rt::nccl_library::version_mismatch, "runtime"_a, "header"_a,
+        "Empty when an NCCL library of version code `runtime` may serve code compiled against "
+        "`header`; else why not.");
+  m.def("nccl_library", &rt::nccl_library_info,
+        "(path, version code, was already mapped, error) of the NCCL library the CUDA path "
+        "loads (loading it on first call); ('', 0, False, why) when built without CUDA.");
   m.def("handshake_blob", &rt::handshake_blob, "plan"_a, "world_size"_a);
   m.def("retain_host_memory", &rt::retain_host_memory,
         "Makes glibc's malloc keep freed host memory for reuse (no per-call mmap/munmap of "
@@ -796,7 +806,7 @@ void init_runtime(nb::module_& root) {
           "__init__",
           [](PyNcclComm* self, int rank, int world, int device, PyStore& store,
              std::vector<std::tuple<int, int, bool>> links, double timeout,
-             const std::string& prefix) {
+             const std::string& prefix, double setup_timeout) {
             std::vector<rt::NcclLink> ls;
             ls.reserve(links.size());
             for (const auto& [peer, channel, send] : links) ls.push_back({peer, channel, send});
@@ -804,15 +814,42 @@ void init_runtime(nb::module_& root) {
             {
               nb::gil_scoped_release nogil;
               c = std::make_shared<rt::NcclComm>(rank, world, device, store.store, std::move(ls),
-                                                 ms(timeout), prefix);
+                                                 ms(timeout), prefix, ms(setup_timeout));
             }
             new (self) PyNcclComm{c, rt::register_nccl_comm(c)};
           },
           "rank"_a, "world_size"_a, "device"_a, "store"_a, "links"_a, "timeout"_a = 60.0,
-          "prefix"_a = "baton/nccl_comm",
+          "prefix"_a = "baton/nccl_comm", "setup_timeout"_a = 0.0,
           "links: (peer, channel, send) per direction of a link this rank uses (send=True: this "
-          "rank sends to peer on channel). device: the CUDA ordinal XLA runs this rank on. "
-          "prefix: store key namespace (unique per construction when a store is reused).")
+          "rank sends to peer on channel). device: the CUDA ordinal of this context's device "
+          "(one context per device slot of the rank). prefix: store key namespace (unique per "
+          "construction and slot when a store is reused). setup_timeout: seconds the setup may "
+          "take (0: max(timeout, 60)); a peer that does not arrive raises ExecutionError naming "
+          "it.")
+      .def(
+          "set_route",
+          [](PyNcclComm& c, int ordinal, PyNcclComm* member) {
+            c.comm->set_route(ordinal, member ? member->comm : nullptr);
+          },
+          "ordinal"_a, "member"_a.none(),
+          "Calls from CUDA device `ordinal` run on `member` (the context of that device slot; "
+          "None removes the route). Settings given to this context are applied to its routed "
+          "slots too.")
+      .def(
+          "reserve",
+          [](PyNcclComm& c, std::vector<std::tuple<int, int, bool, int>> transfers) {
+            std::vector<rt::staging::TransferCount> ts;
+            for (const auto& [channel, stage, send, count] : transfers)
+              ts.push_back({channel, stage, send, count});
+            nb::gil_scoped_release nogil;
+            c.comm->reserve(ts);
+          },
+          "transfers"_a,
+          "Allocates one step's staging slots and CUDA events before the first step: "
+          "(channel, stage, send, count) per kind of transfer of the rank's step (after "
+          "set_layout).")
+      .def_prop_ro("events_created", [](PyNcclComm& c) { return c.comm->events_created(); },
+                   "CUDA events created so far (this context's and its routed slots').")
       .def_static("built", &rt::NcclComm::built, "True when built with CUDA and NCCL.")
       .def_ro("id", &PyNcclComm::id)
       .def_prop_ro("rank", [](PyNcclComm& c) { return c.comm->rank(); })

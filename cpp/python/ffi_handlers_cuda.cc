@@ -2,12 +2,21 @@
 // handlers_cuda): the same targets, operands, results and attributes as the
 // CPU handlers (ffi_handlers.cc), plus XLA's compute stream, adapted to
 // baton::runtime::NcclComm (nccl_comm.h; the `comm` attribute is an id of
-// register_nccl_comm). Built only with CUDA and NCCL. The handlers are not
+// register_nccl_comm). Built only with CUDA and NCCL.
+//
+// Device slots: every handler binds the calling device's ordinal
+// (ffi::Ctx<ffi::DeviceOrdinal>, the CUDA ordinal of the device XLA runs the
+// call on) and runs on that slot's context (NcclComm::route: the context the
+// program names, or the slot context routed to that device). Under shard_map
+// XLA calls the handlers of a rank's devices concurrently; each slot has its
+// own streams, staging pool and events, so the calls share no state. The
+// handlers are not
 // marked command-buffer compatible, so XLA never captures them into a CUDA
 // graph (they enqueue NCCL work and record events from the host).
 #include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -36,7 +45,9 @@ ffi::Error pass_token(cudaStream_t stream, const ffi::AnyBuffer& in,
   return ffi::Error::Success();
 }
 
-std::shared_ptr<rt::NcclComm> comm_of(int64_t id) {
+// The context of program context `id` that serves device `ordinal`; keeps the
+// lead (which owns the routes) alive in `hold`.
+rt::NcclComm& comm_of(int64_t id, int32_t ordinal, std::shared_ptr<rt::NcclComm>& hold) {
   auto c = rt::find_nccl_comm(id);
   if (!c && rt::find_comm(id))
     throw rt::ExecutionError(
@@ -46,11 +57,13 @@ std::shared_ptr<rt::NcclComm> comm_of(int64_t id) {
     throw rt::ExecutionError(
         "baton: the NCCL transfer context of this program is gone (the step that compiled it "
         "was closed)");
-  return c;
+  hold = c;
+  return c->route(ordinal);
 }
 
-ffi::Error CommImpl(cudaStream_t stream, ffi::AnyBuffer token, ffi::RemainingArgs args,
-                    ffi::Result<ffi::AnyBuffer> token_out, ffi::RemainingRets rets, int64_t comm,
+ffi::Error CommImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer token,
+                    ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> token_out,
+                    ffi::RemainingRets rets, int64_t comm,
                     ffi::Span<const int32_t> kinds, ffi::Span<const int32_t> peers,
                     ffi::Span<const int32_t> channels, ffi::Span<const int32_t> stages) {
   try {
@@ -58,28 +71,32 @@ ffi::Error CommImpl(cudaStream_t stream, ffi::AnyBuffer token, ffi::RemainingArg
     if (ffi::Error e = baton::python::read_group(args, rets, kinds, peers, channels, stages, g);
         e.failure())
       return e;
-    comm_of(comm)->run_group(stream, g.ops, g.sends, g.outs);
+    std::shared_ptr<rt::NcclComm> hold;
+    comm_of(comm, ordinal, hold).run_group(stream, g.ops, g.sends, g.outs);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(e.what());
   }
   return pass_token(stream, token, token_out);
 }
 
-ffi::Error DrainImpl(cudaStream_t stream, ffi::AnyBuffer token,
+ffi::Error DrainImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer token,
                      ffi::Result<ffi::AnyBuffer> token_out, int64_t comm) {
   try {
-    comm_of(comm)->drain(stream);
+    std::shared_ptr<rt::NcclComm> hold;
+    comm_of(comm, ordinal, hold).drain(stream);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(e.what());
   }
   return pass_token(stream, token, token_out);
 }
 
-ffi::Error MarkImpl(cudaStream_t stream, ffi::AnyBuffer token,
+ffi::Error MarkImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer token,
                     ffi::RemainingArgs /*after: ordering only*/,
                     ffi::Result<ffi::AnyBuffer> token_out, int64_t comm, int32_t phase) {
   try {
-    comm_of(comm)->mark(stream, phase);
+    std::shared_ptr<rt::NcclComm> hold;
+    rt::NcclComm& c = comm_of(comm, ordinal, hold);
+    if (&c == hold.get()) c.mark(stream, phase);  // marks: the lead slot's only
   } catch (const std::exception& e) {
     return ffi::Error::Internal(e.what());
   }
@@ -91,6 +108,7 @@ ffi::Error MarkImpl(cudaStream_t stream, ffi::AnyBuffer token,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonMarkCuda, MarkImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
@@ -100,6 +118,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonMarkCuda, MarkImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonCommCuda, CommImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
@@ -113,6 +132,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonCommCuda, CommImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonDrainCuda, DrainImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("comm"));

@@ -39,7 +39,9 @@ TEST(NcclCommLinks, CanonicalOrderIsTheSameOnBothEnds) {
 }
 
 TEST(NcclCommLinks, RejectsBadPeersAndChannels) {
-  EXPECT_THROW(staging::canonical_links(0, 2, {{0, 0, true}}), ConfigError);   // itself
+  // A self link: both directions are one key (a 1-rank communicator).
+  EXPECT_EQ(staging::canonical_links(0, 2, {{0, 0, true}, {0, 0, false}}),
+            (std::vector<LinkKey>{{0, 0, 0}}));
   EXPECT_THROW(staging::canonical_links(0, 2, {{2, 0, true}}), ConfigError);   // out of range
   EXPECT_THROW(staging::canonical_links(0, 2, {{-1, 0, true}}), ConfigError);  // negative
   EXPECT_THROW(staging::canonical_links(0, 2, {{1, -1, true}}), ConfigError);  // channel
@@ -129,6 +131,53 @@ TEST(NcclCommStaging, SlotsAreReusedBySizeAfterTheirFence) {
   EXPECT_TRUE(dev.live.empty());
   EXPECT_EQ(dev.frees, dev.allocs);
   EXPECT_EQ(dev.released.back(), static_cast<void*>(&fence_a));
+}
+
+TEST(NcclCommStaging, ReserveAllocatesBeforeTheFirstTakeAndNotAgain) {
+  FakeDevice dev;
+  auto pool = dev.pool();
+  EXPECT_EQ(pool.reserve(1024, 3), 3u);
+  EXPECT_EQ(pool.reserve(1024, 2), 0u);  // already 3 of that size
+  EXPECT_EQ(pool.reserve(0, 5), 0u);     // empty transfers need no slot
+  EXPECT_EQ(pool.allocations(), 3u);
+  EXPECT_EQ(pool.free_count(), 3u);
+  // Three in flight at once: served from the reservation, nothing allocated.
+  int fence = 0;
+  std::vector<void*> taken;
+  for (int step = 0; step < 10; ++step) {
+    for (int i = 0; i < 3; ++i) taken.push_back(pool.take(1024));
+    for (void* p : taken) pool.retire(p, 1024, &fence);
+    taken.clear();
+    dev.done_fences.insert(&fence);
+  }
+  EXPECT_EQ(pool.allocations(), 3u);
+  // A fourth at once still works (grows the pool), and reserve counts it.
+  for (int i = 0; i < 4; ++i) taken.push_back(pool.take(1024));
+  EXPECT_EQ(pool.allocations(), 4u);
+  EXPECT_EQ(pool.reserve(1024, 4), 0u);
+  for (void* p : taken) pool.retire(p, 1024, nullptr);
+}
+
+TEST(NcclCommStaging, ReservationFromLayoutsAndTransferCounts) {
+  CommLayouts layouts;
+  layouts[{0, 1}] = {100, 300};  // act of stage 1: packed 256 + 300 = 556 bytes
+  layouts[{1, 2}] = {512};       // grad of stage 2
+  layouts[{2, 0}] = {};          // an empty buffer
+  const staging::Reservation r = staging::reservation(
+      layouts, 1,
+      {{0, 1, true, 8}, {1, 2, false, 8}, {0, 1, false, 2}, {2, 0, true, 4}});
+  ASSERT_EQ(r.slots.size(), 2u);
+  EXPECT_EQ(r.slots.at(556), 10u);
+  EXPECT_EQ(r.slots.at(512), 8u);
+  EXPECT_EQ(r.events, 2u * 8 + 3u * 8 + 3u * 2 + 2u * 4);
+  // A transfer whose layout was never given names the rank and the buffer.
+  try {
+    staging::reservation(layouts, 3, {{1, 7, false, 1}});
+    FAIL() << "no error";
+  } catch (const ExecutionError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 3"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(staging::reservation(layouts, 1, {{0, 1, true, -1}}), ConfigError);
 }
 
 TEST(NcclCommStaging, FifoMatchesPerPeerAndChannel) {

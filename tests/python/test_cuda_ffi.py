@@ -89,7 +89,8 @@ def test_nccl_rank_comm_without_a_gpu_raises_clearly():
     with pytest.raises(baton.ConfigError, match="needs a CUDA device"):
         _core.runtime.NcclRankComm(0, 2, 0, store, [(1, 0, True), (1, 1, False)], timeout=5.0)
     # Bad arguments are reported before CUDA is touched.
-    with pytest.raises(baton.ConfigError, match="peer"):
-        _core.runtime.NcclRankComm(0, 2, 0, store, [(0, 0, True)])
+    # (a link to the rank itself is a self link now, not an error: a peer out of range is)
+    with pytest.raises(baton.ConfigError, match="peer 2 is invalid"):
+        _core.runtime.NcclRankComm(0, 2, 0, store, [(2, 0, True)])
     with pytest.raises(baton.ConfigError, match="invalid for world size"):
         _core.runtime.NcclRankComm(3, 2, 0, store, [])

@@ -69,6 +69,7 @@
 #include <vector>
 
 #include "baton/runtime.h"
+#include "baton/slots.h"
 
 namespace baton::runtime {
 
@@ -76,7 +77,7 @@ namespace baton::runtime {
 // executor's (step * buffers + buffer) and below the frontend Router's (2^44).
 inline constexpr uint64_t kCommTagBase = uint64_t{1} << 42;
 inline constexpr int kCommChannels = 64;  // channels 0..63 (Plan::channel)
-inline constexpr int kCommShards = 256;  // shards 0..255
+inline constexpr int kCommShards = kMaxSlots;  // shards 0..255 (slots.h)
 // The tag of the seq-th transfer (per peer, channel, shard and direction):
 // kCommTagBase + ((seq mod 2^28) * 64 + channel) * 256 + shard. Distinct for
 // distinct (seq mod 2^28, channel, shard); seq wraps (transfers in flight are
@@ -162,7 +163,7 @@ class RankComm {
   // Resets every shard's counters and pending transfers (as attach does); call
   // it while no program runs.
   void set_shards(std::vector<int> ordinals);
-  const std::vector<int>& shards() const { return ordinals_; }
+  const std::vector<int>& shards() const { return slots_.ordinals(); }
   int num_shards() const { return static_cast<int>(shards_.size()); }
   // The shard of a call from device `ordinal` (0 when no shards are set).
   // Throws ExecutionError when the ordinal is not one of the rank's devices.
@@ -252,8 +253,8 @@ class RankComm {
   std::unique_ptr<Tasks> host_;  // host-tensor conversions for byte transports
   CommLayouts layouts_;
   std::map<std::tuple<int, int, bool>, std::vector<std::string>> names_;
-  std::vector<int> ordinals_;                   // set_shards; empty: one shard
-  std::map<int, std::shared_ptr<RankComm>> routes_;       // set_route
+  DeviceSlots slots_;                           // set_shards (slots.h); empty: one shard
+  SlotRoutes<RankComm> routes_;                 // set_route (slots.h)
   std::map<std::array<int, 3>, std::array<int, 3>> alias_;  // set_alias
   std::vector<std::unique_ptr<Shard>> shards_;  // at least one
   std::optional<std::pair<int, std::string>> failure_;

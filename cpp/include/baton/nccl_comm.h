@@ -20,24 +20,42 @@
 // A buffer's tensors are packed into one slot (offsets aligned to 256 bytes):
 // one ncclSend/ncclRecv per transfer.
 //
-// Memory. Slots come from a pool keyed by byte size (SlotPool): a slot is
-// allocated (cudaMalloc) only when no free slot of that size exists, so the
-// first step(s) allocate and later steps reuse; nothing is allocated per
-// transfer in steady state. The pool holds as many slots of a size as were
-// ever in flight at once (about one step's transfers when the host runs a step
-// ahead of the GPU). This is memory outside XLA's allocator, a fixed pool, not
-// zero; it is freed when the context is destroyed.
+// Memory. Slots come from a pool keyed by byte size (SlotPool). reserve()
+// allocates, before the first step, one step's transfers worth of slots of
+// each size and the CUDA events they use (from the layouts and the rank's
+// transfers per step): so no cudaMalloc and no cudaEventCreate runs while
+// receives are posted (both can synchronize the device implicitly and would
+// serialize the NCCL streams with compute). A slot is allocated later only when
+// more are in flight at once than reserved (the host more than a step ahead of
+// the GPU); nothing is allocated per transfer in steady state. This is memory
+// outside XLA's allocator, a fixed pool, not zero; it is freed when the context
+// is destroyed.
+//
+// Device slots. A rank of several GPUs has one NcclComm per device slot (slot j
+// of every rank shares communicators with slot j of the others: shard to shard,
+// as the Gloo slot contexts do across processes); each has its own device,
+// streams, staging pool and events, so XLA's concurrent per-device handler
+// calls (shard_map) never share state. The handlers bind the calling device's
+// ordinal and route it (route(), slots.h's SlotRoutes, the same code as the CPU
+// contexts) to its slot's context; set_route is given on the context whose id
+// the program carries (the lead), which forwards the settings (layouts, names,
+// timeout, recording, reserve) to its routed slots and reports their failures.
+// In one process per GPU, each process has the one slot it holds, no routes.
 //
 // Communicators. One 2-rank NCCL communicator per (src -> dst, channel), rank 0
 // the sender: the only user at src is that link's send stream, at dst its
 // receive stream, so no communicator is used from two streams and FIFO order
 // per (peer, channel) is NCCL's order on one communicator and stream. All are
 // created at construction from the links the plan uses (both ends list a link),
-// unique ids travel through the store, all ncclCommInitRank calls run in one
-// ncclGroupStart/End in canonical order (canonical_links), and then one 1-byte
-// send/receive per communicator, also grouped, makes NCCL connect the peers
-// there, not at the first transfer of a step (a first ncclSend can block the
-// host until the peer connects).
+// unique ids travel through the store, all ncclCommInitRankConfig calls run in
+// one ncclGroupStart/End in canonical order (canonical_links), and then one
+// 1-byte send/receive per communicator, also grouped, makes NCCL connect the
+// peers there, not at the first transfer of a step. The communicators are
+// non-blocking (blocking = 0): no NCCL call waits for a peer on the host; setup
+// polls ncclCommGetAsyncError until every communicator is ready, under the
+// setup deadline (max(timeout, 60 s)); a peer that never comes is an
+// ExecutionError naming this rank, the link and the peer, after ncclCommAbort
+// of every communicator (no lock is held while polling, so abort always runs).
 //
 // Host blocking and timeouts. The XLA thread never waits for data except in
 // drain() (end of a step: polls the sends' events up to the timeout, noticing
@@ -76,6 +94,7 @@
 
 #include "baton/comm.h"
 #include "baton/runtime.h"
+#include "baton/slots.h"
 
 namespace baton::runtime {
 
@@ -96,8 +115,10 @@ struct LinkKey {
 };
 
 // The links of `rank` as LinkKeys, sorted and without duplicates: the same
-// relative order on every rank (a subsequence of one global order). Throws
-// ConfigError for a peer out of range, the rank itself, or a negative channel.
+// relative order on every rank (a subsequence of one global order). A link to
+// the rank itself (a self link: its send and receive directions are one key)
+// is a 1-rank communicator. Throws ConfigError for a peer out of range or a
+// negative channel.
 std::vector<LinkKey> canonical_links(int rank, int world, const std::vector<NcclLink>& links);
 
 // Offsets of tensors of `bytes` packed into one slot, each aligned to `align`;
@@ -121,6 +142,9 @@ class SlotPool {
   // A buffer of `bytes` (null for 0): a free one, after reclaiming retired ones,
   // else a new allocation.
   void* take(size_t bytes);
+  // Allocates free buffers of `bytes` until `n` of that size exist (free,
+  // retired or taken); how many it allocated.
+  size_t reserve(size_t bytes, size_t n);
   // `buf` (from take(bytes)) is free once `fence` completed. A null fence frees it now.
   void retire(void* buf, size_t bytes, void* fence);
   // Moves retired buffers whose fence completed to the free lists; how many.
@@ -141,9 +165,30 @@ class SlotPool {
   Ready ready_;
   Release release_;
   std::map<size_t, std::vector<void*>> free_lists_;
+  std::map<size_t, size_t> allocated_;  // buffers of each size ever allocated
   std::deque<Retired> retired_;
   size_t allocations_ = 0;
 };
+
+// One kind of transfer of a rank's step: `count` transfers of the (channel,
+// stage) buffer, sends when `send`, else receives.
+struct TransferCount {
+  int channel = 0;
+  int stage = 0;
+  bool send = false;
+  int count = 0;
+};
+
+// What to allocate before the first step: staging slots by packed byte size
+// (one per transfer of a step) and CUDA events (a send holds two until reaped,
+// a receive three: posted, reached, copied). `layouts` give each (channel,
+// stage)'s tensor sizes; ExecutionError of `rank` when one is missing.
+struct Reservation {
+  std::map<size_t, size_t> slots;  // packed bytes -> count (0-byte transfers need none)
+  size_t events = 0;
+};
+Reservation reservation(const CommLayouts& layouts, int rank,
+                        const std::vector<TransferCount>& transfers);
 
 // Per-(peer, channel) FIFO of posted receives, with the per-direction
 // sequence numbers (the k-th send pairs with the k-th receive).
@@ -157,6 +202,9 @@ class LinkFifo {
     auto it = q_.find({peer, channel});
     return it == q_.end() || it->second.empty();
   }
+  // The oldest / newest entry (references stay valid until that entry is popped).
+  T& front(int peer, int channel) { return q_.at({peer, channel}).front(); }
+  T& back(int peer, int channel) { return q_.at({peer, channel}).back(); }
   T pop(int peer, int channel) {  // the oldest; the queue must not be empty
     auto& q = q_.at({peer, channel});
     T v = std::move(q.front());
@@ -191,11 +239,15 @@ class NcclComm {
   // Creates the communicators of `links` (every rank of the program constructs
   // its NcclComm with its own links at the same time). `device` is the CUDA
   // ordinal XLA runs this rank on. `prefix` namespaces the store keys (unique
-  // per construction when a store is reused). Throws ConfigError when there is
-  // no CUDA device, NCCL cannot be loaded, or Baton was built without CUDA.
+  // per construction when a store is reused). `setup_timeout` bounds the
+  // setup (NCCL ids, communicator init, connecting); 0: max(timeout, 60 s).
+  // Throws ConfigError when there is no CUDA device, NCCL cannot be loaded, or
+  // Baton was built without CUDA; ExecutionError naming the rank, the link and
+  // the peer when setup does not finish in time (communicators aborted).
   NcclComm(int rank, int world, int device, std::shared_ptr<Store> store,
            std::vector<NcclLink> links, std::chrono::milliseconds timeout,
-           std::string prefix = "baton/nccl_comm");
+           std::string prefix = "baton/nccl_comm",
+           std::chrono::milliseconds setup_timeout = std::chrono::milliseconds(0));
   ~NcclComm();
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
@@ -203,10 +255,23 @@ class NcclComm {
   // True when built with CUDA and NCCL (constructing may still fail).
   static bool built();
 
+  // Settings; on a lead context also applied to every routed slot's.
   void set_timeout(std::chrono::milliseconds timeout);
   void set_layout(int channel, int stage, std::vector<size_t> bytes);
   void set_names(int peer, int channel, bool send, std::vector<std::string> names);
   void record(bool on);
+  // Allocates the staging slots and events of one step (reservation()); call
+  // after set_layout, before the first step.
+  void reserve(const std::vector<staging::TransferCount>& transfers);
+
+  // Device slots (see the header comment): calls from device `ordinal` run on
+  // `member` (null removes the route). Set while no program runs.
+  void set_route(int ordinal, std::shared_ptr<NcclComm> member);
+  // The context of a call from device `ordinal`: the routed slot's, else this
+  // one when `ordinal` is its own device or no routes are set (one slot);
+  // ExecutionError naming the rank and the ordinals otherwise (a handler called
+  // on a device this rank lacks).
+  NcclComm& route(int ordinal);
 
   // One group (see RankComm::run_group); `stream` is the compute stream
   // (cudaStream_t), the byte ranges are device memory. Throws ExecutionError
@@ -221,6 +286,7 @@ class NcclComm {
   // Destroys the communicators (aborts them if failed); later calls fail.
   void close();
 
+  // The first failure of this context or of a routed slot's.
   std::optional<std::pair<int, std::string>> failure() const;
   std::vector<std::pair<int, Clock::time_point>> take_marks();
   std::vector<CommEvent> take_events();
@@ -230,13 +296,17 @@ class NcclComm {
   int device() const;
   bool alive() const;  // communicators up and no failure
   std::vector<NcclLink> links() const;
-  // Staging slots allocated so far (the pool's size; tests and benchmarks).
+  // Staging slots allocated so far (the pool's size; tests and benchmarks), this
+  // context's and its routed slots'.
   size_t slots_allocated() const;
+  // CUDA events created so far (this context's and its routed slots').
+  size_t events_created() const;
 
   struct Impl;
 
  private:
   std::unique_ptr<Impl> impl_;
+  SlotRoutes<NcclComm> routes_;
 };
 
 // NcclComm contexts by id for the CUDA FFI handlers; ids are never reused and

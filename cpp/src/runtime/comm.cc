@@ -53,7 +53,7 @@ RankComm::RankComm(int rank, std::chrono::milliseconds timeout)
 
 void RankComm::reset_shards() {
   shards_.clear();
-  const size_t n = ordinals_.empty() ? 1 : ordinals_.size();
+  const size_t n = static_cast<size_t>(slots_.size());
   for (size_t i = 0; i < n; ++i) shards_.push_back(std::make_unique<Shard>());
 }
 
@@ -101,35 +101,15 @@ void RankComm::record(bool on) {
 }
 
 void RankComm::set_shards(std::vector<int> ordinals) {
-  if (ordinals.size() > static_cast<size_t>(kCommShards))
-    throw ConfigError(fmt::format("rank {}: {} shards, at most {} are supported", rank_,
-                                  ordinals.size(), kCommShards));
-  for (size_t i = 0; i < ordinals.size(); ++i) {
-    if (ordinals[i] < 0)
-      throw ConfigError(
-          fmt::format("rank {}: shard {} has device ordinal {} (< 0)", rank_, i, ordinals[i]));
-    for (size_t j = 0; j < i; ++j)
-      if (ordinals[j] == ordinals[i])
-        throw ConfigError(fmt::format("rank {}: device ordinal {} is given to shards {} and {}",
-                                      rank_, ordinals[i], j, i));
-  }
-  ordinals_ = std::move(ordinals);
+  slots_ = DeviceSlots(rank_, std::move(ordinals));
   reset_shards();
 }
 
 void RankComm::set_route(int ordinal, std::shared_ptr<RankComm> member) {
-  if (ordinal < 0) throw ConfigError(fmt::format("rank {}: route of device ordinal {} (< 0)",
-                                                 rank_, ordinal));
-  if (member)
-    routes_[ordinal] = std::move(member);
-  else
-    routes_.erase(ordinal);
+  routes_.set(rank_, ordinal, std::move(member));
 }
 
-std::shared_ptr<RankComm> RankComm::route(int ordinal) const {
-  auto it = routes_.find(ordinal);
-  return it == routes_.end() ? nullptr : it->second;
-}
+std::shared_ptr<RankComm> RankComm::route(int ordinal) const { return routes_.find(ordinal); }
 
 void RankComm::set_alias(std::vector<std::array<int, 3>> from,
                          std::vector<std::array<int, 3>> to) {
@@ -147,16 +127,7 @@ void RankComm::set_alias(std::vector<std::array<int, 3>> from,
   alias_ = std::move(alias);
 }
 
-int RankComm::shard_of(int ordinal) const {
-  if (ordinals_.empty()) return 0;
-  for (size_t i = 0; i < ordinals_.size(); ++i)
-    if (ordinals_[i] == ordinal) return static_cast<int>(i);
-  throw ExecutionError(
-      fmt::format("rank {}: a transfer ran on device ordinal {}, which is not one of this rank's "
-                  "devices {} (RankComm.set_shards)",
-                  rank_, ordinal, fmt::join(ordinals_, ", ")),
-      rank_);
-}
+int RankComm::shard_of(int ordinal) const { return slots_.slot_of(ordinal); }
 
 RankComm::Shard& RankComm::shard_state(int shard) {
   if (shard < 0 || static_cast<size_t>(shard) >= shards_.size())

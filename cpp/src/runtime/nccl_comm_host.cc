@@ -2,6 +2,7 @@
 // slot packing, the staging pool's bookkeeping, the registry; and NcclComm
 // itself when Baton is built without CUDA/NCCL (every constructor throws).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <mutex>
@@ -16,7 +17,7 @@ std::vector<LinkKey> canonical_links(int rank, int world, const std::vector<Nccl
   std::vector<LinkKey> out;
   out.reserve(links.size());
   for (const NcclLink& l : links) {
-    if (l.peer < 0 || l.peer >= world || l.peer == rank)
+    if (l.peer < 0 || l.peer >= world)
       throw ConfigError(fmt::format("NCCL link of rank {}: peer {} is invalid (world size {})",
                                     rank, l.peer, world));
     if (l.channel < 0)
@@ -88,7 +89,18 @@ void* SlotPool::take(size_t bytes) {
   }
   void* p = alloc_(bytes);
   ++allocations_;
+  ++allocated_[bytes];
   return p;
+}
+
+size_t SlotPool::reserve(size_t bytes, size_t n) {
+  if (bytes == 0) return 0;
+  size_t made = 0;
+  for (size_t& have = allocated_[bytes]; have < n; ++have, ++made) {
+    free_lists_[bytes].push_back(alloc_(bytes));
+    ++allocations_;
+  }
+  return made;
 }
 
 void SlotPool::retire(void* buf, size_t bytes, void* fence) {
@@ -109,7 +121,43 @@ size_t SlotPool::free_count() const {
   return n;
 }
 
+Reservation reservation(const CommLayouts& layouts, int rank,
+                        const std::vector<TransferCount>& transfers) {
+  Reservation r;
+  for (const TransferCount& t : transfers) {
+    if (t.count < 0)
+      throw ConfigError(fmt::format("rank {}: reserve: {} transfers of the {} buffer of stage {}",
+                                    rank, t.count, comm_channel_name(t.channel), t.stage));
+    const size_t bytes = packed_offsets(comm_layout(layouts, rank, t.channel, t.stage)).back();
+    const auto n = static_cast<size_t>(t.count);
+    if (bytes) r.slots[bytes] += n;
+    r.events += (t.send ? 2 : 3) * n;
+  }
+  return r;
+}
+
 }  // namespace staging
+
+// ---------------------------------------------------------------- device slots
+
+void NcclComm::set_route(int ordinal, std::shared_ptr<NcclComm> member) {
+  if (member.get() == this)
+    throw ConfigError(fmt::format("rank {}: a context routed to itself (device ordinal {})",
+                                  rank(), ordinal));
+  routes_.set(rank(), ordinal, std::move(member));
+}
+
+NcclComm& NcclComm::route(int ordinal) {
+  if (auto m = routes_.find(ordinal)) return *m;
+  // No routes: one slot, any ordinal (as DeviceSlots with no ordinals; a one-device rank).
+  if (ordinal == device() || routes_.empty()) return *this;
+  throw ExecutionError(
+      fmt::format("rank {}: a transfer ran on CUDA device {}, but this rank's NCCL contexts are "
+                  "on device {}{}{} (one context per device slot: NcclRankComm.set_route)",
+                  rank(), ordinal, device(), routes_.empty() ? "" : " and ",
+                  fmt::join(routes_.ordinals(), ", ")),
+      rank());
+}
 
 // ---------------------------------------------------------------- registry
 
@@ -135,7 +183,7 @@ std::shared_ptr<NcclComm> find_nccl_comm(int64_t id) { return nccl_registry().fi
 struct NcclComm::Impl {};
 
 NcclComm::NcclComm(int, int, int, std::shared_ptr<Store>, std::vector<NcclLink>,
-                   std::chrono::milliseconds, std::string) {
+                   std::chrono::milliseconds, std::string, std::chrono::milliseconds) {
   throw ConfigError(
       "NcclComm is not available: Baton was built without CUDA/nccl.h (rebuild on a machine "
       "with the CUDA toolkit and NCCL headers)");
@@ -146,6 +194,7 @@ void NcclComm::set_timeout(std::chrono::milliseconds) {}
 void NcclComm::set_layout(int, int, std::vector<size_t>) {}
 void NcclComm::set_names(int, int, bool, std::vector<std::string>) {}
 void NcclComm::record(bool) {}
+void NcclComm::reserve(const std::vector<staging::TransferCount>&) {}
 void NcclComm::run_group(void*, const std::vector<CommOp>&, const std::vector<ConstBytes>&,
                          const std::vector<MutBytes>&) {
   throw ExecutionError("NcclComm: built without CUDA");
@@ -164,6 +213,7 @@ int NcclComm::device() const { return -1; }
 bool NcclComm::alive() const { return false; }
 std::vector<NcclLink> NcclComm::links() const { return {}; }
 size_t NcclComm::slots_allocated() const { return 0; }
+size_t NcclComm::events_created() const { return 0; }
 #endif
 
 }  // namespace baton::runtime

@@ -441,8 +441,9 @@ def jit(
     runs every rank in this process (one thread per rank over the in-process transport;
     ``mesh`` is a ``PipelineMesh``); ``"gloo"`` makes this process one rank of a
     multi-process pipeline over TCP (``mesh``: this rank's devices, default
-    ``jax.local_devices()``); ``"nccl"``: between GPUs (one GPU per rank; in one process, or
-    one process per rank when launched with several). ``None`` picks ``"nccl"`` when the
+    ``jax.local_devices()``); ``"nccl"``: between GPUs (a rank of one or several GPUs, one NCCL
+    context per device slot; in one process, or one process per rank or per GPU when launched
+    with several). ``None`` picks ``"nccl"`` when the
     ranks run on GPUs, else ``"gloo"`` when the process was started by ``python -m
     baton.launch`` (or SLURM, Open MPI, ``jax.distributed``) with more than one process,
     else ``"local"``. An impossible choice (``"nccl"`` on CPUs, two ranks on one GPU) raises

@@ -9,6 +9,9 @@
   when ranks span processes, every process of a rank runs its program (one multi-controller
   SPMD program; XLA calls the transfer handlers for the process's own devices) over its
   slot's Gloo context (``ProcessGroup.loop_transports``).
+* on GPUs the same programs run over NCCL (``NcclRankComm``): one context per device slot of
+  a rank (slot j of every rank shares communicators with slot j of the others, as the Gloo
+  slot contexts do), in one process per host or one process per GPU (``nccl_comms``).
 
 Programs are compiled before their first run (a rank never waits on another's compile).
 A step the engine cannot run raises ``ConfigError`` saying why (``refusal``); there is no
@@ -49,11 +52,6 @@ def refusal(step, rank: int, transport_kind: str | None = None) -> str | None:
                 f"serializes them), so this process's ranks could not overlap and their "
                 f"transfers would wait on each other; give each rank one device, or run one "
                 f"rank per process (PipelineMesh(..., ranks=1), or mesh=None)")
-    if len(devs) > 1 and platforms != {"cpu"}:
-        return (f"rank {rank} has {len(devs)} GPUs: shard-to-shard transfers between ranks "
-                f"of several devices run on CPU transports so far (the NCCL context is one "
-                f"device per rank); use one GPU per rank, or the interpreter "
-                f"(baton.jit(..., single_program=False))")
     shapes = {tuple(m.shape.items()) for m in step.mesh.meshes}
     if len(shapes) > 1:
         return (f"the ranks' sub-meshes differ ({', '.join(map(str, sorted(shapes)))}): "
@@ -72,12 +70,13 @@ def refusal(step, rank: int, transport_kind: str | None = None) -> str | None:
         if not ffi.has_cuda():
             return ("this build of baton has no CUDA transfer handlers (it was built "
                     "without the CUDA toolkit and nccl.h); rebuild on a machine that has them")
-        mine = devs[0]
         # (several processes: only this process's ranks are its devices, k = ranks_per_process)
         local = range(rank - rank % k, rank - rank % k + k) if step.mesh.ranks_per_process \
             else range(step.num_ranks)
         for q in local:
-            if q != rank and mine in step.mesh.rank_devices[q]:
+            both = [d for d in devs if q != rank and d in step.mesh.rank_devices[q]]
+            if both:
+                mine = both[0]
                 return (f"ranks {min(q, rank)} and {max(q, rank)} share GPU {mine}: NCCL "
                         f"cannot connect two ranks on one GPU, and one device runs one "
                         f"program at a time, so the ranks could not overlap; give each rank "
@@ -101,23 +100,50 @@ def links(step, rank: int) -> list[tuple[int, int, bool]]:
                    rank_items(step, rank) if op in ("send", "post")})
 
 
+def local_slots(step, rank: int) -> list[tuple[int, Any]]:
+    """(slot, device) of each of ``rank``'s devices this process holds: slot j is the rank's
+    j-th device in its sub-mesh's order (device j of one rank exchanges with device j of
+    another, shard to shard)."""
+    import jax
+
+    me = jax.process_index()
+    flat = list(step.mesh.meshes[rank].devices.flat)
+    return [(j, d) for j, d in enumerate(flat) if d.process_index == me]
+
+
 def nccl_comms(step, ranks, store, timeout, prefix) -> list:
-    """A ``NcclRankComm`` for each rank in ``ranks`` (of this process), constructed at once
-    (NCCL's setup is collective: each waits for its peers)."""
+    """An ``NcclRankComm`` for each rank in ``ranks`` (of this process), constructed at once
+    (NCCL's setup is collective: each waits for its peers). A rank of several GPUs gets one
+    context per device slot this process holds (slot j's communicators join slot j of every
+    rank, store keys under ``<prefix>/slot<j>``, as the Gloo slot contexts do); the first is
+    the rank's (its id is the one the program carries) and routes each other device's calls
+    to its slot's context (``set_route``, by CUDA ordinal)."""
     R = step.num_ranks
-    out = [None] * len(ranks)
+    jobs = [(i, j, d) for i, r in enumerate(ranks) for j, d in local_slots(step, r)]
+    made: dict[tuple[int, int], Any] = {}
 
-    def make(i):
+    def make(n):
+        i, j, dev = jobs[n]
         r = ranks[i]
-        dev = step.mesh.rank_devices[r][0]
-        out[i] = _core.runtime.NcclRankComm(r, R, int(dev.local_hardware_id), store,
-                                            links(step, r), float(timeout), prefix)
+        made[(i, j)] = _core.runtime.NcclRankComm(
+            r, R, int(dev.local_hardware_id), store, links(step, r), float(timeout),
+            f"{prefix}/slot{j}")
 
-    errors = on_rank_threads(len(ranks), make)
-    bad = [(ranks[i], e) for i, e in enumerate(errors) if e is not None]
+    errors = on_rank_threads(len(jobs), make)
+    bad = [(ranks[jobs[n][0]], jobs[n][1], e) for n, e in enumerate(errors) if e is not None]
     if bad:
+        for c in made.values():
+            c.close()
         raise ConfigError("baton.jit: NCCL setup failed: " + "; ".join(
-            f"rank {r}: {type(e).__name__}: {e}" for r, e in bad)) from bad[0][1]
+            f"rank {r} (device slot {j}): {type(e).__name__}: {e}" for r, j, e in bad)) \
+            from bad[0][2]
+    out = []
+    for i, r in enumerate(ranks):
+        mine = [(j, d) for n, j, d in jobs if n == i]
+        lead = made[(i, mine[0][0])]
+        for j, d in mine[1:]:
+            lead.set_route(int(d.local_hardware_id), made[(i, j)])
+        out.append(lead)
     return out
 
 

@@ -42,6 +42,22 @@ def has_cuda() -> bool:
     return bool(getattr(_core.ffi, "has_cuda", lambda: False)())
 
 
+def is_nccl(comm) -> bool:
+    """True for a CUDA transfer context (``NcclRankComm``)."""
+    return type(comm).__name__ == "NcclRankComm"
+
+
+def transfer_counts(items, channel) -> list[tuple[int, int, bool, int]]:
+    """(channel, stage, send, count) per kind of transfer of a rank's step (its items: sends
+    and posted receives), for ``NcclRankComm.reserve``."""
+    counts: dict[tuple[int, int, bool], int] = {}
+    for op, k, s, _, _ in items:
+        if op in ("send", "post"):
+            key = (channel(k, s), s, op == "send")
+            counts[key] = counts.get(key, 0) + 1
+    return [(c, s, send, n) for (c, s, send), n in sorted(counts.items())]
+
+
 def comm(comm_id: int, ops: list[tuple[int, int, int, int]], token, sends: list, outs: list):
     """One transfer group: ``ops`` are (kind 0 send / 1 post / 2 wait, peer, channel, stage);
     ``sends`` the SEND operations' arrays in order; ``outs`` the WAIT operations' result

@@ -738,6 +738,29 @@ class SingleProgram(_LoopProgram):
         return [vals[v] for v in tr.step_outputs if v not in lits]
 
 
+LOOP_FORMS = ("table", "straight")
+
+
+def loop_form(cs, rank: int) -> str:
+    """How a rank's loop is lowered (the emitter's choice per platform): ``"table"`` (one
+    ``fori_loop`` over the rank's table, each unit a two-branch ``lax.switch``: every task
+    compiled once) or ``"straight"`` (the items in stream order, repeating runs rolled into
+    ``lax.scan``, no conditionals). GPU ranks are lowered straight: XLA's GPU conditional
+    thunk copies the branch index to the host and waits for it before every branch, so a
+    table would run host and GPU in lockstep, one unit at a time, and receives could not be
+    posted ahead of the compute they overlap. ``cs.loop_form`` or ``$BATON_LOOP_FORM``
+    forces one (tests compare the two on CPU)."""
+    import os
+
+    forced = getattr(cs, "loop_form", None) or os.environ.get("BATON_LOOP_FORM") or None
+    if forced is not None:
+        if forced not in LOOP_FORMS:
+            raise ValueError(f"rank {rank}: loop form {forced!r} is not one of {LOOP_FORMS}")
+        return forced
+    platforms = {d.platform for d in cs.mesh.rank_devices[rank]}
+    return "straight" if platforms & {"gpu", "cuda"} else "table"
+
+
 class RankProgram(_LoopProgram):
     """One rank of a multi-rank ``CompiledStep``: its microbatch loop as one jitted program
     whose transfers are XLA FFI custom calls into the C++ transports (``baton_comm``, see
@@ -760,11 +783,13 @@ class RankProgram(_LoopProgram):
         # with device i of the other (the same block of the same spec: shard to shard).
         self.sub = cs.mesh.meshes[rank]
         self.D = int(self.sub.devices.size)
-        # One device: the table (each task compiled once). Several: the items rolled into
-        # scans, since JAX's Shardy partitioner does not apply the model's sharding
-        # constraints inside a conditional's branches as it does in straight-line code (the
-        # MoE GPT's dispatch became all-gathers instead of all-to-alls; docs/ARCHITECTURE.md)
-        self.table = self.D == 1
+        # One device: the table (each task compiled once), but on GPUs (loop_form). Several:
+        # the items rolled into scans, since JAX's Shardy partitioner does not apply the
+        # model's sharding constraints inside a conditional's branches as it does in
+        # straight-line code (the MoE GPT's dispatch became all-gathers instead of
+        # all-to-alls; docs/ARCHITECTURE.md)
+        self.form = loop_form(cs, rank)
+        self.table = self.D == 1 and self.form == "table"
         if self.table:
             self.cs, self.rank, self.items = cs, rank, rank_items(cs, rank)
             self._table_init()
@@ -775,7 +800,8 @@ class RankProgram(_LoopProgram):
         self.mine = [i for i, p in enumerate(cs.parts) if cs.stage_rank[p.stage] == rank]
         names: dict[tuple, list[str]] = {}
         self._order: dict[tuple, list[int]] = {}
-        if self.D > 1:
+        nccl = ffi.is_nccl(comm)
+        if self.D > 1 and not nccl:  # (NCCL: one context per device slot, routed by ordinal)
             comm.set_shards([int(d.id) for d in self.sub.devices.flat])
         chan = cs.buffers.channel
         for op, k, s, m, peer in self.items:
@@ -788,6 +814,8 @@ class RankProgram(_LoopProgram):
                 self._order.setdefault((peer, chan(k, s), op == "send"), []).append(b)
         for (peer, chan, send), ns in names.items():
             comm.set_names(peer, chan, send, ns)
+        if nccl:  # one step's staging slots and CUDA events, before any receive is posted
+            comm.reserve(ffi.transfer_counts(self.items, chan))
         self.fn = jax.jit(self._program)
         self.compiled = None  # the executable (compile)
 

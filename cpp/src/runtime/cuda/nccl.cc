@@ -1,8 +1,10 @@
 // NCCL point-to-point transport (built only when CUDA and nccl.h are found).
 //
-// NCCL is loaded with dlopen at run time ($BATON_NCCL_LIBRARY, else
-// libnccl.so.2 from the loader path): the JAX CUDA plugin ships its own NCCL
-// and Baton should use that same copy rather than link a second one.
+// NCCL is loaded with dlopen at run time (nccl_api.h: the copy JAX already
+// mapped when there is one, else $BATON_NCCL_LIBRARY, libnccl.so.2; its
+// version checked against nccl.h), never linked, so one copy serves both.
+// Communicators are non-blocking: setup polls them under a deadline, and no
+// NCCL call holds nccl_mu_ while waiting for a peer (abort_comms needs it).
 //
 // One progress thread issues the posted operations in order, one
 // communication group (as ended by flush()) at a time, on its own stream, as
@@ -19,12 +21,15 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nccl.h>
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <deque>
 #include <map>
 #include <memory>
@@ -32,6 +37,7 @@
 #include <sstream>
 #include <thread>
 
+#include "baton/nccl_library.h"
 #include "baton/runtime.h"
 #include "nccl_api.h"
 
@@ -42,12 +48,17 @@ namespace nccl_detail {
 const NcclApi& nccl_api() {
   static const NcclApi api = [] {
     NcclApi a;
-    const char* env = std::getenv("BATON_NCCL_LIBRARY");
-    for (const char* name : {env, "libnccl.so.2", "libnccl.so"}) {
-      if (name == nullptr || *name == '\0') continue;
-      a.lib = dlopen(name, RTLD_NOW | RTLD_GLOBAL);
-      if (a.lib) break;
-      a.error = dlerror();
+    const std::vector<std::string> mapped = nccl_library::mapped("libnccl");
+    for (const nccl_library::Candidate& c :
+         nccl_library::load_order(mapped, std::getenv("BATON_NCCL_LIBRARY"))) {
+      // A mapped copy is only looked up (RTLD_NOLOAD): never a second copy.
+      a.lib = dlopen(c.path.c_str(), RTLD_NOW | RTLD_GLOBAL | (c.mapped ? RTLD_NOLOAD : 0));
+      if (a.lib) {
+        a.was_mapped = c.mapped;
+        break;
+      }
+      const char* why = dlerror();
+      a.error += fmt::format("{}{}: {}", a.error.empty() ? "" : "; ", c.path, why ? why : "?");
     }
     if (!a.lib) return a;
     a.error.clear();
@@ -55,8 +66,9 @@ const NcclApi& nccl_api() {
       fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(a.lib, n));
       if (!fn && a.error.empty()) a.error = fmt::format("symbol {} missing from NCCL", n);
     };
+    sym(a.GetVersion, "ncclGetVersion");
     sym(a.GetUniqueId, "ncclGetUniqueId");
-    sym(a.CommInitRank, "ncclCommInitRank");
+    sym(a.CommInitRankConfig, "ncclCommInitRankConfig");
     sym(a.CommDestroy, "ncclCommDestroy");
     sym(a.CommAbort, "ncclCommAbort");
     sym(a.CommGetAsyncError, "ncclCommGetAsyncError");
@@ -65,7 +77,26 @@ const NcclApi& nccl_api() {
     sym(a.GroupStart, "ncclGroupStart");
     sym(a.GroupEnd, "ncclGroupEnd");
     sym(a.GetErrorString, "ncclGetErrorString");
-    if (!a.error.empty()) a.lib = nullptr;
+    if (a.GetVersion) {
+      Dl_info info{};
+      if (dladdr(reinterpret_cast<void*>(a.GetVersion), &info) && info.dli_fname)
+        a.path = info.dli_fname;
+      if (a.GetVersion(&a.version) != ncclSuccess) a.error = "ncclGetVersion failed";
+    }
+    if (a.error.empty()) a.error = nccl_library::version_mismatch(a.version, NCCL_VERSION_CODE);
+    if (a.error.empty() && nccl_library::mapped("libnccl").size() > 1)
+      a.error = fmt::format("several NCCL libraries are mapped into this process ({}); Baton "
+                            "uses one copy, the one JAX loaded",
+                            fmt::join(nccl_library::mapped("libnccl"), ", "));
+    if (!a.error.empty()) {
+      a.error += fmt::format(" (library {})", a.path.empty() ? "?" : a.path);
+      a.lib = nullptr;
+      return a;
+    }
+    if (std::getenv("BATON_QUIET") == nullptr)
+      std::fprintf(stderr, "baton: NCCL %s from %s (%s)\n",
+                   nccl_library::version_string(a.version).c_str(), a.path.c_str(),
+                   a.was_mapped ? "the copy already mapped by the process" : "loaded by Baton");
     return a;
   }();
   return api;
@@ -81,10 +112,61 @@ void nccl_check(ncclResult_t r, const char* what) {
     throw ExecutionError(fmt::format("NCCL error in {}: {}", what, nccl_api().GetErrorString(r)));
 }
 
+bool accepted(ncclResult_t r, const char* what) {
+  if (r == ncclInProgress) return true;
+  nccl_check(r, what);
+  return true;
+}
+
+ncclConfig_t nonblocking_config() {
+  ncclConfig_t c = NCCL_CONFIG_INITIALIZER;
+  c.blocking = 0;
+  return c;
+}
+
+void wait_ready(const std::vector<ncclComm_t>& comms, Clock::time_point deadline,
+                const std::function<std::string(size_t)>& describe, const std::string& doing,
+                std::mutex* mu, const std::function<bool()>& gone) {
+  const NcclApi& api = nccl_api();
+  std::vector<bool> ready(comms.size(), false);
+  size_t left = comms.size();
+  for (int spins = 0; left > 0; ++spins) {
+    for (size_t i = 0; i < comms.size(); ++i) {
+      if (ready[i]) continue;
+      ncclResult_t r = ncclSuccess;
+      {
+        std::unique_lock<std::mutex> lock;
+        if (mu) lock = std::unique_lock<std::mutex>(*mu);
+        if (gone && gone())
+          throw ExecutionError(fmt::format("{}: the NCCL communicators were aborted", doing));
+        const ncclResult_t q = api.CommGetAsyncError(comms[i], &r);
+        if (q != ncclSuccess) r = q;
+      }
+      if (r == ncclInProgress) continue;
+      if (r != ncclSuccess)
+        throw ExecutionError(fmt::format("{}: NCCL error on {}: {}", doing, describe(i),
+                                         api.GetErrorString(r)));
+      ready[i] = true;
+      --left;
+    }
+    if (left == 0) break;
+    if (Clock::now() > deadline) {
+      size_t first = 0;
+      while (ready[first]) ++first;
+      throw ExecutionError(fmt::format(
+          "{}: {} did not finish by the deadline ({} of {} communicators still in progress; "
+          "the peer never arrived or is stuck: communicators aborted)",
+          doing, describe(first), left, comms.size()));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(spins < 100 ? 20 : 500));
+  }
+}
+
 }  // namespace nccl_detail
 
 namespace {
 
+using nccl_detail::accepted;
 using nccl_detail::cuda_check;
 using nccl_detail::nccl_api;
 using nccl_detail::nccl_check;
@@ -149,21 +231,39 @@ class NcclTransport : public Transport {
     const NcclApi& api = nccl_api();
     if (!api.lib) throw ConfigError(fmt::format("cannot load NCCL: {}", api.error));
     cuda_check(cudaSetDevice(device), "cudaSetDevice");
-    // One communicator per channel, created in the same order on every rank.
-    for (int c = 0; c < channels; ++c) {
-      ncclUniqueId id;
-      const std::string key = fmt::format("baton/nccl/id/{}", c);
-      if (rank == 0) {
-        nccl_check(api.GetUniqueId(&id), "ncclGetUniqueId");
-        store_->set(key, std::string(reinterpret_cast<char*>(&id), sizeof(id)));
-      } else {
-        const std::string v = store_->get(key, std::chrono::seconds(60));
-        if (v.size() != sizeof(id)) throw ExecutionError("malformed NCCL unique id in the store");
-        std::memcpy(&id, v.data(), sizeof(id));
+    // One communicator per channel, created in the same order on every rank;
+    // non-blocking (nccl_api.h), so setup waits for the peers under a deadline
+    // instead of blocking in ncclCommInitRank.
+    const auto setup = std::chrono::seconds(60);
+    const auto deadline = Clock::now() + setup;
+    try {
+      for (int c = 0; c < channels; ++c) {
+        ncclUniqueId id;
+        const std::string key = fmt::format("baton/nccl/id/{}", c);
+        if (rank == 0) {
+          nccl_check(api.GetUniqueId(&id), "ncclGetUniqueId");
+          store_->set(key, std::string(reinterpret_cast<char*>(&id), sizeof(id)));
+        } else {
+          const std::string v = store_->get(key, setup);
+          if (v.size() != sizeof(id)) throw ExecutionError("malformed NCCL unique id in the store");
+          std::memcpy(&id, v.data(), sizeof(id));
+        }
+        ncclConfig_t cfg = nccl_detail::nonblocking_config();
+        ncclComm_t comm = nullptr;
+        accepted(api.CommInitRankConfig(&comm, world, id, rank, &cfg), "ncclCommInitRankConfig");
+        comms_.push_back(comm);
       }
-      ncclComm_t comm = nullptr;
-      nccl_check(api.CommInitRank(&comm, world, id, rank), "ncclCommInitRank");
-      comms_.push_back(comm);
+      nccl_detail::wait_ready(
+          comms_, deadline,
+          [&](size_t i) {
+            return fmt::format("the communicator of channel {} (rank {} of {})", i, rank, world);
+          },
+          fmt::format("rank {}: NCCL transport setup", rank));
+    } catch (...) {
+      for (ncclComm_t c : comms_)
+        if (c) api.CommAbort(c);
+      comms_.clear();
+      throw;
     }
     cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     pool_ = std::make_shared<RecvPool>(device);
@@ -308,11 +408,13 @@ class NcclTransport : public Transport {
   }
 
   // Waits for the stream; false when the transport failed or is closing meanwhile.
+  // Waits for the group just issued: first until NCCL has enqueued it (a
+  // non-blocking communicator reports ncclInProgress until then, and the stream
+  // may look idle meanwhile), then for the stream. False when the transport
+  // failed or is closing meanwhile.
   bool sync() {
+    bool enqueued = false;
     for (;;) {
-      const cudaError_t q = cudaStreamQuery(stream_);
-      if (q == cudaSuccess) return true;
-      if (q != cudaErrorNotReady) cuda_check(q, "cudaStreamQuery");
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (failed_ || stop_) return false;
@@ -320,11 +422,21 @@ class NcclTransport : public Transport {
       {
         std::lock_guard<std::mutex> lock(nccl_mu_);
         if (aborted_comm_) return false;
+        bool pending = false;
         for (ncclComm_t c : comms_) {
           ncclResult_t async = ncclSuccess;
           nccl_api().CommGetAsyncError(c, &async);
-          nccl_check(async, "NCCL (asynchronous)");
+          if (async == ncclInProgress)
+            pending = true;
+          else
+            nccl_check(async, "NCCL (asynchronous)");
         }
+        enqueued = enqueued || !pending;
+      }
+      if (enqueued) {
+        const cudaError_t q = cudaStreamQuery(stream_);
+        if (q == cudaSuccess) return true;
+        if (q != cudaErrorNotReady) cuda_check(q, "cudaStreamQuery");
       }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
@@ -366,6 +478,9 @@ class NcclTransport : public Transport {
     }
     {
       // The communicators stay alive while this group is issued (abort_comms).
+      // Non-blocking communicators: ncclGroupEnd returns at once (ncclInProgress
+      // while a peer connects), so the lock is never held while waiting for a
+      // peer, and abort_comms can always take it; sync() polls outside it.
       std::lock_guard<std::mutex> nccl_lock(nccl_mu_);
       if (aborted_comm_) return;
       nccl_check(api.GroupStart(), "ncclGroupStart");
@@ -374,14 +489,14 @@ class NcclTransport : public Transport {
         for (Tensor& t : op.payload) {
           if (t.nbytes == 0) continue;
           if (op.req->is_send)
-            nccl_check(api.Send(t.data, t.nbytes, ncclUint8, op.req->peer, comm, stream_),
-                       "ncclSend");
+            accepted(api.Send(t.data, t.nbytes, ncclUint8, op.req->peer, comm, stream_),
+                     "ncclSend");
           else
-            nccl_check(api.Recv(t.data, t.nbytes, ncclUint8, op.req->peer, comm, stream_),
-                       "ncclRecv");
+            accepted(api.Recv(t.data, t.nbytes, ncclUint8, op.req->peer, comm, stream_),
+                     "ncclRecv");
         }
       }
-      nccl_check(api.GroupEnd(), "ncclGroupEnd");
+      accepted(api.GroupEnd(), "ncclGroupEnd");
     }
     if (!sync()) return;
     for (auto& op : ops) {
@@ -462,6 +577,11 @@ class NcclTransport : public Transport {
 }  // namespace
 
 bool nccl_available() { return nccl_api().lib != nullptr; }
+
+std::tuple<std::string, int, bool, std::string> nccl_library_info() {
+  const NcclApi& a = nccl_api();
+  return {a.path, a.version, a.was_mapped, a.lib ? std::string() : a.error};
+}
 
 std::unique_ptr<Transport> make_nccl_transport(int rank, int world_size, int device,
                                                std::shared_ptr<Store> store, TransportOptions opts,

@@ -8,6 +8,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <iterator>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -17,6 +18,7 @@
 
 namespace baton::runtime {
 
+using nccl_detail::accepted;
 using nccl_detail::cuda_check;
 using nccl_detail::nccl_api;
 using nccl_detail::nccl_check;
@@ -60,7 +62,8 @@ struct NcclComm::Impl {
   };
 
   Impl(int rank, int world, int device, std::shared_ptr<Store> store, std::vector<NcclLink> links,
-       std::chrono::milliseconds timeout, std::string prefix);
+       std::chrono::milliseconds timeout, std::string prefix,
+       std::chrono::milliseconds setup_timeout);
   ~Impl();
 
   // ---- events
@@ -78,6 +81,12 @@ struct NcclComm::Impl {
   void post(const CommOp& op);
   void wait(cudaStream_t stream, const CommOp& op, const std::vector<MutBytes>& outs, size_t& out);
   void reap(bool all);
+  // A non-blocking call on `l` returned ncclInProgress: polls it (the lock only
+  // around each poll) until it is enqueued, within the timeout.
+  void settle(Link& l, const std::string& doing);
+  void reserve_events(size_t n);  // at least n idle fast events
+  // Issues every pair of a staged self send and a posted self receive of `channel`.
+  void pair_self(Link& l, int channel);
   void take_spent();
   void check_failed() const;
   [[noreturn]] void fail(const std::string& msg, int origin);
@@ -87,6 +96,9 @@ struct NcclComm::Impl {
   // ---- failures (any thread)
   void abort(const std::string& msg, int origin, bool publish);
   void abort_comms();
+  // Under mu_: watched receives whose events completed go to spent_; the
+  // message of one the compute stream has waited for past the timeout, if any.
+  std::string sweep_watched_locked();
   void watchdog();
   void close();
 
@@ -101,6 +113,10 @@ struct NcclComm::Impl {
   std::map<std::tuple<int, int, bool>, std::vector<std::string>> names_;
   staging::LinkFifo<PendingRecv> fifo_;
   std::vector<PendingSend> sends_;
+  // Self links (a rank sending to itself): NCCL needs a send to self and its
+  // receive in one group, so each is held until its partner comes (pair_self).
+  std::map<int, std::deque<PendingSend>> self_sends_;  // by channel: staged, not issued
+  std::map<int, std::deque<PendingRecv*>> self_recvs_;  // by channel: posted, not issued
   std::unique_ptr<staging::SlotPool> pool_;
   std::vector<cudaEvent_t> fast_;
 
@@ -125,6 +141,7 @@ struct NcclComm::Impl {
   std::atomic<bool> closed_{false};
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> sent_{0}, received_{0};
+  std::atomic<size_t> events_created_{0};
   std::thread watchdog_;
 };
 
@@ -132,7 +149,7 @@ struct NcclComm::Impl {
 
 NcclComm::Impl::Impl(int rank, int world, int device, std::shared_ptr<Store> store,
                      std::vector<NcclLink> links, std::chrono::milliseconds timeout,
-                     std::string prefix)
+                     std::string prefix, std::chrono::milliseconds setup_timeout)
     : rank_(rank),
       world_(world),
       device_(device),
@@ -180,15 +197,43 @@ NcclComm::Impl::Impl(int rank, int world, int device, std::shared_ptr<Store> sto
     nccl_check(api.GetUniqueId(&ids[i]), "ncclGetUniqueId");
     store_->set(id_key(keys[i]), std::string(reinterpret_cast<const char*>(&ids[i]), sizeof(ncclUniqueId)));
   }
-  const auto connect = std::max(timeout, std::chrono::milliseconds(60000));
+  const auto connect = setup_timeout.count() > 0
+                           ? setup_timeout
+                           : std::max(timeout, std::chrono::milliseconds(60000));
   for (size_t i = 0; i < keys.size(); ++i) {
     if (keys[i].src == rank_) continue;
-    const std::string v = store_->get(id_key(keys[i]), connect);
+    std::string v;
+    try {
+      v = store_->get(id_key(keys[i]), connect);
+    } catch (const std::exception& e) {
+      throw ExecutionError(fmt::format("rank {}: NCCL setup: the link {}->{} channel {} from peer "
+                                       "rank {} got no NCCL id within {:g} s (the peer never "
+                                       "arrived): {}",
+                                       rank_, keys[i].src, keys[i].dst, keys[i].channel,
+                                       keys[i].src, comm_seconds(connect), e.what()),
+                           rank_);
+    }
     if (v.size() != sizeof(ncclUniqueId))
       throw ExecutionError(fmt::format("rank {}: malformed NCCL unique id in the store", rank_),
                            rank_);
     std::memcpy(&ids[i], v.data(), sizeof(ncclUniqueId));
   }
+  const auto deadline = Clock::now() + connect;
+  // The link of communicator i of `comms` (in links_' order), for messages.
+  auto describe = [this](size_t i) {
+    auto it = links_.begin();
+    std::advance(it, static_cast<std::ptrdiff_t>(i));
+    const LinkKey& k = it->first;
+    return fmt::format("the link {}->{} channel {} ({} rank {}, CUDA device {})", k.src, k.dst,
+                       k.channel, k.src == rank_ ? "to peer" : "from peer",
+                       k.src == rank_ ? k.dst : k.src, device_);
+  };
+  auto comms = [this] {
+    std::vector<ncclComm_t> out;
+    for (auto& [k, l] : links_) out.push_back(l.comm);
+    return out;
+  };
+  void* warm = nullptr;
   try {
     for (const LinkKey& k : keys) {
       Link l;
@@ -196,30 +241,44 @@ NcclComm::Impl::Impl(int rank, int world, int device, std::shared_ptr<Store> sto
       cuda_check(cudaStreamCreateWithFlags(&l.stream, cudaStreamNonBlocking), "cudaStreamCreate");
       links_.emplace(k, l);
     }
-    // All communicators in one group (canonical order): no rank blocks in an
-    // init its peer has not reached.
+    // All communicators in one group (canonical order), non-blocking: the
+    // host never blocks in an init its peer has not reached; wait_ready polls
+    // them under the deadline.
     nccl_check(api.GroupStart(), "ncclGroupStart");
     ncclResult_t init = ncclSuccess;
-    for (size_t i = 0; i < keys.size() && init == ncclSuccess; ++i)
-      init = api.CommInitRank(&links_.at(keys[i]).comm, 2, ids[i], keys[i].src == rank_ ? 0 : 1);
+    for (size_t i = 0; i < keys.size() && (init == ncclSuccess || init == ncclInProgress); ++i) {
+      ncclConfig_t cfg = nccl_detail::nonblocking_config();
+      const bool self = keys[i].src == keys[i].dst;  // a self link: a 1-rank communicator
+      init = api.CommInitRankConfig(&links_.at(keys[i]).comm, self ? 1 : 2, ids[i],
+                                    keys[i].src == rank_ ? 0 : 1, &cfg);
+    }
     const ncclResult_t end = api.GroupEnd();
-    nccl_check(init, "ncclCommInitRank");
-    nccl_check(end, "ncclGroupEnd (ncclCommInitRank)");
-    // Connect every link now (grouped): a first ncclSend may otherwise block
-    // the host until the peer connects, inside a step.
-    void* warm = nullptr;
+    accepted(init, "ncclCommInitRankConfig");
+    accepted(end, "ncclGroupEnd (ncclCommInitRankConfig)");
+    const std::string doing = fmt::format("rank {}: NCCL setup", rank_);
+    nccl_detail::wait_ready(comms(), deadline, describe, doing);
+    // Connect every link now (grouped): a first ncclSend would otherwise make
+    // NCCL connect inside a step.
     cuda_check(cudaMalloc(&warm, 2), "cudaMalloc");
     nccl_check(api.GroupStart(), "ncclGroupStart");
     ncclResult_t r = ncclSuccess;
     for (auto& [k, l] : links_) {
-      if (r != ncclSuccess) break;
+      if (r != ncclSuccess && r != ncclInProgress) break;
+      if (k.src == k.dst) {  // a self link: its send and receive in the same group
+        r = api.Send(warm, 1, ncclUint8, 0, l.comm, l.stream);
+        if (r == ncclSuccess || r == ncclInProgress)
+          r = api.Recv(static_cast<char*>(warm) + 1, 1, ncclUint8, 0, l.comm, l.stream);
+        continue;
+      }
       r = k.src == rank_ ? api.Send(warm, 1, ncclUint8, 1, l.comm, l.stream)
                          : api.Recv(static_cast<char*>(warm) + 1, 1, ncclUint8, 0, l.comm, l.stream);
     }
     const ncclResult_t wend = api.GroupEnd();
-    nccl_check(r, "ncclSend/ncclRecv (connecting)");
-    nccl_check(wend, "ncclGroupEnd (connecting)");
-    const auto deadline = Clock::now() + connect;
+    accepted(r, "ncclSend/ncclRecv (connecting)");
+    accepted(wend, "ncclGroupEnd (connecting)");
+    nccl_detail::wait_ready(comms(), deadline, describe,
+                            fmt::format("rank {}: connecting NCCL links", rank_));
+    size_t i = 0;
     for (auto& [k, l] : links_) {
       for (;;) {
         const cudaError_t q = cudaStreamQuery(l.stream);
@@ -227,21 +286,34 @@ NcclComm::Impl::Impl(int rank, int world, int device, std::shared_ptr<Store> sto
         if (q != cudaErrorNotReady) cuda_check(q, "cudaStreamQuery (connecting)");
         ncclResult_t async = ncclSuccess;
         api.CommGetAsyncError(l.comm, &async);
-        nccl_check(async, "NCCL (connecting)");
+        if (async != ncclInProgress) nccl_check(async, "NCCL (connecting)");
         if (Clock::now() > deadline)
-          throw ExecutionError(fmt::format("rank {}: NCCL link {}->{} channel {} did not connect "
-                                           "within {:g} s",
-                                           rank_, k.src, k.dst, k.channel, comm_seconds(connect)),
+          throw ExecutionError(fmt::format("rank {}: {} did not connect within {:g} s (the peer "
+                                           "never arrived; communicators aborted)",
+                                           rank_, describe(i), comm_seconds(connect)),
                                rank_);
         std::this_thread::sleep_for(std::chrono::microseconds(200));
       }
+      ++i;
     }
     cudaFree(warm);
-  } catch (...) {
+    warm = nullptr;
+  } catch (const std::exception& e) {
+    // No lock is held here: ncclCommAbort ends the pending setup at once.
     abort_comms();
+    cudaDeviceSynchronize();  // the aborted kernels end (the 1-byte warm-up)
+    (void)cudaGetLastError();
+    if (warm) cudaFree(warm);
     for (auto& [k, l] : links_)
       if (l.stream) cudaStreamDestroy(l.stream);
     links_.clear();
+    if (dynamic_cast<const ExecutionError*>(&e)) {
+      const std::string msg = e.what();
+      throw ExecutionError(msg.rfind(fmt::format("rank {}", rank_), 0) == 0
+                               ? msg
+                               : fmt::format("rank {}: {}", rank_, msg),
+                           rank_);
+    }
     throw;
   }
   watchdog_ = std::thread([this] { watchdog(); });
@@ -289,6 +361,10 @@ void NcclComm::Impl::close() {
     cudaEventDestroy(s.done);
   }
   sends_.clear();
+  for (auto& [c, q] : self_sends_)  // staged sends to itself never paired (no event yet)
+    for (PendingSend& s : q) pool_->retire(s.slot, s.bytes, nullptr);
+  self_sends_.clear();
+  self_recvs_.clear();  // (their entries are in fifo_, dropped below)
   while (fifo_.pending()) {
     // drop posted receives that were never waited for
     bool any = false;
@@ -332,6 +408,13 @@ void NcclComm::Impl::close() {
 
 cudaEvent_t NcclComm::Impl::fast_event() {
   if (fast_.empty()) take_spent();
+  if (fast_.empty()) {  // completed receives the watchdog has not swept yet
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      sweep_watched_locked();  // (a timeout found here is the watchdog's to report)
+    }
+    take_spent();
+  }
   if (!fast_.empty()) {
     cudaEvent_t e = fast_.back();
     fast_.pop_back();
@@ -339,7 +422,70 @@ cudaEvent_t NcclComm::Impl::fast_event() {
   }
   cudaEvent_t e = nullptr;
   cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+  ++events_created_;
   return e;
+}
+
+void NcclComm::Impl::reserve_events(size_t n) {
+  take_spent();
+  while (fast_.size() < n) {
+    cudaEvent_t e = nullptr;
+    cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate (reserve)");
+    ++events_created_;
+    fast_.push_back(e);
+  }
+}
+
+void NcclComm::Impl::pair_self(Link& l, int channel) {
+  auto& sends = self_sends_[channel];
+  auto& recvs = self_recvs_[channel];
+  const nccl_detail::NcclApi& api = nccl_api();
+  while (!sends.empty() && !recvs.empty()) {
+    PendingSend s = std::move(sends.front());
+    sends.pop_front();
+    PendingRecv* r = recvs.front();
+    recvs.pop_front();
+    if (s.bytes != r->bytes)
+      throw ExecutionError(fmt::format("rank {}: {} ({} bytes) to itself is received as {} ({} "
+                                       "bytes)",
+                                       rank_, s.what, s.bytes, r->what, r->bytes),
+                           rank_);
+    if (s.bytes) {
+      ncclResult_t a = ncclSuccess, b = ncclSuccess, e = ncclSuccess;
+      {
+        std::lock_guard<std::mutex> lock(nccl_mu_);
+        if (gone_.done()) {
+          check_failed();
+          throw ExecutionError(fmt::format("rank {}: the NCCL communicators are gone", rank_),
+                               rank_);
+        }
+        nccl_check(api.GroupStart(), "ncclGroupStart (self link)");
+        a = api.Send(s.slot, s.bytes, ncclUint8, 0, l.comm, l.stream);
+        b = api.Recv(r->slot, r->bytes, ncclUint8, 0, l.comm, l.stream);
+        e = api.GroupEnd();
+      }
+      accepted(a, "ncclSend (self link)");
+      accepted(b, "ncclRecv (self link)");
+      accepted(e, "ncclGroupEnd (self link)");
+      if (a == ncclInProgress || b == ncclInProgress || e == ncclInProgress)
+        settle(l, "sending " + s.what + " to itself");
+    }
+    s.done = fast_event();
+    cuda_check(cudaEventRecord(s.done, l.stream), "cudaEventRecord");
+    cuda_check(cudaEventRecord(r->done, l.stream), "cudaEventRecord");
+    sends_.push_back(std::move(s));
+  }
+}
+
+void NcclComm::Impl::settle(Link& l, const std::string& doing) {
+  const LinkKey k = l.key;
+  nccl_detail::wait_ready(
+      {l.comm}, Clock::now() + std::chrono::milliseconds(timeout_ms_.load()),
+      [&](size_t) {
+        return fmt::format("the link {}->{} channel {} (peer rank {})", k.src, k.dst, k.channel,
+                           k.src == rank_ ? k.dst : k.src);
+      },
+      fmt::format("rank {}: {}", rank_, doing), &nccl_mu_, [this] { return gone_.done(); });
 }
 
 cudaEvent_t NcclComm::Impl::timed_event() {
@@ -350,6 +496,7 @@ cudaEvent_t NcclComm::Impl::timed_event() {
   }
   cudaEvent_t e = nullptr;
   cuda_check(cudaEventCreate(&e), "cudaEventCreate");
+  ++events_created_;
   return e;
 }
 
@@ -489,14 +636,25 @@ void NcclComm::Impl::send(cudaStream_t stream, const CommOp& op,
   cuda_check(cudaEventRecord(copied, stream), "cudaEventRecord");
   cuda_check(cudaStreamWaitEvent(l.stream, copied, 0), "cudaStreamWaitEvent");
   give_fast(copied);  // the wait above captured it: free to re-record
+  if (op.peer == rank_) {  // a self link: issued with its receive (pair_self)
+    self_sends_[op.channel].push_back(std::move(p));
+    pair_self(l, op.channel);
+    ++sent_;
+    return;
+  }
   const size_t rec = note(CommOpKind::Send, op, seq, l.stream);
   if (total) {
-    std::lock_guard<std::mutex> lock(nccl_mu_);
-    if (gone_.done()) {  // aborted or closed meanwhile
-      check_failed();
-      throw ExecutionError(fmt::format("rank {}: the NCCL communicators are gone", rank_), rank_);
+    ncclResult_t r = ncclSuccess;
+    {
+      std::lock_guard<std::mutex> lock(nccl_mu_);
+      if (gone_.done()) {  // aborted or closed meanwhile
+        check_failed();
+        throw ExecutionError(fmt::format("rank {}: the NCCL communicators are gone", rank_), rank_);
+      }
+      r = nccl_api().Send(p.slot, total, ncclUint8, 1, l.comm, l.stream);
     }
-    nccl_check(nccl_api().Send(p.slot, total, ncclUint8, 1, l.comm, l.stream), "ncclSend");
+    accepted(r, "ncclSend");
+    if (r == ncclInProgress) settle(l, "sending " + p.what);
   }
   note_end(rec, l.stream);
   p.done = fast_event();
@@ -515,14 +673,27 @@ void NcclComm::Impl::post(const CommOp& op) {
   // A slot from the pool is idle on the device (its fences completed), so the
   // receive stream needs no wait on the compute stream.
   p.slot = pool_->take(total);
+  if (op.peer == rank_) {  // a self link: issued with its send (pair_self)
+    p.done = fast_event();
+    fifo_.push(op.peer, op.channel, std::move(p));
+    self_recvs_[op.channel].push_back(&fifo_.back(op.peer, op.channel));
+    pair_self(l, op.channel);
+    ++received_;
+    return;
+  }
   const size_t rec = note(CommOpKind::Post, op, seq, l.stream);
   if (total) {
-    std::lock_guard<std::mutex> lock(nccl_mu_);
-    if (gone_.done()) {  // aborted or closed meanwhile
-      check_failed();
-      throw ExecutionError(fmt::format("rank {}: the NCCL communicators are gone", rank_), rank_);
+    ncclResult_t r = ncclSuccess;
+    {
+      std::lock_guard<std::mutex> lock(nccl_mu_);
+      if (gone_.done()) {  // aborted or closed meanwhile
+        check_failed();
+        throw ExecutionError(fmt::format("rank {}: the NCCL communicators are gone", rank_), rank_);
+      }
+      r = nccl_api().Recv(p.slot, total, ncclUint8, 0, l.comm, l.stream);
     }
-    nccl_check(nccl_api().Recv(p.slot, total, ncclUint8, 0, l.comm, l.stream), "ncclRecv");
+    accepted(r, "ncclRecv");
+    if (r == ncclInProgress) settle(l, "posting the receive of " + p.what);
   }
   note_end(rec, l.stream);
   p.done = fast_event();
@@ -534,6 +705,15 @@ void NcclComm::Impl::post(const CommOp& op) {
 void NcclComm::Impl::wait(cudaStream_t stream, const CommOp& op, const std::vector<MutBytes>& outs,
                           size_t& out) {
   if (fifo_.empty(op.peer, op.channel)) post(op);  // not posted ahead: post it now
+  if (op.peer == rank_) {
+    auto& pending = self_recvs_[op.channel];
+    if (!pending.empty() && pending.front() == &fifo_.front(op.peer, op.channel))
+      throw ExecutionError(
+          fmt::format("rank {}: receiving {} from itself before it was sent (a self link's "
+                      "send must come before its wait in the rank's stream)",
+                      rank_, fifo_.front(op.peer, op.channel).what),
+          rank_);
+  }
   PendingRecv p = fifo_.pop(op.peer, op.channel);
   const auto& sizes = layout(op.channel, op.stage);
   const std::vector<size_t> offs = staging::packed_offsets(sizes);
@@ -597,6 +777,38 @@ void NcclComm::Impl::abort(const std::string& msg, int origin, bool publish) {
   }
 }
 
+std::string NcclComm::Impl::sweep_watched_locked() {
+  std::string timed_out;
+  const auto now = Clock::now();
+  const auto limit = std::chrono::milliseconds(timeout_ms_.load());
+  size_t keep = 0;
+  for (size_t i = 0; i < watched_.size(); ++i) {
+    Watched& w = watched_[i];
+    if (cudaEventQuery(w.done) == cudaSuccess) {
+      // `reached` precedes `done`'s consumer on the compute stream; wait for
+      // it too so the event is idle before it is re-recorded.
+      if (cudaEventQuery(w.reached) == cudaSuccess) {
+        spent_.push_back(w.reached);
+        spent_.push_back(w.done);
+        continue;
+      }
+    } else if (!w.seen) {
+      if (cudaEventQuery(w.reached) == cudaSuccess) {
+        w.seen = true;
+        w.since = now;
+      }
+    } else if (now - w.since > limit && timed_out.empty() && !failure_) {
+      timed_out = fmt::format("rank {}: timed out after {:g} s receiving {} (the compute "
+                              "stream waited for it; NCCL communicators aborted)",
+                              rank_, comm_seconds(limit), w.what);
+    }
+    if (keep != i) watched_[keep] = std::move(watched_[i]);
+    ++keep;
+  }
+  watched_.resize(keep);
+  return timed_out;
+}
+
 void NcclComm::Impl::watchdog() {
   cudaSetDevice(device_);
   const std::string abort_key = prefix_ + "/abort";
@@ -605,33 +817,7 @@ void NcclComm::Impl::watchdog() {
     std::string timed_out;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      const auto now = Clock::now();
-      const auto limit = std::chrono::milliseconds(timeout_ms_.load());
-      size_t keep = 0;
-      for (size_t i = 0; i < watched_.size(); ++i) {
-        Watched& w = watched_[i];
-        if (cudaEventQuery(w.done) == cudaSuccess) {
-          // `reached` precedes `done`'s consumer on the compute stream; wait for
-          // it too so the event is idle before it is re-recorded.
-          if (cudaEventQuery(w.reached) == cudaSuccess) {
-            spent_.push_back(w.reached);
-            spent_.push_back(w.done);
-            continue;
-          }
-        } else if (!w.seen) {
-          if (cudaEventQuery(w.reached) == cudaSuccess) {
-            w.seen = true;
-            w.since = now;
-          }
-        } else if (now - w.since > limit && timed_out.empty() && !failure_) {
-          timed_out = fmt::format("rank {}: timed out after {:g} s receiving {} (the compute "
-                                  "stream waited for it; NCCL communicators aborted)",
-                                  rank_, comm_seconds(limit), w.what);
-        }
-        if (keep != i) watched_[keep] = std::move(watched_[i]);
-        ++keep;
-      }
-      watched_.resize(keep);
+      timed_out = sweep_watched_locked();
     }
     if (!timed_out.empty()) abort(timed_out, rank_, true);
     // 2. asynchronous NCCL errors
@@ -676,27 +862,41 @@ void NcclComm::Impl::watchdog() {
 
 NcclComm::NcclComm(int rank, int world, int device, std::shared_ptr<Store> store,
                    std::vector<NcclLink> links, std::chrono::milliseconds timeout,
-                   std::string prefix)
+                   std::string prefix, std::chrono::milliseconds setup_timeout)
     : impl_(std::make_unique<Impl>(rank, world, device, std::move(store), std::move(links),
-                                   timeout, std::move(prefix))) {}
+                                   timeout, std::move(prefix), setup_timeout)) {}
 
 NcclComm::~NcclComm() = default;
 
 bool NcclComm::built() { return true; }
 
 void NcclComm::set_timeout(std::chrono::milliseconds timeout) {
+  for (auto& r : routes_.members()) r->set_timeout(timeout);
   impl_->timeout_ms_ = timeout.count();
 }
 
 void NcclComm::set_layout(int channel, int stage, std::vector<size_t> bytes) {
+  for (auto& r : routes_.members()) r->set_layout(channel, stage, bytes);
   impl_->layouts_[{channel, stage}] = std::move(bytes);
 }
 
 void NcclComm::set_names(int peer, int channel, bool send, std::vector<std::string> names) {
+  for (auto& r : routes_.members()) r->set_names(peer, channel, send, names);
   impl_->names_[{peer, channel, send}] = std::move(names);
 }
 
+void NcclComm::reserve(const std::vector<staging::TransferCount>& transfers) {
+  for (auto& r : routes_.members()) r->reserve(transfers);
+  Impl& m = *impl_;
+  m.check_failed();
+  m.set_device();
+  const staging::Reservation want = staging::reservation(m.layouts_, m.rank_, transfers);
+  for (const auto& [bytes, n] : want.slots) m.pool_->reserve(bytes, n);
+  m.reserve_events(want.events);
+}
+
 void NcclComm::record(bool on) {
+  for (auto& r : routes_.members()) r->record(on);
   Impl& m = *impl_;
   if (m.closed_) return;
   m.set_device();
@@ -723,7 +923,7 @@ void NcclComm::run_group(void* stream_ptr, const std::vector<CommOp>& ops,
     m.set_device();
     m.reap(false);
     for (const CommOp& op : ops) {
-      if (op.peer < 0 || op.peer >= m.world_ || op.peer == m.rank_)
+      if (op.peer < 0 || op.peer >= m.world_)  // (the rank itself: a self link)
         throw ExecutionError(
             fmt::format("rank {}: internal: transfer peer {} out of range", m.rank_, op.peer),
             m.rank_);
@@ -787,13 +987,22 @@ void NcclComm::mark(void* stream, int phase) {
 
 void NcclComm::abort(const std::string& msg, int origin) {
   impl_->abort(msg, origin >= 0 ? origin : impl_->rank_, true);
+  for (auto& r : routes_.members()) r->abort(msg, origin);
 }
 
-void NcclComm::close() { impl_->close(); }
+void NcclComm::close() {
+  for (auto& r : routes_.members()) r->close();
+  impl_->close();
+}
 
 std::optional<std::pair<int, std::string>> NcclComm::failure() const {
-  std::lock_guard<std::mutex> lock(impl_->mu_);
-  return impl_->failure_;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu_);
+    if (impl_->failure_) return impl_->failure_;
+  }
+  for (auto& r : routes_.members())
+    if (auto f = r->failure()) return f;
+  return std::nullopt;
 }
 
 std::vector<std::pair<int, Clock::time_point>> NcclComm::take_marks() {
@@ -827,19 +1036,35 @@ std::vector<CommEvent> NcclComm::take_events() {
 }
 
 std::pair<uint64_t, uint64_t> NcclComm::counts() const {
-  return {impl_->sent_.load(), impl_->received_.load()};
+  std::pair<uint64_t, uint64_t> n{impl_->sent_.load(), impl_->received_.load()};
+  for (auto& r : routes_.members()) {
+    const auto [a, b] = r->counts();
+    n.first += a;
+    n.second += b;
+  }
+  return n;
 }
 int NcclComm::rank() const { return impl_->rank_; }
 int NcclComm::world_size() const { return impl_->world_; }
 int NcclComm::device() const { return impl_->device_; }
 bool NcclComm::alive() const {
   if (impl_->closed_ || impl_->gone_.done()) return false;
+  for (auto& r : routes_.members())
+    if (!r->alive()) return false;
   std::lock_guard<std::mutex> lock(impl_->mu_);
   return !impl_->failure_;
 }
 std::vector<NcclLink> NcclComm::links() const { return impl_->links_in_; }
 size_t NcclComm::slots_allocated() const {
-  return impl_->pool_ ? impl_->pool_->allocations() : 0;
+  size_t n = impl_->pool_ ? impl_->pool_->allocations() : 0;
+  for (auto& r : routes_.members()) n += r->slots_allocated();
+  return n;
+}
+
+size_t NcclComm::events_created() const {
+  size_t n = impl_->events_created_.load();
+  for (auto& r : routes_.members()) n += r->events_created();
+  return n;
 }
 
 }  // namespace baton::runtime
