@@ -163,7 +163,13 @@ ClusterPlan evaluate_cluster(const ModelProfile& model, const Hardware& hw,
                              const std::string& schedule, int virtual_stages, int microbatches,
                              Remat remat);
 
-// Searches degrees x autoplan; throws ConfigError when nothing fits.
+// Searches degrees x autoplan. Every (degree tuple, microbatch count) gets a
+// lower bound on its step time (the average rank's F + min(B, I + W) times M
+// plus its update seconds: every schedule runs each task once and remat only
+// adds time); they are searched by increasing bound and the search stops once
+// the bound reaches the top-th best tuple's step time, so no skipped tuple
+// could enter the table (each row within the autoplan gap of its tuple's
+// optimum over the coarsened segments). Throws ConfigError when nothing fits.
 ClusterResult plan_cluster(const ModelProfile& model, const Hardware& hw, const ClusterOptions& o);
 
 // Ranked table for the CLI.

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <nlohmann/json.hpp>
 
@@ -261,7 +262,20 @@ ClusterResult plan_cluster(const ModelProfile& model, const Hardware& hw,
         fmt::format("cluster: global_batch must be >= 1 (got {})", o.global_batch));
   const auto t0 = std::chrono::steady_clock::now();
   ClusterResult res;
+  // Every (degree tuple, M) with a lower bound on its step time: the average rank's busy
+  // time (each rank runs its stages' F and B, or F, I and W, for every microbatch; remat
+  // only adds time) plus the average rank's update. The search visits them by increasing
+  // bound and stops when the bound reaches the top-th best tuple found (their step times
+  // can only be larger).
+  struct Job {
+    ClusterDegrees d;
+    int microbatches;
+    double bound;
+    int tuple;
+  };
+  std::vector<Job> jobs;
   const int layers = model.num_layers();
+  int tuples = 0;
   for (int pp : divisors(o.gpus, layers)) {
     if (!allowed(o.pp_choices, pp)) continue;
     for (int tp : divisors(o.gpus / pp, std::min(hw.gpus_per_node, model.max_tp))) {
@@ -280,38 +294,66 @@ ClusterResult plan_cluster(const ModelProfile& model, const Hardware& hw,
             ++res.stats.skipped_memory;
             continue;
           }
-          const int64_t batch = o.global_batch / dp;
-          std::vector<int> ms = divisors(batch, o.max_microbatches);
+          std::vector<int> ms = divisors(o.global_batch / dp, o.max_microbatches);
           if (static_cast<int>(ms.size()) > o.max_microbatch_choices)
             ms.erase(ms.begin(), ms.end() - o.max_microbatch_choices);
-          std::optional<ClusterPlan> best;
           for (int m : ms) {
-            const ClusterSegments segs =
-                build_segments(model, hw, d, o, m, search_groups(model, o, pp));
-            AutoplanOptions ao;
-            ao.ranks = pp;
-            ao.memory = hw.memory_budget();
-            ao.top = 1;
-            ao.families = o.families;
-            ao.microbatches = {m};
-            ao.gap = o.gap;
-            ao.node_budget = o.node_budget;
-            ao.verify = false;
-            ++res.stats.searched;
-            try {
-              AutoplanResult ar = autoplan(segs.costs, ao);
-              if (ar.plans.empty() || !ar.plans[0].fits) continue;
-              if (!best || ar.plans[0].step_time < best->step_time)
-                best = finish(model, hw, o, d, segs, std::move(ar.plans[0]));
-            } catch (const ConfigError&) {
-              ++res.stats.infeasible;
+            const ClusterSegments segs = build_segments(model, hw, d, o, m, model.num_layers());
+            double busy = 0, upd = 0;
+            for (const SegmentCost& c : segs.costs.segments) {
+              busy += c.f + std::min(c.b, c.i + c.w);
+              upd += c.update;
             }
+            jobs.push_back({d, m, (m * busy + upd) / pp, tuples});
           }
-          if (best) res.plans.push_back(std::move(*best));
+          ++tuples;
         }
       }
     }
   }
+  std::stable_sort(jobs.begin(), jobs.end(),
+                   [](const Job& a, const Job& b) { return a.bound < b.bound; });
+  std::vector<std::optional<ClusterPlan>> best(tuples);
+  std::vector<double> found;  // best step time of each tuple that has one
+  auto kth_best = [&]() {
+    if (static_cast<int>(found.size()) < o.top) return std::numeric_limits<double>::infinity();
+    std::vector<double> f = found;
+    std::nth_element(f.begin(), f.begin() + (o.top - 1), f.end());
+    return f[o.top - 1];
+  };
+  for (const Job& job : jobs) {
+    if (job.bound >= kth_best()) break;
+    const ClusterDegrees& d = job.d;
+    const ClusterSegments segs =
+        build_segments(model, hw, d, o, job.microbatches, search_groups(model, o, d.pp));
+    AutoplanOptions ao;
+    ao.ranks = d.pp;
+    ao.memory = hw.memory_budget();
+    ao.top = 1;
+    ao.families = o.families;
+    ao.microbatches = {job.microbatches};
+    ao.gap = o.gap;
+    ao.node_budget = o.node_budget;
+    ao.verify = false;
+    ++res.stats.searched;
+    try {
+      AutoplanResult ar = autoplan(segs.costs, ao);
+      if (ar.plans.empty() || !ar.plans[0].fits) continue;
+      std::optional<ClusterPlan>& b = best[job.tuple];
+      if (!b) {
+        b = finish(model, hw, o, d, segs, std::move(ar.plans[0]));
+        found.push_back(b->step_time);
+      } else if (ar.plans[0].step_time < b->step_time) {
+        const double old = b->step_time;
+        b = finish(model, hw, o, d, segs, std::move(ar.plans[0]));
+        *std::find(found.begin(), found.end(), old) = b->step_time;
+      }
+    } catch (const ConfigError&) {
+      ++res.stats.infeasible;
+    }
+  }
+  for (auto& b : best)
+    if (b) res.plans.push_back(std::move(*b));
   std::sort(res.plans.begin(), res.plans.end(),
             [](const ClusterPlan& a, const ClusterPlan& b) { return a.step_time < b.step_time; });
   if (static_cast<int>(res.plans.size()) > o.top) res.plans.resize(o.top);
