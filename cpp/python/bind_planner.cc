@@ -678,7 +678,7 @@ void bind_cluster(nb::module_& m) {
          bool fp8, const std::vector<int>& pp, const std::vector<int>& tp,
          const std::vector<int>& ep, int fsdp_mode, const std::vector<std::string>& families,
          int top, int max_segments, int max_microbatch_choices, double gap,
-         int64_t node_budget) {
+         int64_t node_budget, const std::vector<int>& interleaved_v) {
         baton::ClusterOptions o;
         o.gpus = gpus;
         o.global_batch = global_batch;
@@ -693,6 +693,7 @@ void bind_cluster(nb::module_& m) {
         o.max_microbatch_choices = max_microbatch_choices;
         o.gap = gap;
         o.node_budget = node_budget;
+        if (!interleaved_v.empty()) o.interleaved_v = interleaved_v;
         nb::gil_scoped_release release;
         return baton::plan_cluster(baton::ModelProfile::from_json(profile),
                                    baton::Hardware::from_json(hardware), o)
@@ -701,8 +702,8 @@ void bind_cluster(nb::module_& m) {
       "profile"_a, "hardware"_a, "gpus"_a, "global_batch"_a, "fp8"_a = false,
       "pp"_a = std::vector<int>{}, "tp"_a = std::vector<int>{}, "ep"_a = std::vector<int>{},
       "fsdp_mode"_a = -1, "families"_a = std::vector<std::string>{}, "top"_a = 10,
-      "max_segments"_a = 24, "max_microbatch_choices"_a = 3, "gap"_a = 0.02,
-      "node_budget"_a = 3000,
+      "max_segments"_a = 24, "max_microbatch_choices"_a = 1, "gap"_a = 0.02,
+      "node_budget"_a = 500, "interleaved_v"_a = std::vector<int>{},
       "Searches degrees x cuts x schedule x microbatches x remat; returns the ranked result "
       "as JSON. Raises ConfigError when nothing fits.");
   m.def(

@@ -100,7 +100,7 @@ struct ClusterOptions {
   // Pipeline segments: layers are grouped into about this many segments
   // (never fewer than 2 * pp so that interleaving has stages to place).
   int max_segments = 24;
-  int max_microbatch_choices = 3;  // microbatch counts tried per degree tuple
+  int max_microbatch_choices = 1;  // largest microbatch counts tried per degree tuple
   int max_microbatches = 256;
   std::vector<std::string> families;  // empty: all of Baton's schedules
   std::vector<int> pp_choices, tp_choices;  // empty: all valid
@@ -108,7 +108,8 @@ struct ClusterOptions {
   int fsdp_mode = -1;  // -1 both, 0 ZeRO-1 only, 1 FSDP only
   int top = 10;
   double gap = 0.02;         // autoplan's relative gap per call
-  int64_t node_budget = 3000;  // autoplan's per-configuration budget
+  int64_t node_budget = 500;  // autoplan's per-configuration budget
+  std::vector<int> interleaved_v = {2, 4};  // virtual stages tried by the interleaved schedule
 };
 
 // Per-GPU bytes of the rank holding the largest peak, by component.

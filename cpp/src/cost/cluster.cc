@@ -160,7 +160,9 @@ ClusterSegments build_segments(const ModelProfile& m, const Hardware& hw, const 
 }
 
 int search_groups(const ModelProfile& m, const ClusterOptions& o, int pp) {
-  return std::min(m.num_layers(), std::max(o.max_segments, 2 * pp + 2));
+  int vmax = 2;
+  for (int v : o.interleaved_v) vmax = std::max(vmax, v);
+  return std::min(m.num_layers(), std::max(o.max_segments, vmax * pp + 2));
 }
 
 int64_t static_lower_bound(const ModelProfile& m, const Hardware& hw, const ClusterDegrees& d,
@@ -334,6 +336,7 @@ ClusterResult plan_cluster(const ModelProfile& model, const Hardware& hw,
     ao.microbatches = {job.microbatches};
     ao.gap = o.gap;
     ao.node_budget = o.node_budget;
+    ao.interleaved_v = o.interleaved_v;
     ao.verify = false;
     ++res.stats.searched;
     try {

@@ -127,8 +127,8 @@ def _model_profile(model, seq) -> dict:
 def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None = None, *,
                  fp8: bool = False, pp=(), tp=(), ep=(), fsdp: bool | None = None,
                  families=(), top: int = 10, max_segments: int = 24,
-                 max_microbatch_choices: int = 3, gap: float = 0.02, node_budget: int = 3000,
-                 efficiency: float | None = None) -> ClusterPlans:
+                 max_microbatch_choices: int = 1, gap: float = 0.02, node_budget: int = 500,
+                 interleaved_v=(2, 4), efficiency: float | None = None) -> ClusterPlans:
     """Fastest predicted plans for ``model`` on ``gpus`` GPUs of ``cluster``: degrees
     (pipeline, tensor, data with ZeRO-1 or FSDP, expert), cuts, schedule, microbatches and
     remat, ranked by step time. ``global_batch`` in sequences of ``seq`` tokens."""
@@ -138,7 +138,8 @@ def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None =
         json.dumps(prof), json.dumps(hw), int(gpus), int(global_batch), fp8=fp8,
         pp=list(pp), tp=list(tp), ep=list(ep), fsdp_mode=-1 if fsdp is None else int(fsdp),
         families=list(families), top=top, max_segments=max_segments,
-        max_microbatch_choices=max_microbatch_choices, gap=gap, node_budget=node_budget))
+        max_microbatch_choices=max_microbatch_choices, gap=gap, node_budget=node_budget,
+        interleaved_v=list(interleaved_v)))
     return ClusterPlans([ClusterPlan.from_dict(p) for p in out["plans"]], out["stats"],
                         prof, hw)
 
