@@ -81,9 +81,9 @@ RUNS = [
     Run("Llama 3 405B, 16384 H100", "llama3-405b", "h100", 16, 8, 128, 2048, "interleaved", 16,
         400, "model_tflops", LLAMA3, v=4),
     Run("torchtitan 405B 1F1B, 512 H100", "llama3-405b", "h100", 8, 8, 8, 256, "1f1b", 32,
-        100, "tps", TITAN, fsdp=True, fp8=True),
+        100, "tps", TITAN, fp8=True),
     Run("torchtitan 405B interleaved, 512 H100", "llama3-405b", "h100", 8, 8, 8, 256,
-        "interleaved", 32, 128, "tps", TITAN, v=2, fsdp=True, fp8=True),
+        "interleaved", 32, 128, "tps", TITAN, v=2, fp8=True),
 ]
 # Assumptions where the source does not say: Megatron's rows run 1F1B (p = 1) or interleaved
 # with v = 2, microbatch size 1, full recompute (the paper's setting); Llama 3 runs

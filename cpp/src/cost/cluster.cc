@@ -243,11 +243,18 @@ ClusterPlan evaluate_cluster(const ModelProfile& model, const Hardware& hw,
   const std::string key = schedule;
   const int v = (key == "zbv" || key == "dualpipev") ? 2 : (key == "interleaved" ? virtual_stages : 1);
   const int stages = d.pp * v;
-  if (stages > n)
+  // Layers spread evenly; a leading embedding joins the first stage and a trailing head
+  // the last (as Megatron places them).
+  const int lead = model.segments.front().repeat == 1 && model.segments.front().name == "embed";
+  const int tail = model.segments.size() > 1 && model.segments.back().repeat == 1 &&
+                   model.segments.back().name == "head";
+  const int body = n - lead - tail;
+  if (stages > body)
     throw ConfigError(fmt::format("cluster: {} stages need at least as many layers (have {})",
-                                  stages, n));
-  std::vector<int> cuts(stages);
-  for (int s = 0; s < stages; ++s) cuts[s] = static_cast<int>(static_cast<int64_t>(s) * n / stages);
+                                  stages, body));
+  std::vector<int> cuts(stages, 0);
+  for (int s = 1; s < stages; ++s)
+    cuts[s] = lead + static_cast<int>(static_cast<int64_t>(s) * body / stages);
   const std::vector<Remat> rem(stages, remat);
   PlanCandidate pc = evaluate_candidate(segs.costs, schedule, d.pp, virtual_stages, microbatches,
                                         cuts, rem, hw.memory_budget());
