@@ -156,6 +156,12 @@ def main() -> None:
         print(f"| {r.name}{fitted} | {r.published:g} {unit} | {m:.1f} | {m / r.published:.2f} | "
               f"{p.step_time:.2f} | {100 * p.bubble:.1f}% | {p.memory.total / 2**30:.1f} GiB"
               f"{'' if p.fits else ' (over)'} | {best} |")
+    # What-if (not a fit): torchtitan's runs with the matmuls at the bf16 peak.
+    for r in RUNS[-2:]:
+        bf = dataclasses.replace(r, fp8=False)
+        p, m = predict(bf, profiles, effs[r.cluster])
+        print(f"what-if {r.name} at the bf16 peak: {m:.1f} tokens/s/GPU, ratio "
+              f"{m / r.published:.2f}")
     gain = preds[RUNS[-1].name][1] / preds[RUNS[-2].name][1]
     print(f"\ntorchtitan interleaved / 1F1B: published {128 / 100:.2f}, Baton {gain:.2f}")
     zb = profiles[("gpt-7.5b", None)]
