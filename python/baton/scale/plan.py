@@ -178,5 +178,5 @@ def format_table(r: ClusterPlans) -> str:
     rows.append(f"{s['degree_tuples']} degree tuples ({s['skipped_memory']} over memory by static "
                 f"bytes), {s['searched']} searches, {s['seconds']:.2f} s; MFU = model FLOPs/token "
                 f"x tokens/s / (GPUs x {r.hardware['peak_bf16'] / 1e12:.0f} TFLOP/s); memory on "
-                f"the fullest GPU (budget {_gib(r.hardware['hbm_bytes'] - r.hardware['reserved_bytes'])}B)")
+                f"the fullest GPU (budget {_gib(r.hardware['hbm_bytes'] - r.hardware['reserved_bytes'])}iB)")
     return "\n".join(rows)
