@@ -173,3 +173,27 @@ def test_calibrate_recovers_the_efficiency_of_synthetic_measurements():
     assert hw["efficiency"] == pytest.approx(0.37, rel=1e-3)
     with pytest.raises(ValueError, match="step_time"):
         scale.calibrate(HW, [dataclasses.replace(ms[0], step_time=0.0)])
+
+
+def test_moe_profile_and_expert_parallel_memory():
+    cfg = scale.get_model("llama:layers=2,hidden=128,ffn=256,heads=4,experts=4,top_k=2,"
+                          "moe_ffn=256,vocab=1000,seq=64")
+    prof = scale.profile_model(cfg)
+    moe = next(s for s in prof["segments"] if s["name"] == "moe_layer")
+    assert moe["repeat"] == 2 and prof["num_experts"] == 4
+    assert moe["expert_params"] == 4 * 3 * 128 * 256
+    # Balanced routing: the experts' matmuls count top_k x tokens x one expert's FLOPs.
+    dense_part = 2 * 64 * (4 * 128 * 128 + 128 * 4)  # q, k, v, o projections and the router
+    attn = 4 * 64 * 64 * 128
+    assert moe["fwd_flops"] == 2 * 64 * 2 * 3 * 128 * 256 + dense_part + attn
+    assert moe["a2a_collectives"] == 2 and moe["a2a_bytes"] == 2 * (2 * 64 * 128)
+    one = scale.evaluate_cluster(prof, HW, pp=1, tp=1, dp=4, ep=1, global_batch=8,
+                                 schedule="1f1b", microbatches=2)
+    two = scale.evaluate_cluster(prof, HW, pp=1, tp=1, dp=4, ep=2, global_batch=8,
+                                 schedule="1f1b", microbatches=2)
+    # Expert weights are split over the expert axis: half of them leave each GPU.
+    assert one.memory.params - two.memory.params == pytest.approx(
+        2 * moe["repeat"] * moe["expert_params"] / 2, abs=8)
+    assert two.step_time > 0
+    r = scale.plan_cluster(prof, HW, gpus=8, global_batch=16, ep=[2], top=3)
+    assert r.plans and all(p.ep == 2 for p in r.plans)
