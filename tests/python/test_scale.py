@@ -197,3 +197,14 @@ def test_moe_profile_and_expert_parallel_memory():
     assert two.step_time > 0
     r = scale.plan_cluster(prof, HW, gpus=8, global_batch=16, ep=[2], top=3)
     assert r.plans and all(p.ep == 2 for p in r.plans)
+
+
+def test_16384_gpu_search_takes_seconds():
+    prof = scale.profile_model("llama3-405b")
+    t0 = time.perf_counter()
+    r = scale.plan_cluster(prof, "h100", 16384, 2048, top=3)
+    assert time.perf_counter() - t0 < 60
+    best = r.plans[0]
+    assert best.pp * best.tp * best.dp == 16384
+    assert best.memory.total <= 76 * 2**30 and best.fits
+    assert 0.2 < best.mfu < 0.7

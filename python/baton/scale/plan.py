@@ -88,7 +88,10 @@ class ClusterPlan:
         ``baton.stage_boundary()`` after the embedding and after every layer (instance k
         ends at boundary index k): schedule, microbatches, remat, the boundaries that end
         stages, and the mesh: ``mesh_axes`` sizes (pipeline x data x expert x tensor) for
-        the ``PipelineMesh`` each pipeline rank's devices form (tensor innermost)."""
+        the ``PipelineMesh`` each pipeline rank's devices form (tensor innermost). Only
+        ``schedule``, ``microbatches``, ``remat`` and ``boundaries`` are ``baton.jit``
+        keywords; ``mesh_axes``, ``fsdp`` and ``checkpoint_stages`` say how to build the
+        mesh, shard the parameters and which stages' layers to wrap in ``jax.checkpoint``."""
         from ..schedules import schedule_from_name
 
         v = self.virtual_stages if self.schedule == "interleaved" else None
@@ -102,7 +105,10 @@ class ClusterPlan:
                 "boundaries": [s - 1 for s in starts[1:]],
                 "mesh_axes": {"pipeline": self.pp, "data": self.dp // self.ep,
                               "expert": self.ep, "tensor": self.tp},
-                "fsdp": self.fsdp}
+                "fsdp": self.fsdp,
+                # stages planned with full recomputation: wrap their layers in
+                # jax.checkpoint (baton.jit's remat is the minimum-bytes cut, "min")
+                "checkpoint_stages": [k for k, r in enumerate(self.remat) if r == "full"]}
 
 
 @dataclasses.dataclass
