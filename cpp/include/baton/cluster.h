@@ -98,7 +98,8 @@ struct ClusterOptions {
   double opt_bytes_per_param = 12;
   double grad_extra_bytes_per_param = 2;
   // Pipeline segments: layers are grouped into about this many segments
-  // (never fewer than 2 * pp so that interleaving has stages to place).
+  // (never fewer than vmax * pp + 2, vmax the largest interleaved_v, so that
+  // interleaving has stages to place).
   int max_segments = 24;
   int max_microbatch_choices = 1;  // largest microbatch counts tried per degree tuple
   int max_microbatches = 256;
