@@ -16,6 +16,9 @@
 #include <vector>
 
 #include "baton/autoplan.h"
+#include "baton/cluster.h"
+#include "baton/collectives.h"
+#include "baton/hardware.h"
 #include "baton/cost.h"
 #include "baton/error.h"
 #include "baton/generators.h"
@@ -659,6 +662,89 @@ void bind_autoplan(nb::module_& m) {
   m.def("parse_bytes", &baton::parse_bytes, "text"_a);
 }
 
+// Cluster planning (cluster.h): JSON texts in, the result's JSON text out.
+void bind_cluster(nb::module_& m) {
+  m.def(
+      "hardware_normalize",
+      [](const std::string& text) { return baton::Hardware::from_json(text).to_json(); },
+      "text"_a, "Parses and validates a hardware JSON; returns it with every field written.");
+  m.def(
+      "profile_normalize",
+      [](const std::string& text) { return baton::ModelProfile::from_json(text).to_json(); },
+      "text"_a, "Parses and validates a model profile JSON; returns it with every field written.");
+  m.def(
+      "plan_cluster",
+      [](const std::string& profile, const std::string& hardware, int gpus, int64_t global_batch,
+         bool fp8, const std::vector<int>& pp, const std::vector<int>& tp,
+         const std::vector<int>& ep, int fsdp_mode, const std::vector<std::string>& families,
+         int top, int max_segments, int max_microbatch_choices, double gap,
+         int64_t node_budget, const std::vector<int>& interleaved_v) {
+        baton::ClusterOptions o;
+        o.gpus = gpus;
+        o.global_batch = global_batch;
+        o.fp8 = fp8;
+        o.pp_choices = pp;
+        o.tp_choices = tp;
+        o.ep_choices = ep;
+        o.fsdp_mode = fsdp_mode;
+        o.families = families;
+        o.top = top;
+        o.max_segments = max_segments;
+        o.max_microbatch_choices = max_microbatch_choices;
+        o.gap = gap;
+        o.node_budget = node_budget;
+        if (!interleaved_v.empty()) o.interleaved_v = interleaved_v;
+        nb::gil_scoped_release release;
+        return baton::plan_cluster(baton::ModelProfile::from_json(profile),
+                                   baton::Hardware::from_json(hardware), o)
+            .to_json();
+      },
+      "profile"_a, "hardware"_a, "gpus"_a, "global_batch"_a, "fp8"_a = false,
+      "pp"_a = std::vector<int>{}, "tp"_a = std::vector<int>{}, "ep"_a = std::vector<int>{},
+      "fsdp_mode"_a = -1, "families"_a = std::vector<std::string>{}, "top"_a = 10,
+      "max_segments"_a = 24, "max_microbatch_choices"_a = 1, "gap"_a = 0.02,
+      "node_budget"_a = 500, "interleaved_v"_a = std::vector<int>{},
+      "Searches degrees x cuts x schedule x microbatches x remat; returns the ranked result "
+      "as JSON. Raises ConfigError when nothing fits.");
+  m.def(
+      "evaluate_cluster",
+      [](const std::string& profile, const std::string& hardware, int pp, int tp, int dp, int ep,
+         bool fsdp, int64_t global_batch, bool fp8, const std::string& schedule,
+         int virtual_stages, int microbatches, const std::string& remat) {
+        baton::ClusterOptions o;
+        o.gpus = pp * tp * dp;
+        o.global_batch = global_batch;
+        o.fp8 = fp8;
+        baton::ClusterResult r;
+        r.plans.push_back(baton::evaluate_cluster(
+            baton::ModelProfile::from_json(profile), baton::Hardware::from_json(hardware),
+            baton::ClusterDegrees{pp, tp, dp, ep, fsdp}, o, schedule, virtual_stages,
+            microbatches, baton::parse_remat(remat)));
+        return r.to_json();
+      },
+      "profile"_a, "hardware"_a, "pp"_a, "tp"_a, "dp"_a, "ep"_a, "fsdp"_a, "global_batch"_a,
+      "fp8"_a, "schedule"_a, "virtual_stages"_a, "microbatches"_a, "remat"_a,
+      "One given configuration (even layer cuts, one remat mode) simulated; JSON like "
+      "plan_cluster's with one plan.");
+  m.def(
+      "collective_time",
+      [](const std::string& kind, double bytes, int n, double bandwidth, double latency) {
+        const baton::LinkSpec l{bandwidth, latency};
+        if (kind == "all_reduce") return baton::all_reduce_time(bytes, n, l);
+        if (kind == "ring_all_reduce") return baton::ring_all_reduce_time(bytes, n, l);
+        if (kind == "all_gather") return baton::all_gather_time(bytes, n, l);
+        if (kind == "reduce_scatter") return baton::reduce_scatter_time(bytes, n, l);
+        if (kind == "all_to_all") return baton::all_to_all_time(bytes, n, l);
+        if (kind == "p2p") return baton::p2p_time(bytes, l);
+        throw baton::ConfigError(fmt::format(
+            "collective_time: unknown kind '{}' (all_reduce, ring_all_reduce, all_gather, "
+            "reduce_scatter, all_to_all, p2p)",
+            kind));
+      },
+      "kind"_a, "bytes"_a, "n"_a, "bandwidth"_a, "latency"_a,
+      "Seconds of one collective (collectives.h formulas).");
+}
+
 }  // namespace
 
 void init_planner(nb::module_& m) {
@@ -669,4 +755,5 @@ void init_planner(nb::module_& m) {
   bind_verify(m);
   bind_sim(m);
   bind_autoplan(m);
+  bind_cluster(m);
 }

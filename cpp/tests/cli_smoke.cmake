@@ -87,3 +87,26 @@ if(NOT rc EQUAL 1)
   message(FATAL_ERROR "--auto with a bad --memory exited ${rc} (expected 1):\n${err}")
 endif()
 file(REMOVE "${_seg}")
+
+# Cluster scale: a small model profile on the shipped H100 preset prints the ranked table;
+# a missing --cluster is one error line.
+get_filename_component(_root "${CMAKE_CURRENT_LIST_DIR}/../.." ABSOLUTE)
+set(_prof "${CMAKE_CURRENT_BINARY_DIR}/cli_smoke_profile.json")
+file(WRITE "${_prof}" [=[{"name": "mlp", "seq": 128, "model_flops_per_sample": 1.2e10,
+  "segments": [{"name": "layer", "repeat": 8, "fwd_flops": 5e8, "bwd_flops": 1e9,
+  "wgrad_flops": 5e8, "params": 2097152, "act_bytes": 65536, "stash_keep": 327680,
+  "stash_min": 327680, "stash_full": 65536, "tp_collectives": 1, "tp_bytes": 65536}]}]=])
+execute_process(COMMAND "${CLI}" --profile "${_prof}" --cluster
+                        "${_root}/python/baton/scale/clusters/h100.json" --gpus 16
+                        --global-batch 64 --top 3
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "--profile run exited ${rc}:\n${out}\n${err}")
+endif()
+expect_match("--profile run" "${out}" "tokens/s")
+execute_process(COMMAND "${CLI}" --profile "${_prof}" --gpus 16 --global-batch 64
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 1)
+  message(FATAL_ERROR "--profile without --cluster exited ${rc}")
+endif()
+expect_match("--profile without --cluster" "${err}" "baton-plan: error: --cluster is required")

@@ -7,6 +7,16 @@
 //   baton-plan --auto --segments costs.json --ranks 8 [--memory 20GiB] [--top 10]
 //              [--families 1f1b,zbv] [--microbatches 4,8,16] [--remat keep,min]
 //              [--json result.json]
+//   baton-plan --profile model.json --cluster h100.json --gpus 512 --global-batch 1024
+//              [--fp8] [--pp 8] [--tp 8] [--fsdp yes|no] [--top 10] [--json plans.json]
+//   baton-plan --model llama3-70b --cluster h100 --gpus 512 --global-batch 1024 --seq 8192
+//
+// --profile plans a training run at cluster scale (cluster.h, docs/SCALE.md):
+// the degrees, then cuts, schedule, microbatches and remat by the same search.
+// --model (a model name or a Python model definition) needs JAX to trace the
+// model abstractly: baton-plan hands the whole command line to the
+// `baton-plan-model` script installed next to it (python/baton/scale/cli.py),
+// which traces, then calls this core through the bindings.
 //
 // --auto searches stage boundaries, schedule, microbatch count and remat
 // (autoplan.h) and prints the ranked table; it exits 1 when nothing fits.
@@ -19,6 +29,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <unistd.h>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -27,6 +39,7 @@
 #include <vector>
 
 #include "baton/autoplan.h"
+#include "baton/cluster.h"
 #include "baton/cost.h"
 #include "baton/error.h"
 #include "baton/generators.h"
@@ -99,6 +112,12 @@ struct Options {
   std::string save;
   std::string load;
   double time_unit_us = 1000.0;
+  std::string profile;
+  std::string cluster;
+  int gpus = 0;
+  int64_t global_batch = 0;
+  bool fp8 = false;
+  std::string pp, tp, fsdp;
 };
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -156,8 +175,55 @@ int run_auto(const Options& o, bool have_ranks) {
   return 0;
 }
 
+int run_cluster(const Options& o) {
+  if (o.cluster.empty()) throw CliError{"--cluster is required with --profile"};
+  if (o.gpus < 1) throw CliError{"--gpus (>= 1) is required with --profile"};
+  if (o.global_batch < 1) throw CliError{"--global-batch (>= 1) is required with --profile"};
+  const baton::ModelProfile model =
+      baton::ModelProfile::from_json(read_file(o.profile, "model profile"));
+  const baton::Hardware hw = baton::Hardware::from_json(read_file(o.cluster, "hardware file"));
+  baton::ClusterOptions co;
+  co.gpus = o.gpus;
+  co.global_batch = o.global_batch;
+  co.fp8 = o.fp8;
+  co.top = o.top;
+  co.families = split_list(o.families);
+  for (const std::string& v : split_list(o.pp)) co.pp_choices.push_back(parse_count(v, "--pp"));
+  for (const std::string& v : split_list(o.tp)) co.tp_choices.push_back(parse_count(v, "--tp"));
+  if (o.fsdp == "yes") co.fsdp_mode = 1;
+  else if (o.fsdp == "no") co.fsdp_mode = 0;
+  else if (!o.fsdp.empty()) throw CliError{fmt::format("--fsdp must be yes or no (got '{}')", o.fsdp)};
+  const baton::ClusterResult r = baton::plan_cluster(model, hw, co);
+  if (!o.json.empty()) write_file(o.json, r.to_json() + "\n", "result file");
+  std::cout << fmt::format("{}: {} GPUs ({}), global batch {} x {} tokens\n", model.name, co.gpus,
+                           hw.name, co.global_batch, model.seq);
+  std::cout << baton::cluster_table(r, hw);
+  std::cout.flush();
+  return 0;
+}
+
+// `--model` needs the Python tracer: replace this process by the
+// baton-plan-model script installed beside this binary.
+int delegate_model(int argc, char** argv) {
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  const std::filesystem::path script = (ec ? std::filesystem::path(argv[0]) : self)
+                                           .parent_path() / "baton-plan-model";
+  std::vector<char*> args;
+  std::string s = script.string();
+  args.push_back(s.data());
+  for (int k = 1; k < argc; ++k) args.push_back(argv[k]);
+  args.push_back(nullptr);
+  execv(s.c_str(), args.data());
+  std::cerr << fmt::format("baton-plan: error: --model needs '{}' (installed with the Python "
+                           "package): {}\n",
+                           s, std::strerror(errno));
+  return kExitInput;
+}
+
 int run(const Options& o, bool have_ranks, bool have_microbatches) {
   if (o.autoplan) return run_auto(o, have_ranks);
+  if (!o.profile.empty()) return run_cluster(o);
   baton::Schedule schedule;
   if (!o.load.empty()) {
     schedule = baton::load_schedule(read_file(o.load, "schedule file"));
@@ -210,6 +276,10 @@ int run(const Options& o, bool have_ranks, bool have_microbatches) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  for (int k = 1; k < argc; ++k) {
+    const std::string_view a = argv[k];
+    if (a == "--model" || a.rfind("--model=", 0) == 0) return delegate_model(argc, argv);
+  }
   CLI::App app{"Build, lower, verify and simulate a pipeline schedule.", "baton-plan"};
   Options o;
   auto* sched = app.add_option("-s,--schedule", o.schedule,
@@ -251,6 +321,15 @@ int main(int argc, char** argv) {
   app.add_flag("--print-plan", o.print_plan, "Print every rank's instruction stream");
   auto* save = app.add_option("--save", o.save, "Write the schedule in the text format");
   auto* load = app.add_option("--load", o.load, "Read the schedule from a text-format file");
+  app.add_option("--profile", o.profile,
+                 "Model profile JSON: plan a training run at cluster scale (docs/SCALE.md)");
+  app.add_option("--cluster", o.cluster, "Hardware JSON file (--profile)");
+  app.add_option("--gpus", o.gpus, "GPU count (--profile)");
+  app.add_option("--global-batch", o.global_batch, "Sequences per step (--profile)");
+  app.add_flag("--fp8", o.fp8, "Matmuls at the fp8 peak (--profile)");
+  app.add_option("--pp", o.pp, "Comma list of pipeline degrees to try (--profile)");
+  app.add_option("--tp", o.tp, "Comma list of tensor degrees to try (--profile)");
+  app.add_option("--fsdp", o.fsdp, "yes: FSDP only, no: ZeRO-1 only (--profile; default both)");
   bool list = false;
   app.add_flag("--list-schedules", list, "Print the schedule names and exit");
   load->excludes(sched);

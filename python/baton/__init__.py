@@ -68,6 +68,9 @@ from .autostage import auto_stage  # noqa: F401,E402
 from .frontend.profile import Profile, profile  # noqa: F401,E402
 from .frontend.tracing import Trace, trace  # noqa: F401,E402
 
+# --- planning at cluster scale (abstract model profiles, hardware files; docs/SCALE.md) ---
+from .scale import evaluate_cluster, plan_cluster  # noqa: F401,E402
+
 # --- checkpoints on Orbax (baton.checkpoint.save / restore / latest_step) ---
 from . import checkpoint  # noqa: F401,E402
 

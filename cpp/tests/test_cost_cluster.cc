@@ -1,0 +1,181 @@
+// Cluster planning: model profile JSON, segment costs against hand formulas
+// for a plain MLP stack (memory per GPU and collective bytes for several
+// (PP, TP, DP, FSDP) choices), and the degree search.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "baton/cluster.h"
+#include "baton/collectives.h"
+#include "baton/error.h"
+#include "baton/hardware.h"
+
+namespace {
+
+// An MLP layer of hidden h, ffn f over s tokens per sample: two matmuls
+// (h x f, f x h), Megatron TP (column then row parallel: one all-reduce of
+// the s x h output in F, one in B).
+constexpr double kH = 1024, kF = 4096, kS = 512;
+constexpr int kLayers = 8;
+
+baton::ModelProfile mlp_stack() {
+  baton::ModelProfile m;
+  m.name = "mlp";
+  m.seq = static_cast<int64_t>(kS);
+  m.max_tp = 8;
+  baton::ProfileSegment l;
+  l.name = "mlp";
+  l.repeat = kLayers;
+  l.params = static_cast<int64_t>(2 * kH * kF);
+  l.fwd_flops = 2 * kS * l.params;
+  l.bwd_flops = 2 * l.fwd_flops;
+  l.wgrad_flops = l.fwd_flops;
+  l.act_bytes = static_cast<int64_t>(2 * kS * kH);
+  l.stash_keep = static_cast<int64_t>(2 * kS * (kH + kF));
+  l.stash_min = l.stash_keep;
+  l.stash_full = l.act_bytes;
+  l.tp_collectives = 1;
+  l.tp_bytes = static_cast<int64_t>(2 * kS * kH);
+  m.segments = {l};
+  m.model_flops_per_sample = kLayers * 3 * l.fwd_flops;
+  return m;
+}
+
+baton::Hardware hardware() {
+  baton::Hardware h;
+  h.name = "test";
+  h.gpus_per_node = 4;
+  h.peak_bf16 = 1e14;
+  h.hbm_bandwidth = 1e12;
+  h.hbm_bytes = int64_t{80} << 30;
+  h.intra = {1e11, 0};
+  h.inter = {1e10, 0};
+  h.efficiency = 0.5;
+  return h;
+}
+
+struct Case {
+  int pp, tp, dp;
+  bool fsdp;
+};
+
+TEST(ClusterCosts, MlpStackMatchesHandFormulas) {
+  const baton::ModelProfile m = mlp_stack();
+  const baton::Hardware hw = hardware();
+  const double P = 2 * kH * kF;
+  for (const Case c : {Case{1, 1, 8, false}, Case{2, 2, 2, false}, Case{2, 4, 1, false},
+                       Case{4, 1, 2, true}, Case{1, 2, 4, true}, Case{8, 1, 1, false},
+                       Case{2, 1, 4, true}}) {
+    SCOPED_TRACE(testing::Message() << "pp " << c.pp << " tp " << c.tp << " dp " << c.dp
+                                    << " fsdp " << c.fsdp);
+    baton::ClusterOptions o;
+    o.gpus = c.pp * c.tp * c.dp;
+    o.global_batch = 16 * c.dp;
+    const int M = 8;
+    const double mb = 16.0 / M;
+    const baton::ClusterDegrees d{c.pp, c.tp, c.dp, 1, c.fsdp};
+    const baton::ClusterSegments segs = baton::cluster_segment_costs(m, hw, d, o, M);
+    const double F = hw.peak_bf16 * hw.efficiency;
+    const auto& tp_link = baton::axis_link(hw, 1, c.tp);
+    const auto& dp_link = baton::axis_link(hw, c.tp, c.dp);
+    // Bytes on the wire: TP all-reduce of the microbatch's s x h output.
+    const double tp_wire = c.tp == 1 ? 0 : 2.0 * (c.tp - 1) / c.tp * (mb * 2 * kS * kH);
+    const double fsdp_wire = c.fsdp ? (c.dp - 1.0) / c.dp * 2 * P / c.tp : 0;
+    double f_sum = 0, params = 0, opt = 0, update = 0;
+    for (const baton::SegmentCost& s : segs.costs.segments) {
+      f_sum += s.f;
+      params += s.param_bytes;
+      opt += s.opt_bytes;
+      update += s.update;
+    }
+    const double comp_f = mb * 2 * kS * P / c.tp / F;
+    EXPECT_NEAR(f_sum, kLayers * (std::max(comp_f, fsdp_wire / dp_link.bandwidth) +
+                                  tp_wire / tp_link.bandwidth),
+                1e-12);
+    const double p_gpu = c.fsdp ? P / c.tp / c.dp : P / c.tp;
+    EXPECT_NEAR(params, kLayers * 2 * p_gpu, 1.0 * kLayers);
+    const double opt_gpu = c.fsdp ? 14 * P / c.tp / c.dp : 12 * P / c.tp / c.dp + 2 * P / c.tp;
+    EXPECT_NEAR(opt, kLayers * opt_gpu, 1.0 * kLayers);
+    // Per step: ZeRO-1 all-reduces 4-byte gradients over dp; plus the state
+    // (params, grads, optimizer) read and written once at HBM bandwidth.
+    const double dp_wire = c.fsdp || c.dp == 1 ? 0 : 2.0 * (c.dp - 1) / c.dp * 4 * P / c.tp;
+    const double state = 2 * (4 * p_gpu + opt_gpu);
+    EXPECT_NEAR(update, kLayers * (dp_wire / dp_link.bandwidth + state / hw.hbm_bandwidth),
+                1e-9);
+    // The configuration as a whole: static memory per GPU of the first rank
+    // (pp even stages of layers) and activations at least the 1F1B stash.
+    const baton::ClusterPlan p =
+        baton::evaluate_cluster(m, hw, d, o, "1f1b", 1, M, baton::Remat::Keep);
+    const double layers_rank = static_cast<double>(kLayers) / c.pp;
+    EXPECT_NEAR(p.memory.params, layers_rank * 2 * p_gpu, 2.0 * kLayers);
+    EXPECT_EQ(p.memory.grads, p.memory.params);
+    EXPECT_NEAR(p.memory.optimizer, layers_rank * opt_gpu, 2.0 * kLayers);
+    const double stash_mb = layers_rank * mb * 2 * kS * (kH + kF) / c.tp;
+    EXPECT_GE(p.memory.activations, std::min(M, c.pp) * stash_mb - 1);
+    EXPECT_EQ(p.memory.total,
+              p.memory.params + p.memory.grads + p.memory.optimizer + p.memory.activations);
+    EXPECT_GT(p.step_time, 0);
+    EXPECT_NEAR(p.mfu, m.model_flops_per_sample * o.global_batch / p.step_time /
+                           (o.gpus * hw.peak_bf16),
+                1e-12);
+  }
+}
+
+TEST(ClusterCosts, RejectsBadDegrees) {
+  const baton::ModelProfile m = mlp_stack();
+  const baton::Hardware hw = hardware();
+  baton::ClusterOptions o;
+  o.gpus = 8;
+  o.global_batch = 16;
+  EXPECT_THROW(baton::cluster_segment_costs(m, hw, {2, 2, 4, 1, false}, o, 1),
+               baton::ConfigError);  // 16 GPUs != 8
+  EXPECT_THROW(baton::cluster_segment_costs(m, hw, {1, 16, 1, 1, false}, o, 1),
+               baton::ConfigError);  // tp does not divide max_tp... and gpus
+  EXPECT_THROW(baton::cluster_segment_costs(m, hw, {1, 1, 8, 2, false}, o, 1),
+               baton::ConfigError);  // ep on a dense model
+  EXPECT_THROW(baton::cluster_segment_costs(m, hw, {1, 1, 8, 1, false}, o, 3),
+               baton::ConfigError);  // 3 microbatches of 2 samples
+}
+
+TEST(ClusterProfile, JsonRoundTripAndErrors) {
+  const baton::ModelProfile m = mlp_stack();
+  const baton::ModelProfile back = baton::ModelProfile::from_json(m.to_json());
+  EXPECT_EQ(back.segments, m.segments);
+  EXPECT_EQ(back.total_params(), kLayers * static_cast<int64_t>(2 * kH * kF));
+  try {
+    baton::ModelProfile::from_json(R"({"segments": [{"fwd_flops": "x"}]})");
+    FAIL() << "no error";
+  } catch (const baton::FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("'segments[0].fwd_flops'"), std::string::npos);
+  }
+  try {
+    baton::ModelProfile::from_json(R"({"segments": [{"wgrad_flops": 2, "bwd_flops": 1}]})");
+    FAIL() << "no error";
+  } catch (const baton::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("segments[0].wgrad_flops"), std::string::npos);
+  }
+}
+
+TEST(ClusterSearch, FindsAPlanAtLeastAsFastAsAGivenOne) {
+  const baton::ModelProfile m = mlp_stack();
+  const baton::Hardware hw = hardware();
+  baton::ClusterOptions o;
+  o.gpus = 16;
+  o.global_batch = 64;
+  const baton::ClusterResult r = baton::plan_cluster(m, hw, o);
+  ASSERT_FALSE(r.plans.empty());
+  for (size_t k = 1; k < r.plans.size(); ++k)
+    EXPECT_LE(r.plans[k - 1].step_time, r.plans[k].step_time);
+  const baton::ClusterPlan given =
+      baton::evaluate_cluster(m, hw, {2, 2, 4, 1, false}, o, "1f1b", 1, 8, baton::Remat::Keep);
+  // The search covers that tuple (with its own cuts, schedule and M within
+  // the gap); its best is no slower than the given one beyond the 2% gap.
+  EXPECT_LE(r.plans[0].step_time, given.step_time * 1.02);
+  EXPECT_GT(r.stats.degree_tuples, 4);
+  // Too little memory for anything: a clear error.
+  baton::Hardware tiny = hw;
+  tiny.hbm_bytes = 1 << 20;
+  EXPECT_THROW(baton::plan_cluster(m, tiny, o), baton::ConfigError);
+}
+
+}  // namespace
