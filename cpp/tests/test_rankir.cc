@@ -12,6 +12,7 @@
 #include "baton/generators.h"
 #include "baton/plan.h"
 #include "baton/rank_program.h"
+#include "baton/render.h"
 #include "baton/sim.h"
 #include "baton/verify.h"
 
@@ -115,6 +116,22 @@ TEST(RankIR, EveryGeneratorVerifiesAndSimulatesAsThePlan) {
     }
   }
   EXPECT_GT(checked, 100);
+}
+
+TEST(RankIR, PicturesDrawTheRankPrograms) {
+  const RankIR ir = ir_of(zb_v(2, 4));
+  const SimResult r = simulate(ir, CostModel::uniform(1, 2, 1, 1));
+  const std::string svg = to_svg(ir.plan, r);
+  size_t rects = 0;
+  for (size_t at = svg.find("<rect class=\"action"); at != std::string::npos;
+       at = svg.find("<rect class=\"action", at + 1))
+    ++rects;
+  EXPECT_EQ(rects, r.runs.size());
+  size_t units = 0;
+  for (const RankProgram& p : ir.programs) units += p.units.size();
+  EXPECT_EQ(r.runs.size(), units);
+  EXPECT_NE(to_chrome_trace(ir.plan, r).find("\"traceEvents\""), std::string::npos);
+  EXPECT_NE(summary_table(ir.plan, r, nullptr).find("zbv"), std::string::npos);
 }
 
 TEST(RankIR, SkipEdgesVerify) {

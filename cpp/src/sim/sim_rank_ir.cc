@@ -25,7 +25,7 @@ struct MemEv {
 };
 
 struct SendInfo {
-  double start = 0, dur = 0;
+  double posted = 0, start = 0, dur = 0;
   int src = 0, instr = 0;
   int32_t buffer = 0;
   int64_t bytes = 0;
@@ -124,6 +124,7 @@ bool IRSim::step(int r) {
                   (costs_.link.bandwidth > 0 ? static_cast<double>(s.bytes) / costs_.link.bandwidth
                                              : 0.0);
           double& lf = link_free_[static_cast<size_t>(r) * plan_.schedule.num_ranks + t.peer];
+          s.posted = now;
           s.start = std::max(now, lf);
           lf = s.start + s.dur;
           s.src = r;
@@ -215,7 +216,7 @@ SimResult IRSim::run() {
     e.buffer = s.buffer;
     e.send_instr = s.instr;
     e.recv_instr = wait_instr;
-    e.posted = s.start;
+    e.posted = s.posted;
     e.start = s.start;
     e.end = std::max(s.start + s.dur, post);
     e.bytes = s.bytes;
