@@ -220,10 +220,12 @@ class Plan:
         return _core.to_text_grid(self._core, self.simulate_rank_ir(costs), width)
 
     def summary(self, costs: Any = None) -> str:
-        """Table of step time, per-rank bubble and peak memory, and the verification result."""
+        """Table of step time, per-rank bubble and peak memory, and the verification result.
+        A plan that fails verification has no rank programs (nothing runs it): its table
+        comes from the plan simulator, when that completes."""
         report = _core.verify(self._core)
         try:
-            result = self.simulate_rank_ir(costs)
+            result = self.simulate_rank_ir(costs) if report.ok else self.simulate(costs)
         except VerifyError:
             if report.ok:
                 raise
