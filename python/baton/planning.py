@@ -194,6 +194,13 @@ class Plan:
         programs'. The pictures and ``summary`` are drawn from it."""
         return _core.simulate_rank_ir(self.rank_ir(), as_cost_model(costs))
 
+    def _drawn(self, costs: Any) -> _core.SimResult:
+        """What the pictures show: the rank programs simulated, or, for a plan that fails
+        verification (it has none), the plan simulated."""
+        if _core.verify(self._core).ok:
+            return self.simulate_rank_ir(costs)
+        return self.simulate(costs)
+
     # -- simulation and pictures ---------------------------------------------------------
     def simulate(self, costs: Any = None, early_receives: bool = True) -> _core.SimResult:
         """Simulated step: time, bubbles, memory (``costs``: see ``as_cost_model``).
@@ -203,7 +210,7 @@ class Plan:
 
     def to_svg(self, costs: Any = None, path: str | os.PathLike | None = None) -> str:
         """SVG timeline of the simulated step; written to ``path`` when given."""
-        return _write(path, _core.to_svg(self._core, self.simulate_rank_ir(costs)))
+        return _write(path, _core.to_svg(self._core, self._drawn(costs)))
 
     def to_trace(
         self,
@@ -212,12 +219,11 @@ class Plan:
         time_unit_us: float = 1000.0,
     ) -> str:
         """Chrome/Perfetto trace JSON of the simulated step; written to ``path`` when given."""
-        return _write(path, _core.to_chrome_trace(self._core, self.simulate_rank_ir(costs),
-                                                  time_unit_us))
+        return _write(path, _core.to_chrome_trace(self._core, self._drawn(costs), time_unit_us))
 
     def to_grid(self, costs: Any = None, width: int = 0) -> str:
         """Text picture of the simulated step: one row per rank."""
-        return _core.to_text_grid(self._core, self.simulate_rank_ir(costs), width)
+        return _core.to_text_grid(self._core, self._drawn(costs), width)
 
     def summary(self, costs: Any = None) -> str:
         """Table of step time, per-rank bubble and peak memory, and the verification result.
