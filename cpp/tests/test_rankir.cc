@@ -207,8 +207,7 @@ TEST(RankIR, ShareClasses) {
   // relative to the rank); the first and last rank differ.
   EXPECT_EQ(ir_of(one_f_one_b(4, 8)).share_classes,
             (std::vector<std::vector<int32_t>>{{0}, {1, 2}, {3}}));
-  EXPECT_EQ(ir_of(one_f_one_b(2, 4)).share_classes,
-            (std::vector<std::vector<int32_t>>{{0}, {1}}));
+  EXPECT_EQ(ir_of(one_f_one_b(2, 4)).share_classes, (std::vector<std::vector<int32_t>>{{0}, {1}}));
   EXPECT_EQ(ir_of(zb_h1(5, 8)).share_classes,
             (std::vector<std::vector<int32_t>>{{0}, {1, 2, 3}, {4}}));
   EXPECT_EQ(ir_of(gpipe(1, 4)).share_classes, (std::vector<std::vector<int32_t>>{{0}}));
@@ -248,7 +247,8 @@ TEST(RankIRMutation, WaitMovedAfterTheRunThatReadsIt) {
   const std::string rep = report(ir);
   const std::string want = "data: rank 1 #" + std::to_string(run - 1) +
                            " RUN F1.0 reads act(s0,m0), which is not present: its receive is "
-                           "waited on only later, at #" + std::to_string(run);
+                           "waited on only later, at #" +
+                           std::to_string(run);
   EXPECT_NE(rep.find(want), std::string::npos) << rep;
 }
 
@@ -308,9 +308,10 @@ TEST(RankIRMutation, MissingPost) {
             std::string::npos)
       << rep;
   // The sender's messages then meet the wrong receives.
-  EXPECT_NE(rep.find("channels: head-of-line mismatch on channel 0 from rank 2 to rank 3: message 1 "
-                     "is act(s2,m0) (rank 2 #"),
-            std::string::npos)
+  EXPECT_NE(
+      rep.find("channels: head-of-line mismatch on channel 0 from rank 2 to rank 3: message 1 "
+               "is act(s2,m0) (rank 2 #"),
+      std::string::npos)
       << rep;
 }
 
@@ -323,7 +324,8 @@ TEST(RankIRMutation, ReceivesWaitedOutOfPostOrder) {
   std::swap(p.instrs[w0].transfer, p.instrs[w1].transfer);
   std::swap(p.transfers[p.instrs[w0].transfer].wait, p.transfers[p.instrs[w1].transfer].wait);
   const std::string rep = report(ir);
-  EXPECT_NE(rep.find("post/wait: rank 1 #" + std::to_string(w0) + " WAIT act(s0,m1)<-0 waits for "
+  EXPECT_NE(rep.find("post/wait: rank 1 #" + std::to_string(w0) +
+                     " WAIT act(s0,m1)<-0 waits for "
                      "receive 2 on channel 0 from rank 0, but receive 1 is not yet waited on"),
             std::string::npos)
       << rep;

@@ -54,10 +54,11 @@ struct RankInstr {
 struct RankBuffer {
   int32_t id = -1;  // the plan's buffer id
   BufferKey key;
-  int32_t pool = -1;       // index into RankProgram::pools
-  int32_t slot = -1;       // slot in that pool
-  int32_t live_from = -1;  // instruction that creates it (the RUN writing it, the POST receiving it)
-  int32_t live_to = -1;    // its FREE (the plan's lifetime)
+  int32_t pool = -1;  // index into RankProgram::pools
+  int32_t slot = -1;  // slot in that pool
+  int32_t live_from =
+      -1;                // instruction that creates it (the RUN writing it, the POST receiving it)
+  int32_t live_to = -1;  // its FREE (the plan's lifetime)
   bool operator==(const RankBuffer&) const = default;
 };
 
@@ -110,7 +111,7 @@ struct RankProgram {
 };
 
 struct RankIR {
-  Plan plan;  // what the programs were built from (names, costs, pictures)
+  Plan plan;                          // what the programs were built from (names, costs, pictures)
   std::vector<RankProgram> programs;  // per rank
   // Ranks that can share one compiled program (see share_classes()), each
   // ascending, classes ordered by their first rank.
@@ -136,9 +137,9 @@ struct RankIROptions {
 RankIR build_rank_ir(const Plan& plan, const RankIROptions& opts = {});
 
 // Passes.
-RankProgram lower_rank_program(const Plan& plan, int rank);        // build.cc (slots unset)
+RankProgram lower_rank_program(const Plan& plan, int rank);  // build.cc (slots unset)
 void assign_slots(const Plan& plan, RankProgram& prog,
-                  const RankIROptions& opts);                      // slots.cc
+                  const RankIROptions& opts);  // slots.cc
 // Two ranks share a class when they run the same units and the same
 // transfers up to renaming: stages relative to the rank's first stage,
 // peers relative to the rank, microbatches relative to the unit's task; what

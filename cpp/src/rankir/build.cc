@@ -17,7 +17,7 @@ struct Builder {
   const Plan& plan;
   int rank;
   RankProgram prog;
-  std::unordered_map<int32_t, int32_t> local;  // plan buffer id -> prog.buffers index
+  std::unordered_map<int32_t, int32_t> local;         // plan buffer id -> prog.buffers index
   std::unordered_map<int32_t, int32_t> pending_recv;  // buffer -> receive posted, not waited
   std::unordered_map<int32_t, int32_t> last_send;     // buffer -> its latest SEND transfer
   std::vector<int32_t> open;  // transfers of the group being collected (plan SEND / RECV ids)
@@ -60,8 +60,9 @@ struct Builder {
       t.peer = in.peer;
       t.channel = plan.channel(in.buffer);
       t.group = g;
-      const size_t c = (static_cast<size_t>(t.dir) * plan.schedule.num_ranks + t.peer) *
-                           plan.num_channels() + t.channel;
+      const size_t c =
+          (static_cast<size_t>(t.dir) * plan.schedule.num_ranks + t.peer) * plan.num_channels() +
+          t.channel;
       t.seq = seq_count[c]++;
       const int32_t ti = static_cast<int32_t>(prog.transfers.size());
       if (t.dir == TransferDir::Send) {
@@ -196,10 +197,10 @@ RankIR build_rank_ir(const Plan& plan, const RankIROptions& opts) {
   verify_or_throw(plan);
   const int32_t rows = plan.num_buffer_ids() / std::max(1, plan.schedule.num_microbatches);
   if (!opts.pool_of.empty() && static_cast<int32_t>(opts.pool_of.size()) != rows)
-    throw ConfigError(fmt::format("pool_of has {} entries; the plan has {} buffer rows "
-                                  "(5 kinds x {} stages + 2 x {} skip edges)",
-                                  opts.pool_of.size(), rows, plan.schedule.num_stages,
-                                  plan.skips.size()));
+    throw ConfigError(
+        fmt::format("pool_of has {} entries; the plan has {} buffer rows "
+                    "(5 kinds x {} stages + 2 x {} skip edges)",
+                    opts.pool_of.size(), rows, plan.schedule.num_stages, plan.skips.size()));
   RankIR ir;
   ir.plan = plan;
   for (int r = 0; r < plan.schedule.num_ranks; ++r) {

@@ -59,8 +59,8 @@ std::set<Shape> rank_shape(const Plan& plan, const RankProgram& p) {
   }
   for (const Transfer& t : p.transfers) {
     const RankBuffer& b = p.buffers[t.buffer];
-    const int32_t own = t.dir == TransferDir::Send ? plan.producer_stage(b.id)
-                                                   : plan.consumer_stage(b.id);
+    const int32_t own =
+        t.dir == TransferDir::Send ? plan.producer_stage(b.id) : plan.consumer_stage(b.id);
     Shape s{1, static_cast<int32_t>(t.dir), t.peer - p.rank, local_index(p, own)};
     buffer_shape(plan, b.key, own, s);
     shape.insert(std::move(s));

@@ -14,7 +14,7 @@ namespace baton {
 void assign_slots(const Plan& plan, RankProgram& prog, const RankIROptions& opts) {
   const int32_t M = plan.schedule.num_microbatches;
   const int32_t end = static_cast<int32_t>(prog.instrs.size());
-  std::map<int32_t, int32_t> pool_index;  // label -> prog.pools index
+  std::map<int32_t, int32_t> pool_index;       // label -> prog.pools index
   std::vector<std::vector<int32_t>> slot_end;  // per pool, per slot: last instr of its buffer
   prog.pools.clear();
   // Buffers are numbered in order of creation (build.cc), so this walk is
@@ -35,8 +35,10 @@ void assign_slots(const Plan& plan, RankProgram& prog, const RankIROptions& opts
     const int32_t last = b.live_to >= 0 ? b.live_to : end;
     int32_t s = 0;
     while (s < static_cast<int32_t>(ends.size()) && ends[s] >= b.live_from) ++s;
-    if (s == static_cast<int32_t>(ends.size())) ends.push_back(last);
-    else ends[s] = last;
+    if (s == static_cast<int32_t>(ends.size()))
+      ends.push_back(last);
+    else
+      ends[s] = last;
     b.pool = it->second;
     b.slot = s;
     pool.slots = static_cast<int32_t>(ends.size());

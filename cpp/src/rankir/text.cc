@@ -106,16 +106,17 @@ std::string instr_text(const RankIR& ir, const RankProgram& p, const RankInstr& 
 }  // namespace
 
 std::string RankIR::describe(int rank, int instr) const {
-  if (!valid(*this, rank, instr)) return fmt::format("rank {} #{} (no such instruction)", rank, instr);
+  if (!valid(*this, rank, instr))
+    return fmt::format("rank {} #{} (no such instruction)", rank, instr);
   const RankProgram& p = programs[rank];
   return fmt::format("rank {} #{} {}", rank, instr, instr_text(*this, p, p.instrs[instr], false));
 }
 
 std::string RankIR::to_text() const {
   const Schedule& s = plan.schedule;
-  std::string out = fmt::format("rank-ir {}: ranks {}, stages {}, microbatches {}, channels {}\n",
-                                s.name, s.num_ranks, s.num_stages, s.num_microbatches,
-                                plan.num_channels());
+  std::string out =
+      fmt::format("rank-ir {}: ranks {}, stages {}, microbatches {}, channels {}\n", s.name,
+                  s.num_ranks, s.num_stages, s.num_microbatches, plan.num_channels());
   out += "share classes:";
   for (const auto& c : share_classes) {
     out += " {";

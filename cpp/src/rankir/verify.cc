@@ -41,8 +41,8 @@ class IRVerifier {
     if (dropped_) {
       Violation v;
       v.check = "summary";
-      v.message = fmt::format("... further violations not listed (the report stops at {})",
-                              kMaxViolations);
+      v.message =
+          fmt::format("... further violations not listed (the report stops at {})", kMaxViolations);
       rep_.violations.push_back(std::move(v));
     }
   }
@@ -65,15 +65,13 @@ class IRVerifier {
   }
   std::string d(int r, int i) const { return ir_.describe(r, i); }
   const RankProgram& prog(int r) const { return ir_.programs[r]; }
-  std::string buf(int r, int32_t b) const {
-    return plan_.describe_buffer(prog(r).buffers[b].id);
-  }
+  std::string buf(int r, int32_t b) const { return plan_.describe_buffer(prog(r).buffers[b].id); }
   BufferKey key(int r, int32_t b) const { return prog(r).buffers[b].key; }
   // "SEND act(s0,m1)->1" / "RECV act(s0,m1)<-0"
   std::string tname(int r, int32_t t) const {
     const Transfer& x = prog(r).transfers[t];
-    return fmt::format("{} {}{}{}", x.dir == TransferDir::Send ? "SEND" : "RECV",
-                       buf(r, x.buffer), x.dir == TransferDir::Send ? "->" : "<-", x.peer);
+    return fmt::format("{} {}{}{}", x.dir == TransferDir::Send ? "SEND" : "RECV", buf(r, x.buffer),
+                       x.dir == TransferDir::Send ? "->" : "<-", x.peer);
   }
   // "rank 1 #0 POST g0: RECV act(s0,m0)<-0" (where it is posted), or
   // "rank 1: RECV act(s0,m0)<-0" for a transfer that is not posted.
@@ -119,13 +117,15 @@ bool IRVerifier::structure() {
       };
       switch (in.op) {
         case RankOp::Run:
-          if (!in_range(p.units, in.unit)) bad(fmt::format("RUN of unit {}, out of range", in.unit));
+          if (!in_range(p.units, in.unit))
+            bad(fmt::format("RUN of unit {}, out of range", in.unit));
           else if (p.units[in.unit].instr != i || unit_runs[in.unit]++)
             bad(fmt::format("unit {} is run here but records its RUN at #{}", in.unit,
                             p.units[in.unit].instr));
           break;
         case RankOp::Post:
-          if (!in_range(p.groups, in.group)) bad(fmt::format("POST of group {}, out of range", in.group));
+          if (!in_range(p.groups, in.group))
+            bad(fmt::format("POST of group {}, out of range", in.group));
           else if (p.groups[in.group].post != i || group_posts[in.group]++)
             bad(fmt::format("group {} is posted here but records its POST at #{}", in.group,
                             p.groups[in.group].post));
@@ -133,7 +133,8 @@ bool IRVerifier::structure() {
         case RankOp::Wait:
           if (!in_range(p.transfers, in.transfer) ||
               p.transfers[in.transfer].dir != TransferDir::Recv)
-            bad(fmt::format("WAIT of transfer {}, which is not a receive of the rank", in.transfer));
+            bad(fmt::format("WAIT of transfer {}, which is not a receive of the rank",
+                            in.transfer));
           else if (p.transfers[in.transfer].wait != i)
             bad(fmt::format("receive {} is waited here but records its WAIT at #{}", in.transfer,
                             p.transfers[in.transfer].wait));
@@ -152,14 +153,16 @@ bool IRVerifier::structure() {
         for (int32_t b : *list)
           if (!in_range(p.buffers, b)) {
             ok = false;
-            add("structure", fmt::format("rank {} #{}: unit names buffer {}, out of range", r,
-                                         u.instr, b), {r}, {u.instr});
+            add("structure",
+                fmt::format("rank {} #{}: unit names buffer {}, out of range", r, u.instr, b), {r},
+                {u.instr});
           }
     for (const Transfer& t : p.transfers)
       if (!in_range(p.buffers, t.buffer) || t.peer < 0 || t.peer >= R || t.peer == r) {
         ok = false;
-        add("structure", fmt::format("rank {}: a transfer names buffer {} and peer {}", r,
-                                     t.buffer, t.peer), {r}, {});
+        add("structure",
+            fmt::format("rank {}: a transfer names buffer {} and peer {}", r, t.buffer, t.peer),
+            {r}, {});
       }
     for (const RankBuffer& b : p.buffers)
       if (b.id < 0 || b.id >= plan_.num_buffer_ids()) {
@@ -170,8 +173,9 @@ bool IRVerifier::structure() {
       for (int32_t t : p.groups[g].transfers)
         if (!in_range(p.transfers, t)) {
           ok = false;
-          add("structure", fmt::format("rank {}: group {} names transfer {}, out of range", r, g,
-                                       t), {r}, {p.groups[g].post});
+          add("structure",
+              fmt::format("rank {}: group {} names transfer {}, out of range", r, g, t), {r},
+              {p.groups[g].post});
         }
   }
   return ok;
@@ -196,8 +200,8 @@ void IRVerifier::scan(int r) {
       free_at[p.instrs[i].buffer] = i;
   std::vector<std::vector<int32_t>> occupant(p.pools.size());
   for (size_t k = 0; k < p.pools.size(); ++k) occupant[k].assign(std::max(0, p.pools[k].slots), -1);
-  std::map<std::tuple<int, int, int>, int32_t> count;      // (dir, peer, channel) -> next seq
-  std::map<std::pair<int, int>, int32_t> next_wait;        // (peer, channel) -> next seq to wait
+  std::map<std::tuple<int, int, int>, int32_t> count;  // (dir, peer, channel) -> next seq
+  std::map<std::pair<int, int>, int32_t> next_wait;    // (peer, channel) -> next seq to wait
   auto create = [&](int i, int32_t b) {
     const RankBuffer& rb = p.buffers[b];
     if (created[b] >= 0) {
@@ -207,15 +211,19 @@ void IRVerifier::scan(int r) {
     }
     created[b] = i;
     if (!in_range(p.pools, rb.pool) || rb.slot < 0 || rb.slot >= p.pools[rb.pool].slots) {
-      add("slots", fmt::format("{} puts {} into slot p{}.{}, which its pool does not have", d(r, i),
-                               buf(r, b), rb.pool, rb.slot), {r}, {i}, rb.key);
+      add("slots",
+          fmt::format("{} puts {} into slot p{}.{}, which its pool does not have", d(r, i),
+                      buf(r, b), rb.pool, rb.slot),
+          {r}, {i}, rb.key);
       return;
     }
     int32_t& occ = occupant[rb.pool][rb.slot];
     if (occ >= 0) {
-      add("slots", fmt::format("{} puts {} into slot p{}.{}, which still holds {} (live since #{}, "
-                               "freed at #{})", d(r, i), buf(r, b), rb.pool, rb.slot, buf(r, occ),
-                               created[occ], free_at[occ]),
+      add("slots",
+          fmt::format("{} puts {} into slot p{}.{}, which still holds {} (live since #{}, "
+                      "freed at #{})",
+                      d(r, i), buf(r, b), rb.pool, rb.slot, buf(r, occ), created[occ],
+                      free_at[occ]),
           {r, r}, {created[occ], i}, rb.key);
     }
     occ = b;
@@ -227,27 +235,33 @@ void IRVerifier::scan(int r) {
         for (int32_t t : p.groups[in.group].transfers) {
           const Transfer& x = p.transfers[t];
           if (sc.posted[t] >= 0) {
-            add("post/wait", fmt::format("rank {} #{} POST g{} posts {} again (first at #{})", r, i,
-                                         in.group, tname(r, t),
-                                         sc.posted[t]), {r, r}, {sc.posted[t], i}, key(r, x.buffer));
+            add("post/wait",
+                fmt::format("rank {} #{} POST g{} posts {} again (first at #{})", r, i, in.group,
+                            tname(r, t), sc.posted[t]),
+                {r, r}, {sc.posted[t], i}, key(r, x.buffer));
             continue;
           }
           sc.posted[t] = i;
           sc.seq[t] = count[{static_cast<int>(x.dir), x.peer, x.channel}]++;
           if (x.seq != sc.seq[t])
-            add("channels", fmt::format("{} records FIFO position {} on channel {}, but it is "
-                                        "number {} posted there", at(r, t), x.seq,
-                                        x.channel, sc.seq[t]), {r}, {i}, key(r, x.buffer));
+            add("channels",
+                fmt::format("{} records FIFO position {} on channel {}, but it is "
+                            "number {} posted there",
+                            at(r, t), x.seq, x.channel, sc.seq[t]),
+                {r}, {i}, key(r, x.buffer));
           const int want = plan_.channel(p.buffers[x.buffer].id);
           if (x.channel != want)
-            add("channels", fmt::format("{} travels on channel {}, but the plan's channel of "
-                                        "the buffer is {}", at(r, t), x.channel, want),
+            add("channels",
+                fmt::format("{} travels on channel {}, but the plan's channel of "
+                            "the buffer is {}",
+                            at(r, t), x.channel, want),
                 {r}, {i}, key(r, x.buffer));
           if (x.dir == TransferDir::Recv) {
             create(i, x.buffer);
           } else if (!present[x.buffer] || sc.freed[x.buffer] >= 0) {
-            add("data", fmt::format("{} sends a buffer that is {}", at(r, t),
-                                    sc.freed[x.buffer] >= 0 ? "already freed" : "not present"),
+            add("data",
+                fmt::format("{} sends a buffer that is {}", at(r, t),
+                            sc.freed[x.buffer] >= 0 ? "already freed" : "not present"),
                 {r}, {i}, key(r, x.buffer));
           }
         }
@@ -255,15 +269,16 @@ void IRVerifier::scan(int r) {
       case RankOp::Wait: {
         const Transfer& x = p.transfers[in.transfer];
         if (waited[in.transfer] >= 0)
-          add("post/wait", fmt::format("{} waits a second time (first at #{})", d(r, i),
-                                       waited[in.transfer]), {r, r}, {waited[in.transfer], i},
-              key(r, x.buffer));
+          add("post/wait",
+              fmt::format("{} waits a second time (first at #{})", d(r, i), waited[in.transfer]),
+              {r, r}, {waited[in.transfer], i}, key(r, x.buffer));
         waited[in.transfer] = i;
         if (sc.posted[in.transfer] < 0) {
           const int32_t g = x.group;
-          const bool in_group = in_range(p.groups, g) &&
-                                std::find(p.groups[g].transfers.begin(), p.groups[g].transfers.end(),
-                                          in.transfer) != p.groups[g].transfers.end();
+          const bool in_group =
+              in_range(p.groups, g) &&
+              std::find(p.groups[g].transfers.begin(), p.groups[g].transfers.end(), in.transfer) !=
+                  p.groups[g].transfers.end();
           add("post/wait",
               in_group && p.groups[g].post > i
                   ? fmt::format("{} waits before its receive is posted (at #{})", d(r, i),
@@ -274,10 +289,12 @@ void IRVerifier::scan(int r) {
         }
         int32_t& nw = next_wait[{x.peer, x.channel}];
         if (sc.seq[in.transfer] != nw)
-          add("post/wait", fmt::format("{} waits for receive {} on channel {} from rank {}, "
-                                       "but receive {} is not yet waited on (receives are taken in "
-                                       "post order)", d(r, i), sc.seq[in.transfer] + 1, x.channel,
-                                       x.peer, nw + 1), {r}, {i}, key(r, x.buffer));
+          add("post/wait",
+              fmt::format("{} waits for receive {} on channel {} from rank {}, "
+                          "but receive {} is not yet waited on (receives are taken in "
+                          "post order)",
+                          d(r, i), sc.seq[in.transfer] + 1, x.channel, x.peer, nw + 1),
+              {r}, {i}, key(r, x.buffer));
         nw = sc.seq[in.transfer] + 1;
         present[x.buffer] = 1;
         break;
@@ -287,11 +304,13 @@ void IRVerifier::scan(int r) {
         for (int32_t b : u.reads) {
           if (present[b] && sc.freed[b] < 0) continue;
           std::string why;
-          if (sc.freed[b] >= 0) why = fmt::format("it was freed at #{}", sc.freed[b]);
+          if (sc.freed[b] >= 0)
+            why = fmt::format("it was freed at #{}", sc.freed[b]);
           else if (recv_of[b] >= 0) {
             const int32_t t = recv_of[b];
             why = waited[t] < 0 && p.transfers[t].wait > i
-                      ? fmt::format("its receive is waited on only later, at #{}", p.transfers[t].wait)
+                      ? fmt::format("its receive is waited on only later, at #{}",
+                                    p.transfers[t].wait)
                       : "its receive is not waited on before";
           } else {
             why = "no earlier instruction writes it";
@@ -308,15 +327,18 @@ void IRVerifier::scan(int r) {
       case RankOp::Free: {
         const int32_t b = in.buffer;
         if (created[b] < 0 || sc.freed[b] >= 0) {
-          add("data", fmt::format("{} frees a buffer that {}", d(r, i),
-                                  created[b] < 0 ? "does not exist yet"
-                                                 : fmt::format("was freed at #{}", sc.freed[b])),
+          add("data",
+              fmt::format("{} frees a buffer that {}", d(r, i),
+                          created[b] < 0 ? "does not exist yet"
+                                         : fmt::format("was freed at #{}", sc.freed[b])),
               {r}, {i}, key(r, b));
           break;
         }
         if (send_of[b] >= 0 && sc.posted[send_of[b]] < 0)
-          add("post/wait", fmt::format("{} waits for the completion of {}, which is not posted",
-                                       d(r, i), tname(r, send_of[b])), {r}, {i}, key(r, b));
+          add("post/wait",
+              fmt::format("{} waits for the completion of {}, which is not posted", d(r, i),
+                          tname(r, send_of[b])),
+              {r}, {i}, key(r, b));
         sc.freed[b] = i;
         const RankBuffer& rb = p.buffers[b];
         if (in_range(p.pools, rb.pool) && rb.slot >= 0 && rb.slot < p.pools[rb.pool].slots &&
@@ -335,17 +357,19 @@ void IRVerifier::scan(int r) {
   for (int32_t t = 0; t < static_cast<int32_t>(p.transfers.size()); ++t) {
     const Transfer& x = p.transfers[t];
     if (sc.posted[t] < 0 && (x.dir == TransferDir::Send || x.wait < 0))
-      add("post/wait", fmt::format("rank {}: {} is never posted (no POST holds it{})", r,
-                                   tname(r, t), x.wait >= 0 ? fmt::format("; see #{}", x.wait) : ""),
+      add("post/wait",
+          fmt::format("rank {}: {} is never posted (no POST holds it{})", r, tname(r, t),
+                      x.wait >= 0 ? fmt::format("; see #{}", x.wait) : ""),
           {r}, {x.wait}, key(r, x.buffer));
     if (x.dir == TransferDir::Recv && sc.posted[t] >= 0 && waited[t] < 0)
-      add("post/wait", fmt::format("{} is never waited on", at(r, t)),
-          {r}, {sc.posted[t]}, key(r, x.buffer));
+      add("post/wait", fmt::format("{} is never waited on", at(r, t)), {r}, {sc.posted[t]},
+          key(r, x.buffer));
   }
   for (int32_t b = 0; b < static_cast<int32_t>(p.buffers.size()); ++b)
     if (created[b] >= 0 && sc.freed[b] < 0)
-      add("data", fmt::format("rank {}: {} (created at #{}) is never freed", r, buf(r, b),
-                              created[b]), {r}, {created[b]}, key(r, b));
+      add("data",
+          fmt::format("rank {}: {} (created at #{}) is never freed", r, buf(r, b), created[b]), {r},
+          {created[b]}, key(r, b));
 }
 
 void IRVerifier::channels() {
@@ -373,25 +397,28 @@ void IRVerifier::channels() {
     const int32_t id = prog(r).buffers[x.buffer].id;
     const auto sb = send_by_buffer.find(id);
     if (sb == send_by_buffer.end() || sb->second.first != x.peer) {
-      add("channels", fmt::format("{}: rank {} never sends {}", at(r, t), x.peer,
-                                  plan_.describe_buffer(id)), {r}, {anchor(r, t)}, key(r, x.buffer));
+      add("channels",
+          fmt::format("{}: rank {} never sends {}", at(r, t), x.peer, plan_.describe_buffer(id)),
+          {r}, {anchor(r, t)}, key(r, x.buffer));
       continue;
     }
     const auto [sr, st] = sb->second;
     const Transfer& s = prog(sr).transfers[st];
     if (s.channel != x.channel)
-      add("channels", fmt::format("{} arrives on channel {}, but {} sends it on channel {}",
-                                  at(r, t), x.channel, at(sr, st), s.channel), {r, sr}, {anchor(r, t), anchor(sr, st)},
-          key(r, x.buffer));
+      add("channels",
+          fmt::format("{} arrives on channel {}, but {} sends it on channel {}", at(r, t),
+                      x.channel, at(sr, st), s.channel),
+          {r, sr}, {anchor(r, t), anchor(sr, st)}, key(r, x.buffer));
   }
   for (const auto& [k, rt] : sends) {
     const auto [r, t] = rt;
     const auto it = recvs.find(k);
     const int pos = std::get<3>(k);
     if (it == recvs.end()) {
-      add("channels", fmt::format("{} is message {} on channel {} from rank {} to rank {}, "
-                                  "which rank {} never receives", at(r, t), pos + 1,
-                                  std::get<2>(k), r, std::get<1>(k), std::get<1>(k)),
+      add("channels",
+          fmt::format("{} is message {} on channel {} from rank {} to rank {}, "
+                      "which rank {} never receives",
+                      at(r, t), pos + 1, std::get<2>(k), r, std::get<1>(k), std::get<1>(k)),
           {r}, {anchor(r, t)}, key(r, prog(r).transfers[t].buffer));
       continue;
     }
@@ -399,17 +426,19 @@ void IRVerifier::channels() {
     const int32_t sid = prog(r).buffers[prog(r).transfers[t].buffer].id;
     const int32_t rid = prog(rr).buffers[prog(rr).transfers[rt2].buffer].id;
     if (sid != rid)
-      add("channels", fmt::format("head-of-line mismatch on channel {} from rank {} to rank {}: "
-                                  "message {} is {} ({}), but {} expects {}", std::get<2>(k), r,
-                                  rr, pos + 1, plan_.describe_buffer(sid), at(r, t),
-                                  at(rr, rt2), plan_.describe_buffer(rid)),
+      add("channels",
+          fmt::format("head-of-line mismatch on channel {} from rank {} to rank {}: "
+                      "message {} is {} ({}), but {} expects {}",
+                      std::get<2>(k), r, rr, pos + 1, plan_.describe_buffer(sid), at(r, t),
+                      at(rr, rt2), plan_.describe_buffer(rid)),
           {r, rr}, {anchor(r, t), anchor(rr, rt2)}, key(rr, prog(rr).transfers[rt2].buffer));
   }
   for (const auto& [k, rt] : recvs)
     if (!sends.count(k)) {
       const auto [r, t] = rt;
-      add("channels", fmt::format("{} has no matching SEND on rank {} (message {} on channel {})",
-                                  at(r, t), std::get<0>(k), std::get<3>(k) + 1, std::get<2>(k)),
+      add("channels",
+          fmt::format("{} has no matching SEND on rank {} (message {} on channel {})", at(r, t),
+                      std::get<0>(k), std::get<3>(k) + 1, std::get<2>(k)),
           {r}, {anchor(r, t)}, key(r, prog(r).transfers[t].buffer));
     }
 }

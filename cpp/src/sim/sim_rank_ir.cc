@@ -120,8 +120,8 @@ bool IRSim::step(int r) {
           SendInfo s;
           bool act = false;
           s.bytes = bytes_of(id, &act);
-          s.dur = costs_.link.latency +
-                  (costs_.link.bandwidth > 0 ? static_cast<double>(s.bytes) / costs_.link.bandwidth
+          s.dur = costs_.link.latency + (costs_.link.bandwidth > 0
+                                             ? static_cast<double>(s.bytes) / costs_.link.bandwidth
                                              : 0.0);
           double& lf = link_free_[static_cast<size_t>(r) * plan_.schedule.num_ranks + t.peer];
           s.posted = now;
@@ -155,8 +155,10 @@ bool IRSim::step(int r) {
         const RankBuffer& b = p.buffers[in.buffer];
         if (internal_[r][in.buffer]) break;  // inside a fused action: not counted
         const int32_t send = send_of_[r][in.buffer];
-        if (send < 0) mem(r, now, b.id, -1);
-        else pending_release_.emplace_back(r, key_of(r, p.transfers[send]), now, b.id);
+        if (send < 0)
+          mem(r, now, b.id, -1);
+        else
+          pending_release_.emplace_back(r, key_of(r, p.transfers[send]), now, b.id);
         break;
       }
       case RankOp::Accumulate:
@@ -248,15 +250,18 @@ SimResult IRSim::run() {
   res_.peak_total.assign(R, 0);
   for (int r = 0; r < R; ++r) {
     auto& ev = mem_[r];
-    std::stable_sort(ev.begin(), ev.end(), [](const MemEv& a, const MemEv& b) { return a.time < b.time; });
+    std::stable_sort(ev.begin(), ev.end(),
+                     [](const MemEv& a, const MemEv& b) { return a.time < b.time; });
     auto& out = res_.memory[r];
     out.push_back({0.0, 0, 0});
     int64_t act = 0, total = 0;
     for (const MemEv& e : ev) {
       act += e.act;
       total += e.total;
-      if (out.back().time == e.time) out.back() = {e.time, act, total};
-      else out.push_back({e.time, act, total});
+      if (out.back().time == e.time)
+        out.back() = {e.time, act, total};
+      else
+        out.push_back({e.time, act, total});
     }
     for (const MemorySample& m : out) {
       res_.peak_activation[r] = std::max(res_.peak_activation[r], m.activation);
