@@ -2,7 +2,7 @@
 // what a rank runs: its units (tasks), its transfers in groups with the point
 // where each group is posted and where each receive is waited on, the slot of
 // every buffer it holds, and which ranks can share one compiled program. It
-// is verified (rank_program_verify.cc), printed (text.cc), simulated
+// is verified (cpp/src/rankir/verify.cc), printed (text.cc), simulated
 // (sim_rank_ir.cc) and handed to the Python emitter as records.
 //
 // Execution semantics of one rank's instruction list (in order):
@@ -148,7 +148,7 @@ void assign_slots(const Plan& plan, RankProgram& prog,
 std::vector<std::vector<int32_t>> share_classes(const Plan& plan,
                                                 std::vector<RankProgram>& programs);  // share.cc
 
-// Verifier (rank_program_verify.cc). Checks, each violation naming rank and
+// Verifier (cpp/src/rankir/verify.cc). Checks, each violation naming rank and
 // instruction ("rank 1 #4 WAIT act(s0,m1)<-0: ..."):
 //   structure: indices in range, back-references (unit.instr, group.post,
 //     transfer.group, transfer.wait) agree with the instruction list;
