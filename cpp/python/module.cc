@@ -5,6 +5,7 @@ namespace nb = nanobind;
 
 #if BATON_BIND_PLANNER
 void init_planner(nb::module_& m);  // bind_planner.cc: schedules, plans, verify, sim, render
+void init_rankir(nb::module_& m);   // bind_rankir.cc: rank programs
 #endif
 #if BATON_BIND_GRAPH
 void init_graph(nb::module_& m);  // bind_graph.cc: Program IR and graph passes
@@ -18,6 +19,7 @@ NB_MODULE(_core, m) {
   m.doc() = "Baton C++ core";
 #if BATON_BIND_PLANNER
   init_planner(m);
+  init_rankir(m);
 #endif
 #if BATON_BIND_GRAPH
   init_graph(m);

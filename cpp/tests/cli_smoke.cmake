@@ -17,6 +17,14 @@ if(NOT rc EQUAL 0)
 endif()
 expect_match("good run" "${out}" "[Bb]ubble")
 
+# 1b. The rank programs in their text form.
+execute_process(COMMAND "${CLI}" -s 1f1b -p 2 -m 2 --print-rank-ir
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "--print-rank-ir exited ${rc}:\n${out}\n${err}")
+endif()
+expect_match("--print-rank-ir" "${out}" "rank-ir 1f1b: ranks 2.*#0 RUN F0.0 reads - writes")
+
 # 2. Save the schedule and load it back: same summary.
 set(_file "${CMAKE_CURRENT_BINARY_DIR}/cli_smoke_schedule.txt")
 execute_process(COMMAND "${CLI}" -s 1f1b -p 2 -m 4 --save "${_file}"

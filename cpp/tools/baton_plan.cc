@@ -44,6 +44,7 @@
 #include "baton/error.h"
 #include "baton/generators.h"
 #include "baton/plan.h"
+#include "baton/rank_program.h"
 #include "baton/render.h"
 #include "baton/schedule.h"
 #include "baton/sim.h"
@@ -109,6 +110,7 @@ struct Options {
   bool grid = false;
   int grid_width = 0;
   bool print_plan = false;
+  bool print_rank_ir = false;
   std::string save;
   std::string load;
   double time_unit_us = 1000.0;
@@ -262,7 +264,10 @@ int run(const Options& o, bool have_ranks, bool have_microbatches) {
                    kExitVerify};
   }
 
-  const baton::SimResult result = baton::simulate(plan, costs);
+  // What is simulated and drawn is what runs: the rank programs.
+  const baton::RankIR ir = baton::build_rank_ir(plan);
+  if (o.print_rank_ir) std::cout << ir.to_text() << "\n";
+  const baton::SimResult result = baton::simulate(ir, costs);
   if (!o.svg.empty()) write_file(o.svg, baton::to_svg(plan, result), "SVG file");
   if (!o.trace.empty()) {
     write_file(o.trace, baton::to_chrome_trace(plan, result, o.time_unit_us), "trace file");
@@ -319,6 +324,8 @@ int main(int argc, char** argv) {
   app.add_flag("--grid", o.grid, "Print a text timeline of the simulated step");
   app.add_option("--grid-width", o.grid_width, "Columns of the text timeline (0: automatic)");
   app.add_flag("--print-plan", o.print_plan, "Print every rank's instruction stream");
+  app.add_flag("--print-rank-ir", o.print_rank_ir,
+               "Print every rank's program (docs/RANK_IR.md)");
   auto* save = app.add_option("--save", o.save, "Write the schedule in the text format");
   auto* load = app.add_option("--load", o.load, "Read the schedule from a text-format file");
   app.add_option("--profile", o.profile,

@@ -101,6 +101,7 @@ class Plan:
         if not isinstance(core, _core.Plan):
             raise ConfigError(f"Plan wraps a baton._core.Plan (got {type(core).__name__})")
         self._core = core
+        self._rank_ir: _core.RankIR | None = None
 
     @classmethod
     def from_schedule(cls, schedule: _core.Schedule) -> Plan:
@@ -178,6 +179,28 @@ class Plan:
         model = _core.CommModel.Fifo if fifo else _core.CommModel.Blocking
         return _core.check_deadlock(self._core, model)
 
+    # -- what runs ---------------------------------------------------------------------------
+    def rank_ir(self) -> _core.RankIR:
+        """Every rank's program (``_core.RankIR``: units, transfer groups with their post and
+        wait points and channels, buffer slots, share classes), built from this plan and
+        verified in C++; ``.to_text()`` prints it (docs/RANK_IR.md)."""
+        if self._rank_ir is None:
+            self._rank_ir = _core.build_rank_ir(self._core)
+        return self._rank_ir
+
+    def simulate_rank_ir(self, costs: Any = None) -> _core.SimResult:
+        """The simulated step over the rank programs (what runs); equal to ``simulate`` in
+        step time, runs, transfers and memory. Its instruction indices are the rank
+        programs'. The pictures and ``summary`` are drawn from it."""
+        return _core.simulate_rank_ir(self.rank_ir(), as_cost_model(costs))
+
+    def _drawn(self, costs: Any) -> _core.SimResult:
+        """What the pictures show: the rank programs simulated, or, for a plan that fails
+        verification (it has none), the plan simulated."""
+        if _core.verify(self._core).ok:
+            return self.simulate_rank_ir(costs)
+        return self.simulate(costs)
+
     # -- simulation and pictures ---------------------------------------------------------
     def simulate(self, costs: Any = None, early_receives: bool = True) -> _core.SimResult:
         """Simulated step: time, bubbles, memory (``costs``: see ``as_cost_model``).
@@ -187,7 +210,7 @@ class Plan:
 
     def to_svg(self, costs: Any = None, path: str | os.PathLike | None = None) -> str:
         """SVG timeline of the simulated step; written to ``path`` when given."""
-        return _write(path, _core.to_svg(self._core, self.simulate(costs)))
+        return _write(path, _core.to_svg(self._core, self._drawn(costs)))
 
     def to_trace(
         self,
@@ -196,17 +219,19 @@ class Plan:
         time_unit_us: float = 1000.0,
     ) -> str:
         """Chrome/Perfetto trace JSON of the simulated step; written to ``path`` when given."""
-        return _write(path, _core.to_chrome_trace(self._core, self.simulate(costs), time_unit_us))
+        return _write(path, _core.to_chrome_trace(self._core, self._drawn(costs), time_unit_us))
 
     def to_grid(self, costs: Any = None, width: int = 0) -> str:
         """Text picture of the simulated step: one row per rank."""
-        return _core.to_text_grid(self._core, self.simulate(costs), width)
+        return _core.to_text_grid(self._core, self._drawn(costs), width)
 
     def summary(self, costs: Any = None) -> str:
-        """Table of step time, per-rank bubble and peak memory, and the verification result."""
+        """Table of step time, per-rank bubble and peak memory, and the verification result.
+        A plan that fails verification has no rank programs (nothing runs it): its table
+        comes from the plan simulator, when that completes."""
         report = _core.verify(self._core)
         try:
-            result = self.simulate(costs)
+            result = self.simulate_rank_ir(costs) if report.ok else self.simulate(costs)
         except VerifyError:
             if report.ok:
                 raise

@@ -103,4 +103,15 @@ struct SimOptions {
 };
 SimResult simulate(const Plan& plan, const CostModel& costs, SimOptions opts = {});
 
+// The same model over rank programs (sim_rank_ir.cc), i.e. over what runs: a
+// POST starts its sends (on the link in post order) and reserves its
+// receives' buffers, a WAIT advances the rank to the arrival, a RUN lasts its
+// unit's cost, a FREE releases its buffer (a sent one once its send has
+// completed). RunEvent::instr and the transfer instrs index the rank
+// program's instructions (recv_instr: the POST of the receive); the critical
+// path is not computed (empty). For a plan with early receives the result
+// equals simulate(ir.plan, costs) in step time, runs, transfers and memory.
+struct RankIR;
+SimResult simulate(const RankIR& ir, const CostModel& costs);
+
 }  // namespace baton

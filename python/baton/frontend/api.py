@@ -338,6 +338,14 @@ class PipelinedFunction:
             raise ConfigError("call the step (or pass example arguments) first")
         return cost_model_of(step)
 
+    def rank_ir(self, *args) -> Any:
+        """The step's rank programs as they run (``_core.RankIR``; ``.to_text()``,
+        ``.programs``; docs/RANK_IR.md)."""
+        step = self.compile(*args) if args else self.last
+        if step is None:
+            raise ConfigError("call the step (or pass example arguments) first")
+        return step.rank_ir()
+
     def summary(self, *args) -> str:
         step = self.compile(*args) if args else self.last
         if step is None:

@@ -196,18 +196,18 @@ class Interpreter:
             for (i, _), x in zip(summed, new):
                 st.acc[i] = x
 
-    def _args(self, exe, s, m, rank, env):
+    def _args(self, exe, kind, s, m, rank, env):
         args = [self._invariant(v, rank) for v in exe.in_groups[0]]
         args += [self._microbatch(v, m, rank) for v in exe.in_groups[1]]
-        for kind, bs, bm in buffer_reads(exe, s, m):
-            args += env[self.step.buffers.id(kind, bs, bm)]
+        for bk, bs, bm in buffer_reads(exe, self.step.buffers.reads(kind, s, m)):
+            args += env[self.step.buffers.id(bk, bs, bm)]
         return args
 
     def _run_task(self, kind, s, m, rank, env):
         """Runs one task and puts the buffers it makes (``Buffers.outputs``) into ``env``."""
         exes = task_exes(self.step.tasks, kind, s)
         exe = exes[0]
-        got = exe.split(self._call(exe, self._args(exe, s, m, rank, env), rank))
+        got = exe.split(self._call(exe, self._args(exe, kind, s, m, rank, env), rank))
         if len(exes) == 2:  # B as I then W: I's WStash goes straight to W
             we = exes[1]
             wargs = [self._invariant(v, rank) for v in we.in_groups[0]]

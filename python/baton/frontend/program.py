@@ -81,8 +81,9 @@ def _exes(cs, kind, s):
 
 
 def reads(cs, kind, s, m) -> list[tuple[str, int, int]]:
-    """Buffers (kind, stage, microbatch) a task passes to its function (``buffer_reads``)."""
-    return buffer_reads(_exes(cs, kind, s)[0], s, m)
+    """Buffers (kind, stage, microbatch) a task passes to its function (``buffer_reads``
+    of the plan's reads)."""
+    return buffer_reads(_exes(cs, kind, s)[0], cs.buffers.reads(kind, s, m))
 
 
 def writes(cs, kind, s, m) -> list[tuple[str, int, int]]:
@@ -110,56 +111,32 @@ def _shift(it: Item, d: int) -> Item:
 
 
 def rank_items(cs, rank: int) -> list[Item]:
-    """A rank's instruction stream as items: its tasks, its sends where the stream sends, its
-    receives posted where the plan posts them (``Plan.receive_posts``: before the RUN that
-    precedes the RECV, as the executor does) and waited on just before the first task that
-    reads them."""
-    items: list[Item] = []
-    posted: dict[tuple, Item] = {}
-    waited: set = set()
+    """A rank's program as items, read from the C++ rank program (``cs.rank_ir()``,
+    docs/RANK_IR.md), which says where each group of transfers is posted (its receives where
+    the plan posts them: before the RUN that precedes the RECV) and where each receive is
+    waited on (just before the first task that reads it). The C++ verifier checks what the
+    FFI transfers need: each wait follows its post, and the waits of one (peer, channel) come
+    in post order."""
+    prog = cs.rank_ir().programs[rank]
     bufs = cs.buffers
-    posts = bufs.receive_posts(rank)
-    run_at: dict[int, int] = {}  # RUN index -> where its items start (waits included)
-    for j, (op, a, b, peer) in enumerate(cs.programs[rank]):
-        op = op.split(".")[-1].upper()
-        if op == "RUN":
-            run_at[j] = len(items)
-            for kind, s, m in bufs.tasks_of(rank, a):
-                for key in reads(cs, kind, s, m):
-                    if key in posted and key not in waited:
-                        waited.add(key)
-                        items.append(("wait", *key, posted[key][4]))
+    items: list[Item] = []
+
+    def key(b):
+        return bufs.key(prog.buffers[b].id)
+
+    for ins in prog.instrs:
+        if ins.op == _core.RankOp.POST:
+            for t in prog.groups[ins.group].transfers:
+                x = prog.transfers[t]
+                op = "send" if x.dir == _core.TransferDir.SEND else "post"
+                items.append((op, *key(x.buffer), x.peer))
+        elif ins.op == _core.RankOp.WAIT:
+            x = prog.transfers[ins.transfer]
+            items.append(("wait", *key(x.buffer), x.peer))
+        elif ins.op == _core.RankOp.RUN:
+            for kind, s, m in bufs.tasks_of(rank, prog.units[ins.unit].action):
                 items.append(("run", kind, s, m, -1))
-        elif op == "SEND":
-            items.append(("send", *bufs.key(b), peer))
-        elif op == "RECV":
-            key = bufs.key(b)
-            it = ("post", *key, peer)
-            posted[key] = it
-            at = run_at.get(posts[j])
-            if at is not None:  # before that RUN's items; later posts there after it
-                if posts[j] != max(run_at):
-                    raise ValueError(f"rank {rank}: receive #{j} is posted before RUN "
-                                     f"#{posts[j]}, which is not the latest task")
-                items.insert(at, it)
-                run_at[posts[j]] = at + 1
-            else:
-                items.append(it)
-    missing = [k for k in posted if k not in waited]
-    if missing:
-        raise ValueError(f"received buffers no task reads: {missing}")
-    out = items
-    # The FFI transfers match by order per (peer, buffer kind) (see ffi_handlers.cc): a wait
-    # takes the oldest posted receive, so waits must come in the order of their posts.
-    order: dict[tuple, list] = {}
-    for op, k, s, m, peer in out:
-        if op in ("post", "wait"):
-            order.setdefault((op, peer, k), []).append((s, m))
-    for (op, peer, k), got in order.items():
-        if op == "wait" and got != order[("post", peer, k)]:
-            raise ValueError(f"rank {rank}: receives of {k} from rank {peer} are waited on in "
-                             f"another order than they are posted: {got}")
-    return out
+    return items
 
 
 def _analyze(cs, pat: list[Item], delta: int):
@@ -329,7 +306,7 @@ def _run_task(cs, kind, s, m, inv, mb, get, put, add, call):
     exes = _exes(cs, kind, s)
     exe = exes[0]
     args = [inv(v) for v in exe.in_groups[0]] + [mb(v, m) for v in exe.in_groups[1]]
-    for key in buffer_reads(exe, s, m):
+    for key in buffer_reads(exe, cs.buffers.reads(kind, s, m)):
         args += get(key)
     got = exe.split(call(exe.plain, args))
     wgrad_parts, mb_parts = exe.body

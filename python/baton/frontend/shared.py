@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .. import _core
 from .program import _exes
 
 _AX = "baton_ranks"
@@ -51,21 +52,29 @@ def _stages(cs, rank) -> list[int]:
     return [s for s, r in enumerate(cs.stage_rank) if r == rank]
 
 
-def _stage_map(cs, ls, ps) -> dict[int, int] | None:
-    """The lead's stages ``ls`` onto the member's ``ps`` in order, and each stage next to
-    one of them (whose buffers the rank receives: ``Act`` of s - 1, ``Grad`` of s + 1) onto
-    the stage next to its image on the same side; None when that is ambiguous."""
+def _stage_map(cs, lead: int, rank: int) -> dict[int, int] | None:
+    """The lead's stages onto the member's: its own stages in order, and every other stage
+    whose buffers the lead's tasks read or write (the plan's inputs and outputs of each task
+    of its rank program's units: an activation of the stage before, a gradient of the stage
+    after, ...) onto the stage at the same distance from the image of the task's stage;
+    None when that is ambiguous or out of range."""
+    progs = cs.rank_ir().programs
+    ls, ps = list(progs[lead].stages), list(progs[rank].stages)
+    if len(ls) != len(ps):
+        return None
     own = dict(zip(ls, ps))
     out = dict(own)
-    S = cs.num_stages
-    for b in range(S):
-        if b in own:
-            continue
-        img = {own[s] + (b - s) for s in ls if abs(b - s) == 1}
-        if len(img) > 1 or any(not 0 <= x < S for x in img):
-            return None
-        if img:
-            out[b] = img.pop()
+    plan = cs.core_plan
+    skips = (_core.BufKind.Skip, _core.BufKind.SkipGrad)
+    for unit in progs[lead].units:
+        for task in unit.tasks:
+            for b in [*plan.task_inputs(task), *plan.task_outputs(task)]:
+                key = plan.buffer_key(b)
+                if key.kind in skips or key.stage in own:
+                    continue
+                img = own[task.stage] + (key.stage - task.stage)
+                if not 0 <= img < cs.num_stages or out.setdefault(key.stage, img) != img:
+                    return None
     return out
 
 
@@ -143,10 +152,7 @@ def match(lead, prog, jaxprs: _Jaxprs) -> Share | None:
     cs = lead.cs
     if not (lead.table and prog.table):
         return None
-    ls, ps = _stages(cs, lead.rank), _stages(cs, prog.rank)
-    if len(ls) != len(ps):
-        return None
-    stage = _stage_map(cs, ls, ps)
+    stage = _stage_map(cs, lead.rank, prog.rank)
     if stage is None:
         return None
     shift = prog.rank - lead.rank

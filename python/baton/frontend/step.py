@@ -137,6 +137,18 @@ class CompiledStep:
         self.engine.share = bool(share_programs)
         self.interpreter = Interpreter(self)
 
+    # -- what runs ---------------------------------------------------------------------------
+    def rank_ir(self) -> Any:
+        """The rank programs of this step's plan (``_core.RankIR``, built and verified in
+        C++; docs/RANK_IR.md)."""
+        if getattr(self, "_rank_ir", None) is None:
+            self._rank_ir = _core.build_rank_ir(self.core_plan)
+        return self._rank_ir
+
+    def rank_programs(self) -> list:
+        """Each rank's program (``_core.RankProgram``), rank by rank."""
+        return list(self.rank_ir().programs)
+
     # -- placement --------------------------------------------------------------------------
     def put(self, x, rank, batch=False):
         if batch:

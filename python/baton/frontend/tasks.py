@@ -6,7 +6,8 @@ invariant inputs, its microbatch inputs and the buffers it reads, returning its 
 by group (``OUT_GROUPS``); the same function is jitted per task (the interpreter) or
 traced into a rank's program (``program.py``). Which buffers a task reads and writes
 comes from the C++ plan (``Plan.action_inputs`` / ``action_outputs``, see
-``Buffers``), as does where receives are posted (``Plan.receive_posts``).
+``Buffers``); where receives are posted and waited on comes from the C++ rank programs
+(``CompiledStep.rank_ir``, docs/RANK_IR.md).
 """
 
 from __future__ import annotations
@@ -168,14 +169,23 @@ class TaskExe:
         return got
 
 
-def buffer_reads(exe: TaskExe, s: int, m: int) -> list[tuple[str, int, int]]:
-    """The buffers (kind, stage, microbatch) task ``exe`` of stage ``s`` passes as arguments
-    for microbatch ``m``, in argument order after its invariant and microbatch inputs (the
-    groups it has; a subset of what the plan says it reads, see ``Buffers.reads``)."""
+def buffer_reads(exe: TaskExe, plan_reads: list[tuple[str, int, int]]
+                 ) -> list[tuple[str, int, int]]:
+    """The buffers (kind, stage, microbatch) task ``exe`` passes as arguments, in argument
+    order after its invariant and microbatch inputs: of ``plan_reads`` (what the plan says
+    the task reads, ``Buffers.reads``), the one of each buffer group the function has (act,
+    grad, stash, wstash), then those of its skip edges."""
     _, _, act, grad, stash, wstash = exe.in_groups
-    return [(k, bs, m) for present, k, bs in ((act, "Act", s - 1), (grad, "Grad", s + 1),
-                                              (stash, "Stash", s), (wstash, "WStash", s))
-            if present] + [(k, e, m) for (k, e), _ in exe.skip_in]
+    first: dict[tuple, tuple] = {}
+    for key in plan_reads:
+        first.setdefault((key[0], key[1]) if key[0] in ("Skip", "SkipGrad") else key[0], key)
+    want = [k for present, k in ((act, "Act"), (grad, "Grad"), (stash, "Stash"),
+                                 (wstash, "WStash")) if present] + [ke for ke, _ in exe.skip_in]
+    missing = [k for k in want if k not in first]
+    if missing:
+        raise ValueError(f"task {exe.kind}{exe.stage} takes buffers {missing} that the plan "
+                         f"does not give it (the plan's reads: {plan_reads})")
+    return [first[k] for k in want]
 
 
 def _task_exe(traced, parts, kind, stage, ops, groups, outs, wgrad_parts, mb_parts,
@@ -266,8 +276,8 @@ class Buffers:
     """The plan's facts about buffers, asked of the C++ plan once and cached: ids and keys
     ``(kind name, stage, microbatch)``, which buffers a task (``F``, ``B``, ``I``, ``W``,
     or ``FB``: F and B fused) reads and writes (``Plan.action_inputs`` /
-    ``action_outputs``), the tasks of a rank's action, where a rank's receives are posted
-    (``Plan.receive_posts``), and the layout (avals) a receiver expects."""
+    ``action_outputs``), the tasks of a rank's action, and the layout (avals) a receiver
+    expects."""
 
     def __init__(self, core_plan, traced: Traced, partition, tasks):
         self.plan = core_plan
@@ -357,9 +367,6 @@ class Buffers:
         """The ordered transfer channel of a ``kind`` buffer of ``stage`` (of edge ``stage``
         for Skip / SkipGrad): ``Plan.channel``, as the verifier's FIFO model has it."""
         return self.plan.channel(self.id(kind, stage, 0))
-
-    def receive_posts(self, rank: int) -> list[int]:
-        return list(self.plan.receive_posts(rank))
 
     def layout(self, kind: str, stage: int) -> list:
         """The avals of a ``kind`` buffer of ``stage`` as its receiver gets them (the byte

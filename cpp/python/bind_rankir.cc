@@ -1,0 +1,99 @@
+// Bindings of rank programs (rank_program.h): the records, the enums, the
+// pass pipeline, the verifier and the simulator over them. Conversion only.
+#include <fmt/format.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "baton/rank_program.h"
+#include "baton/sim.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+void init_rankir(nb::module_& m) {
+  nb::enum_<baton::RankOp>(m, "RankOp")
+      .value("POST", baton::RankOp::Post)
+      .value("WAIT", baton::RankOp::Wait)
+      .value("RUN", baton::RankOp::Run)
+      .value("FREE", baton::RankOp::Free)
+      .value("ACCUMULATE", baton::RankOp::Accumulate);
+  nb::enum_<baton::TransferDir>(m, "TransferDir")
+      .value("SEND", baton::TransferDir::Send)
+      .value("RECV", baton::TransferDir::Recv);
+
+  nb::class_<baton::RankInstr>(m, "RankInstr", "One instruction of a rank program.")
+      .def_ro("op", &baton::RankInstr::op)
+      .def_ro("unit", &baton::RankInstr::unit)
+      .def_ro("group", &baton::RankInstr::group)
+      .def_ro("transfer", &baton::RankInstr::transfer)
+      .def_ro("buffer", &baton::RankInstr::buffer)
+      .def("__eq__", [](const baton::RankInstr& a, const baton::RankInstr& b) { return a == b; });
+  nb::class_<baton::RankBuffer>(m, "RankBuffer", "A buffer of a rank and its slot.")
+      .def_ro("id", &baton::RankBuffer::id)
+      .def_ro("key", &baton::RankBuffer::key)
+      .def_ro("pool", &baton::RankBuffer::pool)
+      .def_ro("slot", &baton::RankBuffer::slot)
+      .def_ro("live_from", &baton::RankBuffer::live_from)
+      .def_ro("live_to", &baton::RankBuffer::live_to);
+  nb::class_<baton::Pool>(m, "Pool", "Plan rows that share slots, and the number of slots.")
+      .def_ro("rows", &baton::Pool::rows)
+      .def_ro("slots", &baton::Pool::slots);
+  nb::class_<baton::Unit>(m, "Unit", "A task (or a fused pair) and its buffers.")
+      .def_ro("action", &baton::Unit::action)
+      .def_ro("tasks", &baton::Unit::tasks)
+      .def_ro("reads", &baton::Unit::reads)
+      .def_ro("writes", &baton::Unit::writes)
+      .def_ro("instr", &baton::Unit::instr);
+  nb::class_<baton::Transfer>(m, "Transfer", "A send or receive of a rank.")
+      .def_ro("dir", &baton::Transfer::dir)
+      .def_ro("buffer", &baton::Transfer::buffer)
+      .def_ro("peer", &baton::Transfer::peer)
+      .def_ro("channel", &baton::Transfer::channel)
+      .def_ro("seq", &baton::Transfer::seq)
+      .def_ro("group", &baton::Transfer::group)
+      .def_ro("wait", &baton::Transfer::wait);
+  nb::class_<baton::TransferGroup>(m, "TransferGroup", "Transfers posted together.")
+      .def_ro("transfers", &baton::TransferGroup::transfers)
+      .def_ro("post", &baton::TransferGroup::post);
+  nb::class_<baton::RankProgram>(m, "RankProgram", "What one rank runs.")
+      .def_ro("rank", &baton::RankProgram::rank)
+      .def_ro("stages", &baton::RankProgram::stages)
+      .def_ro("instrs", &baton::RankProgram::instrs)
+      .def_ro("units", &baton::RankProgram::units)
+      .def_ro("transfers", &baton::RankProgram::transfers)
+      .def_ro("groups", &baton::RankProgram::groups)
+      .def_ro("buffers", &baton::RankProgram::buffers)
+      .def_ro("pools", &baton::RankProgram::pools)
+      .def_ro("share_class", &baton::RankProgram::share_class)
+      .def("__repr__", [](const baton::RankProgram& p) {
+        return fmt::format("RankProgram(rank={}, units={}, transfers={}, instrs={})", p.rank,
+                           p.units.size(), p.transfers.size(), p.instrs.size());
+      });
+  nb::class_<baton::RankIR>(m, "RankIR", "Every rank's program, built from a verified plan.")
+      .def_ro("plan", &baton::RankIR::plan)
+      .def_ro("programs", &baton::RankIR::programs)
+      .def_ro("share_classes", &baton::RankIR::share_classes)
+      .def("describe", &baton::RankIR::describe, "rank"_a, "instr"_a)
+      .def("to_text", &baton::RankIR::to_text)
+      .def("__str__", &baton::RankIR::to_text);
+
+  m.def(
+      "build_rank_ir",
+      [](const baton::Plan& plan, const std::vector<int32_t>& pool_of) {
+        baton::RankIROptions o;
+        o.pool_of = pool_of;
+        return baton::build_rank_ir(plan, o);
+      },
+      "plan"_a, "pool_of"_a = std::vector<int32_t>{},
+      "Rank programs of a plan (verifies the plan and the result). pool_of: per plan row "
+      "(buffer id // microbatches), a label; rows of one label share slots.");
+  m.def("verify_rank_ir", &baton::verify_rank_ir, "ir"_a);
+  m.def("rank_op_name", [](baton::RankOp op) { return std::string(baton::rank_op_name(op)); });
+  m.def(
+      "simulate_rank_ir",
+      [](const baton::RankIR& ir, const baton::CostModel& costs) {
+        return baton::simulate(ir, costs);
+      },
+      "ir"_a, "costs"_a, "Runs the rank programs on the cost model (what runs).");
+}

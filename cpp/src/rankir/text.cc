@@ -1,0 +1,145 @@
+// Text form of rank programs (rank_program.h): RankIR::describe and to_text.
+//
+//   rank-ir 1f1b: ranks 4, stages 4, microbatches 8, channels 5
+//   share classes: {0} {1,2} {3}
+//   rank 1: stages [1], class 1, 12 units, 20 transfers, 61 instructions
+//     pools: p0 act(s0) x2, p1 act(s1) x1, ...
+//     #0 POST g0: RECV act(s0,m0)<-0 ch0.0 @p0.0, RECV act(s0,m1)<-0 ch0.1 @p0.1
+//     #1 WAIT act(s0,m0)<-0
+//     #2 RUN F1.0 reads act(s0,m0)@p0.0 writes act(s1,m0)@p1.0 stash(s1,m0)@p2.0
+//   ("reads -": none.)
+//     #3 FREE act(s0,m0)
+// A transfer reads "SEND buffer->peer" or "RECV buffer<-peer", then its
+// channel and FIFO position ("ch0.1": the second on channel 0 with that
+// peer), then its slot. A buffer's slot reads "@p<pool>.<slot>".
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "baton/rank_program.h"
+
+namespace baton {
+
+namespace {
+
+std::string row_name(const Plan& plan, int32_t row) {
+  const BufferKey k = plan.buffer_key(row * plan.schedule.num_microbatches);
+  if (k.kind == BufKind::Skip || k.kind == BufKind::SkipGrad) {
+    const SkipEdge& e = plan.skips[k.stage];
+    return k.kind == BufKind::Skip ? fmt::format("skip(s{}->s{})", e.from, e.to)
+                                   : fmt::format("skipgrad(s{}->s{})", e.to, e.from);
+  }
+  return fmt::format("{}(s{})", buf_kind_name(k.kind), k.stage);
+}
+
+bool valid(const RankIR& ir, int rank, int instr) {
+  return rank >= 0 && rank < static_cast<int>(ir.programs.size()) && instr >= 0 &&
+         instr < static_cast<int>(ir.programs[rank].instrs.size());
+}
+
+template <class T>
+bool in_range(const std::vector<T>& v, int32_t i) {
+  return i >= 0 && i < static_cast<int32_t>(v.size());
+}
+
+std::string buf_name(const RankIR& ir, const RankProgram& p, int32_t b) {
+  return in_range(p.buffers, b) ? ir.plan.describe_buffer(p.buffers[b].id)
+                                : fmt::format("buffer#{}?", b);
+}
+
+std::string transfer_name(const RankIR& ir, const RankProgram& p, int32_t t) {
+  if (!in_range(p.transfers, t)) return fmt::format("transfer#{}?", t);
+  const Transfer& x = p.transfers[t];
+  return fmt::format("{} {}{}{}", x.dir == TransferDir::Send ? "SEND" : "RECV",
+                     buf_name(ir, p, x.buffer), x.dir == TransferDir::Send ? "->" : "<-", x.peer);
+}
+
+std::string with_slot(const RankIR& ir, const RankProgram& p, int32_t b) {
+  if (!in_range(p.buffers, b)) return buf_name(ir, p, b);
+  const RankBuffer& rb = p.buffers[b];
+  return fmt::format("{}@p{}.{}", buf_name(ir, p, b), rb.pool, rb.slot);
+}
+
+std::string instr_text(const RankIR& ir, const RankProgram& p, const RankInstr& in, bool full) {
+  switch (in.op) {
+    case RankOp::Post: {
+      if (!in_range(p.groups, in.group)) return fmt::format("POST group#{}?", in.group);
+      std::string out = fmt::format("POST g{}:", in.group);
+      const auto& ts = p.groups[in.group].transfers;
+      for (size_t k = 0; k < ts.size(); ++k) {
+        out += k ? ", " : " ";
+        out += transfer_name(ir, p, ts[k]);
+        if (full && in_range(p.transfers, ts[k])) {
+          const Transfer& t = p.transfers[ts[k]];
+          out += fmt::format(" ch{}.{} @p{}.{}", t.channel, t.seq,
+                             in_range(p.buffers, t.buffer) ? p.buffers[t.buffer].pool : -1,
+                             in_range(p.buffers, t.buffer) ? p.buffers[t.buffer].slot : -1);
+        }
+      }
+      return out;
+    }
+    case RankOp::Wait:
+      if (!in_range(p.transfers, in.transfer)) return fmt::format("WAIT transfer#{}?", in.transfer);
+      return fmt::format("WAIT {}", transfer_name(ir, p, in.transfer).substr(5));
+    case RankOp::Run: {
+      if (!in_range(p.units, in.unit)) return fmt::format("RUN unit#{}?", in.unit);
+      const Unit& u = p.units[in.unit];
+      std::string out = "RUN ";
+      for (size_t k = 0; k < u.tasks.size(); ++k)
+        out += fmt::format("{}{}", k ? "+" : "", to_string(u.tasks[k]));
+      if (!full) return out;
+      out += " reads";
+      if (u.reads.empty()) out += " -";
+      for (int32_t b : u.reads) out += fmt::format(" {}", with_slot(ir, p, b));
+      out += " writes";
+      if (u.writes.empty()) out += " -";
+      for (int32_t b : u.writes) out += fmt::format(" {}", with_slot(ir, p, b));
+      return out;
+    }
+    case RankOp::Free:
+      return fmt::format("FREE {}", buf_name(ir, p, in.buffer));
+    case RankOp::Accumulate:
+      return fmt::format("ACCUMULATE {}", buf_name(ir, p, in.buffer));
+  }
+  return fmt::format("op#{}?", static_cast<int>(in.op));
+}
+
+}  // namespace
+
+std::string RankIR::describe(int rank, int instr) const {
+  if (!valid(*this, rank, instr))
+    return fmt::format("rank {} #{} (no such instruction)", rank, instr);
+  const RankProgram& p = programs[rank];
+  return fmt::format("rank {} #{} {}", rank, instr, instr_text(*this, p, p.instrs[instr], false));
+}
+
+std::string RankIR::to_text() const {
+  const Schedule& s = plan.schedule;
+  std::string out =
+      fmt::format("rank-ir {}: ranks {}, stages {}, microbatches {}, channels {}\n", s.name,
+                  s.num_ranks, s.num_stages, s.num_microbatches, plan.num_channels());
+  out += "share classes:";
+  for (const auto& c : share_classes) {
+    out += " {";
+    for (size_t k = 0; k < c.size(); ++k) out += fmt::format("{}{}", k ? "," : "", c[k]);
+    out += "}";
+  }
+  out += "\n";
+  for (const RankProgram& p : programs) {
+    out += fmt::format("rank {}: stages [{}], class {}, {} units, {} transfers, {} instructions\n",
+                       p.rank, fmt::join(p.stages, ","), p.share_class, p.units.size(),
+                       p.transfers.size(), p.instrs.size());
+    out += "  pools:";
+    for (size_t k = 0; k < p.pools.size(); ++k) {
+      out += fmt::format("{} p{} ", k ? "," : "", k);
+      for (size_t j = 0; j < p.pools[k].rows.size(); ++j)
+        out += fmt::format("{}{}", j ? "+" : "", row_name(plan, p.pools[k].rows[j]));
+      out += fmt::format(" x{}", p.pools[k].slots);
+    }
+    out += "\n";
+    for (size_t i = 0; i < p.instrs.size(); ++i)
+      out += fmt::format("  #{} {}\n", i, instr_text(*this, p, p.instrs[i], true));
+  }
+  return out;
+}
+
+}  // namespace baton
