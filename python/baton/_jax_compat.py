@@ -42,6 +42,8 @@ __all__ = [
     "eqn_ctx_with_mesh",
     "value_with_sharding",
     "without_mesh_context",
+    "context_mesh",
+    "explicit_axis_type",
     "is_drop_var",
     "instantiate_zeros",
     "jax_version",
@@ -297,6 +299,18 @@ def value_with_sharding(x: Any, fix) -> Any:
     if new is sh:
         return x
     return type(x)(np.asarray(x), aval.update(sharding=new))
+
+
+def context_mesh() -> Any:
+    """The abstract mesh of the caller's mesh context (``jax.set_mesh``), or None."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    return get() if get is not None else None
+
+
+def explicit_axis_type() -> Any:
+    """``jax.sharding.AxisType.Explicit``, or None on a JAX without axis types."""
+    types = getattr(jax.sharding, "AxisType", None)
+    return getattr(types, "Explicit", None)
 
 
 def without_mesh_context():

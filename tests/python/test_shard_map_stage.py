@@ -158,8 +158,12 @@ def reference(kind: str, mesh: Mesh) -> dict:
         return flat(*run(jax.jit(ref_step), *inputs()))
 
 
-if len(jax.devices()) < 8:
-    pytest.skip("needs 8 devices (JAX_NUM_CPU_DEVICES=8)", allow_module_level=True)
+@pytest.fixture(autouse=True)
+def eight_devices():
+    # (a fixture, not a skip at import: the launched processes import this module before
+    # jax.distributed.initialize, which must come before JAX's backend starts)
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (JAX_NUM_CPU_DEVICES=8)")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -200,6 +204,25 @@ def test_a_mesh_unlike_the_ranks_names_the_primitive():
     with pytest.raises(baton.ConfigError,
                        match=r"with_sharding_constraint: mesh \(tensor=4, data=2\) is neither.*"
                              r"rank 0's sub-mesh is \(tensor=2, data=2\)"):
+        ps(*inputs())
+
+
+def test_explicit_axes_are_refused_by_name():
+    from jax.sharding import AxisType
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("pipe", "tensor", "data"),
+                axis_types=(AxisType.Explicit,) * 3)
+    train_step, _ = steps(None)
+    ps = baton.jit(train_step, mesh=baton.PipelineMesh(mesh), schedule=baton.OneFOneB(),
+                   microbatches=MICRO, param_shardings=SPECS, single_program=False)
+    with pytest.raises(baton.ConfigError, match=r"PipelineMesh has Explicit axes \['tensor', "
+                                                r"'data'\]"):
+        ps(*inputs())
+    auto = full_mesh()
+    ps = baton.jit(train_step, mesh=baton.PipelineMesh(auto), schedule=baton.OneFOneB(),
+                   microbatches=MICRO, param_shardings=SPECS, single_program=False)
+    with jax.set_mesh(mesh), pytest.raises(baton.ConfigError,
+                                           match=r"mesh context \(jax.set_mesh\) has Explicit"):
         ps(*inputs())
 
 

@@ -151,6 +151,25 @@ class OnRank:
         return jc.eqn_ctx_with_mesh(ctx, self.mesh(m, "the mesh context (jax.set_mesh)"))
 
 
+def check_axis_types(mesh) -> None:
+    """Raises ``ConfigError`` when the pipeline's mesh or the caller's mesh context
+    (``jax.set_mesh``) has ``Explicit`` axes: their shardings are part of every value's type
+    (explicit sharding mode), which the microbatch split and the stage boundaries do not carry
+    yet. ``Auto`` axes (the default), sharding constraints and ``shard_map`` work."""
+    explicit = jc.explicit_axis_type()
+    if explicit is None:
+        return
+    for what, m in (("the mesh given to PipelineMesh", mesh.meshes[0]),
+                     ("the mesh context (jax.set_mesh)", jc.context_mesh())):
+        axes = [n for n, t in zip(getattr(m, "axis_names", ()), getattr(m, "axis_types", ()))
+                if t == explicit]
+        if axes:
+            raise ConfigError(
+                f"baton.jit: {what} has Explicit axes {axes}: a pipelined step supports Auto "
+                f"axes (jax.sharding.AxisType.Auto, the default), with with_sharding_constraint "
+                f"and shard_map inside the stages, not explicit sharding mode")
+
+
 def on_rank(mesh, rank: int) -> OnRank:
     """The rewrite of the model's equations onto ``rank``'s sub-mesh of ``mesh``."""
     return OnRank(mesh, rank)
