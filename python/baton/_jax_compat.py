@@ -203,12 +203,20 @@ class _JaxprMap:
         got = self.vars.get(v)
         if got is None:
             aval = self.fix_aval(v.aval) if self.fix_aval is not None else v.aval
-            got = self.vars[v] = v if aval is v.aval else type(v)(aval)
+            got = self.vars[v] = v if aval is v.aval else _new_var(v, aval)
         return got
 
     def atoms(self, vs):
         new = [self.atom(v) for v in vs]
         return new if any(a is not b for a, b in zip(new, vs)) else None
+
+
+def _new_var(v, aval):
+    """A fresh variable of ``v``'s class (``Var`` or ``DropVar``) of type ``aval``."""
+    try:
+        return type(v)(aval)
+    except TypeError:  # JAX versions whose variables also take a name suffix
+        return type(v)(getattr(v, "suffix", ""), aval)
 
 
 def _map_jaxpr(j, fixes):

@@ -11,8 +11,12 @@ onto it (``OnRank``):
 * a mesh with the pipe axis (the user's full mesh), or without it (a mesh shaped like a
   rank's sub-mesh: any rank's devices, or abstract), becomes the rank's sub-mesh with the
   same axis types per axis (``Manual`` inside a ``shard_map`` body stays ``Manual``), in the
-  mesh's own axis order; concrete where JAX needs devices (shardings, ``shard_map``),
-  abstract where it holds an abstract mesh (the equation context);
+  mesh's own axis order, abstract or concrete as it was; the mesh of a sharding constraint
+  and of a ``shard_map`` is made concrete (the rank's programs run outside the caller's
+  mesh context, which names the devices of an abstract one);
+* the types of the variables of nested jaxprs (a ``shard_map`` body, a jit callee, a scan
+  body) and the host constants among their operands carry a sharding whose mesh is moved
+  the same way (a jit callee's output types are its call's);
 * a ``PartitionSpec`` drops the pipe axis (``PipelineMesh.spec_on_ranks``);
 * ``shard_map``'s manual-axes sets drop the pipe axis.
 
@@ -30,15 +34,15 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from .. import _jax_compat as jc
 from ..errors import ConfigError
 
-# equation parameters that may hold a mesh or a sharding, by primitive (any other primitive's
-# parameters are scanned too: ``_value`` leaves values it does not know alone)
+# shard_map's parameters that name its manual axes (by JAX version)
 _MANUAL_SETS = ("newly_manual_axes", "manual_axes", "auto", "axis_names")
 
 
 class OnRank:
     """The rewrite of equations onto rank ``rank``'s sub-mesh of ``mesh`` (a
-    ``PipelineMesh``): ``params(name, params)`` for ``_jax_compat.map_eqn_params`` and
-    ``ctx(ctx)`` for each equation's context."""
+    ``PipelineMesh``), as the fixes ``_jax_compat.map_eqn_params`` takes: ``params(name,
+    params)``, ``ctx(ctx)`` (an equation's context), ``value(x)`` (a literal's value) and
+    ``aval(aval)`` (a variable's type)."""
 
     def __init__(self, mesh, rank: int):
         self.pm = mesh
@@ -84,20 +88,18 @@ class OnRank:
             out = Mesh(np.transpose(self.sub.devices, order), names, axis_types=out.axis_types)
         return out
 
-    def sharding(self, sh: NamedSharding, where: str) -> NamedSharding:
-        mesh = self.concrete(sh.mesh, where)
+    def sharding(self, sh: NamedSharding, where: str, concrete: bool = False) -> NamedSharding:
+        """``sh`` on this rank's sub-mesh, its mesh abstract or concrete as it was
+        (``concrete``: made concrete)."""
+        mesh = self.concrete(sh.mesh, where) if concrete else self.mesh(sh.mesh, where)
         spec = self.pm.spec_on_ranks(sh.spec, where)
         if mesh is sh.mesh and spec == sh.spec:
             return sh
         return NamedSharding(mesh, spec, memory_kind=sh.memory_kind)
 
     def _type_sharding(self, sh: NamedSharding) -> NamedSharding:
-        """The sharding a type (abstract value) carries, on this rank's sub-mesh (its mesh
-        kept abstract or concrete as it was)."""
-        where = "a value's type"
-        mesh = self.mesh(sh.mesh, where)
-        spec = self.pm.spec_on_ranks(sh.spec, where)
-        return sh if mesh is sh.mesh and spec == sh.spec else NamedSharding(mesh, spec)
+        """The sharding a type (abstract value) carries, on this rank's sub-mesh."""
+        return self.sharding(sh, "a value's type")
 
     def value(self, x: Any) -> Any:
         """A literal's value whose type names a mesh (``_jax_compat.value_with_sharding``) on
@@ -117,7 +119,7 @@ class OnRank:
         if isinstance(v, NamedSharding):
             return self.sharding(v, where)
         if isinstance(v, (Mesh, AbstractMesh)):
-            return self.concrete(v, where) if isinstance(v, Mesh) else self.mesh(v, where)
+            return self.mesh(v, where)
         if isinstance(v, tuple) and not isinstance(v, PartitionSpec) and v and any(
                 isinstance(x, (NamedSharding, Mesh, AbstractMesh)) for x in v):
             return tuple(self._value(x, where) for x in v)
@@ -131,10 +133,15 @@ class OnRank:
             nv = self._value(v, where)
             if nv is not v:
                 new[k] = nv
+        # the mesh of a constraint and of a shard_map made concrete: the rank's programs are
+        # compiled outside the caller's mesh context (jax.set_mesh), whose devices these
+        # name when abstract
+        if name == "sharding_constraint" and isinstance(params.get("sharding"), NamedSharding):
+            new["sharding"] = self.sharding(params["sharding"], where, concrete=True)
         if name == "shard_map":
             m = params.get("mesh")
-            if isinstance(m, AbstractMesh) and m.axis_names:
-                new["mesh"] = self.concrete(m, where)  # compiled without the user's context
+            if isinstance(m, (Mesh, AbstractMesh)) and m.axis_names:
+                new["mesh"] = self.concrete(m, where)
             for k in ("in_specs", "out_specs"):
                 if k in params:
                     new[k] = tuple(self.pm.spec_on_ranks(sp, where) for sp in params[k])
