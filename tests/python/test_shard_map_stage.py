@@ -166,9 +166,13 @@ def eight_devices():
         pytest.skip("needs 8 devices (JAX_NUM_CPU_DEVICES=8)")
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_shard_map_in_stages_matches_plain_jax(kind, schedule):
+# every mesh kind with 1F1B, ZB-H1 with the full mesh; the other ZB-H1 cases are ``heavy``
+CASES = [pytest.param(s, k, marks=() if s == "1f1b" or k == "full" else pytest.mark.heavy,
+                      id=f"{s}-{k}") for s in SCHEDULES for k in KINDS]
+
+
+@pytest.mark.parametrize("schedule,kind", CASES)
+def test_shard_map_in_stages_matches_plain_jax(schedule, kind):
     mesh = full_mesh()
     train_step, _ = steps(model_mesh(kind, mesh))
     ps = baton.jit(train_step, mesh=baton.PipelineMesh(mesh), schedule=SCHEDULES[schedule](),
