@@ -297,7 +297,7 @@ def value_with_sharding(x: Any, fix) -> Any:
     """``x`` with the sharding its own type carries replaced by ``fix(sharding)``, for the
     host arrays JAX 0.12 keeps as literals (``TypedNdArray``: a numpy array holding its
     abstract value, whose sharding names the mesh it was traced under); any other value
-    (plain numbers and arrays, and every value under 0.11) is returned as is."""
+    (plain numbers and arrays) is returned as is."""
     aval = getattr(x, "_aval", None) if isinstance(x, np.ndarray) else None
     sh = getattr(aval, "sharding", None)
     mesh = getattr(sh, "mesh", None)
