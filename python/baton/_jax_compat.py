@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
@@ -37,6 +38,12 @@ __all__ = [
     "replace_body",
     "eval_eqn",
     "map_eqn_params",
+    "eqn_ctx_mesh",
+    "eqn_ctx_with_mesh",
+    "value_with_sharding",
+    "without_mesh_context",
+    "context_mesh",
+    "explicit_axis_type",
     "is_drop_var",
     "instantiate_zeros",
     "jax_version",
@@ -153,40 +160,175 @@ def call_jaxpr(eqn: Any):
     return None
 
 
-def map_eqn_params(name: str, params: dict, fix) -> dict:
+def map_eqn_params(name: str, params: dict, fix, fix_ctx=None, fix_value=None,
+                   fix_aval=None) -> dict:
     """``params`` of a ``name`` equation with ``fix(name, params) -> params`` applied to it
-    and to every equation of the jaxprs nested in it (scan bodies, checkpoint, jit callees),
-    rebuilt with ``replace`` (``Jaxpr``, ``JaxprEqn``, 0.11's ``ClosedJaxpr``). Returns the
-    same dict when nothing changed."""
-
-    def jaxpr(j):
-        if hasattr(j, "eqns"):
-            eqns = []
-            changed = False
-            for e in j.eqns:
-                p = map_eqn_params(e.primitive.name, e.params, fix)
-                changed |= p is not e.params
-                eqns.append(e.replace(params=p) if p is not e.params else e)
-            return j.replace(eqns=eqns) if changed else j
-        if hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):  # ClosedJaxpr (0.11)
-            inner = jaxpr(j.jaxpr)
-            return j.replace(jaxpr=inner) if inner is not j.jaxpr else j
-        return j
-
+    and to every equation of the jaxprs nested in it (scan bodies, checkpoint, jit callees,
+    ``shard_map`` bodies), rebuilt with ``replace`` (``Jaxpr``, ``JaxprEqn``, 0.11's
+    ``ClosedJaxpr``). When given, in every nested jaxpr: ``fix_ctx(ctx) -> ctx`` replaces
+    each equation's context (see ``eqn_ctx_with_mesh``), ``fix_value(x) -> x`` the value of
+    each literal operand (see ``value_with_sharding``) and ``fix_aval(aval) -> aval`` the
+    type of each variable (a new ``Var``: a jit callee's output types are its call's).
+    Returns the same dict when nothing changed."""
+    fixes = (fix, fix_ctx, fix_value, fix_aval)
     out = {}
     changed = False
     for k, v in params.items():
         if isinstance(v, (tuple, list)) and any(hasattr(x, "eqns") or hasattr(x, "jaxpr")
                                                 for x in v):
-            nv = type(v)(jaxpr(x) for x in v)
+            nv = type(v)(_map_jaxpr(x, fixes) for x in v)
             changed |= any(a is not b for a, b in zip(nv, v))
         else:
-            nv = jaxpr(v)
+            nv = _map_jaxpr(v, fixes)
             changed |= nv is not v
         out[k] = nv
     base = out if changed else params
     fixed = fix(name, base)
     return fixed
+
+
+class _JaxprMap:
+    """One jaxpr's atoms under ``map_eqn_params``'s fixes: each variable mapped once."""
+
+    def __init__(self, fix_value, fix_aval):
+        self.fix_value, self.fix_aval = fix_value, fix_aval
+        self.vars: dict = {}
+
+    def atom(self, v):
+        if is_literal(v):
+            if self.fix_value is None:
+                return v
+            x = self.fix_value(v.val)
+            return v if x is v.val else Literal(x, getattr(x, "aval", v.aval))
+        got = self.vars.get(v)
+        if got is None:
+            aval = self.fix_aval(v.aval) if self.fix_aval is not None else v.aval
+            got = self.vars[v] = v if aval is v.aval else _new_var(v, aval)
+        return got
+
+    def atoms(self, vs):
+        new = [self.atom(v) for v in vs]
+        return new if any(a is not b for a, b in zip(new, vs)) else None
+
+
+def _new_var(v, aval):
+    """A fresh variable of ``v``'s class (``Var`` or ``DropVar``) of type ``aval``."""
+    try:
+        return type(v)(aval)
+    except TypeError:  # JAX versions whose variables also take a name suffix
+        return type(v)(getattr(v, "suffix", ""), aval)
+
+
+def _map_jaxpr(j, fixes):
+    fix, fix_ctx, fix_value, fix_aval = fixes
+    if not hasattr(j, "eqns"):
+        if hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):  # ClosedJaxpr (0.11)
+            inner = _map_jaxpr(j.jaxpr, fixes)
+            return j.replace(jaxpr=inner) if inner is not j.jaxpr else j
+        return j
+    m = _JaxprMap(fix_value, fix_aval)
+    top = {k: m.atoms(list(getattr(j, k))) for k in ("constvars", "invars")}
+    eqns = []
+    changed = any(x is not None for x in top.values())
+    for e in j.eqns:
+        new = {}
+        p = map_eqn_params(e.primitive.name, e.params, *fixes)
+        if p is not e.params:
+            new["params"] = p
+        c = fix_ctx(e.ctx) if fix_ctx is not None and hasattr(e, "ctx") else None
+        if c is not None and c is not e.ctx:
+            new["ctx"] = c
+        for k in ("invars", "outvars"):
+            vs = m.atoms(list(getattr(e, k)))
+            if vs is not None:
+                new[k] = vs
+        changed |= bool(new)
+        eqns.append(e.replace(**new) if new else e)
+    outs = m.atoms(list(j.outvars))
+    if not changed and outs is None:
+        return j
+    new = {k: v for k, v in top.items() if v is not None}
+    return j.replace(eqns=eqns, outvars=outs if outs is not None else j.outvars, **new)
+
+
+def eqn_ctx_mesh(ctx: Any) -> Any:
+    """The abstract mesh an equation was traced under (``JaxprEqnContext.cur_abstract_mesh``:
+    the mesh of ``jax.set_mesh`` / ``shard_map``; an empty mesh outside them), or None when
+    this JAX's equation context has none."""
+    return getattr(ctx, "cur_abstract_mesh", None) if ctx is not None else None
+
+
+def eqn_ctx_with_mesh(ctx: Any, mesh: Any) -> Any:
+    """``ctx`` (a ``JaxprEqnContext``) with its abstract mesh replaced by ``mesh``: evaluating
+    an equation enters its context, and a primitive checks that the context mesh is the
+    mesh of its operands' types. The context is an interned, immutable record whose fields
+    differ between JAX versions: rebuilt through its interning constructor (``_create``,
+    the fields by parameter name), else copied field by field."""
+    import inspect
+
+    if eqn_ctx_mesh(ctx) is None or ctx.cur_abstract_mesh == mesh:
+        return ctx
+    cls = type(ctx)
+    create = getattr(cls, "_create", None)
+    if create is not None:
+        try:
+            names = list(inspect.signature(create).parameters)
+        except (TypeError, ValueError):
+            names = None
+        if names is not None and all(hasattr(ctx, n) for n in names):
+            args = []
+            for n in names:
+                v = mesh if n == "cur_abstract_mesh" else getattr(ctx, n)
+                if n == "xla_metadata" and isinstance(v, dict):
+                    v = tuple(sorted(v.items()))  # the constructor's (hashable) form
+                args.append(v)
+            return create(*args)
+    new = object.__new__(cls)
+    for n in getattr(cls, "__slots__", ()):
+        if n != "__weakref__" and hasattr(ctx, n):
+            object.__setattr__(new, n, getattr(ctx, n))
+    if hasattr(ctx, "__dict__"):
+        new.__dict__.update(ctx.__dict__)
+    object.__setattr__(new, "cur_abstract_mesh", mesh)
+    return new
+
+
+def value_with_sharding(x: Any, fix) -> Any:
+    """``x`` with the sharding its own type carries replaced by ``fix(sharding)``, for the
+    host arrays JAX 0.12 keeps as literals (``TypedNdArray``: a numpy array holding its
+    abstract value, whose sharding names the mesh it was traced under); any other value
+    (plain numbers and arrays) is returned as is."""
+    aval = getattr(x, "_aval", None) if isinstance(x, np.ndarray) else None
+    sh = getattr(aval, "sharding", None)
+    mesh = getattr(sh, "mesh", None)
+    if mesh is None or not mesh.axis_names:
+        return x
+    new = fix(sh)
+    if new is sh:
+        return x
+    return type(x)(np.asarray(x), aval.update(sharding=new))
+
+
+def context_mesh() -> Any:
+    """The abstract mesh of the caller's mesh context (``jax.set_mesh``), or None."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    return get() if get is not None else None
+
+
+def explicit_axis_type() -> Any:
+    """``jax.sharding.AxisType.Explicit``, or None on a JAX without axis types."""
+    types = getattr(jax.sharding, "AxisType", None)
+    return getattr(types, "Explicit", None)
+
+
+def without_mesh_context():
+    """A context in which no mesh is set (``jax.set_mesh(None)``; this thread's), for code
+    that places its values on devices itself; nothing to do on a JAX without
+    ``jax.set_mesh``."""
+    import contextlib
+
+    setter = getattr(jax, "set_mesh", None)
+    return setter(None) if setter is not None else contextlib.nullcontext()
 
 
 def eval_eqn(prim: Primitive, params: dict, ctx: Any, vals: list) -> list:
@@ -265,7 +407,5 @@ def from_wire(x, dtype) -> Any:
     if _is_key(dtype):
         return jax.random.wrap_key_data(x, impl=dtype._impl)
     if dtype == jax.dtypes.float0:
-        import numpy as np
-
         return np.zeros(x.shape, dtype)
     return x if x.dtype == dtype else x.astype(dtype)

@@ -17,6 +17,7 @@ from .distributed import launched_world_size
 from .distributed import local_devices, process_group, process_mesh, ranks_per_process
 from .step import CompiledStep
 from .mesh import PipelineMesh
+from .retarget import check_axis_types
 from .trace import trace_step
 
 
@@ -153,6 +154,7 @@ class PipelinedFunction:
         args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
                             if isinstance(x, Remote) else x, args)
         in_specs = self._input_specs(args)  # (a bad sharding is named before tracing)
+        check_axis_types(self.mesh)  # (explicit sharding mode: refused by name)
         if self.auto is not None and self.spec is None:  # plan once, at the first call
             # a donating step's update writes in place (the planner's update term)
             best = self.auto.plan(self.fn, args, self.mesh.num_ranks,

@@ -98,7 +98,7 @@ class _Jaxprs:
     def same(self, a, b) -> bool:
         """Functions ``a`` and ``b`` (each ``(fn, input ids)``) are the same computation. Not
         when they name devices: a sharding constraint or ``shard_map`` is moved onto its rank's
-        own sub-mesh (``tasks.on_rank``), which a jaxpr's text does not show, and a
+        own sub-mesh (``retarget.on_rank``), which a jaxpr's text does not show, and a
         ``device_put`` may name a device."""
         (ta, ca), (tb, cb) = self.key(*a), self.key(*b)
         if any(p in ta for p in _PLACED):

@@ -23,12 +23,14 @@ import jax
 import numpy as np
 
 from .. import _core
+from .. import _jax_compat as jc
 from ..errors import ConfigError, ExecutionError
 from . import engine as engine_mod
 from .engine import ProgramEngine
 from .interpreter import Interpreter
 from .mesh import PipelineMesh
-from .tasks import Buffers, Segments, build_tasks, on_rank
+from .retarget import on_rank
+from .tasks import Buffers, Segments, build_tasks
 from .trace import Traced
 
 G = _core.graph
@@ -266,7 +268,15 @@ class CompiledStep:
         transports (see ``_run_group``). The compiled engine runs the loop unless the
         interpreter was chosen (``single_program=False``), the step is profiled (the capture
         of each task's arguments), or it is a traced one-rank step. A traced multi-rank step
-        runs the same compiled programs with their markers and transfer records on."""
+        runs the same compiled programs with their markers and transfer records on.
+
+        Runs outside the caller's mesh context (``jax.set_mesh``): the traced equations
+        carry it, moved onto each rank's sub-mesh (``retarget``), and Baton's own programs
+        place their values on the ranks' devices themselves."""
+        with jc.without_mesh_context():
+            return self._run(flat_args, group, timeout)
+
+    def _run(self, flat_args: list[Any], group: Any, timeout: float) -> list[Any]:
         interp = self._interpreted()
         if not interp:
             self.last_events = None

@@ -38,46 +38,20 @@ def _group_of(key: tuple):
 _SMALL_COPY = 4096  # elements: post-loop values small enough to compute on every stage
 
 
-def on_rank(mesh, rank: int):
-    """The equation-parameter fix (``_jax_compat.map_eqn_params``) that moves what the model
-    names of the device mesh onto ``rank``'s sub-mesh: the shardings of
-    ``with_sharding_constraint`` and the mesh and specs of ``shard_map``, the pipe axis
-    dropped (``PipelineMesh.spec_on_ranks``; an axis the sub-mesh lacks raises
-    ``ConfigError``)."""
-    from jax.sharding import Mesh, NamedSharding
-
-    sub = mesh.meshes[rank]
-
-    def fix(name, params):
-        if name == "sharding_constraint":
-            sh = params.get("sharding")
-            if isinstance(sh, NamedSharding) and sh.mesh != sub:
-                return dict(params, sharding=NamedSharding(
-                    sub, mesh.spec_on_ranks(sh.spec, "with_sharding_constraint")))
-        elif name == "shard_map":
-            m = params.get("mesh")
-            if isinstance(m, Mesh) and m != sub:
-                new = dict(params, mesh=sub)
-                for k in ("in_specs", "out_specs"):
-                    new[k] = tuple(mesh.spec_on_ranks(sp, "shard_map") for sp in params[k])
-                for k in ("newly_manual_axes", "manual_axes", "auto"):
-                    if k in params and isinstance(params[k], frozenset):
-                        new[k] = frozenset(a for a in params[k] if a in sub.axis_names)
-                return new
-        return params
-
-    return fix
-
-
 def make_fn(traced: Traced, op_ids: list[int], in_ids: list[int], out_ids: list[int],
             fix=None):
     """The ops ``op_ids`` (program order) as a plain function from ``in_ids`` to
-    ``out_ids``; ``fix``: applied to every equation's parameters first (``on_rank``)."""
+    ``out_ids``; ``fix`` (``retarget.OnRank``): applied to every equation's parameters and
+    context first, nested ones included (the ops moved onto a rank's sub-mesh)."""
     ops = [traced.ops[i] for i in op_ids]
     if fix is not None:
-        ops = [_Op(op.prim, jc.map_eqn_params(op.prim.name, op.params, fix), op.ctx,
-                   op.inputs, op.outputs) for op in ops]
+        ops = [_Op(op.prim, jc.map_eqn_params(op.prim.name, op.params, fix.params, fix.ctx,
+                                              fix.value, fix.aval),
+                   fix.ctx(op.ctx), op.inputs, op.outputs) for op in ops]
     lits = traced.literals
+    if fix is not None:
+        needed = {v for op in ops for v in op.inputs} | set(out_ids)
+        lits = {v: fix.value(lits[v]) for v in needed if v in lits}
 
     def fn(*args):
         env = dict(zip(in_ids, args))
