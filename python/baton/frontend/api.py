@@ -140,10 +140,37 @@ class PipelinedFunction:
         key = self._key(flat, tree)
         step = self._cache.get(key)
         if step is None:
-            step = self._build(args)
+            step = self._build_agreed(args)
             self._cache[key] = step
             self._tree = tree
         self.last = step
+        return step
+
+    def _build_agreed(self, args) -> CompiledStep:
+        """``_build``; with several processes, then the handshake over the whole program
+        (``handshake.agree_program``): every process takes part, a process whose build
+        failed with its error, so the others stop naming it instead of waiting for it."""
+        if not self.multi:
+            return self._build(args)
+        from .distributed import Router
+        from .handshake import agree_program, describe, error_text
+
+        try:
+            step = self._build(args)
+        except Exception as e:  # (re-raised below, after the others learned of it)
+            router = Router(self.group, self.timeout)
+            try:
+                agree_program(router, None, error_text(e))
+            except ConfigError:
+                pass  # (this process's own error is the one to raise here)
+            finally:
+                router.finish()
+            raise e
+        router = Router(self.group, self.timeout)
+        try:
+            agree_program(router, describe(self, step))
+        finally:
+            router.finish()
         return step
 
     def _build(self, args) -> CompiledStep:
