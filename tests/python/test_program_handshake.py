@@ -6,7 +6,8 @@ activation function, a different schedule, a different microbatch count, and a m
 fails to trace. Each is refused in both processes with a ``ConfigError`` that names the
 differing component, both values and the processes; the failing trace is re-raised in its
 own process and named in the other. Control: the same code in both processes is accepted
-and trains one step. The refusals leave the process group usable (the cases run in order in
+and trains one step; the same code with ``jax.nn.relu`` (a ``custom_jvp`` whose parameters
+print function objects) is accepted. The refusals leave the process group usable (the cases run in order in
 one launch). Unit tests of the text cleaning run in this process.
 """
 
@@ -61,6 +62,8 @@ CASES = {
     "microbatches": (SAME, ({}, {}, {"microbatches": 4})),
     "trace-error": (SAME, ({"boundary": False}, {}, {})),
     "same": (SAME, SAME),
+    # the same code with a custom_jvp (its parameters print function objects)
+    "same-relu": (({"act": jax.nn.relu}, {}, {}), ({"act": jax.nn.relu}, {}, {})),
 }
 
 
@@ -72,6 +75,10 @@ def worker_main(out: str) -> None:
         jit_kw = {"schedule": baton.OneFOneB(), "microbatches": 2, "timeout": 60, **jit_kw}
         fn = baton.jit(make_step(**step_kw), **jit_kw)
         try:
+            if name != "same":
+                fn.compile(*args(**arg_kw))
+                res[name] = ["ok", 0.0]
+                continue
             _, loss = fn(*args(**arg_kw))
             res[name] = ["ok", float(jax.device_get(fn.gather(loss)))
                          if hasattr(fn, "gather") else 0.0]
@@ -105,9 +112,12 @@ def both(results, name):
     return results[0][name], results[1][name]
 
 
-def test_same_program_is_accepted(results):
-    a, b = both(results, "same")
+@pytest.mark.parametrize("name", ["same", "same-relu"])
+def test_same_program_is_accepted(results, name):
+    a, b = both(results, name)
     assert a[0] == b[0] == "ok", (a, b)
+    if name == "same":  # one step trained after the handshake, the loss on both
+        assert a[1] == b[1] and a[1] > 0, (a, b)
 
 
 @pytest.mark.parametrize("name, component, values", [
