@@ -25,6 +25,13 @@ def _schedule_spec(schedule: Any):
 
     if isinstance(schedule, str):
         return S.schedule_from_name(schedule)
+    if isinstance(schedule, type) and issubclass(schedule, S.ScheduleSpec):
+        raise ConfigError(f"baton.jit: schedule={schedule.__name__} is the class; pass an "
+                          f"instance: schedule=baton.{schedule.__name__}()")
+    if not isinstance(schedule, S.ScheduleSpec):
+        raise ConfigError(f"baton.jit: schedule must be a schedule name, a baton schedule "
+                          f"(e.g. baton.OneFOneB()) or baton.Auto(...) "
+                          f"(got {type(schedule).__name__}: {schedule!r:.80})")
     return schedule
 
 
@@ -62,6 +69,10 @@ class PipelinedFunction:
         # the in-process transport in one process.
         self.multi = transport == "gloo" or (transport != "local" and launched_world_size() > 1)
         self.transport = transport  # None: chosen from the devices (loop_transport)
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not timeout > 0):
+            raise ConfigError(f"baton.jit: timeout must be a positive number of seconds "
+                              f"(got {timeout!r})")
         self.timeout = float(timeout)
         self.group = None  # ProcessGroup, connected at the first call (multi-process mode)
         if not self.multi:
@@ -116,6 +127,17 @@ class PipelinedFunction:
             return "nccl"
         return "gloo" if self.multi else "local"
 
+    def _check_nccl(self) -> None:
+        """transport='nccl' on CPU ranks: named before tracing (the engine would only find
+        it when the step first runs)."""
+        if self.transport != "nccl" or not isinstance(self.mesh, PipelineMesh):
+            return
+        for r, devs in enumerate(self.mesh.rank_devices):
+            if any(d.platform == "cpu" for d in devs):
+                raise ConfigError(
+                    f"baton.jit: rank {r} runs on CPU, whose transfers go over the 'local' (one "
+                    f"process) or 'gloo' (several) transports, not 'nccl'")
+
     def _connect(self):
         if self.multi and self.group is None:
             group = process_group("gloo")
@@ -129,9 +151,19 @@ class PipelinedFunction:
             self.group = group
         return self.group
 
+    def _ranks_note(self) -> str:
+        """How the ranks came about, with several processes."""
+        g = self.group
+        if g is None or not isinstance(self.mesh, PipelineMesh):
+            return ""
+        k = self.mesh.ranks_per_process or 1
+        return (f" ({g.world_size} launched processes x {k} rank{'s' * (k > 1)} each; "
+                f"the launcher's world size sets the rank count)")
+
     def compile(self, *args) -> CompiledStep:
         self._connect()
         flat, tree = jax.tree.flatten(args)
+        _check_leaves(flat, args)
         if self._tree is not None and tree != self._tree:
             raise TraceError(
                 f"baton.jit: the structure of the arguments changed between calls "
@@ -180,6 +212,7 @@ class PipelinedFunction:
         args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
                             if isinstance(x, Remote) else x, args)
         in_specs = self._input_specs(args)  # (a bad sharding is named before tracing)
+        self._check_nccl()
         if self.auto is not None and self.spec is None:  # plan once, at the first call
             # a donating step's update writes in place (the planner's update term)
             best = self.auto.plan(self.fn, args, self.mesh.num_ranks,
@@ -190,6 +223,7 @@ class PipelinedFunction:
         traced = trace_step(self.fn, args, self.microbatches, self.boundaries)
         ranks = self.mesh.num_ranks
         want = self.spec.stages(ranks)
+        _check_backward(traced)
         if traced.num_stages == 1 and want != 1:
             raise TraceError(
                 f"the model has no stage_boundary (one stage) but schedule "
@@ -200,9 +234,9 @@ class PipelinedFunction:
         if traced.num_stages != want:
             raise TraceError(
                 f"the model has {traced.num_stages} stages ({traced.num_stages - 1} "
-                f"stage_boundary calls) but schedule {type(self.spec).__name__} on {ranks} ranks "
-                f"needs {want} stages ({want - 1} boundaries)"
-            )
+                f"stage_boundary calls) but schedule {type(self.spec).__name__} on {ranks} ranks"
+                f"{self._ranks_note()} needs {want} stages ({want - 1} boundaries)"
+                + _stages_hint(traced.num_stages, ranks, want))
         plan = make_plan(self.spec, ranks, self.microbatches)
         if self.fuse_fb and not plan.core.schedule.split_backward():
             fused = _core.fuse_forward_backward(plan.core.schedule)
@@ -391,6 +425,54 @@ class PipelinedFunction:
     def simulate(self, *args):
         step = self.compile(*args) if args else self.last
         return step.plan.simulate(cost_model_of(step))
+
+
+def _stages_hint(stages: int, ranks: int, want: int) -> str:
+    if stages > ranks and stages % ranks == 0:
+        v = stages // ranks
+        vs = " or baton.ZBV() / baton.DualPipeV()" if v == 2 else ""
+        return (f"; with fewer ranks than stages, use a schedule with {v} stages per rank: "
+                f"baton.Interleaved1F1B(virtual_stages={v}){vs}, or a mesh of {stages} ranks")
+    if stages < want:
+        return f"; add stage_boundary calls or use a mesh of {stages} ranks"
+    return ""
+
+
+def _check_backward(traced) -> None:
+    """A pipeline needs a gradient back across every stage boundary (the step trains and
+    the stages before it have parameters); raises ``TraceError`` naming the first without."""
+    fwd = {op.boundary for op in traced.ops if op.kind == "boundary" and not op.backward}
+    bwd = {op.boundary for op in traced.ops if op.kind == "boundary" and op.backward}
+    missing = sorted(fwd - bwd)
+    if not missing:
+        return
+    j = missing[0]
+    raise TraceError(
+        f"no gradient flows back across stage boundary {j} (between stages {j} and {j + 1}): "
+        f"either the function given to baton.accumulate computes no gradient (pass e.g. "
+        f"jax.value_and_grad(loss_fn): Baton pipelines training steps; for a forward-only "
+        f"step use jax.jit), or stages 0..{j} have no parameters the loss depends on (move "
+        f"the boundary after the first layer with parameters)")
+
+
+def _is_leaf_value(x) -> bool:
+    return (isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, Remote,
+                           int, float, complex, bool))
+            or (hasattr(x, "shape") and hasattr(x, "dtype")))
+
+
+def _check_leaves(flat, args) -> None:
+    """Every argument leaf is an array (or a number, a ShapeDtypeStruct, a Remote); raises
+    ``ConfigError`` naming the first that is not, by its path."""
+    if all(_is_leaf_value(x) for x in flat):
+        return
+    for path, x in jax.tree_util.tree_flatten_with_path(args)[0]:
+        if not _is_leaf_value(x):
+            raise ConfigError(
+                f"baton.jit: argument {jax.tree_util.keystr(path)} is a "
+                f"{type(x).__name__} ({x!r:.60}), not an array: every leaf of the step's "
+                f"arguments must be an array or a number (keep strings and other Python "
+                f"objects out of the arguments, e.g. in a closure)")
 
 
 def _leaf_key(x) -> tuple:
