@@ -143,10 +143,12 @@ def test_a_process_that_cannot_trace_is_named_by_the_others(results):
     assert b[0] == "TraceError" and "stage_boundary" in b[1], b
 
 
-def test_clean_removes_addresses_and_sorts_sets():
+def test_clean_removes_addresses_and_device_ids_and_sorts_sets():
     a = handshake._clean("f=<function g at 0x7f00aa> s=frozenset({'b', 'a'})")
     b = handshake._clean("f=<function g at 0x7f11bb> s=frozenset({'a', 'b'})")
     assert a == b == "f=<function g> s=frozenset({'a', 'b'})"
+    assert handshake._clean("devices=[CpuDevice(id=3)]") == handshake._clean(
+        "devices=[CpuDevice(id=0)]") == "devices=[Device]"
 
 
 def test_first_line_diff_names_the_line():

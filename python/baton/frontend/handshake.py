@@ -27,13 +27,16 @@ from ..errors import ConfigError
 
 _ADDR = re.compile(r" at 0x[0-9a-fA-F]+")
 _SET = re.compile(r"frozenset\(\{([^{}]*)\}\)")
+# devices: each process holds its own (one process's rank runs on its local devices)
+_DEVICE = re.compile(r"\b\w*Device\(id=\d+[^)]*\)")
 _LINE_MAX = 240
 
 
 def _clean(text: str) -> str:
-    """Text that is the same in every process for the same program: no object addresses,
-    set members sorted (string hashing is salted per process)."""
-    text = _ADDR.sub("", text)
+    """Text that is the same in every process for the same program: no object addresses or
+    device ids (each process runs on its own devices), set members sorted (string hashing
+    is salted per process)."""
+    text = _DEVICE.sub("Device", _ADDR.sub("", text))
     return _SET.sub(lambda m: "frozenset({" + ", ".join(
         sorted(x.strip() for x in m.group(1).split(","))) + "})", text)
 
