@@ -7,8 +7,8 @@ fails to trace. Each is refused in both processes with a ``ConfigError`` that na
 differing component, both values and the processes; the failing trace is re-raised in its
 own process and named in the other. Control: the same code in both processes is accepted
 and trains one step; the same code with ``jax.nn.relu`` (a ``custom_jvp`` whose parameters
-print function objects) is accepted. The refusals leave the process group usable (the cases run in order in
-one launch). Unit tests of the text cleaning run in this process.
+print function objects) is accepted. The refusals leave the process group usable (the
+cases run in order in one launch). Unit tests of the text cleaning run in this process.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from ..errors import ConfigError, TraceError
 from .distributed import Remote, agree_ranks_per_process, agree_spanning_mesh, gather
 from .distributed import launched_world_size
 from .distributed import local_devices, process_group, process_mesh, ranks_per_process
+from .checks import check_backward, check_leaves, stages_hint
 from .step import CompiledStep
 from .mesh import PipelineMesh
 from .trace import trace_step
@@ -163,7 +164,7 @@ class PipelinedFunction:
     def compile(self, *args) -> CompiledStep:
         self._connect()
         flat, tree = jax.tree.flatten(args)
-        _check_leaves(flat, args)
+        check_leaves(flat, args)
         if self._tree is not None and tree != self._tree:
             raise TraceError(
                 f"baton.jit: the structure of the arguments changed between calls "
@@ -223,7 +224,7 @@ class PipelinedFunction:
         traced = trace_step(self.fn, args, self.microbatches, self.boundaries)
         ranks = self.mesh.num_ranks
         want = self.spec.stages(ranks)
-        _check_backward(traced)
+        check_backward(traced)
         if traced.num_stages == 1 and want != 1:
             raise TraceError(
                 f"the model has no stage_boundary (one stage) but schedule "
@@ -236,7 +237,7 @@ class PipelinedFunction:
                 f"the model has {traced.num_stages} stages ({traced.num_stages - 1} "
                 f"stage_boundary calls) but schedule {type(self.spec).__name__} on {ranks} ranks"
                 f"{self._ranks_note()} needs {want} stages ({want - 1} boundaries)"
-                + _stages_hint(traced.num_stages, ranks, want))
+                + stages_hint(traced.num_stages, ranks, want))
         plan = make_plan(self.spec, ranks, self.microbatches)
         if self.fuse_fb and not plan.core.schedule.split_backward():
             fused = _core.fuse_forward_backward(plan.core.schedule)
@@ -425,54 +426,6 @@ class PipelinedFunction:
     def simulate(self, *args):
         step = self.compile(*args) if args else self.last
         return step.plan.simulate(cost_model_of(step))
-
-
-def _stages_hint(stages: int, ranks: int, want: int) -> str:
-    if stages > ranks and stages % ranks == 0:
-        v = stages // ranks
-        vs = " or baton.ZBV() / baton.DualPipeV()" if v == 2 else ""
-        return (f"; with fewer ranks than stages, use a schedule with {v} stages per rank: "
-                f"baton.Interleaved1F1B(virtual_stages={v}){vs}, or a mesh of {stages} ranks")
-    if stages < want:
-        return f"; add stage_boundary calls or use a mesh of {stages} ranks"
-    return ""
-
-
-def _check_backward(traced) -> None:
-    """A pipeline needs a gradient back across every stage boundary (the step trains and
-    the stages before it have parameters); raises ``TraceError`` naming the first without."""
-    fwd = {op.boundary for op in traced.ops if op.kind == "boundary" and not op.backward}
-    bwd = {op.boundary for op in traced.ops if op.kind == "boundary" and op.backward}
-    missing = sorted(fwd - bwd)
-    if not missing:
-        return
-    j = missing[0]
-    raise TraceError(
-        f"no gradient flows back across stage boundary {j} (between stages {j} and {j + 1}): "
-        f"either the function given to baton.accumulate computes no gradient (pass e.g. "
-        f"jax.value_and_grad(loss_fn): Baton pipelines training steps; for a forward-only "
-        f"step use jax.jit), or stages 0..{j} have no parameters the loss depends on (move "
-        f"the boundary after the first layer with parameters)")
-
-
-def _is_leaf_value(x) -> bool:
-    return (isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, Remote,
-                           int, float, complex, bool))
-            or (hasattr(x, "shape") and hasattr(x, "dtype")))
-
-
-def _check_leaves(flat, args) -> None:
-    """Every argument leaf is an array (or a number, a ShapeDtypeStruct, a Remote); raises
-    ``ConfigError`` naming the first that is not, by its path."""
-    if all(_is_leaf_value(x) for x in flat):
-        return
-    for path, x in jax.tree_util.tree_flatten_with_path(args)[0]:
-        if not _is_leaf_value(x):
-            raise ConfigError(
-                f"baton.jit: argument {jax.tree_util.keystr(path)} is a "
-                f"{type(x).__name__} ({x!r:.60}), not an array: every leaf of the step's "
-                f"arguments must be an array or a number (keep strings and other Python "
-                f"objects out of the arguments, e.g. in a closure)")
 
 
 def _leaf_key(x) -> tuple:
