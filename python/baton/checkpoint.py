@@ -596,8 +596,11 @@ def restore(path, step: int | None = None, *, target: Any = None, fn: Any = None
                               f"checkpoint of step {step} under {path}"
                               + (f" (it has e.g. {', '.join(near)})" if near else ""))
         t = tgt_leaves[i]
+        if t is None and cs is not None:  # the step's own arguments: its traced shapes
+            t = cs.traced.avals[cs.traced.step_inputs[i]]
         if t is not None:
-            shape, dtype = tuple(np.shape(t)), _dtype_str(t)
+            shape = tuple(t.shape) if hasattr(t, "shape") else tuple(np.shape(t))
+            dtype = _dtype_str(t)
             if shape != tuple(m["shape"]) or dtype != m["dtype"]:
                 raise ConfigError(f"baton.checkpoint.restore: {n} is {m['dtype']}{m['shape']} in "
                                   f"the checkpoint but {dtype}{list(shape)} in the target model")

@@ -3,7 +3,8 @@
     python -m baton.launch --nprocs N [--timeout S] [--grace S] script.py [args ...]
 
 Each process gets ``BATON_RANK``, ``BATON_WORLD_SIZE``, ``BATON_LOCAL_RANK`` and
-``BATON_STORE=file:///<fresh temporary directory>`` (see :mod:`baton.runtime.rendezvous`).
+``BATON_STORE=file:///<fresh temporary directory>`` (see :mod:`baton.runtime.rendezvous`)
+and ``BATON_JOB_TOKEN``, a fresh random job token (see :mod:`baton.runtime.admission`).
 When a process exits with an error, the others are given ``--grace`` seconds to stop on
 their own (they learn of the failure through the transport), then are terminated. The
 launcher exits with the first failing process's code (0 when all succeed) and names it.
@@ -19,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from .runtime.admission import new_token
 
 
 def _parser():
@@ -49,12 +52,13 @@ def main(argv=None) -> int:
         print("baton.launch: --nprocs must be >= 1", file=sys.stderr)
         return 2
     store = tempfile.mkdtemp(prefix="baton-store-")
+    token = new_token()  # this launch's job token (admission at rendezvous)
     procs = []
     try:
         for r in range(a.nprocs):
             env = dict(os.environ)
             env.update(BATON_RANK=str(r), BATON_WORLD_SIZE=str(a.nprocs), BATON_LOCAL_RANK=str(r),
-                       BATON_STORE="file://" + store)
+                       BATON_STORE="file://" + store, BATON_JOB_TOKEN=token)
             cmd = [sys.executable] + (["-m"] if a.module else []) + [a.script] + a.args
             procs.append(subprocess.Popen(cmd, env=env))
 

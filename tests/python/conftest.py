@@ -44,7 +44,7 @@ def pytest_ignore_collect(collection_path, config):
 
 # Files whose tests launch several JAX processes: the longest cases of the run.
 LAUNCHING = {"test_mp_e2e.py", "test_multi_rank_process.py", "test_train_lm.py",
-             "test_twohost.py"}
+             "test_twohost.py", "test_program_handshake.py"}
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -15,6 +15,7 @@ from ..errors import ConfigError, TraceError
 from .distributed import Remote, agree_ranks_per_process, agree_spanning_mesh, gather
 from .distributed import launched_world_size
 from .distributed import local_devices, process_group, process_mesh, ranks_per_process
+from .checks import check_backward, check_leaves, stages_hint
 from .step import CompiledStep
 from .mesh import PipelineMesh
 from .retarget import check_axis_types
@@ -26,6 +27,13 @@ def _schedule_spec(schedule: Any):
 
     if isinstance(schedule, str):
         return S.schedule_from_name(schedule)
+    if isinstance(schedule, type) and issubclass(schedule, S.ScheduleSpec):
+        raise ConfigError(f"baton.jit: schedule={schedule.__name__} is the class; pass an "
+                          f"instance: schedule=baton.{schedule.__name__}()")
+    if not isinstance(schedule, S.ScheduleSpec):
+        raise ConfigError(f"baton.jit: schedule must be a schedule name, a baton schedule "
+                          f"(e.g. baton.OneFOneB()) or baton.Auto(...) "
+                          f"(got {type(schedule).__name__}: {schedule!r:.80})")
     return schedule
 
 
@@ -63,6 +71,10 @@ class PipelinedFunction:
         # the in-process transport in one process.
         self.multi = transport == "gloo" or (transport != "local" and launched_world_size() > 1)
         self.transport = transport  # None: chosen from the devices (loop_transport)
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not timeout > 0):
+            raise ConfigError(f"baton.jit: timeout must be a positive number of seconds "
+                              f"(got {timeout!r})")
         self.timeout = float(timeout)
         self.group = None  # ProcessGroup, connected at the first call (multi-process mode)
         if not self.multi:
@@ -117,6 +129,17 @@ class PipelinedFunction:
             return "nccl"
         return "gloo" if self.multi else "local"
 
+    def _check_nccl(self) -> None:
+        """transport='nccl' on CPU ranks: named before tracing (the engine would only find
+        it when the step first runs)."""
+        if self.transport != "nccl" or not isinstance(self.mesh, PipelineMesh):
+            return
+        for r, devs in enumerate(self.mesh.rank_devices):
+            if any(d.platform == "cpu" for d in devs):
+                raise ConfigError(
+                    f"baton.jit: rank {r} runs on CPU, whose transfers go over the 'local' (one "
+                    f"process) or 'gloo' (several) transports, not 'nccl'")
+
     def _connect(self):
         if self.multi and self.group is None:
             group = process_group("gloo")
@@ -130,9 +153,19 @@ class PipelinedFunction:
             self.group = group
         return self.group
 
+    def _ranks_note(self) -> str:
+        """How the ranks came about, with several processes."""
+        g = self.group
+        if g is None or not isinstance(self.mesh, PipelineMesh):
+            return ""
+        k = self.mesh.ranks_per_process or 1
+        return (f" ({g.world_size} launched processes x {k} rank{'s' * (k > 1)} each; "
+                f"the launcher's world size sets the rank count)")
+
     def compile(self, *args) -> CompiledStep:
         self._connect()
         flat, tree = jax.tree.flatten(args)
+        check_leaves(flat, args)
         if self._tree is not None and tree != self._tree:
             raise TraceError(
                 f"baton.jit: the structure of the arguments changed between calls "
@@ -141,10 +174,37 @@ class PipelinedFunction:
         key = self._key(flat, tree)
         step = self._cache.get(key)
         if step is None:
-            step = self._build(args)
+            step = self._build_agreed(args)
             self._cache[key] = step
             self._tree = tree
         self.last = step
+        return step
+
+    def _build_agreed(self, args) -> CompiledStep:
+        """``_build``; with several processes, then the handshake over the whole program
+        (``handshake.agree_program``): every process takes part, a process whose build
+        failed with its error, so the others stop naming it instead of waiting for it."""
+        if not self.multi:
+            return self._build(args)
+        from .distributed import Router
+        from .handshake import agree_program, describe, error_text
+
+        try:
+            step = self._build(args)
+        except Exception as e:  # (re-raised below, after the others learned of it)
+            router = Router(self.group, self.timeout)
+            try:
+                agree_program(router, None, error_text(e))
+            except ConfigError:
+                pass  # (this process's own error is the one to raise here)
+            finally:
+                router.finish()
+            raise e
+        router = Router(self.group, self.timeout)
+        try:
+            agree_program(router, describe(self, step))
+        finally:
+            router.finish()
         return step
 
     def _build(self, args) -> CompiledStep:
@@ -155,6 +215,7 @@ class PipelinedFunction:
                             if isinstance(x, Remote) else x, args)
         in_specs = self._input_specs(args)  # (a bad sharding is named before tracing)
         check_axis_types(self.mesh)  # (explicit sharding mode: refused by name)
+        self._check_nccl()
         if self.auto is not None and self.spec is None:  # plan once, at the first call
             # a donating step's update writes in place (the planner's update term)
             best = self.auto.plan(self.fn, args, self.mesh.num_ranks,
@@ -165,6 +226,7 @@ class PipelinedFunction:
         traced = trace_step(self.fn, args, self.microbatches, self.boundaries)
         ranks = self.mesh.num_ranks
         want = self.spec.stages(ranks)
+        check_backward(traced)
         if traced.num_stages == 1 and want != 1:
             raise TraceError(
                 f"the model has no stage_boundary (one stage) but schedule "
@@ -175,9 +237,9 @@ class PipelinedFunction:
         if traced.num_stages != want:
             raise TraceError(
                 f"the model has {traced.num_stages} stages ({traced.num_stages - 1} "
-                f"stage_boundary calls) but schedule {type(self.spec).__name__} on {ranks} ranks "
-                f"needs {want} stages ({want - 1} boundaries)"
-            )
+                f"stage_boundary calls) but schedule {type(self.spec).__name__} on {ranks} ranks"
+                f"{self._ranks_note()} needs {want} stages ({want - 1} boundaries)"
+                + stages_hint(traced.num_stages, ranks, want))
         plan = make_plan(self.spec, ranks, self.microbatches)
         if self.fuse_fb and not plan.core.schedule.split_backward():
             fused = _core.fuse_forward_backward(plan.core.schedule)

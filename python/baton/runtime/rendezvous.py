@@ -10,7 +10,8 @@ Sources, first match wins:
 
 The store: ``BATON_STORE=file:///dir`` (processes on one host), otherwise ``jax``: the
 ``jax.distributed`` key-value store (call ``jax.distributed.initialize`` first; it reads the
-SLURM / Open MPI variables itself).
+SLURM / Open MPI variables itself). Its keys live under the job's namespace and every Gloo
+transport runs the admission hello before use (:mod:`baton.runtime.admission`).
 """
 
 from __future__ import annotations
@@ -77,22 +78,29 @@ def _jax_kv_client():
     return client
 
 
-def make_store(address: str):
-    """A rendezvous store for ``address`` (``file:///dir`` or ``jax``)."""
+def make_store(address: str, namespace: str | None = None):
+    """A rendezvous store for ``address`` (``file:///dir`` or ``jax``), its keys under
+    ``namespace`` (default: this job's, :func:`admission.job_namespace`; "" for none):
+    a file store's sub-directory, a prefix of the ``jax`` store's keys."""
     from . import callback_store, file_store
+    from .admission import job_namespace, job_token
 
+    ns = job_namespace(job_token()) if namespace is None else namespace
     if address.startswith("file://"):
         path = address[len("file://"):]
+        if ns:
+            path = os.path.join(path, ns)
         os.makedirs(path, exist_ok=True)
         return file_store(path)
     if address == "jax":
         client = _jax_kv_client()
+        pre = f"{ns}/" if ns else ""
 
         def set_(key, value: bytes):
-            client.key_value_set_bytes(key, value)
+            client.key_value_set_bytes(pre + key, value)
 
         def get(key, timeout_s):
-            return client.blocking_key_value_get_bytes(key, max(1, int(timeout_s * 1000)))
+            return client.blocking_key_value_get_bytes(pre + key, max(1, int(timeout_s * 1000)))
 
         return callback_store(set_, get)
     raise ConfigError(f"unknown store address {address!r} (use file:///dir or jax)")
@@ -109,9 +117,12 @@ def init_transport(kind: str = "gloo", *, info: RankInfo | None = None, hostname
     without closing looks failed to the others.
     """
     from . import gloo_transport, nccl_transport
+    from .admission import admit, job_namespace, job_token
 
     info = info or rank_info()
-    store = make_store(info.store)
+    token = job_token()
+    ns = job_namespace(token)
+    store = make_store(info.store, ns)
     if kind == "gloo":
         if hostname is None:
             hostname = os.environ.get("BATON_HOSTNAME")
@@ -120,6 +131,13 @@ def init_transport(kind: str = "gloo", *, info: RankInfo | None = None, hostname
                         else socket.gethostbyname(socket.gethostname()))
         t = gloo_transport(info.rank, info.world_size, store, hostname=hostname,
                            connect_timeout=connect_timeout, prefix=prefix)
+        if token:  # the hello, over the new connections, before any data moves
+            try:
+                admit(t, info.rank, info.world_size, token, f"{ns}/{prefix}", connect_timeout)
+            except ConfigError as e:
+                t.abort(str(e))  # (the peers' waits end, naming this rank's refusal)
+                t.close()
+                raise
     elif kind == "nccl":
         t = nccl_transport(info.rank, info.world_size,
                            info.local_rank if device is None else device, store)
