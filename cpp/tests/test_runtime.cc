@@ -341,7 +341,7 @@ TEST(RuntimeLocal, TaskFailureStopsEveryRank) {
   eo.timeout = 20s;
   const auto t0 = Clock::now();
   auto errors = run_ranks(plan, tr, tasks, 1, eo);
-  EXPECT_LT(Clock::now() - t0, 5s);
+  EXPECT_LT(Clock::now() - t0, 10s);  // the failure, not the 20 s timeout
   EXPECT_NE(errors[1].find("injected failure"), std::string::npos) << errors[1];
   EXPECT_NE(errors[1].find("rank 1 #"), std::string::npos) << errors[1];
   EXPECT_NE(errors[1].find("RUN"), std::string::npos) << errors[1];
@@ -362,7 +362,7 @@ TEST(RuntimeGloo, TaskFailureStopsEveryRank) {
   eo.timeout = 20s;
   const auto t0 = Clock::now();
   auto errors = run_ranks(plan, tr, tasks, 1, eo);
-  EXPECT_LT(Clock::now() - t0, 5s);
+  EXPECT_LT(Clock::now() - t0, 10s);  // the failure, not the 20 s timeout
   EXPECT_NE(errors[2].find("injected failure"), std::string::npos) << errors[2];
   for (int r : {0, 1})
     EXPECT_NE(errors[static_cast<size_t>(r)].find("rank 2 failed"), std::string::npos)
@@ -386,11 +386,13 @@ TEST(RuntimeGloo, TimeoutNamesPeerAndBuffer) {
     EXPECT_NE(m.find("grad(s1,m0) from rank 1"), std::string::npos) << m;
     EXPECT_NE(m.find("rank 0 #"), std::string::npos) << m;
   }
-  EXPECT_LT(Clock::now() - t0, 3s);
+  // After the 0.3 s timeout and well before a hang; 10 s for a loaded machine.
+  EXPECT_GE(Clock::now() - t0, 300ms);
+  EXPECT_LT(Clock::now() - t0, 10s);
   // Rank 1 was told: its next run stops at once, naming rank 0.
   FakeTasks t1(plan);
   Executor ex1(plan, 1, *tr[1], t1, eo);
-  const auto deadline = Clock::now() + 3s;
+  const auto deadline = Clock::now() + 10s;
   while (!tr[1]->failure() && Clock::now() < deadline) std::this_thread::sleep_for(5ms);
   ASSERT_TRUE(tr[1]->failure().has_value());
   EXPECT_EQ(tr[1]->failure()->first, 0);
