@@ -49,7 +49,8 @@ void schedule_text(const uint8_t* data, size_t size) {
 void cost_json(const uint8_t* data, size_t size) {
   refused_or([&] {
     const CostModel c = CostModel::from_json(text_of(data, size));
-    if (!(CostModel::from_json(c.to_json()) == c)) fail("cost_json", "to/from JSON round trip differs");
+    if (!(CostModel::from_json(c.to_json()) == c))
+      fail("cost_json", "to/from JSON round trip differs");
   });
 }
 
@@ -115,9 +116,8 @@ void wire_control(const uint8_t* data, size_t size) {
 // The hardware description (cost/hardware.cc) joins this list as
 // {"hardware_json", hardware_json} once it is in the tree.
 const Target kTargets[] = {
-    {"schedule_text", schedule_text}, {"cost_json", cost_json},
-    {"segment_json", segment_json},   {"plan_options", plan_options},
-    {"wire_meta", wire_meta},         {"wire_address", wire_address},
+    {"schedule_text", schedule_text}, {"cost_json", cost_json}, {"segment_json", segment_json},
+    {"plan_options", plan_options},   {"wire_meta", wire_meta}, {"wire_address", wire_address},
     {"wire_control", wire_control},
 };
 

@@ -91,8 +91,8 @@ TEST(RuntimeGlooConnect, EveryMissingRankIsNamed) {
   for (const Outcome& o : out) {
     ASSERT_FALSE(o.transport);
     EXPECT_TRUE(has(o.error, "rank(s) 0, 2 ")) << o.error;
-    EXPECT_GE(o.took, 900ms) << o.error;          // waited for the missing ranks
-    EXPECT_LT(o.took, 4 * 1000ms) << o.error;     // not Gloo's 5x wait (see above)
+    EXPECT_GE(o.took, 900ms) << o.error;       // waited for the missing ranks
+    EXPECT_LT(o.took, 4 * 1000ms) << o.error;  // not Gloo's 5x wait (see above)
   }
 }
 

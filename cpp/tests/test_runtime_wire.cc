@@ -21,8 +21,8 @@ std::string refusal(std::string_view meta, int peer = 3) {
 }
 
 TEST(RuntimeWire, MetaRoundTrips) {
-  const Layout l = {{DType::F32, {4, 64, 256}}, {DType::I32, {4}}, {DType::Bool, {}},
-                    {DType::BF16, {0, 7}}};
+  const Layout l = {
+      {DType::F32, {4, 64, 256}}, {DType::I32, {4}}, {DType::Bool, {}}, {DType::BF16, {0, 7}}};
   EXPECT_EQ(decode_meta(encode_meta(l), 1), l);
   EXPECT_EQ(decode_meta(encode_meta({}), 1), Layout{});
 }
@@ -36,7 +36,8 @@ TEST(RuntimeWire, MalformedMetaIsRefusedNamingThePeer) {
             head + "it announces 18446744073709551615 tensors in 25 bytes");
   EXPECT_EQ(refusal("1\n13 0\n"), head + "tensor 0: unknown dtype code 13");
   EXPECT_EQ(refusal("1\n-1 0\n"), head + "tensor 0: unknown dtype code -1");
-  EXPECT_EQ(refusal("1\n0 999999999999 1\n"), head + "tensor 0: rank 999999999999 but only 1 values follow");
+  EXPECT_EQ(refusal("1\n0 999999999999 1\n"),
+            head + "tensor 0: rank 999999999999 but only 1 values follow");
   EXPECT_EQ(refusal("1\n0 1 -4\n"), head + "tensor 0: dimension 0 is not a size");
   EXPECT_EQ(refusal("1\n0 2 4294967296 4294967296\n"),
             head + "tensor 0 claims more than 1099511627776 bytes");
@@ -64,7 +65,8 @@ TEST(RuntimeWire, AddressBlobs) {
   const std::string blob = encode_addresses({a1, a2});  // rank 0's, world 3: for 1, then 2
   EXPECT_EQ(address_for(blob, 0, 1, 3), a1);
   EXPECT_EQ(address_for(blob, 0, 2, 3), a2);
-  for (const std::string& bad : {blob.substr(0, 30), std::string(), std::string("\xff\xff\xff\xff", 4)}) {
+  for (const std::string& bad :
+       {blob.substr(0, 30), std::string(), std::string("\xff\xff\xff\xff", 4)}) {
     try {
       address_for(bad, 0, 2, 3);
       FAIL() << "accepted";
@@ -82,7 +84,7 @@ TEST(RuntimeWire, AddressBlobs) {
 TEST(RuntimeWire, ControlMessagesAndAbortNotes) {
   ControlMsg m;
   m.kind = kMsgAbort;
-  m.origin = 7;  // not a rank of a world of 4: the sender is blamed
+  m.origin = 7;                              // not a rank of a world of 4: the sender is blamed
   std::memset(m.text, 'x', sizeof(m.text));  // no terminator
   const Control c = decode_control(m, 2, 4);
   EXPECT_EQ(c.kind, kMsgAbort);

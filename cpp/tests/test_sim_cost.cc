@@ -14,7 +14,6 @@ namespace {
 
 using testing::error_of;
 
-
 TEST(SimCost, StageFallsBackToDefault) {
   CostModel c = CostModel::uniform(1, 2, 3, 4);
   c.stages.resize(2, c.default_stage);
@@ -54,11 +53,13 @@ TEST(SimCost, JsonRoundTrip) {
 // Found by fuzzing (cpp/fuzz/regressions): a number beyond a double is refused
 // by nlohmann as out of range, not as a syntax error; it is a FormatError too.
 TEST(SimCost, JsonNumberOverflowIsAFormatError) {
-  EXPECT_NE(error_of<FormatError>([] { CostModel::from_json(R"({"default": {"f": 1e999}})"); })
-                .find("cost JSON: number overflow parsing '1e999'"),
+  EXPECT_NE(error_of<FormatError>([] {
+              CostModel::from_json(R"({"default": {"f": 1e999}})");
+            }).find("cost JSON: number overflow parsing '1e999'"),
             std::string::npos);
-  EXPECT_NE(error_of<FormatError>([] { SegmentCosts::from_json("77707e777777"); })
-                .find("segment costs JSON: number overflow"),
+  EXPECT_NE(error_of<FormatError>([] {
+              SegmentCosts::from_json("77707e777777");
+            }).find("segment costs JSON: number overflow"),
             std::string::npos);
 }
 

@@ -80,7 +80,8 @@ Layout decode_meta(std::string_view meta, int peer) {
       throw bad(fmt::format("tensor {}: unknown dtype code {}", i, code));
     if (!to_int(next("a tensor rank"), nd)) throw bad(fmt::format("tensor {}: bad rank", i));
     if (nd > tok.size() - at)
-      throw bad(fmt::format("tensor {}: rank {} but only {} values follow", i, nd, tok.size() - at));
+      throw bad(
+          fmt::format("tensor {}: rank {} but only {} values follow", i, nd, tok.size() - at));
     TensorSpec spec;
     spec.dtype = static_cast<DType>(code);
     spec.shape.reserve(nd);
@@ -89,8 +90,10 @@ Layout decode_meta(std::string_view meta, int peer) {
       int64_t d = -1;
       if (!to_int(next("a dimension"), d) || d < 0)
         throw bad(fmt::format("tensor {}: dimension {} is not a size", i, k));
-      if (d != 0 && bytes > kMaxTensorBytes / static_cast<uint64_t>(d)) bytes = kMaxTensorBytes + 1;
-      else bytes *= static_cast<uint64_t>(d);
+      if (d != 0 && bytes > kMaxTensorBytes / static_cast<uint64_t>(d))
+        bytes = kMaxTensorBytes + 1;
+      else
+        bytes *= static_cast<uint64_t>(d);
       spec.shape.push_back(d);
     }
     // A zero dimension makes the tensor empty whatever the others claim.

@@ -48,9 +48,9 @@ struct ControlMsg {
 static_assert(sizeof(ControlMsg) == 1024);
 
 struct Control {
-  uint32_t kind = 0;    // kMsgAbort, kMsgBye or anything else (ignored by the reader)
-  int origin = -1;      // in [0, world); a peer's out-of-range origin becomes `peer`
-  std::string text;     // at most sizeof(ControlMsg::text) - 1 bytes
+  uint32_t kind = 0;  // kMsgAbort, kMsgBye or anything else (ignored by the reader)
+  int origin = -1;    // in [0, world); a peer's out-of-range origin becomes `peer`
+  std::string text;   // at most sizeof(ControlMsg::text) - 1 bytes
 };
 Control decode_control(const ControlMsg& m, int peer, int world);
 
