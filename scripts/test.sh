@@ -78,6 +78,13 @@ if ((run_cpp)); then
   if cmake -S . -B "$BUILD" -DBATON_BUILD_TESTS=ON -DBATON_WERROR=ON -DBATON_BUILD_CLI=ON \
        "${cfg[@]}" >/dev/null; then
     if cmake --build "$BUILD" -j"$JOBS"; then
+      # Without an NVIDIA device NcclComm's construction must fail (clearly): tell the
+      # test so, so that it cannot pass both ways (test_runtime_nccl_comm.cc).
+      if [[ -z "${BATON_EXPECT_NO_GPU+x}" ]] && ! compgen -G '/dev/nvidia[0-9]*' >/dev/null &&
+         ! nvidia-smi -L >/dev/null 2>&1; then
+        export BATON_EXPECT_NO_GPU=1
+        log "no NVIDIA device: BATON_EXPECT_NO_GPU=1 (NCCL construction must fail clearly)"
+      fi
       log "C++: ctest"
       ctest --test-dir "$BUILD" --output-on-failure -j"$JOBS" || failed+=("ctest")
     else

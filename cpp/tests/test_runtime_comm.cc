@@ -150,7 +150,10 @@ TEST(RuntimeComm, WaitTimesOutNamingRankAndTransfer) {
         << e.what();
     EXPECT_EQ(e.failed_rank, 1);
   }
-  EXPECT_LT(Clock::now() - t0, milliseconds(2000));
+  // Order, not speed: the 0.2 s wait ran out before the error; a hang (no
+  // timeout at all) is what the upper bound catches, so it is generous.
+  EXPECT_GE(Clock::now() - t0, milliseconds(200));
+  EXPECT_LT(Clock::now() - t0, milliseconds(20000));
   ASSERT_TRUE(p.b->failure().has_value());
   EXPECT_EQ(p.b->failure()->first, 1);
   // the peer learns at once: its next transfer fails naming rank 1
@@ -178,7 +181,9 @@ TEST(RuntimeComm, AbortFailsThePeersPendingWaitAtOnce) {
   const auto t0 = Clock::now();
   p.a->abort("rank 0: the task raised ValueError: boom", 0);
   EXPECT_EQ(waiting.get(), 0);
-  EXPECT_LT(Clock::now() - t0, milliseconds(2000));
+  // "At once" means through the abort, not the 30 s wait timeout: anything
+  // under half of it (a loaded 2-core machine can stall a thread for seconds).
+  EXPECT_LT(Clock::now() - t0, milliseconds(15000));
   ASSERT_TRUE(p.b->failure().has_value());
   EXPECT_NE(p.b->failure()->second.find("boom"), std::string::npos);
 }
@@ -400,7 +405,7 @@ TEST(RuntimeComm, AFailureOnOneShardFailsTheOtherShardsWaitsAtOnce) {
   }
   EXPECT_EQ(b1.get(), 1);
   EXPECT_EQ(a0.get(), 1);
-  EXPECT_LT(Clock::now() - t0, milliseconds(2000));
+  EXPECT_LT(Clock::now() - t0, milliseconds(15000));  // the failure, not the 30 s timeout
   // recorded once: the first failure (the size mismatch), on both ranks' side
   ASSERT_TRUE(p.b->failure().has_value());
   EXPECT_NE(p.b->failure()->second.find("has 20 bytes, the receiver expects 16"), std::string::npos)
@@ -409,7 +414,7 @@ TEST(RuntimeComm, AFailureOnOneShardFailsTheOtherShardsWaitsAtOnce) {
   // a shard's later call fails at once
   const auto t1 = Clock::now();
   EXPECT_THROW(p.b->run_group({op(CommOpKind::Wait, 0)}, {}, {out(y1)}, 1), ExecutionError);
-  EXPECT_LT(Clock::now() - t1, milliseconds(1000));
+  EXPECT_LT(Clock::now() - t1, milliseconds(15000));  // not the 30 s timeout
 }
 
 TEST(RuntimeComm, ShardTimeoutNamesTheShardAndFailsTheOthers) {

@@ -244,6 +244,9 @@ TEST(NcclCommConstruct, WithoutADeviceThrowsClearly) {
   try {
     NcclComm c(0, 1, 0, make_hash_store(), {}, std::chrono::milliseconds(1000));
     EXPECT_TRUE(NcclComm::built());
+    // scripts/test.sh sets BATON_EXPECT_NO_GPU on a machine without an NVIDIA
+    // device: construction must fail there.
+    EXPECT_EQ(std::getenv("BATON_EXPECT_NO_GPU"), nullptr) << "constructed without a GPU";
     EXPECT_TRUE(c.alive());
     c.close();
     EXPECT_FALSE(c.alive());

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "baton/autoplan.h"
 #include "baton/cost.h"
 #include "baton/error.h"
 #include "test_plan_util.h"
@@ -12,7 +13,6 @@ namespace baton {
 namespace {
 
 using testing::error_of;
-
 
 TEST(SimCost, StageFallsBackToDefault) {
   CostModel c = CostModel::uniform(1, 2, 3, 4);
@@ -48,6 +48,19 @@ TEST(SimCost, JsonRoundTrip) {
   auto j = nlohmann::json::parse(text);
   EXPECT_EQ(j["stages"].size(), 2u);
   EXPECT_EQ(j["link"]["bandwidth"].get<double>(), 1e9);
+}
+
+// Found by fuzzing (cpp/fuzz/regressions): a number beyond a double is refused
+// by nlohmann as out of range, not as a syntax error; it is a FormatError too.
+TEST(SimCost, JsonNumberOverflowIsAFormatError) {
+  EXPECT_NE(error_of<FormatError>([] {
+              CostModel::from_json(R"({"default": {"f": 1e999}})");
+            }).find("cost JSON: number overflow parsing '1e999'"),
+            std::string::npos);
+  EXPECT_NE(error_of<FormatError>([] {
+              SegmentCosts::from_json("77707e777777");
+            }).find("segment costs JSON: number overflow"),
+            std::string::npos);
 }
 
 TEST(SimCost, JsonPartialAndStageInheritsDefault) {

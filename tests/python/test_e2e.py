@@ -107,13 +107,17 @@ def make_steps(loss_fn, aux=False):
 
 
 def check_memory(ps, interpreter=False):
-    """Peak memory per rank within the simulator's prediction: the trace of a compiled step
-    replayed with the plan's buffer sizes at its measured times; with ``interpreter``, also
-    the live bytes the interpreter measures on one more step (it counts every buffer's
-    arrays; the compiled engine's buffers are XLA's)."""
+    """Peak memory per rank within the simulator's prediction, and not far below it: the trace
+    of a compiled step replayed with the plan's buffer sizes at its measured times (at least
+    0.6 of the prediction: another order of a buffer or two at the peak; seen 0.83-1.0); with
+    ``interpreter``, also the live bytes the interpreter measures on one more step (it counts
+    every buffer's arrays; the compiled engine's buffers are XLA's), at least half of the
+    prediction (it counts a receive from its completion, the model from its post: seen
+    0.67-1.0)."""
     if "peak_bytes" not in ps.last.last_stats:
         tr = baton.trace(ps, *ps.last_args)
-        assert all(m <= p for m, p in zip(tr.peak_total, ps.simulate().peak_total))
+        for r, (m, p) in enumerate(zip(tr.peak_total, ps.simulate().peak_total)):
+            assert 0.6 * p <= m <= p, f"rank {r}: replayed peak {m} B, predicted {p} B"
         if not interpreter:
             return
         step = ps.last
@@ -127,7 +131,7 @@ def check_memory(ps, interpreter=False):
     predicted = list(sim.peak_total)
     assert len(measured) == len(predicted)
     for r, (m, p) in enumerate(zip(measured, predicted)):
-        assert m <= p, f"rank {r}: measured peak {m} B > predicted {p} B"
+        assert 0.5 * p <= m <= p, f"rank {r}: measured peak {m} B, predicted {p} B"
     assert max(measured) > 0
 
 

@@ -44,7 +44,9 @@ def test_rank_whose_peer_never_starts_fails_within_timeout(tmp_path):
     line = next((ln for ln in out.splitlines() if ln.startswith("ERROR after")), None)
     assert line is not None, out
     took = float(line.split()[2])
-    assert 2.5 <= took < 6.0, line
+    # At least the timeout; at most 4x it (Gloo's own wait, which this replaced, was 5x),
+    # so a loaded 2-core machine does not fail it.
+    assert 2.5 <= took < 12.0, line
     assert "rank 0:" in line and "rank(s) 1 never joined" in line and "3000 ms" in line, line
 
 
@@ -125,6 +127,6 @@ def test_ranks_that_cannot_reach_each_other_both_fail_within_timeout(side):
         assert msg != "connected", f"rank {r} connected to a dead address"
         assert f"rank {r}: gloo could not connect to rank(s) {1 - r} within 2000 ms" in msg, msg
         assert f"127.0.0.1:{port}" in msg, msg
-        assert took < 3.5, (took, msg)
+        assert took < 8.0, (took, msg)  # 4x the 2 s timeout, below Gloo's 5x listening wait
     if side == "listen":
         assert min(took for _, took in results) >= 1.5, results  # waited as listeners

@@ -7,7 +7,7 @@ import subprocess
 import xml.etree.ElementTree as ET
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import baton
@@ -72,20 +72,38 @@ def test_spec_builds_and_verifies(spec, ranks, microbatches):
     assert p.fingerprint == baton.plan(spec, ranks, microbatches).fingerprint
 
 
+def _refusal(name, ranks, microbatches, virtual_stages):
+    """The message of the generator rule that refuses these sizes, or None when none does
+    (the sizes the test draws are far below the generators' size limit)."""
+    if name == "interleaved" and virtual_stages > 1 and microbatches > ranks \
+            and microbatches % ranks:
+        return ("interleaved needs microbatches to be a multiple of ranks, or at most ranks "
+                f"(got ranks={ranks}, microbatches={microbatches}, v={virtual_stages})")
+    if name == "dualpipev" and microbatches < 2 * ranks:
+        return ("dualpipev needs microbatches >= 2*ranks "
+                f"(got ranks={ranks}, microbatches={microbatches})")
+    return None
+
+
 @given(
     name=st.sampled_from(sorted(_core.schedule_names())),
     ranks=st.integers(1, 6),
     microbatches=st.integers(1, 16),
     virtual_stages=st.integers(1, 3),
 )
+@example(name="dualpipev", ranks=3, microbatches=5, virtual_stages=1)  # refused
+@example(name="interleaved", ranks=4, microbatches=6, virtual_stages=2)  # refused
+@example(name="interleaved", ranks=4, microbatches=3, virtual_stages=2)  # at most ranks: runs
 def test_any_size_is_refused_or_verifies(name, ranks, microbatches, virtual_stages):
     v = virtual_stages if name == "interleaved" else None
     spec = baton.schedule_from_name(name, virtual_stages=v)
-    try:
-        p = baton.plan(spec, ranks, microbatches)
-    except baton.ScheduleError as e:
-        assert str(microbatches) in str(e) or str(ranks) in str(e), str(e)
+    refusal = _refusal(name, ranks, microbatches, virtual_stages)
+    if refusal is not None:  # exactly the sizes a generator's rule refuses, with that rule
+        with pytest.raises(baton.ScheduleError) as info:
+            baton.plan(spec, ranks, microbatches)
+        assert refusal in str(info.value), (refusal, str(info.value))
         return
+    p = baton.plan(spec, ranks, microbatches)
     assert p.verify().ok
     assert p.num_stages == spec.stages(ranks)
     again = baton.plan(baton.ScheduleFile(p.save()))
@@ -460,6 +478,29 @@ def test_parse_memory():
             parse_memory(bad)
 
 
+def _stage_costs(costs, cuts, remat):
+    """The cost model of stages cut from segment costs without task or step overheads
+    (autoplan.h's rules: sums; "min" adds each segment's min_recompute to B and I, "full"
+    the stage's F; activations are the last segment's, gradients the previous stage's)."""
+    segs = costs["segments"]
+    bounds = list(cuts) + [len(segs)]
+    stages = []
+    for k, mode in enumerate(remat):
+        part = segs[bounds[k]:bounds[k + 1]]
+        total = {t: sum(g.get(t, 0.0) for g in part) for t in "fbiw"}
+        extra = {"keep": 0.0, "full": total["f"],
+                 "min": sum(g.get("min_recompute", 0.0) for g in part)}[mode]
+        grad = segs[bounds[k] - 1]["act_bytes"] if k else 0
+        stash = {"keep": sum(g.get("stash_bytes", 0) for g in part), "full": grad,
+                 "min": sum(g.get("min_stash_bytes", 0) for g in part)}[mode]
+        stages.append(dict(f=total["f"], b=total["b"] + extra, i=total["i"] + extra,
+                           w=total["w"], fb=0.0, act_bytes=part[-1]["act_bytes"],
+                           grad_bytes=grad, stash_bytes=stash,
+                           wstash_bytes=sum(g.get("wstash_bytes", 0) for g in part),
+                           wgrad_bytes=sum(g.get("param_bytes", 0) for g in part)))
+    return {"stages": stages, "link": costs["link"]}
+
+
 def test_autoplan_segments_rows_and_stats(tmp_path):
     from baton.planning import autoplan_segments
 
@@ -474,11 +515,21 @@ def test_autoplan_segments_rows_and_stats(tmp_path):
     assert best["fits"] and len(best["peak_memory"]) == 2
     assert best["cuts"][0] == 0 and len(best["cuts"]) == len(best["remat"])
     assert len(best["cuts"]) == 2 * best["virtual_stages"]
-    # The row is what the simulator says about that plan.
+    # The row is what the simulator says about that plan: its stage costs derived here from
+    # the segments (sums over each stage's cut, remat's recompute on B and I), simulated.
     p = baton.plan(best["schedule"] if best["schedule"] != "interleaved"
                    else baton.Interleaved1F1B(virtual_stages=best["virtual_stages"]),
                    2, best["microbatches"])
     assert p.verify().ok
+    sim = p.simulate(_stage_costs(costs, best["cuts"], best["remat"]))
+    assert best["step_time"] == pytest.approx(sim.step_time, rel=1e-9)
+    assert best["bubble_fraction"] == pytest.approx(sim.bubble_fraction, rel=1e-9)
+    for row in rows:  # every row, not only the best
+        q = baton.plan(row["schedule"] if row["schedule"] != "interleaved"
+                       else baton.Interleaved1F1B(virtual_stages=row["virtual_stages"]),
+                       2, row["microbatches"])
+        want = q.simulate(_stage_costs(costs, row["cuts"], row["remat"])).step_time
+        assert row["step_time"] == pytest.approx(want, rel=1e-9), row
     # Same answer from a JSON file path, and the table renders.
     path = tmp_path / "segments.json"
     path.write_text(json.dumps(costs))

@@ -55,9 +55,12 @@ def test_profile_gives_a_cost_model_the_simulator_runs(schedule, ranks):
     m, p = prof.measured, prof.predicted
     assert len(m["bubble"]) == len(p["bubble"]) == ranks
     assert m["step_time"] > 0 and p["step_time"] > 0 and len(m["step_times"]) == 2
-    # single process: measured peaks never exceed the plan's
-    assert all(a <= b for a, b in zip(m["peak_bytes"], p["peak_total"]))
-    assert all(a <= b for a, b in zip(m["peak_activation"], p["peak_activation"]))
+    # single process: measured peaks never exceed the plan's, and are not far below them (a
+    # buffer or two at the peak in another order: seen 0.86-1.0; see test_trace.py)
+    for got, want in ((m["peak_bytes"], p["peak_total"]),
+                      (m["peak_activation"], p["peak_activation"])):
+        assert len(got) == len(want) == ranks
+        assert all(0.6 * b <= a <= b for a, b in zip(got, want)), (got, want)
     json.loads(prof.to_json())
 
 

@@ -62,6 +62,8 @@ def run_gpt(mesh, schedule, tensor=None, fsdp=None, steps=3, microbatches=4, mb=
     specs = gpt.param_specs(params, tensor=tensor, fsdp=fsdp)
     ps = baton.jit(train_step, mesh=pm, schedule=schedule, microbatches=microbatches,
                    param_shardings=specs, single_program=single_program)
+    check_gradients(pm, schedule, microbatches, specs, single_program, params, batch,
+                    lambda p, b: gpt.loss_fn(model, p, b))
     ref = jax.jit(ref_step)
     p1 = p2 = params
     s1 = s2 = opt_state
@@ -85,6 +87,43 @@ def run_gpt(mesh, schedule, tensor=None, fsdp=None, steps=3, microbatches=4, mb=
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=atol,
                                            err_msg=f"{what}, step {i}")
     return ps, p1, s1, specs
+
+
+def assert_trees_close(got, want, what, rtol=1e-5, rel_atol=5e-5):
+    """Leaf by leaf, named by its path: rtol, and an atol of ``rel_atol`` of each array's
+    largest magnitude (SPMD sums in another order; see run_gpt)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(want)
+    leaves = jax.tree.leaves(got)
+    assert len(leaves) == len(flat), (what, len(leaves), len(flat))
+    for a, (path, b) in zip(leaves, flat):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape, (what, jax.tree_util.keystr(path), a.shape, b.shape)
+        scale = float(np.max(np.abs(b))) if b.size else 0.0
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rel_atol * scale,
+                                   err_msg=f"{what} {jax.tree_util.keystr(path)}")
+
+
+def check_gradients(pm, schedule, microbatches, specs, single_program, params, batch, loss,
+                    per_microbatch=False):
+    """The gradients themselves, not only what AdamW makes of them: ``baton.accumulate`` of
+    ``jax.value_and_grad(loss)`` pipelined with the same shardings against plain JAX at
+    ``params``: the gradient of the whole batch (the loss is a mean over equal microbatches),
+    or with ``per_microbatch`` the same accumulation outside ``baton.jit`` (a ``lax.scan``)."""
+    def grad_step(params, batch):
+        return baton.accumulate(jax.value_and_grad(loss), params, batch=batch,
+                                microbatches=microbatches if per_microbatch else None)
+
+    pg = baton.jit(grad_step, mesh=pm, schedule=schedule, microbatches=microbatches,
+                   param_shardings=specs, single_program=single_program)
+    l1, g1 = pg(params, batch)
+    if per_microbatch:
+        l2, g2 = jax.jit(grad_step)(params, batch)
+    else:
+        l2, g2 = jax.jit(jax.value_and_grad(lambda p: loss(p, batch)))(params)
+    np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=1e-5, err_msg="loss")
+    assert_trees_close(g1, g2, "gradient")
+    # not vacuous: every gradient leaf is a real array and some are far from zero
+    assert max(float(np.max(np.abs(np.asarray(g)))) for g in jax.tree.leaves(g2)) > 1e-3
 
 
 def test_named_mesh_ranks_keep_their_axes():
@@ -226,6 +265,8 @@ def test_moe_gpt_pipe2_expert2_data2_matches_plain_jax(schedule):
     try:
         model, params, opt, st, train_step, _ = moe_gpt.make(cfg)
         batch = moe_gpt.synthetic_batch(cfg, 16)
+        check_gradients(pm, schedule, 4, moe_gpt.param_specs(params), False, params, batch,
+                        lambda p, b: moe_gpt.loss_fn(model, p, b), per_microbatch=True)
         ps = baton.jit(train_step, mesh=pm, schedule=schedule, microbatches=4,
                        param_shardings=moe_gpt.param_specs(params), single_program=False)
         p1, s1 = params, st

@@ -129,6 +129,17 @@ def test_same_layout_as_the_simulator_trace():
     assert set(sim["otherData"]) <= set(meas["otherData"])
 
 
+def assert_peaks_within(measured, predicted, what, low=0.6):
+    """Two-sided, per rank: the replayed peak is at most the prediction and at least ``low``
+    of it. The replay orders a rank's buffers by measured times, the simulator by its model;
+    they differ by a buffer or two at the peak (seen: 0.83-1.0 of the prediction on 2- to
+    8-rank steps), so 0.6 leaves room for another order on a loaded machine while a replay
+    that loses or halves buffers fails."""
+    assert len(measured) == len(predicted), (what, measured, predicted)
+    for r, (m, p) in enumerate(zip(measured, predicted)):
+        assert low * p <= m <= p, f"rank {r}: replayed {what} peak {m} B, predicted {p} B"
+
+
 def test_jit_trace_option_and_memory(caplog):
     ps, params, batch = make(baton.OneFOneB(), 4, 8, trace=True)
     with caplog.at_level("INFO", logger="baton"):
@@ -143,10 +154,10 @@ def test_jit_trace_option_and_memory(caplog):
     assert "rank_program" in step.last_stats
     # replayed from the events with the plan's buffer sizes, counted as the simulator counts
     # (a receive from its post, a sent buffer until its send completes): never more than the
-    # planner's prediction
+    # planner's prediction, and not far below it
     sim = ps.simulate()
-    assert all(m <= p for m, p in zip(tr.peak_total, sim.peak_total))
-    assert all(m <= p for m, p in zip(tr.peak_activation, sim.peak_activation))
+    assert_peaks_within(tr.peak_total, sim.peak_total, "total")
+    assert_peaks_within(tr.peak_activation, sim.peak_activation, "activation")
     assert max(tr.peak_activation) > 0
     # tracing off: no events recorded
     ps.trace = False
@@ -216,4 +227,4 @@ def test_interpreter_trace_counts_at_least_its_measured_peaks():
     assert all(t >= e for t, e in zip(tr.peak_total, step.last_stats["peak_bytes"]))
     assert sum(step.last_stats["peak_bytes"]) > 0
     sim = ps.simulate()
-    assert all(m <= p for m, p in zip(tr.peak_total, sim.peak_total))
+    assert_peaks_within(tr.peak_total, sim.peak_total, "total")

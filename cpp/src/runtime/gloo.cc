@@ -35,6 +35,7 @@
 #include <thread>
 
 #include "baton/runtime.h"
+#include "wire.h"
 
 namespace baton::runtime {
 
@@ -119,41 +120,17 @@ namespace {
 
 constexpr uint64_t kControlSlot = uint64_t{1} << 62;
 constexpr int kPartBits = 16;
-constexpr uint32_t kMsgAbort = 1, kMsgBye = 2;
-
-struct ControlMsg {
-  uint32_t kind = 0;
-  int32_t origin = -1;
-  char text[1016] = {};
-};
+using wire::ControlMsg;
+using wire::kMsgAbort;
+using wire::kMsgBye;
 
 uint64_t slot_of(uint64_t tag, uint64_t part) { return (tag << kPartBits) | part; }
 
-std::string encode_meta(const Payload& p) {
-  std::string s = fmt::format("{}\n", p.size());
-  for (const Tensor& t : p) {
-    s += fmt::format("{} {}", static_cast<int>(t.dtype), t.shape.size());
-    for (int64_t d : t.shape) s += fmt::format(" {}", d);
-    s += "\n";
-  }
-  return s;
-}
-
-Payload decode_meta(const std::string& s) {
-  std::istringstream in(s);
-  size_t n = 0;
-  if (!(in >> n)) throw ExecutionError("malformed transfer header");
-  Payload p;
-  for (size_t i = 0; i < n; ++i) {
-    int code = 0;
-    size_t nd = 0;
-    if (!(in >> code >> nd)) throw ExecutionError("malformed transfer header");
-    std::vector<int64_t> shape(nd);
-    for (auto& d : shape)
-      if (!(in >> d)) throw ExecutionError("malformed transfer header");
-    p.push_back(alloc_host_tensor(static_cast<DType>(code), std::move(shape)));
-  }
-  return p;
+Layout layout_of(const Payload& p) {
+  Layout out;
+  out.reserve(p.size());
+  for (const Tensor& t : p) out.push_back({t.dtype, t.shape});
+  return out;
 }
 
 // One transfer's Gloo buffers, abortable from another thread.
@@ -258,22 +235,17 @@ class MeshContext : public gloo::Context {
     // 2. address
     auto tctx = dev->createContext(rank, size);
     tctx->setTimeout(std::max(milliseconds(1), (left() + milliseconds(4)) / 5));
-    std::string mine;
-    for (int p = 0; p < size; ++p) {
-      if (p == rank) continue;
-      const auto bytes = tctx->createPair(p)->address().bytes();
-      const auto n = static_cast<uint32_t>(bytes.size());
-      const char len[4] = {static_cast<char>(n & 0xff), static_cast<char>((n >> 8) & 0xff),
-                           static_cast<char>((n >> 16) & 0xff), static_cast<char>(n >> 24)};
-      mine.append(len, 4);
-      mine.append(bytes.begin(), bytes.end());
-    }
+    std::vector<std::vector<char>> pairs;
+    for (int p = 0; p < size; ++p)
+      if (p != rank) pairs.push_back(tctx->createPair(p)->address().bytes());
+    const std::string mine = wire::encode_addresses(pairs);
     store.set(keys + "addr/" + std::to_string(rank), mine);
     const auto blobs = gather("addr/", "joined but published no address");
     std::vector<std::vector<char>> peer_addr(static_cast<size_t>(size));
     for (int p = 0; p < size; ++p) {
       if (p != rank)
-        peer_addr[static_cast<size_t>(p)] = address_for_me(blobs[static_cast<size_t>(p)], p);
+        peer_addr[static_cast<size_t>(p)] =
+            wire::address_for(blobs[static_cast<size_t>(p)], p, rank, size);
     }
 
     // 3. connect
@@ -340,28 +312,6 @@ class MeshContext : public gloo::Context {
       // fall through
     }
     return "an unreadable address";
-  }
-
-  // The address of p's pair for this rank, from p's address blob.
-  std::vector<char> address_for_me(const std::string& blob, int p) const {
-    size_t at = 0;
-    for (int q = 0; q < size; ++q) {
-      if (q == p) continue;
-      if (at + 4 > blob.size()) break;
-      const auto* u = reinterpret_cast<const unsigned char*>(blob.data() + at);
-      const size_t n = u[0] | (u[1] << 8) | (u[2] << 16) | (size_t{u[3]} << 24);
-      at += 4;
-      if (at + n > blob.size()) break;
-      if (q == rank)
-        return std::vector<char>(blob.begin() + static_cast<std::ptrdiff_t>(at),
-                                 blob.begin() + static_cast<std::ptrdiff_t>(at + n));
-      at += n;
-    }
-    throw ExecutionError(
-        fmt::format("rank {}: gloo start-up: the address published by rank {} is malformed "
-                    "({} bytes; do both ranks use the same world size and store prefix?)",
-                    rank, p, blob.size()),
-        p);
   }
 };
 
@@ -628,7 +578,7 @@ class GlooTransport : public Transport {
       const std::string bad = layout_mismatch(p, *layout);
       if (!bad.empty()) throw ExecutionError(bad);
     } else {
-      t->meta = encode_meta(t->payload);
+      t->meta = wire::encode_meta(layout_of(t->payload));
       t->len = t->meta.size();
     }
     auto post = [&](void* ptr, size_t n, uint64_t part) {
@@ -735,9 +685,11 @@ class GlooTransport : public Transport {
     };
     if (!recv_one(&t->len, sizeof(t->len), 0)) return false;
     r->mark_started();
+    wire::check_meta_len(t->len, r->peer);
     t->meta.assign(t->len, '\0');
     if (!recv_one(t->meta.data(), t->meta.size(), 1)) return false;
-    t->payload = decode_meta(t->meta);
+    for (const TensorSpec& spec : wire::decode_meta(t->meta, r->peer))
+      t->payload.push_back(alloc_host_tensor(spec.dtype, spec.shape));
     return post_recvs(r, t, bufs);  // every tensor posted before waiting on any
   }
 
@@ -842,15 +794,14 @@ class GlooTransport : public Transport {
         peer_lost(l.peer, error);
         return;
       }
-      ControlMsg m = *l.msg;
-      m.text[sizeof(m.text) - 1] = '\0';
+      const wire::Control m = wire::decode_control(*l.msg, l.peer, world_);
       if (m.kind == kMsgBye) {
         std::lock_guard<std::mutex> lock(mu_);
         bye_[static_cast<size_t>(l.peer)] = true;
         cv_.notify_all();
         return;
       }
-      if (m.kind == kMsgAbort) mark_failed(m.origin >= 0 ? m.origin : l.peer, m.text);
+      if (m.kind == kMsgAbort) mark_failed(m.origin, m.text);
     }
   }
 

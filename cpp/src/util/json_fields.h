@@ -47,7 +47,8 @@ struct JsonFields {
     if (v < 0) throw ConfigError(fmt::format("{}: {} must be >= 0 (got {})", config, field, v));
   }
 
-  // Parses `text`; a syntax error becomes FormatError(line, column, ...).
+  // Parses `text`; a syntax error becomes FormatError(line, column, ...), any
+  // other refusal of nlohmann's (a number out of range) FormatError(...).
   nlohmann::json parse(const std::string& text) const {
     try {
       return nlohmann::json::parse(text);
@@ -57,6 +58,12 @@ struct JsonFields {
       // Drop nlohmann's "[json.exception.parse_error.101] " prefix.
       if (auto k = what.find("] "); k != std::string::npos) what = what.substr(k + 2);
       throw FormatError(line, col, fmt::format("{}: {}", json, what));
+    } catch (const nlohmann::json::exception& e) {
+      // A number too large for a double (e.g. 1e999) is not a syntax error to
+      // nlohmann: out_of_range.406, without a position.
+      std::string what = e.what();
+      if (auto k = what.find("] "); k != std::string::npos) what = what.substr(k + 2);
+      throw FormatError(fmt::format("{}: {}", json, what));
     }
   }
 

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "nccl_api.h"
+#include "../wire.h"
 
 namespace baton::runtime {
 
@@ -771,7 +772,7 @@ void NcclComm::Impl::abort(const std::string& msg, int origin, bool publish) {
   }
   if (first && publish) {
     try {
-      store_->set(prefix_ + "/abort", fmt::format("{}|{}", origin, msg));
+      store_->set(prefix_ + "/abort", wire::encode_abort_note(origin, msg));
     } catch (...) {
     }
   }
@@ -845,10 +846,9 @@ void NcclComm::Impl::watchdog() {
     const auto t0 = Clock::now();
     if (!known) {
       try {
-        const std::string v = store_->get(abort_key, std::chrono::milliseconds(100));
-        const auto bar = v.find('|');
-        const int origin = std::atoi(v.substr(0, bar).c_str());
-        abort(bar == std::string::npos ? v : v.substr(bar + 1), origin, false);
+        const wire::AbortNote note =
+            wire::decode_abort_note(store_->get(abort_key, std::chrono::milliseconds(100)), world_);
+        abort(note.reason, note.origin, false);
       } catch (const std::exception&) {
         // not set yet
       }
