@@ -243,7 +243,7 @@ def test_slow_link_mid_training_finishes_bit_identical(link, tmp_path):
     assert min(s0[4][1], s0[5][1]) > SLOW_STEP_S, s0
 
 
-@pytest.mark.parametrize("how", ["blackhole", "down"])
+@pytest.mark.parametrize("how", ["blackhole", pytest.param("down", marks=pytest.mark.heavy)])
 def test_dropped_link_mid_training_names_the_ranks_without_hanging(link, tmp_path, how):
     """Nothing crosses the link from step 2 on (the peer stays alive): each rank's wait for
     the other times out, each process exits with an ``ExecutionError`` naming the rank
