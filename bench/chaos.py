@@ -40,7 +40,6 @@ import random
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -436,6 +435,35 @@ def verify_resume(rec, spec, ref, ck, timeout):
     rec["resume_verified"] = not bad and done_digest(rp[0]) == ref.digest
 
 
+def log_line(s, rec) -> str:
+    ex = rec.get("exit_s", {})
+    return (f"run {s.index:2d}: {s.world} procs, {s.sig:4s} rank {s.victim} at {s.moment}"
+            f"{' via hook ' + s.hook if s.hook else ''} -> hit {rec['hit']}; exits "
+            f"{', '.join(f'{v:.1f}' for v in ex.values())} s; resumed from "
+            f"{rec.get('resumed_from')}; "
+            f"{'OK' if not rec['failures'] else 'FAIL: ' + ' | '.join(rec['failures'])[:600]}")
+
+
+def merge(paths):
+    """(records, references, wall seconds) from the ``--jsonl`` files of parallel shards."""
+    recs, refs, wall = [], {}, 0.0
+    for p in paths:
+        for ln in open(p):
+            d = json.loads(ln)
+            if "ref" in d:
+                r = d["ref"]
+                refs.setdefault(r["world"], Reference(r["world"], r["losses"], r["digest"],
+                                                      r["phases"], ""))
+            elif "run" in d:
+                rec = d["run"]
+                rec["exit_s"] = {int(k): v for k, v in rec.get("exit_s", {}).items()}
+                rec["errors"] = {int(k): v for k, v in rec.get("errors", {}).items()}
+                recs.append(rec)
+            elif "wall" in d:
+                wall = max(wall, d["wall"])
+    return sorted(recs, key=lambda r: r["index"]), refs, wall
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=50)
@@ -444,37 +472,51 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=float, default=60.0, help="exit limit after a fault (s)")
     ap.add_argument("--hard", type=float, default=90.0, help="kill stragglers after (s)")
     ap.add_argument("--only", type=int, nargs="*", help="run only these run indices")
+    ap.add_argument("--shard", help="K/N: run only the runs whose index is K modulo N (start "
+                    "N of these in parallel with --jsonl, then --merge their files)")
+    ap.add_argument("--jsonl", help="append each reference and run record here as it ends")
+    ap.add_argument("--merge", nargs="+", help="write --out from these --jsonl files only")
     ap.add_argument("--out", default=str(HERE / "results" / "chaos.md"))
     a = ap.parse_args(argv)
+    if a.merge:
+        recs, refs, wall = merge(a.merge)
+        write_report(a, recs, refs, wall)
+        return 1 if any(r["failures"] for r in recs) else 0
     rng = random.Random(a.seed)
     specs = plan_runs(a.runs, rng)
     if a.only:
         specs = [s for s in specs if s.index in a.only]
+    if a.shard:
+        k, n = map(int, a.shard.split("/"))
+        specs = [s for s in specs if s.index % n == k]
+    sink = open(a.jsonl, "a") if a.jsonl else None
+
+    def emit(d):
+        if sink:
+            sink.write(json.dumps(d, default=str) + "\n")
+            sink.flush()
+
     root = tempfile.mkdtemp(prefix="chaos-")
     t0 = time.monotonic()
     refs = {}
     for w in sorted({s.world for s in specs}):
         print(f"reference run, {w} processes ...", flush=True)
         refs[w] = reference(w, root, a.timeout)
+        emit({"ref": dict(world=w, losses=refs[w].losses, digest=refs[w].digest,
+                          phases=refs[w].phases)})
         print(f"  phases {json.dumps({k: round(v, 3) for k, v in refs[w].phases.items()})}",
               flush=True)
     recs = []
     for s in specs:
         rec = chaos_run(s, refs[s.world], root, a.timeout, a.limit, a.hard)
         recs.append(rec)
-        ex = rec.get("exit_s", {})
-        print(f"run {s.index:2d}: {s.world} procs, {s.sig:4s} rank {s.victim} at {s.moment}"
-              f"{' via hook ' + s.hook if s.hook else ''} -> hit {rec['hit']}; exits "
-              f"{', '.join(f'{v:.1f}' for v in ex.values())} s; resumed from "
-              f"{rec.get('resumed_from')}; "
-              f"{'OK' if not rec['failures'] else 'FAIL: ' + ' | '.join(rec['failures'])[:600]}",
-              flush=True)
+        emit({"run": rec})
+        print(log_line(s, rec), flush=True)
     elapsed = time.monotonic() - t0
+    emit({"wall": elapsed})
     shutil.rmtree(root, ignore_errors=True)
-    pathlib.Path(a.out + ".json").write_text(json.dumps(
-        dict(refs={w: dict(losses=r.losses, digest=r.digest, phases=r.phases)
-                   for w, r in refs.items()}, runs=recs), indent=1, default=str))
-    write_report(a, recs, refs, elapsed)
+    if not a.jsonl:
+        write_report(a, recs, refs, elapsed)
     return 1 if any(r["failures"] for r in recs) else 0
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import statistics
 import subprocess
 import sys
 import time
@@ -35,8 +34,13 @@ def report(a, recs, refs, elapsed) -> str:
         f"runs shared the 2 cores; the runs were started under `nice -n 10`), so exit times "
         f"are upper bounds. Total wall time {elapsed / 60:.1f} min.",
         "",
-        f"Command: `nice -n 10 .venv/bin/python bench/chaos.py --runs {a.runs} --seed {a.seed}"
-        f" --timeout {a.timeout:g}` (worker: `bench/chaos_worker.py`: 12-layer tanh MLP, dim "
+        (f"Command: {len(a.merge)} shards at once, `nice -n 10 .venv/bin/python bench/chaos.py "
+         f"--runs {a.runs} --seed {a.seed} --timeout {a.timeout:g} --shard K/{len(a.merge)} "
+         f"--jsonl chaos-K.jsonl` for K = 0..{len(a.merge) - 1}, then `bench/chaos.py --runs "
+         f"{a.runs} --merge chaos-*.jsonl` (the shards share the machine, so each run's exit "
+         f"times include the other shard's load)" if getattr(a, "merge", None) else
+         f"Command: `nice -n 10 .venv/bin/python bench/chaos.py --runs {a.runs} --seed {a.seed}"
+         f" --timeout {a.timeout:g}`") + f" (worker: `bench/chaos_worker.py`: 12-layer tanh MLP, dim "
         f"16, one stage per process, 1F1B, 4 microbatches, AdamW, 12 steps, checkpoint every "
         f"3 steps, async save committed after the next step; transfer and connect timeout "
         f"{a.timeout:g} s).",
