@@ -134,12 +134,13 @@ def report(a, rows_by_rank, elapsed) -> str:
                          f"{'yes' if flat else 'NO'} |")
     lines += ["", f"Verdict: **{'flat' if ok else 'GROWS'}** after the warm-up "
               f"({len(rows_by_rank)} processes, {a.steps} steps).", "",
-              "Every sample (process 0; process 1's are in the raw file):", "",
+              "Every sample (process 0 / process 1):", "",
               "| step | s | RSS KiB | live arrays | fds | threads | loss |",
               "|---|---|---|---|---|---|---|"]
-    for s in rows_by_rank[0]:
-        lines.append(f"| {s['step']} | {s['t']} | {s['rss_kib']} | {s['live_arrays']} | "
-                     f"{s['fds']} | {s['threads']} | {s['loss']:.4f} |")
+    for s, q in zip(rows_by_rank[0], rows_by_rank[1]):
+        lines.append(f"| {s['step']} | {s['t']} | {s['rss_kib']} / {q['rss_kib']} | "
+                     f"{s['live_arrays']} / {q['live_arrays']} | {s['fds']} / {q['fds']} | "
+                     f"{s['threads']} / {q['threads']} | {s['loss']:.4f} |")
     lines.append("")
     return "\n".join(lines), ok
 
