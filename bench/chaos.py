@@ -461,7 +461,10 @@ def merge(paths):
                 recs.append(rec)
             elif "wall" in d:
                 wall = max(wall, d["wall"])
-    return sorted(recs, key=lambda r: r["index"]), refs, wall
+    one = {}
+    for r in recs:
+        one.setdefault(r["index"], r)
+    return sorted(one.values(), key=lambda r: r["index"]), refs, wall
 
 
 def main(argv=None) -> int:
@@ -474,6 +477,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", type=int, nargs="*", help="run only these run indices")
     ap.add_argument("--shard", help="K/N: run only the runs whose index is K modulo N (start "
                     "N of these in parallel with --jsonl, then --merge their files)")
+    ap.add_argument("--reverse", action="store_true",
+                    help="the selected runs in reverse order (a helper shard starting from the "
+                    "end; --merge keeps one record per run index)")
     ap.add_argument("--jsonl", help="append each reference and run record here as it ends")
     ap.add_argument("--merge", nargs="+", help="write --out from these --jsonl files only")
     ap.add_argument("--out", default=str(HERE / "results" / "chaos.md"))
@@ -489,6 +495,8 @@ def main(argv=None) -> int:
     if a.shard:
         k, n = map(int, a.shard.split("/"))
         specs = [s for s in specs if s.index % n == k]
+    if a.reverse:
+        specs.reverse()
     sink = open(a.jsonl, "a") if a.jsonl else None
 
     def emit(d):
