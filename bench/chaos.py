@@ -480,6 +480,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reverse", action="store_true",
                     help="the selected runs in reverse order (a helper shard starting from the "
                     "end; --merge keeps one record per run index)")
+    ap.add_argument("--refs-from", help="take the references from this --jsonl file ...")
+    ap.add_argument("--refs-dir", help="... and their checkpoints from this shard's directory")
     ap.add_argument("--jsonl", help="append each reference and run record here as it ends")
     ap.add_argument("--merge", nargs="+", help="write --out from these --jsonl files only")
     ap.add_argument("--out", default=str(HERE / "results" / "chaos.md"))
@@ -507,7 +509,16 @@ def main(argv=None) -> int:
     root = tempfile.mkdtemp(prefix="chaos-")
     t0 = time.monotonic()
     refs = {}
-    for w in sorted({s.world for s in specs}):
+    if a.refs_from:  # another shard's references: its records and a copy of its checkpoints
+        for ln in open(a.refs_from):
+            r = json.loads(ln).get("ref")
+            if r:
+                ck = os.path.join(root, f"ref{r['world']}")
+                shutil.copytree(os.path.join(a.refs_dir, f"ref{r['world']}"), ck)
+                refs[r["world"]] = Reference(r["world"], r["losses"], r["digest"], r["phases"],
+                                             ck)
+                emit({"ref": r})
+    for w in sorted({s.world for s in specs} - set(refs)):
         print(f"reference run, {w} processes ...", flush=True)
         refs[w] = reference(w, root, a.timeout)
         emit({"ref": dict(world=w, losses=refs[w].losses, digest=refs[w].digest,
