@@ -452,6 +452,7 @@ def merge(paths):
             d = json.loads(ln)
             if "ref" in d:
                 r = d["ref"]
+                r["losses"] = {int(i): v for i, v in r["losses"].items()}
                 refs.setdefault(r["world"], Reference(r["world"], r["losses"], r["digest"],
                                                       r["phases"], ""))
             elif "run" in d:
@@ -513,6 +514,7 @@ def main(argv=None) -> int:
         for ln in open(a.refs_from):
             r = json.loads(ln).get("ref")
             if r:
+                r["losses"] = {int(i): v for i, v in r["losses"].items()}
                 ck = os.path.join(root, f"ref{r['world']}")
                 shutil.copytree(os.path.join(a.refs_dir, f"ref{r['world']}"), ck)
                 refs[r["world"]] = Reference(r["world"], r["losses"], r["digest"], r["phases"],
