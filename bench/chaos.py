@@ -300,7 +300,9 @@ def inject(spec, procs, ref):
         return t, ""
     pattern, dur = {
         "compile": ("compile-begin", ref.phases.get("compile", 2.0)),
-        "loop": (fr"step {spec.at_step} ", ref.phases.get("step", 0.1)),
+        # the next step (none of these starts or commits a save): a fault at most 25 ms
+        # after the marker, so that a fast step is still running when it lands
+        "loop": (fr"step {spec.at_step} ", 0.05),
         "save": (fr"save-begin {spec.at_step}$", ref.phases.get("save", 0.5)),
         "restore": ("restore-begin", ref.phases.get("restore", 0.5)),
     }[spec.moment]
