@@ -284,6 +284,8 @@ def phase_at(proc, t):
             phase = "loop"
         elif kind == "hook":
             return f"save ({m.split()[1]})"
+        elif kind == "done":
+            return "after the end"  # the victim had finished training: not a fault run
     if phase == "loop" and saving:
         return "save"
     return phase
@@ -360,7 +362,10 @@ def chaos_run(spec: Spec, ref: Reference, root, timeout, limit, hard) -> dict:
                 continue
             exits[p.rank] = p.exit_time - t_fault
             e = error_line(p)
-            if p.p.returncode != 3 or not e:
+            if rec["hit"] == "after the end":
+                if p.p.returncode not in (0, 3):
+                    rec["failures"].append(f"rank {p.rank} exited with code {p.p.returncode}")
+            elif p.p.returncode != 3 or not e:
                 rec["failures"].append(f"rank {p.rank} exited with code {p.p.returncode} "
                                        f"without a Baton error: {p.text()[-1500:]}")
             elif not names_victim(e, spec.victim):
@@ -461,6 +466,13 @@ def merge(paths):
                 rec = d["run"]
                 rec["exit_s"] = {int(k): v for k, v in rec.get("exit_s", {}).items()}
                 rec["errors"] = {int(k): v for k, v in rec.get("errors", {}).items()}
+                if any(t.split()[1] == "done" for t in rec.get("victim_trail", [])) and \
+                        rec["hit"] != "after the end":
+                    # recorded before phase_at knew "done": the victim had finished, so a
+                    # survivor's clean exit is right (the rule chaos_run now applies)
+                    rec["hit"] = "after the end"
+                    rec["failures"] = [f for f in rec["failures"]
+                                       if "exited with code 0 without a Baton error" not in f]
                 recs.append(rec)
             elif "wall" in d:
                 wall = max(wall, d["wall"])

@@ -18,6 +18,8 @@ def _pct(xs, q):
 def report(a, recs, refs, elapsed) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
+    late = [r for r in recs if r["hit"] == "after the end"]
+    recs_all, recs = recs, [r for r in recs if r["hit"] != "after the end"]
     exits = [v for r in recs for v in r.get("exit_s", {}).values()]
     thawed = [r["thawed_exit_s"] for r in recs if "thawed_exit_s" in r]
     failed = [r for r in recs if r["failures"]]
@@ -47,7 +49,10 @@ def report(a, recs, refs, elapsed) -> str:
         "",
         "## Summary",
         "",
-        f"- Runs: **{len(recs)}** ({', '.join(f'{n} with {w} processes' for w, n in sorted(worlds.items()))}).",
+        f"- Runs with a fault: **{len(recs)}** ({', '.join(f'{n} with {w} processes' for w, n in sorted(worlds.items()))}).",
+        *([f"- Not counted: {len(late)} run(s) whose fault landed after the victim had "
+           f"finished training (runs {', '.join(str(r['index']) for r in late)}): the "
+           f"survivors rightly exited 0; their resume check still ran."] if late else []),
         f"- Faults: " + ", ".join(f"{s} during {m}: {n}" for (s, m), n in sorted(by.items())) + ".",
         f"- Phase the victim was in when hit (from its last marker): " +
         ", ".join(f"{k}: {n}" for k, n in sorted(hit.items())) + ".",
@@ -75,7 +80,7 @@ def report(a, recs, refs, elapsed) -> str:
             "| # | procs | signal | victim | planned moment | hit | survivors' exit (s) | "
             "thawed exit (s) | committed | resumed from | verified | result |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in recs:
+    for r in recs_all:
         moment = r["moment"] + (f" (hook {r['hook'].split(':')[0]}, step {r['at_step']})"
                                 if r["hook"] else
                                 f" (step {r['at_step']})" if r["at_step"] else "")
