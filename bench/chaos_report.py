@@ -36,11 +36,11 @@ def report(a, recs, refs, elapsed) -> str:
         f"runs shared the 2 cores; the runs were started under `nice -n 10`), so exit times "
         f"are upper bounds. Total wall time {elapsed / 60:.1f} min.",
         "",
-        (f"Command: {len(a.merge)} shards at once, `nice -n 10 .venv/bin/python bench/chaos.py "
-         f"--runs {a.runs} --seed {a.seed} --timeout {a.timeout:g} --shard K/{len(a.merge)} "
-         f"--jsonl chaos-K.jsonl` for K = 0..{len(a.merge) - 1}, then `bench/chaos.py --runs "
-         f"{a.runs} --merge chaos-*.jsonl` (the shards share the machine, so each run's exit "
-         f"times include the other shard's load)" if getattr(a, "merge", None) else
+        (f"Command: {len(a.merge)} invocations of `nice -n 10 .venv/bin/python bench/chaos.py "
+         f"--runs {a.runs} --seed {a.seed} --timeout {a.timeout:g} --jsonl chaos-K.jsonl` each "
+         f"over part of the seeded plan (`--shard` / `--only`; up to 4 at once, so each run's "
+         f"exit times include the others' load), then `bench/chaos.py --runs {a.runs} --merge "
+         f"chaos-*.jsonl`; see the notes at the end" if getattr(a, "merge", None) else
          f"Command: `nice -n 10 .venv/bin/python bench/chaos.py --runs {a.runs} --seed {a.seed}"
          f" --timeout {a.timeout:g}`") + f" (worker: `bench/chaos_worker.py`: 12-layer tanh MLP, dim "
         f"16, one stage per process, 1F1B, 4 microbatches, AdamW, 12 steps, checkpoint every "
