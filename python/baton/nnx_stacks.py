@@ -99,7 +99,7 @@ def _write_back(stack, leaves, tree, groups, inputs) -> None:
         if not changed[i]:
             new_leaves.append(x)
         elif _is_stacked(x):
-            new_leaves.append(Stacked([o[i] for o in outs]))
+            new_leaves.append(Stacked([o[i] for o in outs], x.axis))
         else:
             new_leaves.append(jnp.concatenate([o[i] for o in outs]))
     nnx.update(stack, jax.tree.unflatten(tree, new_leaves))

@@ -34,27 +34,34 @@ __all__ = ["Stacked", "scan_stages", "split_stacks", "join_stacks"]
 
 @jax.tree_util.register_pytree_node_class
 class Stacked:
-    """A layer-stacked array held as consecutive pieces along its leading (layer) axis."""
+    """A layer-stacked array held as consecutive pieces along its layer axis (``axis``, the
+    leading one unless a model stacks its layers elsewhere)."""
 
-    def __init__(self, pieces):
+    def __init__(self, pieces, axis: int = 0):
         self.pieces = tuple(pieces)
+        self.axis = int(axis)
 
     def tree_flatten(self):
-        return self.pieces, None
+        return self.pieces, self.axis
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(children)
+        return cls(children, aux)
 
     @property
     def sizes(self) -> list[int]:
         """Layers per piece."""
-        return [int(jnp.shape(p)[0]) for p in self.pieces]
+        return [int(jnp.shape(p)[self.axis]) for p in self.pieces]
 
     @property
     def shape(self) -> tuple:
-        first = jnp.shape(self.pieces[0])
-        return (sum(self.sizes), *first[1:])
+        shape = list(jnp.shape(self.pieces[0]))
+        shape[self.axis] = sum(self.sizes)
+        return tuple(shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
 
     @property
     def dtype(self):
@@ -69,10 +76,10 @@ class Stacked:
             home = pieces[0].sharding
             pieces = [p if p.sharding.device_set == home.device_set else jax.device_put(p, home)
                       for p in pieces]
-        return jnp.concatenate(pieces)
+        return jnp.concatenate(pieces, axis=self.axis)
 
     def __repr__(self) -> str:
-        return f"Stacked(shape={self.shape}, sizes={self.sizes})"
+        return f"Stacked(shape={self.shape}, sizes={self.sizes}, axis={self.axis})"
 
 
 def _groups(n: int, stages: int) -> list[tuple[int, int]]:
@@ -130,20 +137,25 @@ def group_leaves(leaves: list, g: int, a: int, b: int) -> list:
     return [x.pieces[g] if _is_stacked(x) else x[a:b] for x in leaves]
 
 
-def split_stacks(tree: Any, stages: int) -> Any:
-    """``tree`` with every array leaf (layer axis first) split into ``stages`` pieces, as
+def split_stacks(tree: Any, stages: int, axis: int | Callable[[Any, Any], int] = 0) -> Any:
+    """``tree`` with every array leaf split into ``stages`` pieces along its layer axis, as
     :class:`Stacked` leaves. Apply it to the stacked layer parameters only (e.g.
-    ``params["layers"]``)."""
+    ``params["layers"]``). ``axis``: the layer axis (default the leading one), or a function
+    ``(path, leaf) -> axis`` for stacks whose leaves hold it in different places."""
     if stages < 1:
         raise ConfigError(f"split_stacks: stages must be >= 1 (got {stages})")
 
     def split(path, x):
-        n = int(jnp.shape(x)[0]) if jnp.ndim(x) else 0
+        ax = int(axis(path, x) if callable(axis) else axis)
+        where = jax.tree_util.keystr(path) or "the leaf"
+        if not 0 <= ax < max(jnp.ndim(x), 1):
+            raise ConfigError(f"split_stacks: {where} (shape {jnp.shape(x)}) has no axis {ax}")
+        n = int(jnp.shape(x)[ax]) if jnp.ndim(x) else 0
         if n < stages:
-            raise ConfigError(
-                f"split_stacks: {jax.tree_util.keystr(path) or 'the leaf'} has {n} layers "
-                f"(leading axis), fewer than the {stages} stages")
-        return Stacked([x[a:b] for a, b in _groups(n, stages)])
+            raise ConfigError(f"split_stacks: {where} has {n} layers (axis {ax}), fewer than "
+                              f"the {stages} stages")
+        return Stacked([jax.lax.slice_in_dim(x, a, b, axis=ax) for a, b in _groups(n, stages)],
+                       ax)
 
     return jax.tree_util.tree_map_with_path(split, tree)
 
@@ -164,6 +176,9 @@ def scan_stages(layer_fn: Callable, carry: Any, stacked: Any, stages: int | None
     Outside ``baton.jit`` the boundaries are identities: the result equals one ``lax.scan``
     over all layers."""
     leaves, tree = jax.tree.flatten(stacked, is_leaf=_is_stacked)
+    if any(_is_stacked(x) and x.axis != 0 for x in leaves):
+        raise ConfigError("scan_stages: lax.scan runs over the leading axis; these Stacked "
+                          "leaves hold their layers on another axis")
     bounds = group_bounds(leaves, stages, "scan_stages")
 
     def body(c, layer):

@@ -45,9 +45,10 @@ stage boundaries to the loss (``maxtext_scan.py``). With ``scan_layers=False`` t
 stages without a boundary: refused with a ``ConfigError``.
 
 **Limits.** The generic scanned stack (one layer per scan step): DeepSeek's separate dense and
-MoE stacks and other decoder blocks that scan blocks of layers are refused. Each stage reads
-its rows of the stacked parameters from the whole stack, so every rank holds the whole stacked
-layer parameters (unlike ``baton.split_stacks`` for plain JAX models).
+MoE stacks and other decoder blocks that scan blocks of layers are refused. With
+``init_params(stages=S)`` each rank holds only its stage's rows of the stacked parameters (and
+their optimizer state); with the whole stack every stage reads its rows from it, so every rank
+holds the whole stacked parameters.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import ConfigError
-from .maxtext_scan import staged_decoder_class
+from .maxtext_scan import layer_axis_of, staged_decoder_class
 
 MAXTEXT_VERSION = "0.2.5"
 INSTALL_HINT = (
@@ -294,10 +295,28 @@ class MaxTextModel:
         """``synthetic_batch(self.config, seed, padding)``."""
         return synthetic_batch(self.config, seed, padding)
 
-    def init_params(self) -> Any:
+    def init_params(self, stages: int | None = None) -> Any:
         """The model's parameters: the pure ``nnx.State`` (arrays) that ``nnx.Optimizer`` of
-        MaxText's train state updates, same paths and values."""
-        return self._params
+        MaxText's train state updates, same paths and values. With ``stages`` and
+        ``scan_layers=True`` the scanned stack's arrays are split into one piece per stage
+        (``baton.Stacked`` along each leaf's layer axis): each rank then holds only its own
+        layers and their optimizer state; ``baton.join_stacks`` gives MaxText's layout back."""
+        if stages is None or not self.config.scan_layers:
+            return self._params
+        import jax
+
+        from ..stacks import split_stacks
+
+        axis = layer_axis_of(self.config)
+        split_layers(self.num_layers, stages)  # a clear error for too many stages
+
+        def piece(path, x):
+            names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+            if names[:2] == ["decoder", "layers"]:
+                return split_stacks(x, stages, axis=lambda _, v: axis(path, v))
+            return x
+
+        return jax.tree_util.tree_map_with_path(piece, self._params)
 
     def init_opt_state(self, params: Any = None) -> Any:
         return self.tx.init(self.init_params() if params is None else params)

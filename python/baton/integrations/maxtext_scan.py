@@ -30,25 +30,31 @@ def _layer_axis(var, length: int) -> int | None:
     """The axis of ``var``'s value that holds the ``length`` layers (MaxText's rule: its
     ``param_scan_axis`` metadata when the value has more dimensions than that, else 0), or
     ``None`` for a value without one (a scalar MaxText broadcasts itself)."""
-    import jax.numpy as jnp
-
-    value = var.get_value()
-    ndim = jnp.ndim(value)
+    shape = tuple(getattr(var.get_value(), "shape", ()))
     axis = int(var.get_metadata().get("param_scan_axis", 0))
-    if ndim <= axis:
+    if len(shape) <= axis:
         axis = 0
-    if ndim == 0 or jnp.shape(value)[axis] != length:
+    if not shape or shape[axis] != length:
         return None
     return axis
 
 
+def layer_axis_of(config):
+    """``(path, leaf) -> axis``: where a leaf of the stacked parameters holds its layers
+    (``param_scan_axis`` for leaves of higher rank, else 0), for ``baton.split_stacks``."""
+    scan_axis = int(config.param_scan_axis)
+    return lambda path, x: scan_axis if len(getattr(x, "shape", ())) > scan_axis else 0
+
+
 def cut_stack(layers, length: int, stages: int) -> list[tuple[object, int]]:
     """``layers`` (MaxText's scanned stack of ``length`` layers) as ``stages`` modules of
-    consecutive layers: ``[(module, layers in it), ...]`` (sizes as ``stacks._groups``)."""
+    consecutive layers: ``[(module, layers in it), ...]`` (sizes as ``stacks._groups``). A
+    variable holding a :class:`baton.Stacked` value (parameters split per stage) gives each
+    group its piece."""
     import jax
     from flax import nnx
 
-    from ..stacks import _groups
+    from ..stacks import Stacked, _groups
 
     if not 1 <= stages <= length:
         raise ConfigError(f"cannot cut {length} scanned decoder layers into {stages} stages "
@@ -56,8 +62,15 @@ def cut_stack(layers, length: int, stages: int) -> list[tuple[object, int]]:
     graphdef, state = nnx.split(layers)
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     out = []
-    for a, b in _groups(length, stages):
-        def rows(var, a=a, b=b):
+    for g, (a, b) in enumerate(_groups(length, stages)):
+        def rows(var, g=g, a=a, b=b):
+            value = var.get_value()
+            if isinstance(value, Stacked):
+                if value.sizes != [y - x for x, y in _groups(length, stages)]:
+                    raise ConfigError(f"MaxText's scanned stack is split {value.sizes}, not in "
+                                      f"{stages} stages; split it with init_params(stages="
+                                      f"{stages})")
+                return var.replace(value=value.pieces[g])
             axis = _layer_axis(var, length)
             if axis is None:
                 return var
