@@ -18,7 +18,8 @@ stage's layers stay one scan::
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
             def forward(x, block):
                 return block(x)
-            return baton.nnx_scan_stages(forward, x, self.blocks, stages=4)  # was: forward(x, self.blocks)
+            # was: return forward(x, self.blocks)
+            return baton.nnx_scan_stages(forward, x, self.blocks, stages=4)
 
 Outside ``baton.jit`` the boundaries are identities and the result equals one ``forward``
 over the whole stack. :func:`baton.split_stacks` applies to the stack's part of an

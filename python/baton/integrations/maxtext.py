@@ -231,7 +231,8 @@ def split_layers(num_layers: int, stages: int) -> list[list[int]]:
 def _scanned_layer_count(model) -> int:
     """The layer count of MaxText's scanned decoder stack (``decoder.layers``)."""
     cfg = model.config
-    if getattr(model.decoder, "layers", None) is None or cfg.inhomogeneous_layer_cycle_interval != 1:
+    generic = cfg.inhomogeneous_layer_cycle_interval == 1
+    if getattr(model.decoder, "layers", None) is None or not generic:
         raise ConfigError("baton.integrations.maxtext cuts MaxText's generic scanned decoder stack "
                           "(decoder.layers, one layer per scan step); this decoder block "
                           f"({cfg.decoder_block}) scans other stacks: set scan_layers=False")
