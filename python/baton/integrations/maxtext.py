@@ -34,7 +34,9 @@ accumulation differentiates: the token-summed cross entropy over ``targets`` whe
 The step divides by the token count of the whole batch, sums over microbatches, and reports
 the loss as MaxText does (``xent / tokens + aux / microbatches``). This equals MaxText's
 full-batch loss and gradient (``gradient_accumulation_steps=1``) for a dense model whatever the
-padding, and MaxText's own gradient accumulation over the same microbatches in general.
+padding, and MaxText's own gradient accumulation with as many microbatches in general: the
+step splits the batch as MaxText does (row ``r`` in microbatch ``r mod M``), which matters for
+per-microbatch terms such as the MoE load-balance loss.
 Gradient clipping (``gradient_clipping_threshold``) and the optimizer
 (``optimizers.get_optimizer``, AdamW by default) are MaxText's, applied to the same pytree
 of parameters as MaxText's ``nnx.Optimizer``.
@@ -396,7 +398,14 @@ class MaxTextModel:
         clip = float(self.config.gradient_clipping_threshold)
         tx = self.tx
 
+        def maxtext_order(x):
+            # MaxText's gradient accumulation gives microbatch j the rows j, j + M, j + 2M, ...
+            # (gradient_accumulation.py); Baton's microbatch j is the j-th block of rows
+            s = x.shape[0] // microbatches
+            return x.reshape((s, microbatches) + x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+
         def step(params, opt_state, batch):
+            batch = jax.tree.map(maxtext_order, batch)
             tokens = jnp.maximum(jnp.sum(batch["targets_segmentation"] != 0), 1)
             (_, loss), grads = frontend.accumulate(vg, params, tokens.astype(jnp.float32),
                                                    batch=batch, reduce="sum")
