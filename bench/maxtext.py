@@ -8,17 +8,18 @@ decoder layers, emb 128, MLP 512, 4 heads of 32, sequence 64, vocab 256), float3
 loss, AdamW and gradient clipping; a batch of 16 sequences in 8 microbatches. Each part runs
 in its own process with ``JAX_NUM_CPU_DEVICES=4``:
 
-* **Baton** (``pipeline_step``, one device per rank): 1F1B, ZB-H1 and GPipe cut the 8 layers
-  into 4 stages of 2; interleaved 1F1B (2 virtual stages per rank) into 8 stages of 1.
+* **Baton** (``pipeline_step``, one device per rank), at MaxText's default ``scan_layers=True``:
+  1F1B, ZB-H1 and GPipe cut the scanned 8-layer stack into 4 stages of 2 (one scan each);
+  interleaved 1F1B (2 virtual stages per rank) into 8 stages of 1; the stack split per stage
+  (``init_params(stages=)``), so each rank holds its own layers.
 * **MaxText ICI PP**: MaxText's own ``train_step`` set up as its trainer does
   (``train_utils.setup_train_loop``, ``jit_train_and_eval_step``) with
   ``ici_pipeline_parallelism=4``, ``num_pipeline_microbatches=8``, one layer per stage and
-  circular repeats (8 layers = 4 stages x 2 repeats), ``scan_layers=True`` (its pipeline
-  needs it; the same math as the separate layers Baton cuts). XLA:CPU needs
+  circular repeats (8 layers = 4 stages x 2 repeats), ``scan_layers=True``. XLA:CPU needs
   ``--xla_cpu_enable_concurrency_optimized_scheduler=false`` for it (else a collective-permute
   rendezvous times out on fake CPU devices).
 * **MaxText, 1 device**: MaxText's ``train_step`` without pipelining (the same step as
-  ``reference_step``), for scale.
+  ``reference_step``, ``scan_layers=True``), for scale.
 
 Columns:
 
@@ -109,7 +110,8 @@ def part_baton(args) -> list[dict]:
                  else baton.schedule_from_name(name))
         t0 = time.perf_counter()
         step = m.pipeline_step(mesh, sched, microbatches=MICROBATCHES)
-        p, o = m.init_params(), m.init_opt_state()
+        p = m.init_params(stages=sched.stages(RANKS))  # each rank holds its scanned layers
+        o = m.init_opt_state(p)
         state = jax.block_until_ready(step(p, o, batch))[:2]
         compile_s = time.perf_counter() - t0
         t = _median_time(lambda: step(p, o, batch), args.steps)

@@ -5,9 +5,10 @@
     JAX_NUM_CPU_DEVICES=4 .venv-maxtext/bin/python examples/maxtext_pipeline.py \\
         --model mixtral --schedules 1f1b --steps 5
 
-For each model (a Llama-2 and a Mixtral MoE, built by MaxText's own config system and shrunk
-to 4 layers of width 64) and each schedule, the model is cut into 4 stages (one decoder layer
-each; the embedding joins the first, the output head and loss the last) over 4 devices, and
+For each model (a Llama-2 and a Mixtral MoE, built by MaxText's own config system at its
+defaults, scanned layers included, and shrunk to 4 layers of width 64) and each schedule, the
+model is cut into 4 stages (one decoder layer each, a scan per stage; the embedding joins the
+first, the output head and loss the last) over 4 devices, and
 trained for ``--steps`` steps on synthetic batches of 8 sequences in 4 microbatches with
 MaxText's loss, gradient clipping and AdamW. MaxText's own ``train_step`` (not pipelined) runs
 on the same batches from the same initial state. See ``baton.integrations.maxtext``.
@@ -50,7 +51,8 @@ def run(name: str, schedules: list[str], steps: int, batch: int, microbatches: i
     for sname in schedules:
         schedule = baton.schedule_from_name(sname)
         step = m.pipeline_step(mesh, schedule, microbatches=microbatches)
-        params, opt_state = m.init_params(), m.init_opt_state()
+        params = m.init_params(stages=schedule.stages(RANKS))  # each rank: its scanned layers
+        opt_state = m.init_opt_state(params)
         summary = step.summary(params, opt_state, batches[0]).splitlines()
         facts = {ln.split()[0]: ln.split()[-1] for ln in summary
                  if ln.split() and ln.split()[0] in ("bubble", "verification:")}

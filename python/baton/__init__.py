@@ -59,6 +59,7 @@ from .frontend import (  # noqa: F401,E402
 
 # --- layer stacks under lax.scan, cut into stages ---
 from .stacks import Stacked, join_stacks, scan_stages, split_stacks  # noqa: F401,E402
+from .nnx_stacks import nnx_scan_stages, nnx_stack_groups  # noqa: F401,E402
 
 # --- stage boundaries proposed by Baton; automatic planning ---
 from .autoplan import Auto, autoplan, costs_at, measure_segments, search_segments  # noqa: F401,E402

@@ -34,27 +34,34 @@ __all__ = ["Stacked", "scan_stages", "split_stacks", "join_stacks"]
 
 @jax.tree_util.register_pytree_node_class
 class Stacked:
-    """A layer-stacked array held as consecutive pieces along its leading (layer) axis."""
+    """A layer-stacked array held as consecutive pieces along its layer axis (``axis``, the
+    leading one unless a model stacks its layers elsewhere)."""
 
-    def __init__(self, pieces):
+    def __init__(self, pieces, axis: int = 0):
         self.pieces = tuple(pieces)
+        self.axis = int(axis)
 
     def tree_flatten(self):
-        return self.pieces, None
+        return self.pieces, self.axis
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(children)
+        return cls(children, aux)
 
     @property
     def sizes(self) -> list[int]:
         """Layers per piece."""
-        return [int(jnp.shape(p)[0]) for p in self.pieces]
+        return [int(jnp.shape(p)[self.axis]) for p in self.pieces]
 
     @property
     def shape(self) -> tuple:
-        first = jnp.shape(self.pieces[0])
-        return (sum(self.sizes), *first[1:])
+        shape = list(jnp.shape(self.pieces[0]))
+        shape[self.axis] = sum(self.sizes)
+        return tuple(shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
 
     @property
     def dtype(self):
@@ -69,10 +76,10 @@ class Stacked:
             home = pieces[0].sharding
             pieces = [p if p.sharding.device_set == home.device_set else jax.device_put(p, home)
                       for p in pieces]
-        return jnp.concatenate(pieces)
+        return jnp.concatenate(pieces, axis=self.axis)
 
     def __repr__(self) -> str:
-        return f"Stacked(shape={self.shape}, sizes={self.sizes})"
+        return f"Stacked(shape={self.shape}, sizes={self.sizes}, axis={self.axis})"
 
 
 def _groups(n: int, stages: int) -> list[tuple[int, int]]:
@@ -87,20 +94,68 @@ def _groups(n: int, stages: int) -> list[tuple[int, int]]:
     return out
 
 
-def split_stacks(tree: Any, stages: int) -> Any:
-    """``tree`` with every array leaf (layer axis first) split into ``stages`` pieces, as
+def _is_stacked(x) -> bool:
+    return isinstance(x, Stacked)
+
+
+def group_bounds(leaves: list, stages: int | None, who: str) -> list[tuple[int, int]]:
+    """``(first, end)`` layer ranges of the stage groups of a stack's flattened ``leaves``
+    (flattened with :class:`Stacked` as leaves): the pieces of :class:`Stacked` leaves, or
+    ``stages`` groups of plain arrays. ``who`` names the caller in errors."""
+    if not leaves:
+        raise ConfigError(f"{who}: no stacked layer parameters")
+    split = [x for x in leaves if _is_stacked(x)]
+    if split:
+        sizes = split[0].sizes
+        if any(x.sizes != sizes for x in split) or len(split) != len(leaves):
+            shapes = [x.sizes if _is_stacked(x) else "plain array" for x in leaves]
+            raise ConfigError(f"{who}: the stacked leaves are split differently: {shapes}")
+        if stages is not None and stages != len(sizes):
+            raise ConfigError(
+                f"{who}: stages={stages} but the Stacked leaves have {len(sizes)} pieces")
+        bounds, a = [], 0
+        for s in sizes:
+            bounds.append((a, a + s))
+            a += s
+        return bounds
+    if stages is None:
+        raise ConfigError(f"{who}: pass stages= (or split the leaves with split_stacks)")
+    if any(jnp.ndim(x) == 0 for x in leaves):
+        raise ConfigError(f"{who}: a stacked leaf is a scalar (no leading layer axis)")
+    n_layers = int(jnp.shape(leaves[0])[0])
+    if any(int(jnp.shape(x)[0]) != n_layers for x in leaves):
+        raise ConfigError(f"{who}: the stacked leaves have different layer counts "
+                          f"{sorted({int(jnp.shape(x)[0]) for x in leaves})}")
+    if not 1 <= stages <= n_layers:
+        raise ConfigError(f"{who}: {stages} stages for {n_layers} layers")
+    return _groups(n_layers, stages)
+
+
+def group_leaves(leaves: list, g: int, a: int, b: int) -> list:
+    """Group ``g`` (layers ``a:b``) of every leaf: a :class:`Stacked` leaf's piece ``g``, a
+    plain array's rows ``a:b``."""
+    return [x.pieces[g] if _is_stacked(x) else x[a:b] for x in leaves]
+
+
+def split_stacks(tree: Any, stages: int, axis: int | Callable[[Any, Any], int] = 0) -> Any:
+    """``tree`` with every array leaf split into ``stages`` pieces along its layer axis, as
     :class:`Stacked` leaves. Apply it to the stacked layer parameters only (e.g.
-    ``params["layers"]``)."""
+    ``params["layers"]``). ``axis``: the layer axis (default the leading one), or a function
+    ``(path, leaf) -> axis`` for stacks whose leaves hold it in different places."""
     if stages < 1:
         raise ConfigError(f"split_stacks: stages must be >= 1 (got {stages})")
 
     def split(path, x):
-        n = int(jnp.shape(x)[0]) if jnp.ndim(x) else 0
+        ax = int(axis(path, x) if callable(axis) else axis)
+        where = jax.tree_util.keystr(path) or "the leaf"
+        if not 0 <= ax < max(jnp.ndim(x), 1):
+            raise ConfigError(f"split_stacks: {where} (shape {jnp.shape(x)}) has no axis {ax}")
+        n = int(jnp.shape(x)[ax]) if jnp.ndim(x) else 0
         if n < stages:
-            raise ConfigError(
-                f"split_stacks: {jax.tree_util.keystr(path) or 'the leaf'} has {n} layers "
-                f"(leading axis), fewer than the {stages} stages")
-        return Stacked([x[a:b] for a, b in _groups(n, stages)])
+            raise ConfigError(f"split_stacks: {where} has {n} layers (axis {ax}), fewer than "
+                              f"the {stages} stages")
+        return Stacked([jax.lax.slice_in_dim(x, a, b, axis=ax) for a, b in _groups(n, stages)],
+                       ax)
 
     return jax.tree_util.tree_map_with_path(split, tree)
 
@@ -120,40 +175,18 @@ def scan_stages(layer_fn: Callable, carry: Any, stacked: Any, stages: int | None
     are their pieces and ``stages`` may be omitted; with plain arrays ``stages`` is required.
     Outside ``baton.jit`` the boundaries are identities: the result equals one ``lax.scan``
     over all layers."""
-    is_stacked = lambda x: isinstance(x, Stacked)  # noqa: E731
-    leaves, tree = jax.tree.flatten(stacked, is_leaf=is_stacked)
-    if not leaves:
-        raise ConfigError("scan_stages: no stacked layer parameters")
-    split = [x for x in leaves if is_stacked(x)]
-    if split:
-        sizes = split[0].sizes
-        if any(x.sizes != sizes for x in split) or len(split) != len(leaves):
-            shapes = [x.sizes if is_stacked(x) else "plain array" for x in leaves]
-            raise ConfigError(f"scan_stages: the stacked leaves are split differently: {shapes}")
-        if stages is not None and stages != len(sizes):
-            raise ConfigError(
-                f"scan_stages: stages={stages} but the Stacked leaves have {len(sizes)} pieces")
-        n_layers = sum(sizes)
-        bounds, a = [], 0
-        for s in sizes:
-            bounds.append((a, a + s))
-            a += s
-    else:
-        if stages is None:
-            raise ConfigError("scan_stages: pass stages= (or split the leaves with split_stacks)")
-        n_layers = int(jnp.shape(leaves[0])[0])
-        if any(int(jnp.shape(x)[0]) != n_layers for x in leaves):
-            raise ConfigError("scan_stages: the stacked leaves have different layer counts")
-        if not 1 <= stages <= n_layers:
-            raise ConfigError(f"scan_stages: {stages} stages for {n_layers} layers")
-        bounds = _groups(n_layers, stages)
+    leaves, tree = jax.tree.flatten(stacked, is_leaf=_is_stacked)
+    if any(_is_stacked(x) and x.axis != 0 for x in leaves):
+        raise ConfigError("scan_stages: lax.scan runs over the leading axis; these Stacked "
+                          "leaves hold their layers on another axis")
+    bounds = group_bounds(leaves, stages, "scan_stages")
 
     def body(c, layer):
         return layer_fn(c, layer), None
 
     for g, (a, b) in enumerate(bounds):
-        group = [x.pieces[g] if is_stacked(x) else x[a:b] for x in leaves]
-        carry, _ = jax.lax.scan(body, carry, jax.tree.unflatten(tree, group), unroll=unroll)
+        group = jax.tree.unflatten(tree, group_leaves(leaves, g, a, b))
+        carry, _ = jax.lax.scan(body, carry, group, unroll=unroll)
         if g < len(bounds) - 1:
             carry = stage_boundary(carry)
     return carry

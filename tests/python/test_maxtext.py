@@ -1,7 +1,10 @@
 """MaxText as a client of Baton (``baton.integrations.maxtext``): tiny MaxText models built by
-MaxText's own config system, pipelined over 4 CPU devices with 1F1B and ZB-H1, trained for 5
-steps; every loss within 1e-5 (relative) of MaxText's own, non-pipelined ``train_step`` on the
-same batches, with the same optimizer (MaxText's AdamW and gradient clipping).
+MaxText's own config system at its defaults (``scan_layers=True``, ``remat_policy='full'``),
+pipelined over 4 CPU devices with 1F1B and ZB-H1, trained for 5 steps; every loss within 1e-5
+(relative) of MaxText's own, non-pipelined ``train_step`` on the same batches, with the same
+optimizer (MaxText's AdamW and gradient clipping). The Mixtral case trains with MaxText's MoE
+load-balance loss (sown inside the scanned layers, read in the loss on the last stage); one
+case keeps ``scan_layers=False`` (one module per layer).
 
 Needs MaxText, which lives in its own virtual environment (``bash scripts/setup_maxtext.sh``);
 run with ``bash scripts/test.sh --maxtext`` or
@@ -31,19 +34,27 @@ MICROBATCHES = 4
 BATCH = 8
 RANKS = 4
 
-# (config, MaxText's gradient_accumulation_steps for its own step): the dense Llama against
-# MaxText's full-batch step, the MoE against MaxText's own accumulation over the same
-# microbatches (both must agree with the pipeline; see the module docstring of the
+# id -> (config, overrides, MaxText's gradient_accumulation_steps for its own step): the dense
+# Llama against MaxText's full-batch step, the MoE against MaxText's own accumulation over the
+# same microbatches (both must agree with the pipeline; see the module docstring of the
 # integration).
-CASES = {"llama2": 1, "mixtral": MICROBATCHES}
+CASES = {
+    "llama2": ("llama2", {}, 1),
+    # MaxText's SGD here: Adam moves a weight whose gradient is at rounding level by up to a
+    # whole step in either direction, so only SGD's updates (lr x clipped gradient) show
+    # whether the load-balance loss's gradient reaches every stage's router
+    "mixtral-lb": ("mixtral", {"load_balance_loss_weight": 0.1, "opt_type": "sgd",
+                               "learning_rate": 0.1}, MICROBATCHES),
+    "llama2-unscanned": ("llama2", {"scan_layers": False}, 1),
+}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def reference(request):
     """The model, the batches, and MaxText's own losses and final parameters."""
-    name = request.param
-    m = bmt.build(name, batch=BATCH)
-    step = m.reference_step(grad_accum=CASES[name])
+    name, overrides, ga = CASES[request.param]
+    m = bmt.build(name, batch=BATCH, **overrides)
+    step = m.reference_step(grad_accum=ga)
     state = m.reference_state()
     batches = [m.make_batch(seed) for seed in range(STEPS)]
     losses = []
@@ -53,27 +64,89 @@ def reference(request):
     return m, batches, losses, m.reference_params(state)
 
 
+def _check_sgd_updates(m, params, want_params):
+    """Under SGD the parameter change is lr x the accumulated (clipped) gradients: each
+    leaf's change within 1e-3 of its largest entry (rounding of sums in another order)."""
+    init = m.init_params()
+    for a, b, p0 in zip(jax.tree.leaves(params), jax.tree.leaves(want_params),
+                        jax.tree.leaves(init), strict=True):
+        got, want = np.asarray(a) - np.asarray(p0), np.asarray(b) - np.asarray(p0)
+        assert np.abs(want).max() > 0
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max() + 1e-7)
+
+
 @pytest.mark.parametrize("schedule", [baton.OneFOneB(), baton.ZBH1()], ids=str)
 def test_pipelined_maxtext_matches_maxtexts_own_step(reference, schedule):
     m, batches, want, want_params = reference
     assert len(jax.devices()) >= RANKS
+    # scanned stacks: split per stage under 1F1B (each rank holds its layers), whole under ZB-H1
+    split = m.config.scan_layers and isinstance(schedule, baton.OneFOneB)
+    params = m.init_params(stages=RANKS) if split else m.init_params()
+    opt_state = m.init_opt_state(params)
     step = m.pipeline_step(bmt.pipeline_mesh(m, RANKS), schedule, microbatches=MICROBATCHES)
-    assert step.compile(m.init_params(), m.init_opt_state(), batches[0]).traced.num_stages == 4
-    params, opt_state = m.init_params(), m.init_opt_state()
+    assert step.compile(params, opt_state, batches[0]).traced.num_stages == 4
     got = []
     for b in batches:
         params, opt_state, loss = step(params, opt_state, b)
         got.append(float(loss))
-    print(f"{m.config.model_name} {schedule}: baton {got}\n  maxtext {want}")
+    print(f"{m.config.model_name} scan_layers={m.config.scan_layers} {schedule}: baton {got}\n"
+          f"  maxtext {want}")
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
+    if split:  # each stage's rows of the stack (and of Adam's moments) stay on its rank
+        last = step.last
+        stacks = [x for x in jax.tree.leaves((params, opt_state), is_leaf=lambda x: isinstance(
+            x, baton.Stacked)) if isinstance(x, baton.Stacked)]
+        assert stacks
+        for x in stacks:
+            for g, piece in enumerate(x.pieces):
+                assert piece.sharding.device_set == set(last.mesh.rank_devices[last.stage_rank[g]])
     # Parameters after 5 AdamW steps (lr 1e-3): Adam divides by sqrt(v), so rounding-level
     # differences of tiny gradients move a weight by a small fraction of one step.
+    params = baton.join_stacks(params)
+    assert jax.tree.structure(params) == jax.tree.structure(want_params)
+    if m.config.opt_type == "sgd":
+        _check_sgd_updates(m, params, want_params)
+        return
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4)
 
 
+def _scan_lengths(jaxpr) -> list[int]:
+    """The lengths of the scans in ``jaxpr`` outside other scans, in program order."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            out.append(int(eqn.params["length"]))
+            continue
+        for v in eqn.params.values():
+            for x in v if isinstance(v, (tuple, list)) else [v]:
+                sub = x if hasattr(x, "eqns") else getattr(x, "jaxpr", None)
+                if hasattr(sub, "eqns"):
+                    out += _scan_lengths(sub)
+    return out
+
+
+def test_scanned_stack_stays_a_scan_per_stage():
+    """8 scanned layers in 3 stages: the staged model runs 3 scans of 3, 3 and 2 layers
+    (compile time does not grow with the layer count), and its loss is MaxText's."""
+    m = bmt.build("llama2", batch=BATCH, base_num_decoder_layers=8)
+    assert m.config.scan_layers and m.num_layers == 8
+    params, mb = m.init_params(), m.make_batch(0)
+    tokens = np.float32(np.sum(mb["targets_segmentation"] != 0))
+    whole = m.microbatch_loss(1, 1)
+    staged = m.microbatch_loss(3, 1)
+    assert _scan_lengths(jax.make_jaxpr(whole)(params, tokens, mb).jaxpr) == [8]
+    assert _scan_lengths(jax.make_jaxpr(staged)(params, tokens, mb).jaxpr) == [3, 3, 2]
+    np.testing.assert_allclose(staged(params, tokens, mb)[0], whole(params, tokens, mb)[0],
+                               rtol=1e-6)
+    # the reference model is untouched
+    assert type(m.model.decoder).__name__ == "NNXDecoder"
+    with pytest.raises(baton.ConfigError, match="cannot cut 8 decoder layers into 9 stages"):
+        m.staged_model(9)
+
+
 def test_layers_are_cut_into_stages_without_changing_maxtext():
-    m = bmt.build("llama2", batch=BATCH)
+    m = bmt.build("llama2", batch=BATCH, scan_layers=False)
     assert bmt.split_layers(4, 4) == [[0], [1], [2], [3]]
     assert bmt.split_layers(6, 4) == [[0, 1], [2, 3], [4], [5]]
     m.staged_model(4)
@@ -83,4 +156,4 @@ def test_layers_are_cut_into_stages_without_changing_maxtext():
     with pytest.raises(baton.ConfigError, match="cannot cut 4 decoder layers into 5 stages"):
         m.staged_model(5)
     with pytest.raises(baton.ConfigError, match="load_balance_loss_weight"):
-        bmt.build("mixtral", batch=BATCH, load_balance_loss_weight=0.01)
+        bmt.build("mixtral", batch=BATCH, load_balance_loss_weight=0.01, scan_layers=False)

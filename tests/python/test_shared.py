@@ -142,3 +142,15 @@ def test_optimizer_updates_of_shared_ranks_run_as_one_program():
     assert ps1.last.engine.post_groups() is None
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_constants_compared_for_sharing_include_prng_keys():
+    """Stages whose constants are typed PRNG keys (a model's RNG streams, e.g. MaxText's
+    dropout keys) are compared by key data, not refused by NumPy."""
+    from baton.frontend.shared import _same_literal
+
+    k0, k1 = jax.random.key(0), jax.random.key(1)
+    assert _same_literal(k0, jax.random.key(0)) and not _same_literal(k0, k1)
+    assert not _same_literal(k0, jax.random.key_data(k0))  # a key is not its raw data
+    assert not _same_literal(jax.random.split(k0, 2), k0)
+    assert _same_literal(np.arange(3), np.arange(3)) and not _same_literal(np.ones(2), np.zeros(2))

@@ -104,3 +104,20 @@ def test_scanned_stack_in_four_stages_matches_unrolled(split, schedule, ranks):
             for g, piece in enumerate(x.pieces):
                 want = set(step.mesh.rank_devices[step.stage_rank[g]])
                 assert piece.sharding.device_set == want, (g, piece.sharding)
+
+
+def test_stacks_split_along_another_axis():
+    w = jnp.arange(3 * 8 * 2, dtype=jnp.float32).reshape(3, 8, 2)  # layers on axis 1
+    split = baton.split_stacks({"w": w, "b": jnp.ones((8,))}, 4,
+                               axis=lambda path, x: 1 if x.ndim > 1 else 0)
+    assert split["w"].sizes == [2, 2, 2, 2] and split["w"].axis == 1
+    assert split["w"].shape == w.shape and split["b"].axis == 0
+    np.testing.assert_array_equal(split["w"].pieces[1], w[:, 2:4])
+    np.testing.assert_array_equal(baton.join_stacks(split)["w"], w)
+    # a pytree round trip keeps the axis
+    again = jax.tree.map(lambda x: x + 0, split)
+    assert again["w"].axis == 1
+    with pytest.raises(baton.ConfigError, match="another axis"):
+        baton.scan_stages(lambda c, layer: c, jnp.zeros(()), split)
+    with pytest.raises(baton.ConfigError, match="has no axis 3"):
+        baton.split_stacks(w, 2, axis=3)

@@ -195,10 +195,8 @@ def match(lead, prog, jaxprs: _Jaxprs) -> Share | None:
                 return None
             if (o0 in lits) != (o in lits):
                 return None
-            if o0 in lits:
-                a, b = np.asarray(lits[o0]), np.asarray(lits[o])
-                if a.dtype != b.dtype or a.shape != b.shape or not np.array_equal(a, b):
-                    return None
+            if o0 in lits and not _same_literal(lits[o0], lits[o]):
+                return None
             elif (avals[o0].shape, avals[o0].dtype) != (avals[o].shape, avals[o].dtype):
                 return None
         for i0, i in zip([*exe.body[0], *exe.body[1]], [*other.body[0], *other.body[1]]):
@@ -216,6 +214,20 @@ def match(lead, prog, jaxprs: _Jaxprs) -> Share | None:
         if len(a) != len(b) or not all(jaxprs.same(_task(x), _task(y)) for x, y in zip(a, b)):
             return None
     return Share(lead, prog, stage, outer, parts, units, stretches)
+
+
+def _same_literal(a, b) -> bool:
+    """Whether two constants of a traced step are equal (typed PRNG keys by their key data,
+    which NumPy cannot hold)."""
+
+    def host(x):
+        dtype = getattr(x, "dtype", None)
+        if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            return str(jax.random.key_impl(x)), np.asarray(jax.random.key_data(x))
+        return None, np.asarray(x)
+
+    (ia, a), (ib, b) = host(a), host(b)
+    return ia == ib and a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
 
 
 def share_groups(progs) -> list[list[Share]]:

@@ -14,14 +14,18 @@ ref = m.reference_step()                          # MaxText's own train_step (no
 state, ref_loss = ref(m.reference_state(), m.make_batch(0))
 ```
 
-**Stages.** MaxText 0.2.5 is Flax NNX: ``NNXDecoder.__call__`` loops over its layers
-``layers_0 .. layers_{L-1}``, each inside ``jax.checkpoint`` (MaxText's ``remat_policy``).
-The layers that end a stage get a subclass of their own class whose ``__call__`` passes the
-layer's output through ``baton.stage_boundary`` (a copy of the model is changed; MaxText's
-files and the reference model are not). The marker sits at the end of the checkpointed layer;
-Baton's tracer moves it out of the remat region (``frontend/trace.py``, ``emit_remat``), so
-MaxText's rematerialization is kept. The embedding runs in the first stage, the final norm,
-the output head and the loss in the last.
+**Stages.** MaxText 0.2.5 is Flax NNX. At its default ``scan_layers=True`` the decoder keeps
+its layers as one stacked module and runs them as one ``jax.lax.scan`` under ``jax.checkpoint``
+(MaxText's ``remat_policy``); a copy of the model gets a decoder subclass that runs that scan
+once per stage group, on the group's rows of the stack, with ``baton.stage_boundary`` between
+groups (``maxtext_scan.py``): each stage's layers stay one scan, so compile time does not grow
+with the layer count. With ``scan_layers=False`` ``NNXDecoder.__call__`` loops over its
+layers ``layers_0 .. layers_{L-1}``; the layers that end a stage get a subclass of their own
+class whose ``__call__`` passes the layer's output through ``baton.stage_boundary``. The marker
+sits at the end of the checkpointed layer; Baton's tracer moves it out of the remat region
+(``frontend/trace.py``, ``emit_remat``), so MaxText's rematerialization is kept. Either way
+MaxText's files and the reference model are not changed. The embedding runs in the first
+stage, the final norm, the output head and the loss in the last.
 
 **Loss.** Each microbatch runs MaxText's own ``loss_fn`` (``maxtext.trainers.pre_train.train``)
 with ``gradient_accumulation_steps`` = microbatches, so it returns what MaxText's gradient
@@ -30,14 +34,23 @@ accumulation differentiates: the token-summed cross entropy over ``targets`` whe
 The step divides by the token count of the whole batch, sums over microbatches, and reports
 the loss as MaxText does (``xent / tokens + aux / microbatches``). This equals MaxText's
 full-batch loss and gradient (``gradient_accumulation_steps=1``) for a dense model whatever the
-padding, and MaxText's own gradient accumulation over the same microbatches in general.
+padding, and MaxText's own gradient accumulation with as many microbatches in general: the
+step splits the batch as MaxText does (row ``r`` in microbatch ``r mod M``), which matters for
+per-microbatch terms such as the MoE load-balance loss.
 Gradient clipping (``gradient_clipping_threshold``) and the optimizer
 (``optimizers.get_optimizer``, AdamW by default) are MaxText's, applied to the same pytree
 of parameters as MaxText's ``nnx.Optimizer``.
 
-**Limits.** ``scan_layers=False`` (one module per layer). Values MaxText *sows* in a layer
-and reads in the loss (the MoE load-balance loss, ``load_balance_loss_weight > 0``; MaxText's
-default is 0) would cross stages without a boundary: refused with a ``ConfigError``.
+**Sown values.** With ``scan_layers=True`` the values MaxText sows inside its layers (the MoE
+load-balance loss, ``load_balance_loss_weight > 0``) travel with the activations through the
+stage boundaries to the loss (``maxtext_scan.py``). With ``scan_layers=False`` they would cross
+stages without a boundary: refused with a ``ConfigError``.
+
+**Limits.** The generic scanned stack (one layer per scan step): DeepSeek's separate dense and
+MoE stacks and other decoder blocks that scan blocks of layers are refused. With
+``init_params(stages=S)`` each rank holds only its stage's rows of the stacked parameters (and
+their optimizer state); with the whole stack every stage reads its rows from it, so every rank
+holds the whole stacked parameters.
 """
 
 from __future__ import annotations
@@ -50,6 +63,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import ConfigError
+from .maxtext_scan import layer_axis_of, staged_decoder_class
 
 MAXTEXT_VERSION = "0.2.5"
 INSTALL_HINT = (
@@ -57,12 +71,11 @@ INSTALL_HINT = (
     f"pip install --no-deps maxtext=={MAXTEXT_VERSION})"
 )
 
-# The settings every config here shares: layers as separate modules, float32 (so the
+# The settings every config here shares: float32 (so the
 # pipelined and MaxText's own step agree to rounding), plain dot-product attention and a
 # dense MoE that run on CPUs, no checkpoints, no data pipeline, no jax.distributed.
 COMMON = dict(
     override_model_config=True,
-    scan_layers=False,
     attention="dot_product",
     hardware="cpu",
     dtype="float32",
@@ -217,6 +230,17 @@ def split_layers(num_layers: int, stages: int) -> list[list[int]]:
     return [list(map(int, g)) for g in np.array_split(np.arange(num_layers), stages)]
 
 
+def _scanned_layer_count(model) -> int:
+    """The layer count of MaxText's scanned decoder stack (``decoder.layers``)."""
+    cfg = model.config
+    generic = cfg.inhomogeneous_layer_cycle_interval == 1
+    if getattr(model.decoder, "layers", None) is None or not generic:
+        raise ConfigError("baton.integrations.maxtext cuts MaxText's generic scanned decoder stack "
+                          "(decoder.layers, one layer per scan step); this decoder block "
+                          f"({cfg.decoder_block}) scans other stacks: set scan_layers=False")
+    return int(cfg.num_decoder_layers)
+
+
 def _decoder_layers(model) -> list:
     dec = model.decoder
     n = model.config.num_decoder_layers
@@ -245,17 +269,20 @@ class MaxTextModel:
 
         self._spec = (model, batch, overrides)
         cfg = load_config(model, batch=batch, **overrides)
-        if cfg.num_experts > 1 and cfg.load_balance_loss_weight > 0:
+        if cfg.num_experts > 1 and cfg.load_balance_loss_weight > 0 and not cfg.scan_layers:
             raise ConfigError(
-                "load_balance_loss_weight > 0: MaxText sows each MoE layer's load-balance loss "
-                "and reads it in the loss, a value that would cross pipeline stages without a "
-                "stage boundary; set load_balance_loss_weight=0 (MaxText's default)")
+                "load_balance_loss_weight > 0 with scan_layers=False: MaxText sows each MoE "
+                "layer's load-balance loss and reads it in the loss, a value that would cross "
+                "pipeline stages without a stage boundary; use scan_layers=True (MaxText's "
+                "default; the sown values then travel through the stage boundaries) or "
+                "load_balance_loss_weight=0")
         self.config = cfg
         self.device = device if device is not None else jax.devices()[0]
         self.mesh = maxtext_utils.get_mesh_from_config(cfg, [self.device])
         rngs = maxtext_utils_nnx.create_nnx_rngs(cfg)
         self.model = model_creation_utils.create_model(cfg, self.mesh, rngs=rngs)
-        self.num_layers = len(_decoder_layers(self.model))
+        self.num_layers = (_scanned_layer_count(self.model) if cfg.scan_layers
+                           else len(_decoder_layers(self.model)))
         self.lr_schedule, self.tx = train_utils.create_training_optimizer(cfg, self.model,
                                                                           mesh=self.mesh)
         self._params = nnx.as_pure(nnx.state(self.model, nnx.Param))
@@ -271,10 +298,28 @@ class MaxTextModel:
         """``synthetic_batch(self.config, seed, padding)``."""
         return synthetic_batch(self.config, seed, padding)
 
-    def init_params(self) -> Any:
+    def init_params(self, stages: int | None = None) -> Any:
         """The model's parameters: the pure ``nnx.State`` (arrays) that ``nnx.Optimizer`` of
-        MaxText's train state updates, same paths and values."""
-        return self._params
+        MaxText's train state updates, same paths and values. With ``stages`` and
+        ``scan_layers=True`` the scanned stack's arrays are split into one piece per stage
+        (``baton.Stacked`` along each leaf's layer axis): each rank then holds only its own
+        layers and their optimizer state; ``baton.join_stacks`` gives MaxText's layout back."""
+        if stages is None or not self.config.scan_layers:
+            return self._params
+        import jax
+
+        from ..stacks import split_stacks
+
+        axis = layer_axis_of(self.config)
+        split_layers(self.num_layers, stages)  # a clear error for too many stages
+
+        def piece(path, x):
+            names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+            if names[:2] == ["decoder", "layers"]:
+                return split_stacks(x, stages, axis=lambda _, v: axis(path, v))
+            return x
+
+        return jax.tree_util.tree_map_with_path(piece, self._params)
 
     def init_opt_state(self, params: Any = None) -> Any:
         return self.tx.init(self.init_params() if params is None else params)
@@ -297,8 +342,15 @@ class MaxTextModel:
         from flax import nnx
 
         marked = nnx.clone(self.model)
+        groups = split_layers(self.num_layers, stages)
+        if self.config.scan_layers:
+            dec = marked.decoder
+            if stages > 1:
+                dec.__class__ = staged_decoder_class(type(dec), stages)
+            graphdef, _, rest = nnx.split(marked, nnx.Param, ...)
+            return graphdef, rest
         layers = _decoder_layers(marked)
-        for group in split_layers(self.num_layers, stages)[:-1]:
+        for group in groups[:-1]:
             layer = layers[group[-1]]
             layer.__class__ = stage_end_class(type(layer))
         graphdef, _, rest = nnx.split(marked, nnx.Param, ...)
@@ -346,7 +398,14 @@ class MaxTextModel:
         clip = float(self.config.gradient_clipping_threshold)
         tx = self.tx
 
+        def maxtext_order(x):
+            # MaxText's gradient accumulation gives microbatch j the rows j, j + M, j + 2M, ...
+            # (gradient_accumulation.py); Baton's microbatch j is the j-th block of rows
+            s = x.shape[0] // microbatches
+            return x.reshape((s, microbatches) + x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+
         def step(params, opt_state, batch):
+            batch = jax.tree.map(maxtext_order, batch)
             tokens = jnp.maximum(jnp.sum(batch["targets_segmentation"] != 0), 1)
             (_, loss), grads = frontend.accumulate(vg, params, tokens.astype(jnp.float32),
                                                    batch=batch, reduce="sum")
