@@ -9,8 +9,10 @@
 
 #include "../src/runtime/wire.h"
 #include "baton/autoplan.h"
+#include "baton/cluster.h"
 #include "baton/cost.h"
 #include "baton/error.h"
+#include "baton/hardware.h"
 #include "baton/text_format.h"
 
 namespace baton::fuzz {
@@ -115,10 +117,25 @@ void wire_control(const uint8_t* data, size_t size) {
 
 // The hardware description (cost/hardware.cc) joins this list as
 // {"hardware_json", hardware_json} once it is in the tree.
+// The hardware description of a cluster (baton-plan --cluster, cost/hardware.cc).
+void hardware_json(const uint8_t* data, size_t size) {
+  refused_or([&] {
+    const Hardware h = Hardware::from_json(text_of(data, size));
+    if (!(Hardware::from_json(h.to_json()) == h))
+      fail("hardware_json", "to/from JSON round trip differs");
+  });
+}
+
+// A model profile for cluster planning (baton-plan --profile, cost/profile.cc).
+void profile_json(const uint8_t* data, size_t size) {
+  refused_or([&] { (void)ModelProfile::from_json(text_of(data, size)); });
+}
+
 const Target kTargets[] = {
     {"schedule_text", schedule_text}, {"cost_json", cost_json}, {"segment_json", segment_json},
     {"plan_options", plan_options},   {"wire_meta", wire_meta}, {"wire_address", wire_address},
-    {"wire_control", wire_control},
+    {"wire_control", wire_control},   {"hardware_json", hardware_json},
+    {"profile_json", profile_json},
 };
 
 }  // namespace

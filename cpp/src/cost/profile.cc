@@ -25,7 +25,9 @@ std::string get_string(const json& j, const std::string& path) {
 ProfileSegment parse_segment(const json& j, const std::string& path) {
   kFields.require_object(j, path);
   ProfileSegment s;
-  for (const auto& [key, val] : j.items()) {
+  for (const auto& item : j.items()) {
+    const std::string& key = item.key();
+    const json& val = item.value();  // (clang 14 cannot capture a structured binding)
     const std::string p = path + "." + key;
     auto num = [&] { return kFields.get_number(val, p); };
     auto bytes = [&] { return kFields.get_int(val, p, "an integer"); };
