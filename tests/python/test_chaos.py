@@ -20,7 +20,12 @@ import pytest
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
-import chaos  # noqa: E402
+try:
+    import chaos  # noqa: E402
+finally:
+    # bench/ holds maxtext.py: left on the path it would shadow the MaxText package for
+    # every later test in this worker.
+    sys.path.remove(str(BENCH))
 
 TIMEOUT, LIMIT, HARD = 10.0, 60.0, 90.0
 

@@ -33,7 +33,8 @@ def test_stage_end_class_marks_the_layer_output():
 
 
 def test_without_maxtext_the_error_names_the_install_command():
-    if importlib.util.find_spec("maxtext") is not None:
+    spec = importlib.util.find_spec("maxtext")
+    if spec is not None and spec.submodule_search_locations:
         bmt.require_maxtext()  # the MaxText venv: nothing to refuse
         return
     with pytest.raises(ImportError, match="scripts/setup_maxtext.sh"):
