@@ -656,12 +656,13 @@ void init_runtime(nb::module_& root) {
   m.def(
       "gloo_transport",
       [](int rank, int world, PyStore& store, const std::string& hostname, double connect_timeout,
-         const std::string& prefix, double delay) {
+         const std::string& prefix, double delay, double heartbeat) {
         rt::GlooOptions o;
         o.hostname = hostname;
         o.connect_timeout = ms(connect_timeout);
         o.prefix = prefix;
         o.delay = ms(delay);
+        o.heartbeat = ms(heartbeat);
         auto* t = new PyTransport();
         {
           nb::gil_scoped_release nogil;
@@ -670,7 +671,7 @@ void init_runtime(nb::module_& root) {
         return t;
       },
       "rank"_a, "world_size"_a, "store"_a, "hostname"_a = "127.0.0.1", "connect_timeout"_a = 30.0,
-      "prefix"_a = "baton", "delay"_a = 0.0, nb::rv_policy::take_ownership);
+      "prefix"_a = "baton", "delay"_a = 0.0, "heartbeat"_a = 1.0, nb::rv_policy::take_ownership);
 
   m.def(
       "nccl_transport",

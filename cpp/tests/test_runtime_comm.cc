@@ -446,6 +446,61 @@ TEST(RuntimeComm, ShardTimeoutNamesTheShardAndFailsTheOthers) {
   EXPECT_FALSE(m1.empty());
 }
 
+// Three ranks in a chain: rank 0 waits for rank 1, which waits for rank 2, which is
+// alive but silent (its heartbeat is off, as a stopped process's would stop). Rank 0's
+// timeout must name rank 2, not the healthy rank 1 it waited for.
+TEST(RuntimeComm, TimeoutBlamesTheSilentPeerNotTheOneWaitedFor) {
+  auto store = make_hash_store();
+  std::vector<std::shared_ptr<Transport>> t(3);
+  std::vector<std::thread> th;
+  for (int r = 0; r < 3; ++r)
+    th.emplace_back([&, r] {
+      GlooOptions o;
+      o.connect_timeout = milliseconds(20000);
+      o.heartbeat = milliseconds(r == 2 ? 0 : 200);
+      t[static_cast<size_t>(r)] = make_gloo_transport(r, 3, store, o);
+    });
+  for (auto& x : th) x.join();
+  std::vector<std::shared_ptr<RankComm>> c;
+  for (int r = 0; r < 3; ++r) {
+    // rank 0 gives up first (3 s); rank 1 would wait 20 s
+    c.push_back(std::make_shared<RankComm>(r, milliseconds(r == 0 ? 3000 : 20000)));
+    c.back()->attach(t[static_cast<size_t>(r)]);
+    c.back()->set_layout(0, 0, {4 * sizeof(float)});
+  }
+  std::vector<float> y0(4), y1(4);
+  std::string m1;
+  std::thread waiter([&] {
+    try {
+      c[1]->run_group({op(CommOpKind::Wait, 2)}, {}, {out(y1)});
+    } catch (const ExecutionError& e) {
+      m1 = e.what();
+    }
+  });
+  try {
+    c[0]->run_group({op(CommOpKind::Wait, 1)}, {}, {out(y0)});
+    FAIL() << "no error";
+  } catch (const ExecutionError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("rank 0: timed out after 3 s receiving act(stage 0) #0 from rank 1"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("silent (no heartbeat): rank 2 for "), std::string::npos) << m;
+    EXPECT_NE(m.find("that rank 1 may be waiting for"), std::string::npos) << m;
+    EXPECT_EQ(m.find("rank 1 for"), std::string::npos) << m;  // rank 1 kept beating
+    EXPECT_EQ(e.failed_rank, 2);
+  }
+  waiter.join();  // rank 1 stops at once: rank 0's abort reached it
+  EXPECT_NE(m1.find("rank 2"), std::string::npos) << m1;
+  ASSERT_TRUE(c[1]->failure().has_value());
+  EXPECT_EQ(c[1]->failure()->first, 2);
+  // A rank without a heartbeat knows of no silence; no transport, no note.
+  EXPECT_TRUE(t[2]->silent_peers().empty());
+  const TimeoutBlame none = blame_silence(nullptr, 1, 0);
+  EXPECT_EQ(none.origin, 0);
+  EXPECT_TRUE(none.note.empty());
+}
+
 TEST(RuntimeComm, TagsOfDifferentShardsNeverCollide) {
   std::set<uint64_t> seen;
   for (uint64_t seq = 0; seq < 10; ++seq)

@@ -246,7 +246,27 @@ class Transport {
   // (origin rank, reason) once any rank reported a failure or a peer became
   // unreachable; empty otherwise.
   virtual std::optional<std::pair<int, std::string>> failure() const = 0;
+  // Peers this rank has heard nothing from (not even a heartbeat) for longer
+  // than the transport's silence limit, the longest silent first. Empty for
+  // transports without a heartbeat (local, NCCL) and for a rank whose own
+  // heartbeat is off.
+  struct Silence {
+    int rank = -1;
+    double seconds = 0;
+  };
+  virtual std::vector<Silence> silent_peers() const { return {}; }
 };
+
+// What a transfer timeout on a rank that waited for `waited` blames: the
+// longest-silent peer when `transport` knows of one (a stopped or cut-off
+// process: the peer waited for may itself be waiting for it), else
+// `fallback`. `note` is appended to the timeout message ("; rank 3 has been
+// silent for 9.8 s ..."; empty when no peer is silent).
+struct TimeoutBlame {
+  int origin = -1;
+  std::string note;
+};
+TimeoutBlame blame_silence(const Transport* transport, int waited, int fallback);
 
 // In-process transport: N executors (threads) in one process hand value
 // handles to each other through a shared hub. Sends complete at once (after
@@ -280,6 +300,11 @@ struct GlooOptions : TransportOptions {
   // unreachable rank(s). Transfers after start-up are not bounded by it.
   std::chrono::milliseconds connect_timeout{30000};
   std::string prefix = "baton";  // store key prefix
+  // Every `heartbeat` each rank sends every peer a small message on the
+  // control slot (from a thread of its own, so a rank busy in a task or a
+  // compile still beats). A peer unheard for 3 heartbeats is silent
+  // (Transport::silent_peers), and a transfer timeout names it. 0: off.
+  std::chrono::milliseconds heartbeat{1000};
 };
 // Minimal rendezvous store interface (maps onto gloo::rendezvous::Store).
 class Store {

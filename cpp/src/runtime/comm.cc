@@ -195,9 +195,12 @@ void RankComm::fail(const std::string& msg, int origin) {
 
 void RankComm::wait_done(const Pending& p, const std::string& doing) {
   const Request& r = *p.req;
-  if (!p.req->wait_until(Clock::now() + timeout_))
-    fail(fmt::format("rank {}: timed out after {:g} s {}", rank_, comm_seconds(timeout_), doing),
-         rank_);
+  if (!p.req->wait_until(Clock::now() + timeout_)) {
+    const TimeoutBlame b = blame_silence(transport_.get(), r.peer, rank_);
+    fail(fmt::format("rank {}: timed out after {:g} s {}{}", rank_, comm_seconds(timeout_), doing,
+                     b.note),
+         b.origin);
+  }
   try {
     r.check();
   } catch (const ExecutionError& e) {

@@ -5,6 +5,7 @@
 #include <malloc.h>
 #endif
 
+#include <algorithm>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -191,6 +192,24 @@ std::string handshake_blob(const Plan& plan, int world_size) {
   return fmt::format("version={}|plan={}|schedule={} ranks={} stages={} microbatches={}|world={}",
                      runtime_version(), plan.fingerprint(), s.name, s.num_ranks, s.num_stages,
                      s.num_microbatches, world_size);
+}
+
+TimeoutBlame blame_silence(const Transport* transport, int waited, int fallback) {
+  TimeoutBlame out{fallback, {}};
+  if (transport == nullptr) return out;
+  const std::vector<Transport::Silence> silent = transport->silent_peers();
+  if (silent.empty()) return out;
+  out.origin = silent.front().rank;
+  std::vector<std::string> parts;
+  for (const auto& s : silent) parts.push_back(fmt::format("rank {} for {:.1f} s", s.rank, s.seconds));
+  const bool waited_silent =
+      std::any_of(silent.begin(), silent.end(), [&](const auto& s) { return s.rank == waited; });
+  out.note = fmt::format(
+      "; silent (no heartbeat): {}: a stopped, hung or cut-off process{}", fmt::join(parts, ", "),
+      waited_silent || waited < 0
+          ? std::string()
+          : fmt::format(" that rank {} may be waiting for", waited));
+  return out;
 }
 
 }  // namespace baton::runtime

@@ -81,10 +81,12 @@ void Executor::wait(int index, const RequestPtr& r, const char* doing) {
     if (!ok) {
       if (auto f = transport_.failure())
         fail(index, fmt::format("stopped: rank {} failed: {}", f->first, f->second), f->first);
+      const TimeoutBlame b = blame_silence(&transport_, r->peer, -1);
       fail(index,
-           fmt::format("timed out after {:g} s waiting to {} {} {} rank {} (no progress)",
-                       seconds(opts_.timeout), doing, r->what, r->is_send ? "to" : "from", r->peer),
-           -1);
+           fmt::format("timed out after {:g} s waiting to {} {} {} rank {} (no progress){}",
+                       seconds(opts_.timeout), doing, r->what, r->is_send ? "to" : "from", r->peer,
+                       b.note),
+           b.origin);
     }
   }
   try {

@@ -13,6 +13,10 @@
 // Gloo wait and tells every peer over the control slot. A lost connection on
 // the control slot marks that peer failed. Start-up (rendezvous and connect)
 // is bounded as a whole by GlooOptions::connect_timeout (see MeshContext).
+// Every rank also beats on the control slot (one thread per peer, every
+// GlooOptions::heartbeat): the time each peer was last heard from tells a
+// timed-out rank which peer went silent, which need not be the one it waited
+// for (that one may be waiting for the silent one).
 #include <arpa/inet.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -123,6 +127,7 @@ constexpr int kPartBits = 16;
 using wire::ControlMsg;
 using wire::kMsgAbort;
 using wire::kMsgBye;
+using wire::kMsgBeat;
 
 uint64_t slot_of(uint64_t tag, uint64_t part) { return (tag << kPartBits) | part; }
 
@@ -343,10 +348,23 @@ class GlooTransport : public Transport {
       auto buf = ctx_->createUnboundBuffer(msg.get(), sizeof(ControlMsg));
       listeners_.push_back(Listener{p, std::move(msg), std::move(buf), {}});
     }
+    heard_.assign(static_cast<size_t>(world), Clock::now());
     for (auto& l : listeners_) l.thread = std::thread([this, &l] { listen(l); });
+    if (opts_.heartbeat.count() > 0) {
+      for (int p = 0; p < world; ++p) {
+        if (p == rank) continue;
+        auto msg = std::make_unique<ControlMsg>();
+        msg->kind = kMsgBeat;
+        msg->origin = rank;
+        auto buf = ctx_->createUnboundBuffer(msg.get(), sizeof(ControlMsg));
+        beaters_.push_back(Beater{p, std::move(msg), std::move(buf), {}});
+      }
+      for (auto& b : beaters_) b.thread = std::thread([this, &b] { beat(b); });
+    }
   }
 
   ~GlooTransport() override {
+    stop_beats();  // no beat may follow the bye
     bool failed;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -378,6 +396,7 @@ class GlooTransport : public Transport {
     graveyard_.clear();
     transfers_.clear();
     listeners_.clear();
+    beaters_.clear();
     ctx_.reset();
   }
 
@@ -465,6 +484,23 @@ class GlooTransport : public Transport {
     return std::make_pair(failed_origin_, failed_reason_);
   }
 
+  std::vector<Silence> silent_peers() const override {
+    std::vector<Silence> out;
+    if (opts_.heartbeat.count() <= 0) return out;
+    const auto now = Clock::now();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (int p = 0; p < world_; ++p) {
+        const auto quiet = now - heard_[static_cast<size_t>(p)];
+        if (p == rank_ || bye_[static_cast<size_t>(p)] || quiet <= 3 * opts_.heartbeat) continue;
+        out.push_back({p, std::chrono::duration<double>(quiet).count()});
+      }
+    }
+    std::sort(out.begin(), out.end(),
+              [](const Silence& a, const Silence& b) { return a.seconds > b.seconds; });
+    return out;
+  }
+
  private:
   struct Listener {
     int peer;
@@ -472,6 +508,38 @@ class GlooTransport : public Transport {
     std::unique_ptr<gloo::transport::UnboundBuffer> buf;
     std::thread thread;
   };
+  using Beater = Listener;  // the same parts, sending kMsgBeat to `peer`
+
+  // Sends `b.peer` a beat every heartbeat until stop_beats(). A send waits
+  // until the peer takes it (a stopped peer: until stop_beats aborts the
+  // wait); a broken connection ends the beats (the listener reports it).
+  void beat(Beater& b) {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!beats_stopped_) {
+      lock.unlock();
+      bool ok = false;
+      try {
+        b.buf->send(b.peer, kControlSlot);
+        ok = b.buf->waitSend();
+      } catch (const std::exception&) {
+        ok = false;
+      }
+      lock.lock();
+      if (!ok) return;
+      beat_cv_.wait_for(lock, opts_.heartbeat, [&] { return beats_stopped_; });
+    }
+  }
+
+  void stop_beats() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      beats_stopped_ = true;
+    }
+    beat_cv_.notify_all();
+    for (auto& b : beaters_) b.buf->abortWaitSend();
+    for (auto& b : beaters_)
+      if (b.thread.joinable()) b.thread.join();
+  }
 
   void check_peer(int peer) const {
     if (peer < 0 || peer >= world_ || peer == rank_)
@@ -795,6 +863,10 @@ class GlooTransport : public Transport {
         return;
       }
       const wire::Control m = wire::decode_control(*l.msg, l.peer, world_);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        heard_[static_cast<size_t>(l.peer)] = Clock::now();
+      }
       if (m.kind == kMsgBye) {
         std::lock_guard<std::mutex> lock(mu_);
         bye_[static_cast<size_t>(l.peer)] = true;
@@ -816,9 +888,11 @@ class GlooTransport : public Transport {
   std::shared_ptr<gloo::transport::Device> dev_;
   std::shared_ptr<gloo::Context> ctx_;
   std::list<Listener> listeners_;
+  std::list<Beater> beaters_;
   mutable std::mutex mu_;
-  std::condition_variable cv_;
-  bool failed_ = false, closing_ = false;
+  std::condition_variable cv_, beat_cv_;
+  bool failed_ = false, closing_ = false, beats_stopped_ = false;
+  std::vector<Clock::time_point> heard_;  // when each peer was last heard from
   int failed_origin_ = -1;
   std::string failed_reason_;
   std::vector<bool> bye_;

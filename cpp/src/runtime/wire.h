@@ -39,7 +39,7 @@ std::string encode_addresses(const std::vector<std::vector<char>>& per_peer);
 std::vector<char> address_for(std::string_view blob, int publisher, int reader, int world);
 
 // A Gloo control message, as it travels (fixed size).
-constexpr uint32_t kMsgAbort = 1, kMsgBye = 2;
+constexpr uint32_t kMsgAbort = 1, kMsgBye = 2, kMsgBeat = 3;
 struct ControlMsg {
   uint32_t kind = 0;
   int32_t origin = -1;
@@ -48,7 +48,7 @@ struct ControlMsg {
 static_assert(sizeof(ControlMsg) == 1024);
 
 struct Control {
-  uint32_t kind = 0;  // kMsgAbort, kMsgBye or anything else (ignored by the reader)
+  uint32_t kind = 0;  // kMsgAbort, kMsgBye, kMsgBeat or anything else (ignored)
   int origin = -1;    // in [0, world); a peer's out-of-range origin becomes `peer`
   std::string text;   // at most sizeof(ControlMsg::text) - 1 bytes
 };
