@@ -378,11 +378,12 @@ void wait_request(const rt::RequestPtr& r, double timeout, rt::Transport& t) {
   {
     nb::gil_scoped_release nogil;
     if (!r->wait_until(rt::Clock::now() + ms(timeout))) {
+      const rt::TimeoutBlame b = rt::blame_silence(&t, r->peer, -1);
       const std::string msg = fmt::format(
-          "rank {}: timed out after {:g} s waiting to {} {} {} rank {}", t.rank(), timeout,
-          r->is_send ? "send" : "receive", r->what, r->is_send ? "to" : "from", r->peer);
-      t.abort(msg);
-      throw rt::ExecutionError(msg, -1);
+          "rank {}: timed out after {:g} s waiting to {} {} {} rank {}{}", t.rank(), timeout,
+          r->is_send ? "send" : "receive", r->what, r->is_send ? "to" : "from", r->peer, b.note);
+      t.abort(msg, b.origin);
+      throw rt::ExecutionError(msg, b.origin);
     }
   }
   r->check();
