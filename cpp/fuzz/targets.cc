@@ -115,8 +115,6 @@ void wire_control(const uint8_t* data, size_t size) {
   if (a.reason.size() > note.size()) fail("wire_control", "abort-note reason longer than the note");
 }
 
-// The hardware description (cost/hardware.cc) joins this list as
-// {"hardware_json", hardware_json} once it is in the tree.
 // The hardware description of a cluster (baton-plan --cluster, cost/hardware.cc).
 void hardware_json(const uint8_t* data, size_t size) {
   refused_or([&] {

@@ -1,11 +1,14 @@
 """Gloo start-up never waits unbounded: rendezvous + connect end within ``connect_timeout``,
-with a :class:`baton.ExecutionError` naming the rank that could not be reached.
+with a :class:`baton.ExecutionError` naming the rank that could not be reached. After
+start-up, a transfer timeout blames the peer that stopped beating (the heartbeat), not only
+the peer it waited for.
 
 Every process-starting test has a subprocess timeout."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -130,3 +133,59 @@ def test_ranks_that_cannot_reach_each_other_both_fail_within_timeout(side):
         assert took < 8.0, (took, msg)  # 4x the 2 s timeout, below Gloo's 5x listening wait
     if side == "listen":
         assert min(took for _, took in results) >= 1.5, results  # waited as listeners
+
+
+# One rank of a world of 3 in a chain: rank 0 waits for rank 1, rank 1 waits for rank 2, and
+# rank 2 is SIGSTOPped by the test once every rank is connected.
+CHAIN = textwrap.dedent('''
+    import os, sys, time
+    import baton
+    from baton.runtime import rendezvous
+    t = rendezvous.init_transport("gloo", connect_timeout=60.0)
+    rank = int(os.environ["BATON_RANK"])
+    print("READY", flush=True)
+    go = sys.argv[1]
+    while not os.path.exists(go):
+        time.sleep(0.05)
+    if rank == 2:
+        time.sleep(600)  # stopped by the test before it gets here
+    if rank == 0:
+        time.sleep(0.5)  # rank 1 waits first
+    peer, limit = (1, 6.0) if rank == 0 else (2, 60.0)
+    try:
+        t.irecv(peer, 7).wait(limit)
+        print("RECEIVED", flush=True)
+    except baton.ExecutionError as e:
+        print(f"ERROR {t.failure()[0]}: {e}", flush=True)
+    os._exit(0)  # (a frozen peer cannot take a goodbye)
+''')
+
+
+def test_a_timeout_blames_the_frozen_rank_not_the_one_it_waited_for(tmp_path):
+    """Rank 0 times out waiting for rank 1, which is healthy but waiting for the frozen
+    rank 2: rank 2 has sent no heartbeat since it froze, so rank 0's error blames rank 2 (and
+    says rank 1 may be waiting for it), and rank 1 learns that rank 2 failed."""
+    go = tmp_path / "go"
+    procs = []
+    try:
+        for r in range(3):
+            env = dict(os.environ, BATON_RANK=str(r), BATON_WORLD_SIZE="3",
+                       BATON_LOCAL_RANK=str(r), BATON_STORE=f"file://{tmp_path / 'store'}",
+                       BATON_HOSTNAME="127.0.0.1")
+            procs.append(subprocess.Popen([sys.executable, "-c", CHAIN, str(go)], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        for p in procs:
+            assert p.stdout.readline().strip() == "READY"
+        os.kill(procs[2].pid, signal.SIGSTOP)
+        go.touch()
+        outs = [procs[r].communicate(timeout=120)[0] for r in (0, 1)]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert "ERROR 2: rank 0: timed out after 6 s waiting to receive" in outs[0], outs[0]
+    assert "from rank 1; silent (no heartbeat): rank 2 for " in outs[0], outs[0]
+    assert "that rank 1 may be waiting for" in outs[0], outs[0]
+    assert "rank 1 for" not in outs[0], outs[0]  # rank 1 kept beating
+    assert "ERROR 2: " in outs[1], outs[1]  # told by rank 0's abort: rank 2 failed
