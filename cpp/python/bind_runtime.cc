@@ -14,13 +14,13 @@
 
 #include <cstring>
 #include <optional>
-#include <thread>
 
 #include "baton/comm.h"
 #include "baton/nccl_comm.h"
 #include "baton/nccl_library.h"
 #include "baton/plan.h"
 #include "baton/runtime.h"
+#include "baton/transfer_bench.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -942,79 +942,10 @@ void init_runtime(nb::module_& root) {
   m.def(
       "_pingpong",
       [](PyTransport& a, PyTransport& b, size_t nbytes, int iters, bool through_comm) {
-        // Benchmark helper (bench/ffi_transfer.py): `iters` round trips of `nbytes` between
-        // two transports of this process, from C++ threads: through RankComm (the FFI
-        // handlers' code, with their copies) or straight on the transports (host tensors
-        // handed over, no copy). Returns seconds per round trip.
+        // Benchmark helper (bench/ffi_transfer.py); see baton/transfer_bench.h.
         std::shared_ptr<rt::Transport> ta = a.t, tb = b.t;
-        if (!ta || !tb) throw baton::ConfigError("the transport is closed");
         nb::gil_scoped_release nogil;
-        const auto timeout = milliseconds(60000);
-        std::vector<char> x(nbytes, 1), y(nbytes, 0);
-        auto t0 = rt::Clock::now();
-        if (through_comm) {
-          rt::RankComm ca(ta->rank(), timeout), cb(tb->rank(), timeout);
-          ca.attach(ta);
-          cb.attach(tb);
-          for (auto* c : {&ca, &cb}) c->set_layout(0, 0, {nbytes});
-          const int pa = ta->rank(), pb = tb->rank();
-          std::thread peer([&] {
-            std::vector<char> buf(nbytes);
-            for (int i = 0; i < iters; ++i) {
-              cb.run_group({{rt::CommOpKind::Wait, pa, 0, 0}}, {}, {{buf.data(), nbytes}});
-              cb.run_group({{rt::CommOpKind::Send, pa, 0, 0}}, {{buf.data(), nbytes}}, {});
-            }
-            cb.drain();
-          });
-          t0 = rt::Clock::now();
-          for (int i = 0; i < iters; ++i) {
-            ca.run_group({{rt::CommOpKind::Send, pb, 0, 0}, {rt::CommOpKind::Post, pb, 0, 0}},
-                         {{x.data(), nbytes}}, {});
-            ca.run_group({{rt::CommOpKind::Wait, pb, 0, 0}}, {}, {{y.data(), nbytes}});
-          }
-          ca.drain();
-          peer.join();
-        } else {
-          // host tensors only: the Tasks defaults convert HostValues (no Python)
-          struct HostCodec : rt::Tasks {
-            std::vector<rt::Value> run(const rt::TaskCall&) override { return {}; }
-            void accumulate(int, int32_t, const rt::Value&) override {}
-          } codec;
-          rt::Tasks* host = &codec;
-          const rt::Layout layout{{rt::DType::U8, {static_cast<int64_t>(nbytes)}}};
-          auto value = [&] {
-            return std::make_shared<rt::HostValue>(
-                rt::Payload{rt::alloc_host_tensor(rt::DType::U8, {static_cast<int64_t>(nbytes)})});
-          };
-          const uint64_t base = uint64_t{1} << 40;
-          // sends are waited for at the end, as RankComm's are (drain)
-          std::thread peer([&] {
-            std::vector<rt::RequestPtr> sent;
-            for (int i = 0; i < iters; ++i) {
-              auto r = tb->irecv(ta->rank(), base + 2 * i, "ping", host, 0, layout);
-              tb->flush();
-              r->wait_until(rt::Clock::now() + timeout);
-              sent.push_back(tb->isend(ta->rank(), base + 2 * i + 1, r->take_value(), "pong", host,
-                                       0, layout));
-              tb->flush();
-            }
-            for (auto& s : sent) s->wait_until(rt::Clock::now() + timeout);
-          });
-          t0 = rt::Clock::now();
-          std::vector<rt::RequestPtr> sent;
-          for (int i = 0; i < iters; ++i) {
-            sent.push_back(ta->isend(tb->rank(), base + 2 * i, value(), "ping", host, 0, layout));
-            auto r = ta->irecv(tb->rank(), base + 2 * i + 1, "pong", host, 0, layout);
-            ta->flush();
-            r->wait_until(rt::Clock::now() + timeout);
-            r->check();
-          }
-          for (auto& s : sent) s->wait_until(rt::Clock::now() + timeout);
-          peer.join();
-          ta->release(host);
-          tb->release(host);
-        }
-        return std::chrono::duration<double>(rt::Clock::now() - t0).count() / iters;
+        return rt::pingpong_seconds(ta, tb, nbytes, iters, through_comm);
       },
       "a"_a, "b"_a, "nbytes"_a, "iters"_a, "through_comm"_a);
 
