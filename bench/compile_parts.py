@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import baton  # noqa: E402
 import gpt  # noqa: E402
 from baton.frontend import engine  # noqa: E402
-from baton.frontend import program as P  # noqa: E402
+from baton.frontend.task_env import _run_task  # noqa: E402
 
 
 def compile_secs(lowered) -> float:
@@ -64,9 +64,9 @@ def tasks_only(p, args):
                for st, _ in p.steps for op, k, s, _, _ in st if op == "wait"}
         outs: list = []
         for k, s in p.units:
-            P._run_task(cs, k, s, 0, outer, lambda v, _m: whole(v)[0],
-                        lambda key: env[key[:2]], lambda key, v: env.__setitem__(key[:2], v),
-                        lambda i, _m, x: outs.append(x), lambda f, a: f(*a))
+            _run_task(cs, k, s, 0, outer, lambda v, _m: whole(v)[0],
+                      lambda key: env[key[:2]], lambda key, v: env.__setitem__(key[:2], v),
+                      lambda i, _m, x: outs.append(x), lambda f, a: f(*a))
         return outs + [x for v in env.values() for x in v]
 
     return jax.jit(fn).lower(args)

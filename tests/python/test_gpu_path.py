@@ -18,7 +18,8 @@ import pytest  # noqa: E402
 import baton  # noqa: E402
 from baton import _core  # noqa: E402
 from baton.frontend import engine, ffi  # noqa: E402
-from baton.frontend.program import RankProgram, loop_form, rank_items  # noqa: E402
+from baton.frontend.rank_program import RankProgram, loop_form  # noqa: E402
+from baton.frontend.rolling import rank_items  # noqa: E402
 
 
 def _fake_step(platform, ranks=2, per_rank=2, transport="nccl"):

@@ -116,7 +116,7 @@ def test_one_program_several_stages_on_one_rank(schedule):
     from mlp_step import make
     from test_e2e import run_mlp
 
-    from baton.frontend.program import SingleProgram
+    from baton.frontend.single_program import SingleProgram
 
     assert schedule.stages(1) == 2
     ps = run_mlp(schedule, 1, microbatches=4, steps=2, per_rank=2, aux=True)
@@ -136,12 +136,12 @@ def test_one_program_that_fails_to_build_raises(monkeypatch):
     interpreter runs only when chosen: single_program=False)."""
     from mlp_step import make
 
-    from baton.frontend import program
+    from baton.frontend import single_program
 
     def broken(self, flat_args):
         raise RuntimeError("rolled wrong")
 
-    monkeypatch.setattr(program.SingleProgram, "_program", broken)
+    monkeypatch.setattr(single_program.SingleProgram, "_program", broken)
     ps, params, batch = make(baton.OneFOneB(), 1, 4)
     with pytest.raises(RuntimeError, match="rolled wrong"):
         ps(params, batch)

@@ -75,7 +75,7 @@ def test_step_rank_programs_are_what_its_loops_run():
     of each rank's loop program are the rank program's instructions in order."""
     from mlp_step import make
 
-    from baton.frontend.program import rank_items
+    from baton.frontend.rolling import rank_items
 
     ps, params, batch = make(baton.OneFOneB(), 2, 4)
     cs = ps.compile(params, batch)

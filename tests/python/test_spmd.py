@@ -183,7 +183,7 @@ def test_boundary_values_cross_shard_to_shard():
     """In a rank program of several devices, each transfer is a per-device call
     (``shard_map``) on the device's shard: the custom call sees local shapes, and nothing
     gathers the activation first."""
-    from baton.frontend.program import RankProgram
+    from baton.frontend.rank_program import RankProgram
 
     pm = baton.PipelineMesh(named_mesh(2, data=2, tensor=2))
     cfg = gpt.GPTConfig(vocab=64, seq=16, dim=32, heads=4, layers=2, stages=2)
@@ -307,7 +307,7 @@ def test_moe_dispatch_is_an_all_to_all_inside_the_rank_program():
     weights over expert) into all-to-alls within each rank: the compiled rank program has
     them."""
     import moe_gpt
-    from baton.frontend.program import RankProgram
+    from baton.frontend.rank_program import RankProgram
 
     mesh = named_mesh(2, expert=2, data=2)
     moe_gpt.use_mesh(mesh)

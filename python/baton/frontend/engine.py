@@ -1,6 +1,6 @@
-"""The compiled engine: runs a ``CompiledStep``'s loop as XLA programs (``program.py``).
+"""The compiled engine: runs a ``CompiledStep``'s loop as XLA programs.
 
-* one rank: the whole step as one program (``SingleProgram``);
+* one rank: the whole step as one program (``SingleProgram``, ``single_program.py``);
 * several ranks in one process: one ``RankProgram`` per rank on its devices, each launched
   from its own thread so the ranks overlap, transfers through an in-process ``LocalHub``
   from inside the programs (FFI calls);
@@ -94,7 +94,7 @@ def check(step, rank: int, transport_kind: str | None = None) -> None:
 
 def links(step, rank: int) -> list[tuple[int, int, bool]]:
     """(peer, channel, send) of every direction of a link ``rank``'s loop uses."""
-    from .program import rank_items
+    from .rolling import rank_items
 
     return sorted({(peer, step.buffers.channel(k, s), op == "send") for op, k, s, _, peer in
                    rank_items(step, rank) if op in ("send", "post")})
@@ -164,7 +164,7 @@ class ProgramEngine:
 
     # -- one rank -----------------------------------------------------------------------
     def run_single(self, flat_args) -> list[Any]:
-        from .program import SingleProgram
+        from .single_program import SingleProgram
 
         if self.single is None:
             self.single = SingleProgram(self.step)
@@ -177,7 +177,7 @@ class ProgramEngine:
     def _local_programs(self, vals, timeout):
         """This step's rank programs over an in-process hub (built on the first call, and
         again after a failed step: a failed hub stays failed)."""
-        from .program import RankProgram
+        from .rank_program import RankProgram
 
         step = self.step
         R = step.num_ranks
@@ -298,7 +298,7 @@ class ProgramEngine:
         return final
 
     def _build_rank(self, group, router, vals, timeout, ts):
-        from .program import RankProgram
+        from .rank_program import RankProgram
 
         step = self.step
         ranks = step.mesh.ranks_of(group.rank)

@@ -42,7 +42,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import _core
-from .program import _exes
+from .rings import ring_slots
+from .rolling import _exes
 
 _AX = "baton_ranks"
 _PLACED = ("sharding_constraint", "shard_map", "device_put")  # primitives that name devices
@@ -374,8 +375,6 @@ class SharedProgram:
         """Called by the lead's lowering once its rings are pooled: every member's slots
         (``ring_slots`` with the lead's pools, mapped) and the rings sized for the largest.
         Returns (pool -> slots) for the program."""
-        from .program import ring_slots
-
         cs = self.lead.cs
         M = cs.M
         sizes = dict(lead_rings)

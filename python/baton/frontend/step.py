@@ -5,7 +5,7 @@ before and after the loop as per-stage segments (``tasks.Segments``), the plan's
 facts (``tasks.Buffers``), and two engines that run the loop:
 
 * ``engine`` (``engine.ProgramEngine``, the default): each rank's loop as one XLA program
-  whose transfers are FFI calls into the C++ transports (``program.py``);
+  whose transfers are FFI calls into the C++ transports (``rank_program.py``);
 * ``interpreter`` (``interpreter.Interpreter``, the reference engine): the C++ executor
   calling the jitted tasks; chosen with ``single_program=False``, and it runs profiled
   steps and traced one-rank steps.

@@ -4,7 +4,7 @@ outside the loop as per-stage segments, and the plan's facts about tasks and buf
 A *task* (``TaskExe``) is one (kind, stage) of the C++ partition as a function of its
 invariant inputs, its microbatch inputs and the buffers it reads, returning its outputs
 by group (``OUT_GROUPS``); the same function is jitted per task (the interpreter) or
-traced into a rank's program (``program.py``). Which buffers a task reads and writes
+traced into a rank's program (``loop_program.py``). Which buffers a task reads and writes
 comes from the C++ plan (``Plan.action_inputs`` / ``action_outputs``, see
 ``Buffers``); where receives are posted and waited on comes from the C++ rank programs
 (``CompiledStep.rank_ir``, docs/RANK_IR.md).
@@ -131,7 +131,7 @@ class TaskExe:
     # The last microbatch's variant (see _with_acc_mean); None when no summed part is a mean.
     fn_acc_mean: Any = None
     acc_mean: list = dataclasses.field(default_factory=list)
-    plain: Any = None  # the task as a plain function (traced into programs, program.py)
+    plain: Any = None  # the task as a plain function (traced into programs, task_env.py)
 
     def split(self, outs) -> dict[str, list]:
         """One call's outputs by group (``out_order``: act, grad, stash, wstash, its skip

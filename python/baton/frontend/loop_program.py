@@ -1,0 +1,223 @@
+"""The microbatch loop of one rank as traced code (``_LoopProgram``): its items rolled into
+``lax.scan`` runs (``rolling.py``), each run's carry slots, sums and stacked outputs, and the
+items outside runs called in place. ``SingleProgram`` (single_program.py) and
+``RankProgram`` (rank_program.py) build on it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from .. import _core
+from .rolling import Item, _analyze, _exes, _last_reads, _rotate, _stacked_out, roll
+from .task_env import _parts_of, _run_task, _Token
+from .tasks import final_part
+
+G = _core.graph
+
+
+class _LoopProgram:
+    """The microbatch loop of one rank as traced code: items rolled into scans (see
+    rolling.py). Subclasses give the items and, for a rank of several, the transfers."""
+
+    marks = False  # task boundary markers (RankProgram: baton_mark calls)
+
+    def __init__(self, cs, rank, items, max_period=None, stacked=True):
+        self.cs = cs
+        self.rank = rank
+        self.items = items
+        self.runs = _rotate(cs, roll(cs, items, max_period, stacked))
+        last_read = _last_reads(cs, items)
+        self._keep = []  # per run: the buffers it makes that later items read (its ys)
+        self._slots = []  # per run: its carry slots
+        pos = 0
+        for pattern, r, d in self.runs:
+            end = pos + len(pattern) * r
+            slots = sorted(_analyze(cs, pattern, d) or ()) if r > 1 else []
+            self._keep.append(_stacked_out(cs, last_read, pattern, r, d, end, slots)
+                              if r > 1 else [])
+            self._slots.append(slots)
+            pos = end
+
+    def stacked_buffers(self) -> list[str]:
+        """Buffer kinds a scan hands to later items stacked over its microbatches (GPipe's
+        stashes). Such a program is slower than the executor: XLA zero-fills each stacked
+        output before the loop writes it (about 216 MB per step for the GPT of
+        bench/one_rank.py, 632 against 599 ms), where the executor keeps per-microbatch
+        buffers."""
+        return sorted({f"{k}{s}" for keep in self._keep for k, s, _ in keep})
+
+    def describe(self) -> str:
+        """The runs, e.g. ``scan 8 x [FB0]`` or ``scan 8 x [F0]; [B0]; ...``; transfers
+        as ``>Act0`` (send), ``+Grad1`` (receive posted), ``<Grad1`` (received)."""
+        sym = {"send": ">", "post": "+", "wait": "<"}
+
+        def name(it):
+            return f"{it[1]}{it[2]}" if it[0] == "run" else f"{sym[it[0]]}{it[1]}{it[2]}"
+
+        out = []
+        for pat, r, d in self.runs:
+            head = f"scan {r} x " if r > 1 else ""
+            step = f"/{d}" if r > 1 and d > 1 else ""
+            out.append(head + "[" + " ".join(name(it) for it in pat) + "]" + step)
+        return "; ".join(out)
+
+    # -- transfers (RankProgram) --------------------------------------------------------
+    def _comm(self, group, base, get, put, token):
+        raise ValueError("internal: this program has no transfers")
+
+    def _mark(self, phase, dep, after):
+        raise ValueError("internal: this program has no markers")
+
+    # -- the traced loop ------------------------------------------------------------------
+    def _loop(self, env, outer, whole_mb, token):
+        """Traces the loop into ``env`` (its sums, stacked parts and buffers)."""
+        cs = self.cs
+        pending: list[Item] = []
+
+        def flush():
+            if pending:
+                self._items(list(pending), 0, outer, lambda v, mm: whole_mb(v)[mm], env.get,
+                            env.single.__setitem__, lambda i, mm, x: env.add(cs, i, mm, x),
+                            lambda: env.acc, token)
+                pending.clear()
+
+        for (pattern, r, d), keep, slots in zip(self.runs, self._keep, self._slots):
+            if r == 1:
+                pending.extend(pattern)
+            else:
+                flush()
+                self._scan(pattern, r, d, keep, slots, env, outer, whole_mb, token)
+        flush()
+
+    def _items(self, items, base, inv, mb, get, put, add, acc, token):
+        """Traces ``items`` in order: tasks (tied to the token), and each stretch of
+        transfers between two tasks as one callback."""
+        cs = self.cs
+        i = 0
+        while i < len(items):
+            it = items[i]
+            if it[0] == "run":
+                _, kind, s, m, _ = it
+                made: dict[tuple, list] = {}
+
+                def put_(key, v, made=made):
+                    made[key] = v
+
+                if self.marks:  # the task starts (recorded only when tracing)
+                    token.dep = self._mark(0, token.dep, [])
+                _run_task(cs, kind, s, m, inv, mb, get, put_, add, token.call)
+                tied = []
+                if token.dep is not None:  # the task's buffers and sums before what follows
+                    a = acc()
+                    touched = [j for j in _parts_of(cs, kind, s) if j in a]
+                    keys = list(made)
+                    tied = token.tie([a[j] for j in touched] + [made[k] for k in keys])
+                    for j, x in zip(touched, tied):
+                        a[j] = x
+                    for k, v in zip(keys, tied[len(touched):]):
+                        made[k] = v
+                for k, v in made.items():
+                    put(k, v)
+                if self.marks:
+                    # the task ended: the mark reads its outputs and sums, so it runs once
+                    # they are computed (an optimization_barrier orders XLA's passes, not its
+                    # run time: a token through one alone would not wait for the compute)
+                    token.dep = self._mark(1, token.dep, jax.tree.leaves(tied))
+                i += 1
+            else:
+                j = i
+                while j < len(items) and items[j][0] != "run":
+                    j += 1
+                self._comm(items[i:j], base, get, put, token)
+                i = j
+
+    def _scan(self, pattern, r, d, keep, slots, env, outer, whole_mb, token):
+        cs = self.cs
+        slot_read = {(k, s, m - d): (k, s, m) for k, s, m in slots}  # read key -> slot
+        # xs: microbatch slices and the repetition index (a pattern reads no buffer made before
+        # the run except through a carry slot, see _analyze)
+        xs: dict[tuple, Any] = {("t",): jnp.arange(r, dtype=jnp.int32)}
+        for it in pattern:
+            if it[0] == "run":
+                for exe in _exes(cs, it[1], it[2]):
+                    for v in exe.in_groups[1]:
+                        xs[("m", v, it[3])] = whole_mb(v)[it[3]:it[3] + (r - 1) * d + 1:d]
+        # carry: the sums the pattern adds to, the slots, the token
+        parts = set()
+        for it in pattern:
+            if it[0] == "run":
+                parts.update(_parts_of(cs, it[1], it[2]))
+        summed = sorted(i for i in parts if cs.parts[i].reduce != G.Reduce.Stack)
+        stacked = sorted(i for i in parts if cs.parts[i].reduce == G.Reduce.Stack)
+        init_acc = {}
+        for i in summed:
+            if i in env.acc:
+                init_acc[i] = env.acc[i]
+            else:
+                aval = cs.traced.avals[cs.parts[i].body]
+                init_acc[i] = jnp.zeros(aval.shape, aval.dtype)
+        init_slots = {key: env.get(rd) for rd, key in slot_read.items()}
+        init = (init_acc, init_slots, token.dep)
+
+        def body(carry, x):
+            acc, slot_vals, dep = carry
+            acc = dict(acc)
+            local: dict[tuple, list] = {}
+            st: dict[int, Any] = {}
+            tok = _Token(dep)
+
+            def get(key):
+                return local[key] if key in local else slot_vals[slot_read[key]]
+
+            def add(i, m, v):
+                if i in acc:
+                    acc[i] = acc[i] + v
+                else:
+                    st[i] = v
+
+            self._items(pattern, x[("t",)] * d, outer, lambda v, mm: x[("m", v, mm)], get,
+                        local.__setitem__, add, lambda: acc, tok)
+            return (acc, {key: local[key] for key in slot_vals}, tok.dep), \
+                ({k: local[k] for k in keep}, st)
+
+        (acc, slot_vals, dep), (ys, st) = jax.lax.scan(body, init, xs, length=r)
+        token.dep = dep
+        env.acc.update(acc)
+        for (k, s, m), v in slot_vals.items():
+            env.single[(k, s, m + (r - 1) * d)] = v
+        for key in keep:
+            k, s, m = key
+            env.rows.setdefault((k, s), []).append((m, r, d, ys[key]))
+        m0 = {}  # the first microbatch each part is added at
+        for it in pattern:
+            if it[0] == "run":
+                for i in _parts_of(cs, it[1], it[2]):
+                    m0.setdefault(i, it[3])
+        for i in stacked:
+            env.stack_rows.setdefault(i, []).append((m0[i], r, d, st[i]))
+
+    def _final_parts(self, env, idx):
+        """The loop's outputs ``idx``: parts reduced (mean, sum or stack)."""
+        cs = self.cs
+        return {i: final_part(cs.parts[i], env.acc.get(i),
+                              lambda i=i: env.stacked_part(i, cs.M), cs.M) for i in idx}
+
+    def _whole_mb(self, outer, split):
+        cs = self.cs
+
+        def whole_mb(v):  # the loop input as [M, batch/M, ...]
+            if v not in split:
+                x = jnp.asarray(outer(v))
+                x = x.reshape((cs.M, x.shape[0] // cs.M, *x.shape[1:]))
+                spec = cs.mesh.batch_spec(x.shape[1:])  # each microbatch over the batch axes
+                if spec:
+                    x = jax.lax.with_sharding_constraint(
+                        x, cs.mesh.sharding(self.rank, PartitionSpec(None, *spec)))
+                split[v] = x
+            return split[v]
+
+        return whole_mb

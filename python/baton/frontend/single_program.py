@@ -1,0 +1,99 @@
+"""A one-rank step as one XLA program (``SingleProgram``, ``baton.jit(single_program=...)``).
+
+When every stage of a plan is on one rank there is nothing to overlap: the executor would
+only add a host round trip per task (dispatch, output allocation, the optimizer as its own
+call). As Megatron-LM does for a pipeline of size 1, Baton then compiles the whole step (the
+code before the loop, the rank's tasks in the schedule's order, the reductions and the code
+after the loop) into one jitted function. The schedule still decides the order and so the
+memory profile: GPipe runs every forward before any backward and keeps every stash, 1F1B
+(fused) one microbatch at a time, ZB-H1 F, I and W. The task list is rolled into loops
+(``rolling.roll``, lowered by ``loop_program._LoopProgram``).
+
+Profiling (``capture``) and traced one-rank steps run on the interpreter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from .loop_program import _LoopProgram
+from .rolling import task_list
+from .task_env import _Env, _Token
+from .tasks import donatable
+
+
+class SingleProgram(_LoopProgram):
+    """A one-rank ``CompiledStep`` as one jitted program (see the module docstring)."""
+
+    def __init__(self, cs):
+        if cs.num_ranks != 1:
+            raise ValueError("internal: SingleProgram needs a one-rank plan")
+        self.tasks = task_list(cs)
+        # no stacked buffers between loops (XLA would zero-fill them, see stacked_buffers):
+        # runs that would need them stay unrolled (GPipe's forwards)
+        super().__init__(cs, 0, [("run", k, s, m, -1) for k, s, m in self.tasks],
+                         stacked=False)
+        # donated step inputs (baton.jit(donate_argnums=...)), each matched to a step output
+        # of its shape and dtype, enter as the first argument, which XLA may overwrite
+        tr = cs.traced
+        made = [v for v in tr.step_outputs if v not in tr.literals and v not in tr.step_inputs]
+        self.donate = list(donatable(tr.avals, tr.step_inputs, made, cs.donated,
+                                     set(tr.step_outputs)))
+        n = len(tr.step_inputs)
+        keep = [i for i in range(n) if i not in set(self.donate)]
+
+        def program(given, kept):
+            args = [None] * n
+            for i, x in zip(self.donate, given):
+                args[i] = x
+            for i, x in zip(keep, kept):
+                args[i] = x
+            return self._program(args)
+
+        self.kept = keep
+        self.fn = jax.jit(program, donate_argnums=0)
+
+    def _split(self, args):  # (donated, kept) as ``fn`` takes them
+        return [args[i] for i in self.donate], [args[i] for i in self.kept]
+
+    def lowered_text(self, flat_args) -> str:
+        """The program's StableHLO for these step inputs (tests inspect its custom calls)."""
+        return self.fn.lower(*self._split(list(flat_args))).as_text()
+
+    def __call__(self, flat_args):
+        cs = self.cs
+        args = cs.place(cs.traced.step_inputs, list(flat_args), 0)
+        outs = self.fn(*self._split(args))
+        tr = cs.traced
+        it = iter(outs)
+        return [tr.literals[v] if v in tr.literals else next(it) for v in tr.step_outputs]
+
+    def _program(self, flat_args):
+        cs = self.cs
+        tr = cs.traced
+        lits = tr.literals
+        vals: dict[Any, Any] = dict(zip(tr.step_inputs, flat_args))
+        for seg in cs.pre_segments:
+            for v, x in zip(seg.outputs, seg.fn(*[vals[v] for v in seg.inputs])):
+                vals[v] = x
+
+        def outer(v):
+            o, _ = cs.loop_src[v]
+            return vals[o] if o in vals else lits[o]
+
+        env = _Env()
+        self._loop(env, outer, self._whole_mb(outer, {}), _Token(None))
+        # the loop's outputs: parts reduced, then combined per outer value (as _combine)
+        final = self._final_parts(env, range(len(cs.parts)))
+        for o, idx in cs.by_outer.items():
+            total = None
+            for i in idx:
+                total = final[i] if total is None else total + final[i]
+            vals[o] = total
+        for seg in cs.post_segments:
+            for v, x in zip(seg.outputs, seg.fn(*[vals[v] for v in seg.inputs])):
+                vals[v] = x
+        return [vals[v] for v in tr.step_outputs if v not in lits]
+
