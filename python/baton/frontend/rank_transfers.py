@@ -1,0 +1,194 @@
+"""A rank program's transfers and markers as XLA FFI calls (``ffi.py``), and what they
+recorded.
+
+Each stretch of transfers between two tasks is one ``baton_comm`` custom call that posts
+sends and receives on the transport and waits for receives where the next task needs them,
+from XLA's thread with no Python; each task's begin and end is a ``baton_mark`` call. A
+scalar token threads every call in stream order (each reads and writes it). On a rank of
+several devices every call runs per device (``shard_map`` over the rank's sub-mesh) on its
+local shard, and device i of one rank exchanges with device i of the other (the same block of
+the same spec: shard to shard).
+
+``RankTransfers`` builds the calls of one rank (and tells its ``RankComm`` the layouts and
+names of its transfers); ``recorded_events`` reads back what a traced program recorded.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from .. import _jax_compat as jc
+from . import ffi
+
+_OP_KIND = {"send": 0, "post": 1, "wait": 2}  # CommOpKind (cpp/include/baton/comm.h)
+
+
+def _nbytes(aval) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+class RankTransfers:
+    """The FFI calls of one rank's program: ``comm`` (the rank's
+    ``baton._core.runtime.RankComm``) on the rank's sub-mesh ``sub``."""
+
+    def __init__(self, cs, comm, sub):
+        self.cs = cs
+        self.comm = comm
+        self.sub = sub
+        self.D = int(sub.devices.size)
+
+    def configure(self, items) -> dict[tuple, list[int]]:
+        """Tells the comm the rank's transfers (``items``): its shards, each channel's
+        layout, the buffers' names per (peer, channel, send) and, on NCCL, one step's
+        staging. Returns (peer, channel, send) -> buffer ids of one step, in order."""
+        cs, comm = self.cs, self.comm
+        names: dict[tuple, list[str]] = {}
+        order: dict[tuple, list[int]] = {}
+        nccl = ffi.is_nccl(comm)
+        if self.D > 1 and not nccl:  # (NCCL: one context per device slot, routed by ordinal)
+            comm.set_shards([int(d.id) for d in self.sub.devices.flat])
+        chan = cs.buffers.channel
+        for op, k, s, m, peer in items:
+            if op != "run":
+                comm.set_layout(chan(k, s), s, [_nbytes(a) for a in self.local(k, s)])
+            if op in ("send", "post"):
+                b = cs.buffers.id(k, s, m)
+                names.setdefault((peer, chan(k, s), op == "send"), []).append(
+                    cs.core_plan.describe_buffer(b))
+                order.setdefault((peer, chan(k, s), op == "send"), []).append(b)
+        for (peer, chan, send), ns in names.items():
+            comm.set_names(peer, chan, send, ns)
+        if nccl:  # one step's staging slots and CUDA events, before any receive is posted
+            comm.reserve(ffi.transfer_counts(items, chan))
+        return order
+
+    def layout(self, k, s):
+        """The avals of a (k, s) buffer as they cross (``_jax_compat.wire_aval``: typed keys
+        as their key data)."""
+        return [jc.wire_aval(a) for a in self.cs.buffers.layout(k, s)]
+
+    def specs(self, k, s) -> list[PartitionSpec]:
+        """How a (k, s) buffer's arrays are laid out on a rank's devices when they cross:
+        split over the batch axes along their leading (batch) dimension where it divides,
+        else replicated; the same on both ranks, so device i sends to device i."""
+        return [self.cs.mesh.batch_spec(a.shape) for a in self.layout(k, s)]
+
+    def local(self, k, s) -> list:
+        """The per-device (shard) avals of a (k, s) buffer."""
+        out = []
+        for a, spec in zip(self.layout(k, s), self.specs(k, s)):
+            shape = list(a.shape)
+            for dim, entry in enumerate(spec):
+                if entry is not None:
+                    names = entry if isinstance(entry, tuple) else (entry,)
+                    for n in names:
+                        shape[dim] //= int(self.sub.shape[n])
+            out.append(jax.ShapeDtypeStruct(tuple(shape), a.dtype))
+        return out
+
+    def per_device(self, fn, args, in_specs, out_specs):
+        """``fn`` called on every device of the rank with its shards (``shard_map`` over the
+        rank's sub-mesh): how the transfer calls run on a rank of several devices."""
+        return jax.shard_map(fn, mesh=self.sub, in_specs=tuple(in_specs),
+                             out_specs=tuple(out_specs), check_vma=False)(*args)
+
+    def mark(self, phase, dep, after):
+        """A task boundary marker (``baton_mark``) that runs after ``after`` (the task's
+        outputs) exist. On several devices it is called on each (only shard 0's is kept),
+        reading one element of each output (a whole sharded output would be gathered)."""
+        cid = self.comm.id
+        if self.D == 1:
+            return ffi.mark(cid, phase, dep, after)
+        small = [x.reshape(-1)[:1] for x in after if x.size]
+        return self.per_device(lambda t, *xs: (ffi.mark(cid, phase, t, list(xs)),),
+                               [dep, *small], [PartitionSpec()] * (1 + len(small)),
+                               [PartitionSpec()])[0]
+
+    def drain(self, dep):
+        """Every send delivered (``baton_drain``) after ``dep``; on several devices, every
+        device drains its own sends."""
+        cid = self.comm.id
+        if self.D == 1:
+            return ffi.drain(cid, dep)
+        return self.per_device(lambda t: (ffi.drain(cid, t),), [dep],
+                               [PartitionSpec()], [PartitionSpec()])[0]
+
+    def call(self, group, get, put, token):
+        """One ``baton_comm`` custom call for a stretch of transfers: it posts the stretch's
+        sends and receives and returns the arrays of the receives it waits on. On a rank of
+        several devices, one call per device (``shard_map``) on its shards."""
+        sends = [jc.to_wire(x) for op, k, s, m, _ in group if op == "send"
+                 for x in get((k, s, m))]
+        ops = [(_OP_KIND[op], peer, self.cs.buffers.channel(k, s), s)
+               for op, k, s, _, peer in group]
+        if self.D == 1:
+            outs = [jax.ShapeDtypeStruct(a.shape, a.dtype)
+                    for op, k, s, _, _ in group if op == "wait" for a in self.layout(k, s)]
+            token.dep, got = ffi.comm(self.comm.id, ops, token.dep, sends, outs)
+        else:
+            outs = [a for op, k, s, _, _ in group if op == "wait" for a in self.local(k, s)]
+            send_specs = [sp for op, k, s, _, _ in group if op == "send"
+                          for sp in self.specs(k, s)]
+            recv_specs = [sp for op, k, s, _, _ in group if op == "wait"
+                          for sp in self.specs(k, s)]
+            cid = self.comm.id
+
+            def per_device(tok, *xs):
+                t, got = ffi.comm(cid, ops, tok, list(xs), outs)
+                return (t, *got)
+
+            res = self.per_device(per_device, [token.dep, *sends],
+                                  [PartitionSpec(), *send_specs],
+                                  [PartitionSpec(), *recv_specs])
+            token.dep, got = res[0], list(res[1:])
+        pos = 0
+        for op, k, s, m, _ in group:
+            if op == "wait":
+                avals = self.cs.buffers.layout(k, s)
+                put((k, s, m), [jc.from_wire(x, a.dtype)
+                                for x, a in zip(got[pos:pos + len(avals)], avals)])
+                pos += len(avals)
+
+
+def recorded_events(cs, rank, comm, order) -> list[tuple]:
+    """The last step's recorded events of rank ``rank``'s program in the interpreter's format
+    (``Executor.events``: instr, op, buffer, peer, posted, started, completed in ns) for its
+    instruction stream: a RUN spans its tasks' begin and end markers, a SEND or RECV is its
+    transfer (matched by order per peer and channel, as the handlers match them; ``order``:
+    ``RankTransfers.configure``), a FREE happens when the RUN before it ended (where the
+    interpreter frees). Empty unless the comm recorded."""
+    marks = comm.take_marks()
+    comm_events = comm.take_events()
+    prog = cs.programs[rank]
+    ops = [op.split(".")[-1].upper() for op, _, _, _ in prog]
+    tasks_per_run = [len(cs.buffers.tasks_of(rank, a)) for (_, a, _, _), op in zip(prog, ops)
+                     if op == "RUN"]
+    if not marks or len(marks) != 2 * sum(tasks_per_run):
+        return []
+    spans, pos = [], 0
+    for n in tasks_per_run:
+        spans.append((marks[pos][1], marks[pos + 2 * n - 1][1]))
+        pos += 2 * n
+    instr_of = {(op, b): i for i, ((_, _, b, _), op) in enumerate(zip(prog, ops))
+                if op in ("SEND", "RECV")}
+    out, run_i = [], 0
+    last_end = spans[0][0]
+    for i, ((_, a, b, peer), op) in enumerate(zip(prog, ops)):
+        if op == "RUN":
+            t0, t1 = spans[run_i]
+            out.append((i, "RUN", -1, -1, t0, t0, t1))
+            last_end = t1
+            run_i += 1
+        elif op == "FREE":
+            out.append((i, "FREE", b, -1, last_end, last_end, last_end))
+    for kind, peer, chan, _, seq, po, st, co in comm_events:
+        ids = order.get((peer, chan, kind == 0))
+        if not ids:
+            continue
+        b = ids[seq % len(ids)]
+        op = "SEND" if kind == 0 else "RECV"
+        out.append((instr_of[(op, b)], op, b, peer, po, st or po, co or st or po))
+    out.sort()
+    return out
