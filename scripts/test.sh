@@ -130,9 +130,11 @@ if ((run_py)); then
     export JAX_DISABLE_MOST_OPTIMIZATIONS=1 JAX_OPTIMIZATION_LEVEL=O0
     log "XLA optimizations off for the tests (BATON_TEST_XLA_OPT=1 turns them on)"
   fi
-  # pytest exits 5 when it collects nothing: that is a failure here too.
+  # pytest exits 5 when it collects nothing: that is a failure here too. --durations: the
+  # slowest cases in the log, where the suite's time goes.
   timeout --kill-after=30 "${BATON_PYTEST_TIMEOUT:-2700}" \
-    "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${workers[@]}" "${pytest_args[@]}"
+    "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 "${workers[@]}" \
+    "${pytest_args[@]}"
   rc=$?
   if ((rc == 124 || rc == 137)); then
     log "pytest timed out after ${BATON_PYTEST_TIMEOUT:-2700}s"

@@ -82,11 +82,18 @@ def test_one_program_rolls_the_schedule_into_scans(schedule, runs):
     ps, params, batch = make(schedule, 1, 4)
     ps(params, batch)
     assert ps.last.last_stats["single_program"] == runs
-    # a traced step runs on the executor (per-instruction events), the next one as a program
-    baton.trace(ps, params, batch)
-    assert "peak_bytes" in ps.last.last_stats
+    # a traced step runs the same program with its task markers: one RUN per task of the
+    # plan, each its own span, in the schedule's order
+    tr = baton.trace(ps, params, batch)
+    assert ps.last.last_stats["single_program"] == runs
+    plan_runs = [i for i in ps.last.programs[0] if i[0].split(".")[-1].upper() == "RUN"]
+    assert len(tr.runs) == len(plan_runs) > 0
+    starts = [r["start"] for r in tr.runs]
+    assert starts == sorted(starts)
+    assert all(r["end"] >= r["start"] for r in tr.runs)
+    assert all(b["end"] <= a["start"] + 1e-9 for b, a in zip(tr.runs, tr.runs[1:]))
     ps(params, batch)
-    assert "single_program" in ps.last.last_stats
+    assert ps.last.last_stats["single_program"] == runs
 
 
 def test_gpipe_runs_as_one_program_without_stacked_buffers():

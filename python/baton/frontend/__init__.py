@@ -5,7 +5,8 @@ devices into pipeline ranks; ``jit`` traces the step, cuts it into per-stage
 tasks (C++ passes in ``baton._core.graph``), plans a schedule and runs it.
 """
 
-from .api import PipelinedFunction, cost_model_of, jit
+from .api import PipelinedFunction, jit
+from .step_costs import cost_model_of
 from .distributed import Remote
 from .mesh import PipelineMesh
 from .primitives import accumulate, stage_boundary

@@ -7,24 +7,29 @@ import logging
 from typing import Any, Callable
 
 import jax
-import numpy as np
-from jax.sharding import NamedSharding
 
 from .. import _core
+from .. import runtime as rt
+from .. import schedules as S
 from ..errors import ConfigError, TraceError
-from .distributed import Remote, agree_ranks_per_process, agree_spanning_mesh, gather
+from ..planning import Plan, plan as make_plan
+from .distributed import Remote, Router, agree_ranks_per_process, agree_spanning_mesh, gather
 from .distributed import launched_world_size
 from .distributed import local_devices, process_group, process_mesh, ranks_per_process
 from .checks import check_backward, check_leaves, stages_hint
 from .step import CompiledStep
+from .handshake import agree_program, describe, error_text
+from .memory import memory as memory_model
 from .mesh import PipelineMesh
 from .retarget import check_axis_types
+from .run_options import RunOptions
+from .arguments import donated_inputs, input_specs, leaf_key
+from .step_costs import cost_model_of
 from .trace import trace_step
+from .tracing import buffer_bytes, build_trace
 
 
 def _schedule_spec(schedule: Any):
-    from .. import schedules as S  # planner API (H4)
-
     if isinstance(schedule, str):
         return S.schedule_from_name(schedule)
     if isinstance(schedule, type) and issubclass(schedule, S.ScheduleSpec):
@@ -115,7 +120,7 @@ class PipelinedFunction:
         functools.update_wrapper(self, fn)
 
     def _key(self, flat, tree):
-        return (tree, tuple(map(_leaf_key, flat)))
+        return (tree, tuple(map(leaf_key, flat)))
 
     def loop_transport(self) -> str:
         """The transport of the loop's transfers: ``transport=`` when given, else ``"nccl"``
@@ -186,9 +191,6 @@ class PipelinedFunction:
         failed with its error, so the others stop naming it instead of waiting for it."""
         if not self.multi:
             return self._build(args)
-        from .distributed import Router
-        from .handshake import agree_program, describe, error_text
-
         try:
             step = self._build(args)
         except Exception as e:  # (re-raised below, after the others learned of it)
@@ -208,12 +210,11 @@ class PipelinedFunction:
         return step
 
     def _build(self, args) -> CompiledStep:
-        from ..planning import Plan, plan as make_plan
-
         # Remote placeholders (multi-process mode) trace as their shape and dtype.
         args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
                             if isinstance(x, Remote) else x, args)
-        in_specs = self._input_specs(args)  # (a bad sharding is named before tracing)
+        # (a bad sharding is named before tracing)
+        in_specs = input_specs(self.mesh, self.param_shardings, args)
         check_axis_types(self.mesh)  # (explicit sharding mode: refused by name)
         self._check_nccl()
         if self.auto is not None and self.spec is None:  # plan once, at the first call
@@ -254,101 +255,48 @@ class PipelinedFunction:
             )
         plan.verify()  # raises baton.VerifyError with the report
         if self.retain_host_memory:
-            from .. import runtime as rt
-
             rt.retain_host_memory()
         return CompiledStep(traced, plan, self.mesh, bool(sched.split_backward()),
                             remat=self.remat, single_program=self.single_program,
                             share_programs=self.share_programs,
                             transport=self.loop_transport(),
-                            in_specs=in_specs, donated=self._donated(args, traced))
-
-    def _donated(self, args, traced) -> frozenset:
-        """The step input values of the arguments ``donate_argnums`` names."""
-        if not self.donate_argnums:
-            return frozenset()
-        bad = [i for i in self.donate_argnums if i >= len(args)]
-        if bad:
-            raise ConfigError(f"baton.jit: donate_argnums names argument {bad[0]} but the step "
-                              f"was called with {len(args)} arguments")
-        out, pos = set(), 0
-        for i, a in enumerate(args):
-            n = len(jax.tree.leaves(a))
-            if i in self.donate_argnums:
-                out.update(traced.step_inputs[pos:pos + n])
-            pos += n
-        return frozenset(out)
-
-    def _input_specs(self, args) -> list:
-        """Per flat argument, its ``PartitionSpec`` on the ranks' sub-meshes, or None
-        (replicated): from ``param_shardings`` (for the first argument, and for every
-        sub-tree of the other arguments with the first argument's structure: optax's ``mu``,
-        ``nu``, ...), else from the argument's own ``NamedSharding``. Raises ``ConfigError``
-        naming the argument path for a spec that names an axis the mesh lacks or does not
-        divide the value's shape."""
-        leaves = jax.tree_util.tree_flatten_with_path(args)[0]
-        specs: dict[int, Any] = {}
-        if self.param_shardings is not None:
-            ptree = jax.tree.structure(args[0])
-            try:
-                pspecs = ptree.flatten_up_to(self.param_shardings)
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"baton.jit: param_shardings does not match the structure of "
-                                  f"the first argument (the parameters): {e}") from None
-            # every sub-tree (of any argument) with the parameters' structure takes their specs
-
-            def is_params(y):
-                return ptree.num_leaves > 1 and jax.tree.structure(y) == ptree
-
-            pos = 0
-            for part in jax.tree.leaves(args, is_leaf=is_params):
-                n = len(jax.tree.leaves(part))
-                if is_params(part) or (pos == 0 and n == ptree.num_leaves):
-                    for j, sp in enumerate(pspecs):
-                        specs[pos + j] = sp
-                pos += n
-        out = []
-        mesh = self.mesh
-        for i, (path, x) in enumerate(leaves):
-            where = f"baton.jit: argument {jax.tree_util.keystr(path)}"
-            sp = specs.get(i)
-            if sp is None:
-                sh = getattr(x, "sharding", None)
-                if isinstance(sh, NamedSharding) and sh.spec:
-                    sp = sh
-            if sp is None:
-                out.append(None)
-                continue
-            spec = mesh.spec_on_ranks(sp, where)
-            mesh.check_spec(spec, np.shape(x), where)
-            out.append(spec if spec else None)
-        return out
+                            in_specs=in_specs,
+                            donated=donated_inputs(args, traced, self.donate_argnums))
 
     def __call__(self, *args):
         return self._call(args, self.trace)
 
-    def _call(self, args, record: bool = False, keep_args: bool = False):
-        """One step. ``keep_args``: the measuring tools (``baton.profile``, ``memory``) run
-        steps on the caller's arguments more than once, so donated arguments are copied first
-        and the caller's stay valid."""
-        if keep_args and self.donate_argnums:
-            args = tuple(jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, a)
-                         if i in self.donate_argnums else a for i, a in enumerate(args))
+    def kept(self, args) -> tuple:
+        """``args`` with the donated ones copied, so a measuring call leaves the caller's
+        arrays valid."""
+        if not self.donate_argnums:
+            return args
+        return tuple(jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, a)
+                     if i in self.donate_argnums else a for i, a in enumerate(args))
+
+    def capture_task_args(self, args, post: list | None = None) -> dict:
+        """Each task's first arguments on ``args`` (``CompiledStep.capture_task_args``)."""
+        args = self.kept(args)
+        step = self.compile(*args)
+        return step.capture_task_args(jax.tree.leaves(args), self.group, self.timeout, post)
+
+    def _call(self, args, record: bool = False, keep_args: bool = False, live=None):
+        """One step. ``record``: traced (``last_trace``); ``live`` (``memory.LivePeak``): the
+        live arrays sampled as it runs. ``keep_args``: the measuring tools (``baton.profile``,
+        ``memory``) run steps on the caller's arguments more than once, so donated arguments
+        are copied first and the caller's stay valid."""
+        if keep_args:
+            args = self.kept(args)
         step = self.compile(*args)
         self.last = step
         flat = jax.tree.leaves(args)
-        step.record = bool(record)
-        # In one process every task waits for its outputs (XLA's queue never runs ahead of
-        # the instruction stream: measured faster, and traced and untraced steps then run
-        # alike); across processes a SEND already waits for its value.
-        step.block = bool(record) or not self.multi
-        try:
-            outs = step.run(flat, self.group, self.timeout)
-        finally:
-            step.record = step.block = False
+        # In one process the interpreter waits for every task's outputs (XLA's queue never
+        # runs ahead of the instruction stream: measured faster, and traced and untraced
+        # steps then run alike); across processes a SEND already waits for its value.
+        opts = RunOptions(record=bool(record), block=bool(record) or not self.multi,
+                          live=live)
+        outs = step.run(flat, self.group, self.timeout, opts)
         if record:
-            from .tracing import buffer_bytes, build_trace
-
             self.last_trace = build_trace(step.core_plan, step.last_events,
                                           buffer_bytes(step.core_plan, cost_model_of(step)),
                                           step.last_offsets)
@@ -427,63 +375,14 @@ class PipelinedFunction:
         ``baton.frontend.memory.Memory`` (static arguments, copies, running sums, pipeline
         buffers, XLA temporaries; ``.table()``), shown by ``summary()`` from then on.
         ``measure``: also run one step sampling the live jax arrays per device
-        (``Memory.measured``). Runs one interpreted step to compile the tasks as they run;
-        one process only. See docs/ARCHITECTURE.md, "Measurement and memory"."""
-        from .memory import memory
-
-        return memory(self, args, measure)
+        (``Memory.measured``) on the step's own engine. Captures each task's arguments
+        (``CompiledStep.capture_task_args``) to compile the tasks as they run; one process
+        only. See docs/ARCHITECTURE.md, "Measurement and memory"."""
+        return memory_model(self, args, measure)
 
     def simulate(self, *args):
         step = self.compile(*args) if args else self.last
         return step.plan.simulate(cost_model_of(step))
-
-
-def _leaf_key(x) -> tuple:
-    """(shape, dtype) of an argument leaf for the compile cache; cheap for arrays (a step has
-    hundreds of leaves: np.shape and str(dtype) cost ~10 us per leaf per call)."""
-    dt = getattr(x, "dtype", None)
-    shape = getattr(x, "shape", None)
-    if isinstance(dt, np.dtype) and shape is not None:
-        return (tuple(shape), dt)
-    return (np.shape(x), _dtype_name(x))
-
-
-def _dtype_name(x) -> str:
-    dt = getattr(x, "dtype", None)  # arrays, Remote, ShapeDtypeStruct: no dispatch
-    if dt is not None and not isinstance(x, (int, float, complex, bool)):
-        return str(dt)  # also extended dtypes (typed PRNG keys: key<fry>), which numpy lacks
-    return str(jax.numpy.result_type(x))  # Python scalars: JAX's weak type rules
-
-
-def cost_model_of(step: CompiledStep):
-    """Simulator costs: the profiled ones after ``baton.profile`` (seconds), else the traced
-    task costs (flops, normalized) with real byte sizes."""
-    prof = getattr(step, "profiled", None)
-    if prof is not None:
-        return prof.cost_model
-    costs = step.stage_costs()
-    scale = max(max(c["f"] for c in costs), 1.0)
-    cm = _core.CostModel()
-    stages = []
-    # A task with no ops (stage 0's I) still allocates its outputs before its
-    # inputs are freed: give every task a small positive duration so that the
-    # simulator's memory timeline sees that moment too.
-    tiny = 1e-3
-    for c in costs:
-        sc = _core.StageCost()
-        sc.f = max(c["f"] / scale, tiny)
-        sc.b = max(c["b"] / scale, tiny)
-        sc.i = max(c["i"] / scale, tiny)
-        sc.w = max(c["w"] / scale, tiny)
-        sc.act_bytes = int(c["act_bytes"])
-        sc.stash_bytes = int(c["stash_bytes"])
-        sc.grad_bytes = int(c["grad_bytes"])
-        sc.wstash_bytes = int(c["wstash_bytes"])
-        sc.wgrad_bytes = int(c["wgrad_bytes"])
-        stages.append(sc)
-    cm.stages = stages
-    cm.skips = step.skip_costs()
-    return cm
 
 
 def jit(

@@ -153,6 +153,7 @@ class ProgramEngine:
     def __init__(self, step):
         self.step = step
         self.single = None  # SingleProgram (one rank)
+        self.single_traced = None  # ... with task markers (traced one-rank steps)
         self.local_progs = None  # one process, several ranks: RankProgram per rank
         # ... and the programs that run them: a SharedProgram for the largest group of
         # ranks that can share one (shared.py; ``share``), the others' own
@@ -163,14 +164,30 @@ class ProgramEngine:
         self._nccl_builds = 0
 
     # -- one rank -----------------------------------------------------------------------
-    def run_single(self, flat_args) -> list[Any]:
+    def run_single(self, flat_args, opts) -> list[Any]:
+        """The one-rank step as one program; traced (``opts.record``): the same program with
+        its task markers (``SingleProgram``'s docstring), built once and kept."""
+        import jax
+
         from .single_program import SingleProgram
 
-        if self.single is None:
-            self.single = SingleProgram(self.step)
-        outs = self.single(flat_args)
-        # no interpreter ran: no measured live-buffer peaks (traced steps have them)
-        self.step.last_stats = {"single_program": self.single.describe()}
+        step = self.step
+        if not opts.record:
+            if self.single is None:
+                self.single = SingleProgram(step)
+            prog = self.single
+        else:
+            if self.single_traced is None:
+                self.single_traced = SingleProgram(step, _core.runtime.RankComm(0, 120.0))
+            prog = self.single_traced
+            prog.comm.record(True)
+        outs = prog(flat_args, opts.live)
+        if opts.record:  # (its markers have all run once its outputs exist)
+            jax.block_until_ready(outs)
+            prog.comm.record(False)
+            step.last_events, step.last_offsets = [prog.events()], [0]
+        # no interpreter ran: no measured live-buffer peaks
+        step.last_stats = {"single_program": prog.describe()}
         return outs
 
     # -- one process, several ranks -------------------------------------------------------
@@ -227,12 +244,19 @@ class ProgramEngine:
             sp.post = SharedSegments(sp, self.step.post_segments)
         return sp.post
 
-    def _launch(self, progs, vals) -> tuple[dict[int, Any], list]:
-        """Runs ``progs`` (one thread per program; inline for one), recording when the step
-        does; returns their loop output parts and each one's exception (or None)."""
+    def _launch(self, progs, vals, opts) -> tuple[dict[int, Any], list]:
+        """Runs ``progs`` (one thread per program; inline for one), recording when ``opts``
+        asks; returns their loop output parts and each one's exception (or None). With
+        ``opts.live``, the live arrays are sampled as the programs start, their arguments
+        placed, each device's program's own allocation added (``LivePeak.sample_programs``)."""
         for p in progs:
             for c in p.comms:
-                c.record(self.step.record)
+                c.record(opts.record)
+        if opts.live is not None:
+            held = [p._args(vals) for p in progs]
+            opts.live.sample_programs([([q.rank for q in getattr(p, "progs", [p])], p.compiled)
+                                       for p in progs])
+            del held
         finals: list[dict] = [{} for _ in progs]
 
         def go(j):
@@ -244,14 +268,14 @@ class ProgramEngine:
             final.update(f)
         return final, errors
 
-    def run_local(self, vals, timeout) -> dict[int, Any]:
+    def run_local(self, vals, timeout, opts) -> dict[int, Any]:
         """Every rank's loop as its own program, launched from one thread per rank; returns
         every loop output part."""
         step = self.step
         progs = self._local_programs(vals, timeout)
         R = step.num_ranks
         units = self.local_units
-        final, errors = self._launch(units, vals)
+        final, errors = self._launch(units, vals, opts)
         if any(e is not None for e in errors):
             if step.transport == "nccl":  # a failed NCCL context stays failed: built anew
                 for p in progs:
@@ -264,14 +288,14 @@ class ProgramEngine:
                     t.close()
                 self._local_hub = None
             raise_origin(units, errors)
-        if step.record:
+        if opts.record:
             step.last_events = [p.events() for p in progs]
             step.last_offsets = [0] * R
         step.last_stats = {"rank_program": [p.describe() for p in progs]}
         return final
 
     # -- several processes ---------------------------------------------------------------
-    def run_rank(self, group, router, vals, timeout) -> dict[int, Any]:
+    def run_rank(self, group, router, vals, timeout, opts) -> dict[int, Any]:
         """The loops of this process's ranks, each its program over its transport, one
         thread per rank; returns their loop output parts. A program that cannot be built or
         compiled raises ``ConfigError``; the processes first exchange whether they could, so
@@ -285,12 +309,12 @@ class ProgramEngine:
             progs = self._build_rank(group, router, vals, timeout, ts)
         for p in progs:
             p.set_timeout(timeout)
-        final, errors = self._launch(progs, vals)
+        final, errors = self._launch(progs, vals, opts)
         raise_origin(progs, errors)
         one = k == 1  # (one rank per process: its describe() alone, as before)
         step.last_stats = {"rank_program": progs[0].describe() if one
                            else [p.describe() for p in progs]}
-        if step.record:
+        if opts.record:
             from .tracing import gather_events
 
             step.last_events, step.last_offsets = gather_events(

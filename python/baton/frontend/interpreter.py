@@ -6,8 +6,9 @@ callbacks.
 * received     ``jax.device_put``s a received value to the consuming rank's sharding;
 * accumulate   adds a WGrad into the stage's accumulator.
 
-Chosen with ``baton.jit(..., single_program=False)``; it also runs profiled steps (each
-task's first arguments are captured) and traced one-rank steps. Single process: one executor
+Chosen with ``baton.jit(..., single_program=False)`` (for debugging: every task is its own
+call); besides, ``CompiledStep.capture_task_args`` runs it once to hand ``baton.profile`` and
+the memory model each task's arguments (nothing is timed there). Single process: one executor
 per rank over an in-process transport, each in its own thread; a task that raises stops
 every rank and the call raises the failing rank's ``ExecutionError`` (never hangs: every
 wait is bounded). One process per rank: this process's executor over its transport
@@ -76,8 +77,9 @@ class _StepState:
     accumulators (part index -> running sum), stacks, and the first Python exception
     raised per rank (the cause of the ExecutionError)."""
 
-    def __init__(self, vals):
+    def __init__(self, vals, opts):
         self.vals = vals
+        self.opts = opts  # the run's RunOptions
         self.inv_cache: dict = {}
         self.split_cache: dict = {}
         self.acc: dict = {}
@@ -221,27 +223,28 @@ class Interpreter:
     def _call(self, exe, args, rank):
         """Runs a task. A task with weight gradients adds them to the running sums itself
         (inside its program, see tasks._with_acc) and returns None in their places; the
-        ACCUMULATE of its WGrad buffer then has nothing left to add. With ``step.live`` on,
+        ACCUMULATE of its WGrad buffer then has nothing left to add. With the run's ``live`` on,
         the live arrays are sampled once its outputs exist (its inputs and old sums still
         held)."""
         st = self._state
         step = self.step
+        opts = st.opts
         key = (exe.kind, exe.stage)
         acc = None
         if exe.acc_parts and exe.acc_parts[0] in st.acc:
             acc = [st.acc.pop(i) for i in exe.acc_parts]
-        if step.capture is not None:
-            had = step.capture.get(key)
+        if opts.capture is not None:
+            had = opts.capture.get(key)
             if had is None or (had[0] is None and acc is not None):
                 # a donating step's update consumes the parameters the tasks read: keep copies
                 keep = [x.copy() if isinstance(x, jax.Array) else x for x in args] \
                     if step.donated else args
-                step.capture[key] = (acc, keep)
+                opts.capture[key] = (acc, keep)
         if not exe.acc_parts:
             outs = exe.fn(*args)
-            if step.live is not None:
+            if opts.live is not None:
                 jax.block_until_ready(outs)
-                step.live.sample(rank, key)
+                opts.live.sample(rank, key)
             return outs
         first = exe.acc_parts[0]
         added = st.adds.get(first, 0)
@@ -254,11 +257,11 @@ class Interpreter:
         else:
             outs = exe.fn_acc(acc, *args)
         outs = list(outs)
-        if step.block:  # the RUN spans the task's compute, sums included
+        if opts.block:  # the RUN spans the task's compute, sums included
             jax.block_until_ready(outs)
-        if step.live is not None:
+        if opts.live is not None:
             jax.block_until_ready(outs)
-            step.live.sample(rank, key)
+            opts.live.sample(rank, key)
         for j, i in zip(exe.acc_pos, exe.acc_parts):
             st.acc[i] = outs[j]
             outs[j] = None
@@ -282,10 +285,11 @@ class Interpreter:
             for kind, s, m in self.step.buffers.tasks_of(rank, action):
                 self._run_task(kind, s, m, rank, env)
             outs = [env[b] for b in out_ids]
-            if self.step.block:
+            opts = self._state.opts
+            if opts.block:
                 jax.block_until_ready(outs)
-            if self.step.live is not None:
-                self.step.live.sample()
+            if opts.live is not None:
+                opts.live.sample()
             return [self._sized(b, v) for b, v in zip(out_ids, outs)]
         except BaseException as e:
             self._state.errors.setdefault(rank, e)
@@ -302,9 +306,10 @@ class Interpreter:
 
     def _cb_received(self, rank, b, value):
         out = self._sized(b, [jax.device_put(x, self.step.mesh.like(rank, x)) for x in value])
-        if self.step.live is not None:
+        live = self._state.opts.live
+        if live is not None:
             jax.block_until_ready(out)
-            self.step.live.sample()
+            live.sample()
         return out
 
     def _recv_layout(self, rank, b):
@@ -319,25 +324,25 @@ class Interpreter:
                         from_host=rt.from_host, recv_layout=self._recv_layout)
 
     # -- single process: one executor thread per rank over the in-process hub ---
-    def run_local(self, vals, timeout) -> dict[int, Any]:
-        """The loop of every rank (``vals``: the step's values before the loop); returns
-        every loop output part."""
+    def run_local(self, vals, timeout, opts) -> dict[int, Any]:
+        """The loop of every rank (``vals``: the step's values before the loop; ``opts``:
+        the run's ``RunOptions``); returns every loop output part."""
         from .. import runtime as rt
 
         step = self.step
-        st = self._state = _StepState(vals)
+        st = self._state = _StepState(vals, opts)
         R = step.num_ranks
         hub = rt.LocalHub(R)
         transports = [hub.transport(r) for r in range(R)]
         tasks = self._tasks()
         exes = [rt.Executor(step.core_plan, r, transports[r], tasks, timeout=timeout,
-                            record_events=step.record)
+                            record_events=opts.record)
                 for r in range(R)]
-        if step.live is not None:
-            step.live.sample()
+        if opts.live is not None:
+            opts.live.sample()
         errors = on_rank_threads(R, lambda r: exes[r].run())
         stats = [e.stats() for e in exes]
-        step.last_events = [e.events() for e in exes] if step.record else None
+        step.last_events = [e.events() for e in exes] if opts.record else None
         step.last_offsets = [0] * R
         del exes
         for t in transports:
@@ -349,7 +354,7 @@ class Interpreter:
         return self._reduce_parts(st, range(len(step.parts)))
 
     # -- several processes ------------------------------------------------------------
-    def run_rank(self, group, router, vals, timeout) -> dict[int, Any]:
+    def run_rank(self, group, router, vals, timeout, opts) -> dict[int, Any]:
         """The loops of this process's ranks, one executor per rank over its transport
         (``group.rank_transports``), each on its own thread (inline for one); returns their
         loop output parts."""
@@ -358,18 +363,18 @@ class Interpreter:
         step = self.step
         k = step.mesh.ranks_per_process
         ranks = group.ranks(k)
-        st = self._state = _StepState(vals)
+        st = self._state = _StepState(vals, opts)
         if (self._group_exec is None or self._group_exec[0] is not group
-                or self._group_exec[2] != step.record):
+                or self._group_exec[2] != opts.record):
             self._group_exec = None
             exes = [rt.Executor(step.core_plan, r, t, self._tasks(), timeout=timeout,
-                                record_events=step.record)
+                                record_events=opts.record)
                     for r, t in zip(ranks, group.rank_transports(k, timeout))]
             errors = on_rank_threads(k, lambda j: exes[j].handshake(timeout), inline=True)
             if any(errors):
                 del exes
                 raise_first(errors)
-            self._group_exec = (group, exes, step.record)
+            self._group_exec = (group, exes, opts.record)
             if step not in group.steps:
                 group.steps.append(step)
         exes = self._group_exec[1]
@@ -382,7 +387,7 @@ class Interpreter:
                         for s in (e.stats() for e in exes))
         peaks = [int(x) for p in router.allgather(mine) for x in p.split()]
         step.last_stats = {"peak_bytes": peaks[0::2], "peak_buffers": peaks[1::2]}
-        if step.record:
+        if opts.record:
             from .tracing import gather_events
 
             step.last_events, step.last_offsets = gather_events(

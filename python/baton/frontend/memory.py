@@ -33,18 +33,26 @@ sharding: the user's spec over the rank's sub-mesh, or the layout XLA gave a tas
                     devices
     predicted(d) = max(static + copies + loop, update)
 
-The tasks are compiled with the arguments one interpreted call of the step hands them (the
-capture ``baton.profile`` uses), so the layouts and temporaries are those of the programs
-the step runs.
+The tasks are compiled with the arguments the loop hands them
+(``CompiledStep.capture_task_args``, as ``baton.profile`` uses), so the layouts and
+temporaries are those of the programs the step runs.
 
-**Measurement** (``measure=True``: one more call on the interpreter): the bytes of every
+**Measurement** (``measure=True``: one more call on the step's own engine): the bytes of every
 live ``jax.Array`` per device (``jax.live_arrays()``, each array's shards per device from
-its sharding), sampled at the start of the loop, after every task's outputs are computed
-(its inputs and old running sums still held), after every RUN and every received transfer,
-plus, at a sample taken inside a task, that task's temp_size_in_bytes on its rank's devices
-(live arrays cannot see inside a running program). Each segment after the loop is
-sampled too, once its outputs exist, with its temporaries added (``("post", j)``). A
-donating step consumes copies of the caller's donated arrays (``memory`` keeps the caller's
+its sharding), sampled at the start of the loop and, after the loop, once each segment's
+outputs exist, with its temporaries added (``("post", j)``). Inside the loop:
+
+* the compiled engine (the default) runs each rank's loop as one program, which live arrays
+  cannot see into: the sample taken as the programs start (their arguments placed) adds, on
+  each rank's devices, the allocation XLA assigned its program (temporaries plus outputs not
+  written into donated arguments; ``compiled.memory_analysis()``). A one-rank step is one
+  program, so its whole step is that sample.
+* the interpreter (``single_program=False``) samples after every task's outputs are computed
+  (its inputs and old running sums still held), after every RUN and every received transfer,
+  adding, at a sample taken inside a task, that task's temp_size_in_bytes on its rank's
+  devices.
+
+A donating step consumes copies of the caller's donated arrays (``memory`` keeps the caller's
 valid); the originals are subtracted from every sample, as if the caller had given them up.
 """
 
@@ -53,7 +61,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from typing import Any
 
 import jax
 import numpy as np
@@ -61,6 +68,7 @@ import numpy as np
 from .. import _core
 from ..errors import ConfigError
 from .profile import xla_memory
+from .step_costs import cost_model_of
 from .tasks import task_exes
 
 G = _core.graph
@@ -124,6 +132,34 @@ class LivePeak:
                     self.peak[d] = n
                 if task is not None and task[0] == "post" and n > self.update_peak.get(d, 0):
                     self.update_peak[d] = n
+
+    def sample_programs(self, progs) -> None:
+        """One sample as compiled programs start: ``progs`` ((ranks, compiled) pairs), each
+        program's allocation (``program_bytes``) added on its ranks' devices."""
+        extra: dict[int, int] = {}
+        for ranks, compiled in progs:
+            n = program_bytes(compiled)
+            for r in ranks:
+                for d in self.devs[r]:
+                    extra[d] = extra.get(d, 0) + n
+        live = per_device(jax.live_arrays())
+        with self._lock:
+            self.samples += 1
+            for d in set(live) | set(extra):
+                n = live.get(d, 0) + self.offset.get(d, 0) + extra.get(d, 0)
+                if n > self.peak.get(d, 0):
+                    self.peak[d] = n
+
+
+def program_bytes(compiled) -> int:
+    """Bytes per device XLA allocates while ``compiled`` runs beyond its arguments: its
+    temporaries and the outputs not written into donated arguments."""
+    mem = xla_memory(compiled) if compiled is not None else None
+    if mem is None:
+        raise ConfigError("step.memory(measure=True): the backend gives no memory analysis "
+                          "of the compiled program (its allocation is unknown)")
+    return (mem["temp_size_in_bytes"] + mem["output_size_in_bytes"]
+            - mem.get("alias_size_in_bytes", 0))
 
 
 @dataclasses.dataclass
@@ -333,8 +369,6 @@ def _simulated(step, bufs, compiled, sums) -> tuple[dict, dict, dict]:
     """Per device: the simulator's peak_total of its rank with every buffer sized for that
     device, the loop peak and the largest transient of a RUN (``_loop_peak``); one
     simulation per device position within a rank."""
-    from .api import cost_model_of
-
     base = cost_model_of(step).to_json()
     peak, loop, transient = {}, {}, {}
     for j in range(step.mesh.devices_per_rank()):
@@ -417,20 +451,15 @@ def _update_phase(step, layouts, static) -> tuple[dict, dict]:
 
 def memory(fn, args, measure: bool = False) -> Memory:
     """The per-device memory model of ``fn`` (a ``baton.jit`` function) on ``args``
-    (see the module docstring); ``measure``: also run one step on the interpreter sampling
-    the live arrays (``Memory.measured``). One process only."""
+    (see the module docstring); ``measure``: also run one step on the step's own engine
+    sampling the live arrays (``Memory.measured``, ``measure_live``). One process only."""
     if fn.group is not None:
         raise ConfigError("step.memory(): one process only (in several processes each "
                           "process sees only its own ranks' arrays)")
     step = fn.compile(*args)
     flat = jax.tree.leaves(args)
-    step.capture = {}
-    step.capture_post = []
-    try:
-        fn._call(args, keep_args=True)
-        captured, layouts = step.capture, step.capture_post
-    finally:
-        step.capture = step.capture_post = None
+    layouts: list = []
+    captured = fn.capture_task_args(args, post=layouts)
     compiled = _compiled_tasks(step, captured)
     del captured
     bufs, sums = _buffers(step, compiled)
@@ -454,8 +483,10 @@ def memory(fn, args, measure: bool = False) -> Memory:
 
 
 def measure_live(fn, args, temps: dict) -> tuple[dict, dict]:
-    """One interpreted call of ``fn`` with live-array sampling on; device id -> peak over the
-    step, and over the segments after the loop."""
+    """One call of ``fn`` on its own engine with live-array sampling on; device id -> peak
+    over the step, and over the segments after the loop. The interpreter samples after every
+    task and transfer; the compiled engine as each program starts (its arguments placed),
+    adding the program's own allocation as XLA assigned it (``LivePeak.sample_programs``)."""
     step = fn.compile(*args)
     live = LivePeak(step.mesh.rank_devices, temps)
     # a donating step consumes copies of the caller's donated arrays (``_call(keep_args)``):
@@ -464,15 +495,8 @@ def measure_live(fn, args, temps: dict) -> tuple[dict, dict]:
         for d, n in per_device([x for x in jax.tree.leaves(args[i])
                                 if isinstance(x, jax.Array)]).items():
             live.offset[d] = live.offset.get(d, 0) - n
-    was = step.single_program
-    step.single_program = False
-    step.live = live
-    try:
-        fn._call(args, keep_args=True)
-    finally:
-        step.live = None
-        step.single_program = was
+    fn._call(args, keep_args=True, live=live)
     return dict(live.peak), dict(live.update_peak)
 
 
-__all__ = ["Memory", "LivePeak", "memory", "measure_live", "per_device"]
+__all__ = ["Memory", "LivePeak", "memory", "measure_live", "per_device", "program_bytes"]

@@ -5,8 +5,8 @@
     print(prof.summary())     # predicted (simulated with those costs) vs measured, per rank
     print(step.summary())     # the plan summary now uses the profiled costs and adds the table
 
-How: one traced call captures every task's first arguments (on its rank's devices); then
-each task's jit is timed alone, blocking on its outputs, ``runs`` times after ``warmup``
+How: every task's first arguments are captured as the loop hands them (on its rank's
+devices; ``CompiledStep.capture_task_args``); then each task's jit is timed alone, blocking on its outputs, ``runs`` times after ``warmup``
 calls, and the median kept (per kind and stage: F, B or I and W, FB for a fused F+B). A
 transfer is timed on a small and on the largest activation/gradient buffer (in one process:
 ``jax.device_put`` to the next rank's devices; over Gloo: half a ping-pong round trip);
@@ -17,10 +17,10 @@ at the ping-pong bandwidth) as latency. Tasks run slower inside a step than alon
 inputs are not in cache, other tasks' buffers come and go), and a transfer waits for the
 transport threads on a busy core, so these predict the step better. ``steps`` further traced
 calls, alternating with those, give the measured step time (median), each rank's bubble and
-the peak live buffers, which ``summary()`` puts next to the simulator's prediction. The capture and the
-isolated timings run on the interpreter; the traced steps run what users run (the compiled
-engine for a multi-rank step: peak bytes are then its trace's replay with the plan's sizes). XLA's memory
-analysis of each task (``compiled.memory_analysis()``) is kept where JAX provides it.
+the peak live buffers, which ``summary()`` puts next to the simulator's prediction. The traced
+steps run what users run: the step's own engine (the compiled programs by default, one-rank
+steps included, whose peak bytes are then their trace's replay with the plan's sizes). XLA's
+memory analysis of each task (``compiled.memory_analysis()``) is kept where JAX provides it.
 Multi-process mode: collective; each process times its own stages' tasks and the results are
 exchanged, so every process gets the same cost model.
 """
@@ -38,11 +38,12 @@ import numpy as np
 
 from .. import _core
 from ..errors import ConfigError
+from .step_costs import cost_model_of
 from .tracing import Trace, span_bubbles
 
 __all__ = ["Profile", "profile"]
 
-_TINY = 1e-9  # seconds: every task keeps a positive duration (see api.cost_model_of)
+_TINY = 1e-9  # seconds: every task keeps a positive duration (see step_costs.cost_model_of)
 _TAG_PROFILE = (1 << 45) + (1 << 20)  # see tracing._TAG_CLOCK
 
 
@@ -251,8 +252,6 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
     and link costs measured inside ``steps`` traced steps, which are then not the ones
     compared with the prediction; the two sets alternate) or ``"isolated"`` (each task
     timed alone, the link by ping-pong)."""
-    from .api import cost_model_of
-
     if not isinstance(runs, int) or runs < 1 or warmup < 0:
         raise ConfigError(f"baton.profile: runs must be >= 1 and warmup >= 0 "
                           f"(got runs={runs!r}, warmup={warmup!r})")
@@ -262,13 +261,8 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
     step = fn.compile(*args)
     step.profiled = None  # flop-based costs while measuring (buffer sizes)
     flop_costs = cost_model_of(step)
-    # 1. capture each task's arguments during one (blocking) step
-    step.capture = {}
-    try:
-        fn._call(args, record=True, keep_args=True)
-        captured = step.capture
-    finally:
-        step.capture = None
+    # 1. each task's arguments as the loop hands them (CompiledStep.capture_task_args)
+    captured = fn.capture_task_args(args)
     # 2. time each task alone
     samples: dict[str, list[float]] = {}
     xla: dict[str, dict] = {}

@@ -9,7 +9,11 @@ memory profile: GPipe runs every forward before any backward and keeps every sta
 (fused) one microbatch at a time, ZB-H1 F, I and W. The task list is rolled into loops
 (``rolling.roll``, lowered by ``loop_program._LoopProgram``).
 
-Profiling (``capture``) and traced one-rank steps run on the interpreter.
+A traced one-rank step (``baton.trace``, ``baton.profile``) runs the same program with task
+markers (``baton_mark`` calls, as every rank program has; ``comm`` given): the markers tie
+each task's outputs to a token, so XLA keeps the tasks in the schedule's order and the
+recorded spans are the tasks' own. The untraced program has none, so XLA may schedule
+across task boundaries.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
+from . import ffi
 from .loop_program import _LoopProgram
+from .rank_transfers import RankTransfers, recorded_events
 from .rolling import task_list
 from .task_env import _Env, _Token
 from .tasks import donatable
@@ -27,10 +34,19 @@ from .tasks import donatable
 class SingleProgram(_LoopProgram):
     """A one-rank ``CompiledStep`` as one jitted program (see the module docstring)."""
 
-    def __init__(self, cs):
+    def __init__(self, cs, comm=None):
         if cs.num_ranks != 1:
             raise ValueError("internal: SingleProgram needs a one-rank plan")
         self.tasks = task_list(cs)
+        # traced: task markers on ``comm`` (a ``RankComm`` of rank 0; it records their times)
+        self.comm = comm
+        self.marks = comm is not None
+        if comm is not None:
+            ffi.register()
+            sub = cs.mesh.meshes[0]
+            if sub.devices.size > 1:
+                comm.set_shards([int(d.id) for d in sub.devices.flat])
+            self.transfers = RankTransfers(cs, comm, sub)
         # no stacked buffers between loops (XLA would zero-fill them, see stacked_buffers):
         # runs that would need them stay unrolled (GPipe's forwards)
         super().__init__(cs, 0, [("run", k, s, m, -1) for k, s, m in self.tasks],
@@ -54,6 +70,17 @@ class SingleProgram(_LoopProgram):
 
         self.kept = keep
         self.fn = jax.jit(program, donate_argnums=0)
+        self.compiled = None  # the executable, compiled when its memory is measured
+
+    def _mark(self, phase, dep, after):
+        return self.transfers.mark(phase, dep, after)
+
+    def events(self) -> list[tuple]:
+        """The last traced call's events in the interpreter's format (``recorded_events``);
+        empty when untraced or the comm did not record."""
+        if self.comm is None:
+            return []
+        return recorded_events(self.cs, 0, self.comm, {})
 
     def _split(self, args):  # (donated, kept) as ``fn`` takes them
         return [args[i] for i in self.donate], [args[i] for i in self.kept]
@@ -62,10 +89,19 @@ class SingleProgram(_LoopProgram):
         """The program's StableHLO for these step inputs (tests inspect its custom calls)."""
         return self.fn.lower(*self._split(list(flat_args))).as_text()
 
-    def __call__(self, flat_args):
+    def __call__(self, flat_args, live=None):
+        """One step; ``live`` (``memory.LivePeak``): sampled as the program starts, its
+        arguments placed, the program's own allocation added."""
         cs = self.cs
-        args = cs.place(cs.traced.step_inputs, list(flat_args), 0)
-        outs = self.fn(*self._split(args))
+        args = self._split(cs.place(cs.traced.step_inputs, list(flat_args), 0))
+        if live is not None:  # (the same program as the jit's own: its memory analysis)
+            if self.compiled is None:
+                self.compiled = self.fn.lower(*args).compile()
+            live.sample_programs([([0], self.compiled)])
+        outs = self.fn(*args)
+        del args
+        if self.marks:  # (the last marker's token: the markers are not dead code)
+            outs = outs[:-1]
         tr = cs.traced
         it = iter(outs)
         return [tr.literals[v] if v in tr.literals else next(it) for v in tr.step_outputs]
@@ -84,7 +120,8 @@ class SingleProgram(_LoopProgram):
             return vals[o] if o in vals else lits[o]
 
         env = _Env()
-        self._loop(env, outer, self._whole_mb(outer, {}), _Token(None))
+        token = _Token(jnp.zeros((), jnp.int32) if self.marks else None)
+        self._loop(env, outer, self._whole_mb(outer, {}), token)
         # the loop's outputs: parts reduced, then combined per outer value (as _combine)
         final = self._final_parts(env, range(len(cs.parts)))
         for o, idx in cs.by_outer.items():
@@ -95,5 +132,6 @@ class SingleProgram(_LoopProgram):
         for seg in cs.post_segments:
             for v, x in zip(seg.outputs, seg.fn(*[vals[v] for v in seg.inputs])):
                 vals[v] = x
-        return [vals[v] for v in tr.step_outputs if v not in lits]
+        outs = [vals[v] for v in tr.step_outputs if v not in lits]
+        return outs + [token.dep] if self.marks else outs
 

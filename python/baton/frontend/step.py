@@ -7,8 +7,12 @@ facts (``tasks.Buffers``), and two engines that run the loop:
 * ``engine`` (``engine.ProgramEngine``, the default): each rank's loop as one XLA program
   whose transfers are FFI calls into the C++ transports (``rank_program.py``);
 * ``interpreter`` (``interpreter.Interpreter``, the reference engine): the C++ executor
-  calling the jitted tasks; chosen with ``single_program=False``, and it runs profiled
-  steps and traced one-rank steps.
+  calling the jitted tasks; chosen with ``single_program=False`` (a debugging engine), and
+  used by no other call but ``capture_task_args`` (each task's arguments, for
+  ``baton.profile``'s isolated timings and the memory model; nothing is timed there).
+
+Every call runs the step's own engine; what a call measures or records is an explicit
+``RunOptions`` (``run_options.py``), never a flag on the step.
 
 ``run`` does the code outside the loop, hands the loop to an engine, and combines the loop's
 outputs: in one process for every rank, or (``group``) for this process's ranks, moving the
@@ -26,10 +30,12 @@ from .. import _core
 from .. import _jax_compat as jc
 from ..errors import ConfigError, ExecutionError
 from . import engine as engine_mod
+from . import step_costs
 from .engine import ProgramEngine
 from .interpreter import Interpreter
 from .mesh import PipelineMesh
 from .retarget import on_rank
+from .run_options import PLAIN, RunOptions
 from .tasks import Buffers, Segments, build_tasks
 from .trace import Traced
 
@@ -116,19 +122,6 @@ class CompiledStep:
             self.loop_needs.append(sorted(need))
         self._broadcast = {self.parts[i].outer for t in self.partition.tasks for i in t.mb_out}
         self.last_stats: dict[str, Any] = {}
-        # Measurement (tracing.py, profile.py): ``record`` makes the engines record
-        # per-instruction events (``last_events``: per rank, ``last_offsets``: clock offsets
-        # to rank 0 in ns); ``block`` makes every interpreted task wait for its outputs, so a
-        # RUN spans its compute; ``capture`` (a dict) keeps each task's first arguments.
-        self.record = False
-        self.block = False
-        self.capture: dict | None = None
-        # ``capture_post`` (a list): the argument layouts of each segment after the loop
-        # (memory.py's update phase)
-        self.capture_post: list | None = None
-        # ``live`` (memory.LivePeak): the interpreter samples the live arrays per device
-        # after every task, transfer and task output (``PipelinedFunction.memory``)
-        self.live = None
         self.memory_model = None  # the last memory.Memory of this step (summary())
         self.last_events: list | None = None
         self.last_offsets: list | None = None
@@ -197,12 +190,12 @@ class CompiledStep:
                 out[i] = y
         return out
 
-    def _run_segments(self, segs, vals, free: bool = False, shared=None):
+    def _run_segments(self, segs, vals, free: bool = False, shared=None, opts=PLAIN):
         """Runs ``segs`` in order on ``vals``. ``free`` (the segments after the loop): a value
         the step does not return leaves ``vals`` after the last segment that reads it (or at
         once if none does), so a stage's summed gradients go once its update ran, not at the
-        end of the step. With ``capture_post`` (a list, ``step.memory``) each segment's
-        argument layouts are kept; with ``live`` on, the live arrays are sampled once a
+        end of the step. With ``opts.capture_post`` (a list, ``step.memory``) each segment's
+        argument layouts are kept; with ``opts.live``, the live arrays are sampled once a
         segment's outputs exist (its inputs still held; its XLA temporaries are
         ``("post", j)`` in the sampler's table). ``shared`` (``shared.SharedSegments``): the
         segments that run as one program for several ranks, at the first one's index."""
@@ -221,17 +214,17 @@ class CompiledStep:
             elif shared is None or j not in shared.skip:
                 rank = self.stage_rank[seg.stage]
                 args = self.place(seg.inputs, [vals[v] for v in seg.inputs], rank)
-                if self.capture_post is not None:
-                    self.capture_post.append(
+                if opts.capture_post is not None:
+                    opts.capture_post.append(
                         [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding)
                          if isinstance(x, jax.Array) else x for x in args])
                 outs = seg.fn(*args)
                 del args
                 for v, x in zip(seg.outputs, outs):
                     vals[v] = x
-                if self.live is not None:
+                if opts.live is not None and free:
                     jax.block_until_ready(outs)
-                    self.live.sample(rank, ("post", j))
+                    opts.live.sample(rank, ("post", j))
                 del outs
             for v in seg.inputs:
                 if last.get(v) == j:
@@ -254,56 +247,69 @@ class CompiledStep:
         return total
 
     # -- one step ------------------------------------------------------------------------------
-    def _interpreted(self) -> bool:
-        return (not self.single_program or self.capture is not None
-                or (self.record and self.num_ranks == 1))
-
     def engine_refusal(self, rank: int, transport_kind: str | None = None) -> str | None:
         """Why the compiled engine cannot run ``rank`` of this step, or None."""
         return engine_mod.refusal(self, rank, transport_kind)
 
-    def run(self, flat_args: list[Any], group: Any = None, timeout: float = 120.0) -> list[Any]:
+    def run(self, flat_args: list[Any], group: Any = None, timeout: float = 120.0,
+            opts: RunOptions = PLAIN) -> list[Any]:
         """One step. ``group`` None: every rank in this process; a
         :class:`~baton.frontend.distributed.ProcessGroup`: this process's ranks only, over its
-        transports (see ``_run_group``). The compiled engine runs the loop unless the
-        interpreter was chosen (``single_program=False``), the step is profiled (the capture
-        of each task's arguments), or it is a traced one-rank step. A traced multi-rank step
-        runs the same compiled programs with their markers and transfer records on.
+        transports (see ``_run_group``). The step's engine runs it: the compiled programs,
+        or the interpreter when it was chosen (``single_program=False``); ``opts``
+        (``RunOptions``: tracing, memory sampling) never changes which.
 
         Runs outside the caller's mesh context (``jax.set_mesh``): the traced equations
         carry it, moved onto each rank's sub-mesh (``retarget``), and Baton's own programs
         place their values on the ranks' devices themselves."""
         with jc.without_mesh_context():
-            return self._run(flat_args, group, timeout)
+            return self._run(flat_args, group, timeout, opts, not self.single_program)
 
-    def _run(self, flat_args: list[Any], group: Any, timeout: float) -> list[Any]:
-        interp = self._interpreted()
+    def capture_task_args(self, flat_args: list[Any], group: Any = None,
+                          timeout: float = 120.0, post: list | None = None) -> dict:
+        """Each task's first arguments, (kind, stage) -> (running sums or None, args), as the
+        loop hands them (``baton.profile`` times each task alone on them; the memory model
+        compiles each on their layouts). The interpreter executes the same plan once for this,
+        since a compiled loop's tasks have no arguments of their own; nothing is timed.
+        ``post`` (a list): each segment after the loop's argument layouts are appended."""
+        if group is not None and self.mesh.spans:
+            raise ConfigError(
+                "baton.profile / step.memory: capturing each task's arguments runs ranks held "
+                "by one process each; ranks that span processes cannot be captured (measure "
+                "them with baton.trace)")
+        got: dict = {}
+        with jc.without_mesh_context():
+            self._run(flat_args, group, timeout,
+                      RunOptions(block=True, capture=got, capture_post=post), True)
+        return got
+
+    def _run(self, flat_args, group, timeout, opts, interp) -> list[Any]:
         if not interp:
             self.last_events = None
         if group is not None:
-            return self._run_group(flat_args, group, timeout)
+            return self._run_group(flat_args, group, timeout, opts, interp)
         if not interp and self.num_ranks == 1:
-            return self.engine.run_single(flat_args)
+            return self.engine.run_single(flat_args, opts)
         tr = self.traced
         vals: dict[Any, Any] = dict(zip(tr.step_inputs, flat_args))
         self._run_segments(self.pre_segments, vals)
         if interp:
-            final = self.interpreter.run_local(vals, timeout)
+            final = self.interpreter.run_local(vals, timeout, opts)
         else:
-            final = self.engine.run_local(vals, timeout)
+            final = self.engine.run_local(vals, timeout, opts)
         for outer, idx in self.by_outer.items():
             vals[outer] = self.combine(idx, {i: final[i] for i in idx})
         del final  # (partial sums of a value several stages make: combined above)
         shared = None
-        if not interp and self.capture_post is None and self.live is None:
+        if not interp and opts.capture_post is None and opts.live is None:
             shared = self.engine.post_groups()
-        self._run_segments(self.post_segments, vals, free=True, shared=shared)
+        self._run_segments(self.post_segments, vals, free=True, shared=shared, opts=opts)
         return [vals[v] if v in vals else tr.literals[v] for v in tr.step_outputs]
 
     # -- several processes ------------------------------------------------------------
-    def _run_group(self, flat_args, group, timeout):
+    def _run_group(self, flat_args, group, timeout, opts, interp):
         try:
-            return self._run_group_body(flat_args, group, timeout)
+            return self._run_group_body(flat_args, group, timeout, opts, interp)
         except ExecutionError:
             raise
         except BaseException as e:
@@ -313,7 +319,7 @@ class CompiledStep:
                             f"{type(e).__name__}: {e}")
             raise
 
-    def _run_group_body(self, flat_args, group, timeout):
+    def _run_group_body(self, flat_args, group, timeout, opts, interp):
         """This process (``group.rank``) runs ranks ``mesh.ranks_of(p)`` (``p*k .. p*k+k-1``,
         or the one rank it holds a slot of when ranks span processes): the code outside the
         loop of their stages, their loops (``engine.run_rank``), and the transfers of values
@@ -337,15 +343,14 @@ class CompiledStep:
         self._group_segments(self.pre_segments, vals, where, router, me, made)
         for r in range(self.num_ranks):
             router.need([o for o in self.loop_needs[r] if o not in lits], procs(r), vals, where)
-        if self.single_program and self.capture is None:
-            final = self.engine.run_rank(group, router, vals, timeout)
+        if not interp:
+            final = self.engine.run_rank(group, router, vals, timeout, opts)
         elif self.mesh.spans:
             raise ConfigError(
-                "baton.jit: the interpreter (single_program=False, or baton.profile's cost "
-                "capture) runs ranks held by one process each; ranks that span processes run "
-                "on the compiled engine only (measure them with baton.trace)")
+                "baton.jit: the interpreter (single_program=False) runs ranks held by one "
+                "process each; ranks that span processes run on the compiled engine only")
         else:
-            final = self.interpreter.run_rank(group, router, vals, timeout)
+            final = self.interpreter.run_rank(group, router, vals, timeout, opts)
         for i, p in enumerate(self.parts):
             where[("part", i)] = set(procs(self.stage_rank[p.stage]))
             if i in final:
@@ -357,7 +362,7 @@ class CompiledStep:
             if me in procs(home):
                 vals[outer] = self.combine(idx, {i: vals[("part", i)] for i in idx})
             where[outer], made[outer] = set(procs(home)), home
-        self._group_segments(self.post_segments, vals, where, router, me, made)
+        self._group_segments(self.post_segments, vals, where, router, me, made, opts)
         seen = set()
         for v in tr.step_outputs:
             if v in self._broadcast and v not in seen:
@@ -377,52 +382,23 @@ class CompiledStep:
         router.finish()
         return outs
 
-    def _group_segments(self, segs, vals, where, router, me, made):
+    def _group_segments(self, segs, vals, where, router, me, made, opts=PLAIN):
         lits = self.traced.literals
         for seg in segs:
             r = self.stage_rank[seg.stage]
             procs = self.mesh.procs(r)
             router.need([v for v in seg.inputs if v not in lits], procs, vals, where)
             if me in procs:
-                self._run_segments([seg], vals)
+                self._run_segments([seg], vals, opts=opts)
             for v in seg.outputs:  # a value copied on several stages is held by each
                 where.setdefault(v, set()).update(procs)
                 made.setdefault(v, r)
 
-    # -- planning data -----------------------------------------------------------
+    # -- planning data (step_costs.py) ----------------------------------------------
     def skip_costs(self) -> list:
         """Bytes per microbatch of each skip edge's transfers (``_core.SkipCost``)."""
-        p = self.traced.program
-        out = {}
-        for t in self.partition.tasks:
-            for e, vs in t.skip_out:
-                out.setdefault(e, [0, 0])[0] = sum(p.value_bytes(v) for v in vs)
-            for e, vs in t.skip_grad_out:
-                out.setdefault(e, [0, 0])[1] = sum(p.value_bytes(v) for v in vs)
-        edges = list(self.partition.skips)
-        return [_core.SkipCost(edges[e].src, edges[e].dst, a, g)
-                for e, (a, g) in sorted(out.items())]
+        return step_costs.skip_costs(self)
 
     def stage_costs(self) -> list[dict]:
-        p = self.traced.program
-        out = []
-        for s in range(self.num_stages):
-            ts = {t.kind: t for t in self.partition.tasks if t.stage == s}
-            f = ts["F"]
-            b = ts.get("B")
-            i = ts.get("I")
-            w = ts.get("W")
-            bsum = (b.cost if b else i.cost + w.cost)
-            wg = b if b else w
-            out.append(dict(
-                f=f.cost, b=bsum, i=(i.cost if i else bsum / 2), w=(w.cost if w else bsum / 2),
-                act_bytes=sum(p.value_bytes(v) for v in f.act_out),
-                stash_bytes=sum(p.value_bytes(v) for v in f.stash_out),
-                grad_bytes=sum(p.value_bytes(v) for v in (b or i).grad_out),
-                wstash_bytes=sum(p.value_bytes(v) for v in (i.wstash_out if i else [])),
-                # summed weight gradients go straight into the running sums (interpreter:
-                # tasks._with_acc): a WGrad buffer holds only stacked parts
-                wgrad_bytes=sum(p.value_bytes(self.parts[j].body) for j in wg.wgrad_out
-                                if self.parts[j].reduce == G.Reduce.Stack),
-            ))
-        return out
+        """Each stage's traced task costs (flops) and buffer bytes."""
+        return step_costs.stage_costs(self)
