@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from .. import _core
+from ..auto_schedule import Auto
 from ..errors import ConfigError, TraceError
 from .distributed import Remote, agree_ranks_per_process, agree_spanning_mesh, gather
 from .distributed import launched_world_size
@@ -86,8 +87,6 @@ class PipelinedFunction:
             mesh = local_devices(mesh)  # this process's ranks; made a mesh at the first call
         self.fn = fn
         self.mesh = mesh
-        from ..autoplan import Auto
-
         self.auto = schedule if isinstance(schedule, Auto) else None
         if self.auto is not None and self.multi:
             raise ConfigError(
