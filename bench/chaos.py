@@ -14,7 +14,7 @@ every step (as float.hex), the digest of the final state and the duration of eac
    reference's checkpoints, cut after a random committed step;
 2. waits for the victim's marker of the chosen phase, sleeps a random fraction (0 to 0.5)
    of that phase's reference duration, and sends the signal (or, for half of the save faults, the
-   victim signals itself at a random point of ``baton.checkpoint._test_hook``:
+   victim signals itself at a random point of ``baton.checkpoint.commit._test_hook``:
    ``writing``, ``written``, ``commit``); the phase the victim was in when it was hit is
    read from its last marker;
 3. checks that every other process exits within ``--limit`` (60 s) of the fault, with code

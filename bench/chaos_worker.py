@@ -16,7 +16,7 @@ code 3 and the line ``CHAOS error <type>: <message>``.
 
 Test-only hook: ``CHAOS_SAVE_HOOK=<event>:<step>:<signal>`` makes this process send itself
 ``signal`` (KILL or STOP) at ``event`` (``writing``, ``written`` or ``commit``, the points of
-``baton.checkpoint._test_hook``) of the save of ``step``.
+``baton.checkpoint.commit._test_hook``) of the save of ``step``.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def install_save_hook(spec: str) -> None:
             mark(f"hook {ev} {step} {sig}")
             os.kill(os.getpid(), signum)
 
-    ckpt._test_hook = hook
+    ckpt.commit._test_hook = hook
 
 
 def digest(tree) -> str:

@@ -234,7 +234,7 @@ def test_outside_times_time_each_segment_on_zeros_of_its_inputs():
     import importlib
     import types
 
-    ap = importlib.import_module("baton.autoplan")
+    sc = importlib.import_module("baton.segment_costs")
     keys = jax.random.split(jax.random.key(1), 4)
     avals = {1: jax.core.ShapedArray((4,), keys.dtype),
              2: jax.core.ShapedArray((3,), np.float32)}
@@ -247,6 +247,6 @@ def test_outside_times_time_each_segment_on_zeros_of_its_inputs():
     segs = [types.SimpleNamespace(stage=s, inputs=[1, 2], fn=jax.jit(upd)) for s in (0, 0, 1)]
     step = types.SimpleNamespace(traced=types.SimpleNamespace(avals=avals, literals={}),
                                  pre_segments=segs[:1], post_segments=segs[1:])
-    got = ap._outside_times(step, jax.devices()[0], 3)
+    got = sc._outside_times(step, jax.devices()[0], 3)
     assert sorted(got) == [0, 1] and all(t > 0 for t in got.values())
     assert seen and seen[0][0] == keys.dtype  # traced once per distinct input signature

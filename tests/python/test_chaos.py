@@ -3,7 +3,7 @@
 Two processes train the chaos worker's 12-layer MLP with a checkpoint every 3 steps:
 
 * process 1 SIGKILLs itself right after its write of the step-6 checkpoint, before the commit
-  exchange (``baton.checkpoint._test_hook``): process 0 exits with an error naming rank 1,
+  exchange (``baton.checkpoint.commit._test_hook``): process 0 exits with an error naming rank 1,
   step 6 is not committed, and the run resumes from step 3 to the reference's losses and
   final state, bit for bit;
 * process 0 is SIGSTOPped in the training loop (no save in flight): process 1 exits at its

@@ -157,7 +157,7 @@ def worker_main(mode: str, outdir: str, k: int) -> None:
             os.write(1, f"rank {me} killing itself at {ev}\n".encode())
             os.kill(os.getpid(), 9)
 
-    ckpt._test_hook = hook
+    ckpt.commit._test_hook = hook
     ckpt.save(path, 2, state, ps, wait=True)
     print(f"rank {me} saved step 2 (unexpected)", flush=True)
 

@@ -147,7 +147,7 @@ def test_optimizer_updates_of_shared_ranks_run_as_one_program():
 def test_constants_compared_for_sharing_include_prng_keys():
     """Stages whose constants are typed PRNG keys (a model's RNG streams, e.g. MaxText's
     dropout keys) are compared by key data, not refused by NumPy."""
-    from baton.frontend.shared import _same_literal
+    from baton.frontend.share_match import _same_literal
 
     k0, k1 = jax.random.key(0), jax.random.key(1)
     assert _same_literal(k0, jax.random.key(0)) and not _same_literal(k0, k1)

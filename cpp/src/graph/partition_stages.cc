@@ -66,61 +66,168 @@ void sink_forward(Ctx& c, const std::vector<char>& after_cut) {
   }
 }
 
+// Step 1, with the count of primal loop outputs known (0 < num_primal_outputs
+// < loop outputs): every loop op that no primal output depends on is backward.
+std::vector<char> backward_by_data_flow(const Ctx& c) {
+  const Program& p = c.p;
+  const int nops = static_cast<int>(p.ops.size());
+  std::vector<char> after_cut(static_cast<size_t>(nops), 0);
+  std::vector<char> needed(p.values.size(), 0);
+  std::vector<int32_t> stack;
+  for (int k = 0; k < p.num_primal_outputs; ++k) stack.push_back(p.loop_outputs[k].body);
+  while (!stack.empty()) {
+    const int32_t v = stack.back();
+    stack.pop_back();
+    if (v < 0 || needed[v]) continue;
+    needed[v] = 1;
+    const int op = c.producer[v];
+    if (op >= 0)
+      for (int32_t in : p.ops[op].inputs) stack.push_back(in);
+  }
+  for (int i = 0; i < nops; ++i) {
+    const Op& op = p.ops[i];
+    bool feeds_primal = false;
+    for (int32_t v : op.outputs) feeds_primal = feeds_primal || needed[v];
+    after_cut[i] = op.region == Region::Loop && !feeds_primal;
+  }
+  return after_cut;
+}
+
+// Step 1, with the count of primal loop outputs unknown: the primal outputs
+// are the shortest prefix of the loop outputs all produced before the rest,
+// and the ops after the last of them are backward.
+std::vector<char> backward_by_order(const Ctx& c) {
+  const Program& p = c.p;
+  const int nops = static_cast<int>(p.ops.size());
+  const int n = static_cast<int>(p.loop_outputs.size());
+  std::vector<char> after_cut(static_cast<size_t>(nops), 0);
+  std::vector<int> prod_idx;
+  for (const LoopOutput& o : p.loop_outputs) prod_idx.push_back(c.producer[o.body]);
+  int cut = nops;
+  for (int k = 1; k <= n; ++k) {
+    int max_pre = -1, min_post = nops;
+    for (int i = 0; i < k; ++i) max_pre = std::max(max_pre, prod_idx[i]);
+    for (int i = k; i < n; ++i) {
+      if (prod_idx[i] >= 0) min_post = std::min(min_post, prod_idx[i]);
+    }
+    if (max_pre < min_post) {
+      cut = k == n ? nops : max_pre + 1;
+      break;
+    }
+  }
+  for (int i = cut; i < nops; ++i) after_cut[i] = 1;
+  return after_cut;
+}
+
+// Step 1: which loop ops are backward (a forward residual they read maps to
+// the backward of its stage). Nothing marks where the last stage's backward
+// starts (the cotangent seed is a literal), so the primal loop outputs
+// decide: with their count known (num_primal_outputs >= 0), every loop op
+// that no primal output depends on is backward: pure data flow, the same for
+// any topological order of the ops. Unknown, the primal outputs are the
+// shortest prefix of the loop outputs all produced before the rest, and the
+// ops after the last of them are backward.
+std::vector<char> backward_ops(const Ctx& c) {
+  const Program& p = c.p;
+  const int n = static_cast<int>(p.loop_outputs.size());
+  if (p.num_primal_outputs > n)
+    throw TraceError(
+        fmt::format("internal: {} primal loop outputs of {}", p.num_primal_outputs, n));
+  if (p.num_primal_outputs > 0 && p.num_primal_outputs < n) return backward_by_data_flow(c);
+  if (p.num_primal_outputs < 0) return backward_by_order(c);
+  // 0 primal outputs or only primal ones: no cut (the backward runs in the forward task)
+  return std::vector<char>(p.ops.size(), 0);
+}
+
+// With several stages, values computed from the batch alone are left
+// unstaged (each stage that reads them recomputes them: positions, masks),
+// except the expensive ones that stage 0 computes on the way to its
+// boundary (embeddings, its layers): those are stage 0's work, and a later
+// stage that reads them receives them (a skip edge) instead of rerunning them.
+// Returns, per op, whether it is such a seed of stage 0.
+std::vector<char> stage0_seeds(const Ctx& c) {
+  const Program& p = c.p;
+  const int nops = static_cast<int>(p.ops.size());
+  std::vector<char> seed(static_cast<size_t>(nops), 0);
+  if (c.S <= 1 || c.fwd_marker[0] < 0) return seed;
+  std::vector<char> batch(p.values.size(), 0);
+  for (const LoopInput& in : p.loop_inputs) {
+    if (p.values[in.body].kind == ValueKind::LoopMicrobatch) batch[in.body] = 1;
+  }
+  for (int i = 0; i < nops; ++i) {
+    const Op& op = p.ops[i];
+    if (op.region != Region::Loop) continue;
+    bool any = false;
+    for (int32_t v : op.inputs) any = any || batch[v];
+    for (int32_t v : op.outputs) batch[v] = any;
+  }
+  std::vector<char> seen(p.values.size(), 0);
+  std::vector<int32_t> stack(p.ops[c.fwd_marker[0]].inputs.begin(),
+                             p.ops[c.fwd_marker[0]].inputs.end());
+  while (!stack.empty()) {
+    const int32_t v = stack.back();
+    stack.pop_back();
+    if (seen[v]) continue;
+    seen[v] = 1;
+    const int op = c.producer[v];
+    if (op < 0 || p.ops[op].region != Region::Loop || p.ops[op].kind == OpKind::Boundary) continue;
+    if (batch[v] && !is_recomputable(p.ops[op])) seed[op] = 1;
+    for (int32_t u : p.ops[op].inputs) stack.push_back(u);
+  }
+  return seed;
+}
+
+// Step 2 for one op: a marker's outputs go to the position after its
+// boundary (checking that none of its inputs comes later); any other loop op
+// runs at the latest position of its inputs.
+void place_op(Ctx& c, int i, const std::vector<char>& after_cut, const std::vector<char>& seed) {
+  const Program& p = c.p;
+  const Op& op = p.ops[i];
+  if (op.region != Region::Loop) return;
+  if (op.kind == OpKind::Boundary) {
+    int k = op.boundary;
+    int limit = op.backward ? c.b_pos(k + 1) : c.f_pos(k);
+    for (int32_t v : op.inputs) {
+      if (c.pos[v] != kUnplaced && c.pos[v] > limit) {
+        throw TraceError(fmt::format(
+            "{}: {} stage_boundary {} consumes {} computed in {}, which comes after the "
+            "boundary (are the boundaries in order along the data flow?)",
+            c.op_label(i), op.backward ? "backward" : "forward", k, c.val_label(v),
+            c.pos_label(c.pos[v])));
+      }
+    }
+    int out = op.backward ? c.b_pos(k) : c.f_pos(k + 1);
+    for (int32_t v : op.outputs) c.pos[v] = out;
+    c.staged_op[i] = true;
+    return;
+  }
+  // In the backward part of the program a residual of F_s is read by B_s,
+  // unless the op also reads cotangents of a later stage j > s: then it runs
+  // in B_j and the residual is sent forward to stage j and stashed there
+  // (an encoder output read by a decoder stage's backward).
+  int lb = kUnplaced, res = kUnplaced;
+  for (int32_t v : op.inputs) {
+    int q = c.pos[v];
+    if (after_cut[i] && q != kUnplaced && c.is_fwd(q)) {
+      res = std::max(res, c.b_pos(q));
+    } else {
+      lb = std::max(lb, q);
+    }
+  }
+  if (lb == kUnplaced) lb = res;
+  if (lb == kUnplaced && seed[i]) lb = c.f_pos(0);
+  if (lb == kUnplaced) return;  // unstaged: placed by its consumers
+  c.staged_op[i] = true;
+  for (int32_t v : op.outputs) c.pos[v] = lb;
+}
+
 }  // namespace
 
 // Steps 1 and 2: which body ops are staged, and their chain positions.
 void infer_stages(Ctx& c) {
   const Program& p = c.p;
   const int nops = static_cast<int>(p.ops.size());
-  // Which loop ops are backward (a forward residual they read maps to the
-  // backward of its stage). Nothing marks where the last stage's backward
-  // starts (the cotangent seed is a literal), so the primal loop outputs
-  // decide: with their count known (num_primal_outputs >= 0), every loop op
-  // that no primal output depends on is backward: pure data flow, the same for
-  // any topological order of the ops. Unknown, the primal outputs are the
-  // shortest prefix of the loop outputs all produced before the rest, and the
-  // ops after the last of them are backward.
-  std::vector<char> after_cut(static_cast<size_t>(nops), 0);
-  const int n = static_cast<int>(p.loop_outputs.size());
-  if (p.num_primal_outputs > n)
-    throw TraceError(
-        fmt::format("internal: {} primal loop outputs of {}", p.num_primal_outputs, n));
-  if (p.num_primal_outputs > 0 && p.num_primal_outputs < n) {
-    std::vector<char> needed(p.values.size(), 0);
-    std::vector<int32_t> stack;
-    for (int k = 0; k < p.num_primal_outputs; ++k) stack.push_back(p.loop_outputs[k].body);
-    while (!stack.empty()) {
-      const int32_t v = stack.back();
-      stack.pop_back();
-      if (v < 0 || needed[v]) continue;
-      needed[v] = 1;
-      const int op = c.producer[v];
-      if (op >= 0)
-        for (int32_t in : p.ops[op].inputs) stack.push_back(in);
-    }
-    for (int i = 0; i < nops; ++i) {
-      const Op& op = p.ops[i];
-      bool feeds_primal = false;
-      for (int32_t v : op.outputs) feeds_primal = feeds_primal || needed[v];
-      after_cut[i] = op.region == Region::Loop && !feeds_primal;
-    }
-  } else if (p.num_primal_outputs < 0) {
-    std::vector<int> prod_idx;
-    for (const LoopOutput& o : p.loop_outputs) prod_idx.push_back(c.producer[o.body]);
-    int cut = nops;
-    for (int k = 1; k <= n; ++k) {
-      int max_pre = -1, min_post = nops;
-      for (int i = 0; i < k; ++i) max_pre = std::max(max_pre, prod_idx[i]);
-      for (int i = k; i < n; ++i) {
-        if (prod_idx[i] >= 0) min_post = std::min(min_post, prod_idx[i]);
-      }
-      if (max_pre < min_post) {
-        cut = k == n ? nops : max_pre + 1;
-        break;
-      }
-    }
-    for (int i = cut; i < nops; ++i) after_cut[i] = 1;
-  }  // 0 primal outputs or only primal ones: no cut (the backward runs in the forward task)
+  const std::vector<char> after_cut = backward_ops(c);
   c.pos.assign(p.values.size(), kUnplaced);
   c.staged_op.assign(nops, false);
   if (c.S == 1) {
@@ -133,87 +240,16 @@ void infer_stages(Ctx& c) {
       if (p.values[in.body].kind == ValueKind::LoopMicrobatch) c.pos[in.body] = c.f_pos(0);
     }
   }
-  // With several stages, values computed from the batch alone are left
-  // unstaged (each stage that reads them recomputes them: positions, masks),
-  // except the expensive ones that stage 0 computes on the way to its
-  // boundary (embeddings, its layers): those are stage 0's work, and a later
-  // stage that reads them receives them (a skip edge) instead of rerunning them.
-  std::vector<char> seed(static_cast<size_t>(nops), 0);
-  if (c.S > 1 && c.fwd_marker[0] >= 0) {
-    std::vector<char> batch(p.values.size(), 0);
-    for (const LoopInput& in : p.loop_inputs) {
-      if (p.values[in.body].kind == ValueKind::LoopMicrobatch) batch[in.body] = 1;
-    }
-    for (int i = 0; i < nops; ++i) {
-      const Op& op = p.ops[i];
-      if (op.region != Region::Loop) continue;
-      bool any = false;
-      for (int32_t v : op.inputs) any = any || batch[v];
-      for (int32_t v : op.outputs) batch[v] = any;
-    }
-    std::vector<char> seen(p.values.size(), 0);
-    std::vector<int32_t> stack(p.ops[c.fwd_marker[0]].inputs.begin(),
-                               p.ops[c.fwd_marker[0]].inputs.end());
-    while (!stack.empty()) {
-      const int32_t v = stack.back();
-      stack.pop_back();
-      if (seen[v]) continue;
-      seen[v] = 1;
-      const int op = c.producer[v];
-      if (op < 0 || p.ops[op].region != Region::Loop || p.ops[op].kind == OpKind::Boundary)
-        continue;
-      if (batch[v] && !is_recomputable(p.ops[op])) seed[op] = 1;
-      for (int32_t u : p.ops[op].inputs) stack.push_back(u);
-    }
-  }
-  auto place = [&](int i) {
-    const Op& op = p.ops[i];
-    if (op.region != Region::Loop) return;
-    if (op.kind == OpKind::Boundary) {
-      int k = op.boundary;
-      int limit = op.backward ? c.b_pos(k + 1) : c.f_pos(k);
-      for (int32_t v : op.inputs) {
-        if (c.pos[v] != kUnplaced && c.pos[v] > limit) {
-          throw TraceError(fmt::format(
-              "{}: {} stage_boundary {} consumes {} computed in {}, which comes after the "
-              "boundary (are the boundaries in order along the data flow?)",
-              c.op_label(i), op.backward ? "backward" : "forward", k, c.val_label(v),
-              c.pos_label(c.pos[v])));
-        }
-      }
-      int out = op.backward ? c.b_pos(k) : c.f_pos(k + 1);
-      for (int32_t v : op.outputs) c.pos[v] = out;
-      c.staged_op[i] = true;
-      return;
-    }
-    // In the backward part of the program a residual of F_s is read by B_s,
-    // unless the op also reads cotangents of a later stage j > s: then it runs
-    // in B_j and the residual is sent forward to stage j and stashed there
-    // (an encoder output read by a decoder stage's backward).
-    int lb = kUnplaced, res = kUnplaced;
-    for (int32_t v : op.inputs) {
-      int q = c.pos[v];
-      if (after_cut[i] && q != kUnplaced && c.is_fwd(q)) {
-        res = std::max(res, c.b_pos(q));
-      } else {
-        lb = std::max(lb, q);
-      }
-    }
-    if (lb == kUnplaced) lb = res;
-    if (lb == kUnplaced && seed[i]) lb = c.f_pos(0);
-    if (lb == kUnplaced) return;  // unstaged: placed by its consumers
-    c.staged_op[i] = true;
-    for (int32_t v : op.outputs) c.pos[v] = lb;
-  };
+  const std::vector<char> seed = stage0_seeds(c);
   // Forward ops first (no forward op reads a backward one), then forward ops
   // sink towards their readers, then the backward ops, whose residuals are
   // read where the forward values finally are.
   for (int i = 0; i < nops; ++i) {
-    if (!after_cut[i]) place(i);
+    if (!after_cut[i]) place_op(c, i, after_cut, seed);
   }
   sink_forward(c, after_cut);
   for (int i = 0; i < nops; ++i) {
-    if (after_cut[i]) place(i);
+    if (after_cut[i]) place_op(c, i, after_cut, seed);
   }
 }
 

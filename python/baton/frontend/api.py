@@ -11,6 +11,7 @@ import jax
 from .. import _core
 from .. import runtime as rt
 from .. import schedules as S
+from ..auto_schedule import Auto
 from ..errors import ConfigError, TraceError
 from ..planning import Plan, plan as make_plan
 from .distributed import Remote, Router, agree_ranks_per_process, agree_spanning_mesh, gather
@@ -91,8 +92,6 @@ class PipelinedFunction:
             mesh = local_devices(mesh)  # this process's ranks; made a mesh at the first call
         self.fn = fn
         self.mesh = mesh
-        from ..autoplan import Auto
-
         self.auto = schedule if isinstance(schedule, Auto) else None
         if self.auto is not None and self.multi:
             raise ConfigError(

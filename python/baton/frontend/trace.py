@@ -362,19 +362,43 @@ def trace_step(fn: Callable, args: tuple, microbatches: int,
     step_outputs = [ex.read(env, o) for o in outvars]
     n_markers = _number_markers(ex.ops)
     if boundaries is not None:
-        keep = sorted(set(int(b) for b in boundaries))
-        if keep and (keep[0] < 0 or keep[-1] >= n_markers):
-            raise TraceError(f"boundaries={list(boundaries)}: the step has {n_markers} "
-                             f"stage_boundary calls (indices 0..{n_markers - 1})")
-        index = {b: j for j, b in enumerate(keep)}
-        for op in ex.ops:
-            if op.kind == "boundary":
-                if op.boundary in index:
-                    op.boundary = index[op.boundary]
-                else:  # an identity: runs inside its stage's task
-                    op.kind, op.boundary = "compute", -1
-        n_markers = len(keep)
+        n_markers = _keep_boundaries(ex.ops, boundaries, n_markers)
+    prog = _program(ex, step_outputs)
+    return Traced(
+        program=prog,
+        ops=ex.ops,
+        literals=ex.literals,
+        avals=ex.avals,
+        step_inputs=step_inputs,
+        step_outputs=step_outputs,
+        loop_inputs=ex.loop_inputs,
+        loop_outputs=ex.loop_outputs,
+        in_tree=in_tree,
+        out_tree=out_tree,
+        microbatches=ex.microbatches,
+        num_stages=n_markers + 1,
+    )
 
+
+def _keep_boundaries(ops, boundaries, n_markers: int) -> int:
+    """Keeps the stage_boundary calls ``boundaries`` (renumbered in order) and makes the others
+    identities; returns the number kept."""
+    keep = sorted(set(int(b) for b in boundaries))
+    if keep and (keep[0] < 0 or keep[-1] >= n_markers):
+        raise TraceError(f"boundaries={list(boundaries)}: the step has {n_markers} "
+                         f"stage_boundary calls (indices 0..{n_markers - 1})")
+    index = {b: j for j, b in enumerate(keep)}
+    for op in ops:
+        if op.kind == "boundary":
+            if op.boundary in index:
+                op.boundary = index[op.boundary]
+            else:  # an identity: runs inside its stage's task
+                op.kind, op.boundary = "compute", -1
+    return len(keep)
+
+
+def _program(ex, step_outputs) -> G.Program:
+    """The C++ program of an exported step: values, ops, loop inputs and outputs, validated."""
     prog = G.Program()
     for aval, kind in zip(ex.avals, ex.kinds):
         shape = [int(d) for d in getattr(aval, "shape", ())]
@@ -400,17 +424,4 @@ def trace_step(fn: Callable, args: tuple, microbatches: int,
     prog.step_outputs = step_outputs
     prog.num_primal_outputs = getattr(ex, "num_primal", -1)
     prog.validate()
-    return Traced(
-        program=prog,
-        ops=ex.ops,
-        literals=ex.literals,
-        avals=ex.avals,
-        step_inputs=step_inputs,
-        step_outputs=step_outputs,
-        loop_inputs=ex.loop_inputs,
-        loop_outputs=ex.loop_outputs,
-        in_tree=in_tree,
-        out_tree=out_tree,
-        microbatches=ex.microbatches,
-        num_stages=n_markers + 1,
-    )
+    return prog

@@ -1,0 +1,48 @@
+"""Orbax's checkpointers: this process's ``AsyncCheckpointer`` for saves and a synchronous one
+for restores, each told not to coordinate with other JAX processes."""
+
+from __future__ import annotations
+
+import jax
+
+from ..errors import ConfigError
+
+
+def _ocp():
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:  # pragma: no cover
+        raise ConfigError("baton.checkpoint needs orbax-checkpoint "
+                          "(pip install orbax-checkpoint)") from e
+    return ocp
+
+
+def _mp_options(ocp) -> dict:
+    """Each process writes and reads its own items: under ``jax.distributed`` (several JAX
+    processes) Orbax must not coordinate with the others (every process its own primary host,
+    barriers among itself only). Empty in Baton's own multi-process mode, where each process
+    is a one-process JAX world."""
+    if jax.process_count() <= 1:
+        return {}
+    me = jax.process_index()
+    return dict(multiprocessing_options=ocp.options.MultiprocessingOptions(
+        primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"baton{me}"))
+
+
+_SAVER = None
+
+
+def _saver():
+    """This process's Orbax ``AsyncCheckpointer`` (one save in flight at a time)."""
+    global _SAVER
+    if _SAVER is None:
+        ocp = _ocp()
+        mp = _mp_options(ocp)
+        _SAVER = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(**mp), **mp)
+    return _SAVER
+
+
+def _reader():
+    ocp = _ocp()
+    mp = _mp_options(ocp)
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**mp), **mp)
