@@ -27,6 +27,9 @@ import jax
 import numpy as np
 
 from ..errors import ConfigError
+from ..runtime import rendezvous
+from .interpreter import on_rank_threads
+from .mesh import BATCH_AXES, DATA_AXIS, PipelineMesh
 
 _TAG_BASE = 1 << 44  # executor tags are step * num_buffer_ids + buffer: far below
 _TAG_SPAN = 1 << 40
@@ -85,9 +88,6 @@ class ProcessGroup:
             return [self.transport]
         ts = self.rank_ts.get(k)
         if ts is None:
-            from ..runtime import rendezvous
-            from .interpreter import on_rank_threads
-
             info = rendezvous.rank_info()
             ts = [None] * k
 
@@ -124,8 +124,6 @@ class ProcessGroup:
         key = ("slot", j)
         ts = self.rank_ts.get(key)
         if ts is None:
-            from ..runtime import rendezvous
-
             info = rendezvous.rank_info()
             try:
                 t = rendezvous.init_transport(
@@ -158,8 +156,6 @@ _GROUP: ProcessGroup | None = None
 
 def launched_world_size() -> int:
     """World size from the launcher's environment (1 when there is none)."""
-    from ..runtime import rendezvous
-
     try:
         return rendezvous.rank_info().world_size
     except ConfigError:
@@ -170,8 +166,6 @@ def process_group(kind: str = "gloo", connect_timeout: float = 60.0) -> ProcessG
     """This process's group (connected on first use, then shared)."""
     global _GROUP
     if _GROUP is None or _GROUP.transport.closed:
-        from ..runtime import rendezvous
-
         info = rendezvous.rank_info()
         t = rendezvous.init_transport(kind, info=info, connect_timeout=connect_timeout)
         _GROUP = ProcessGroup(info.rank, info.world_size, t, info.source)
@@ -187,8 +181,6 @@ def local_devices(mesh: Any) -> Any:
     process's devices (``jax.distributed``) whose ranks span processes
     (:func:`spanning_layout`)."""
     from jax.sharding import Mesh
-
-    from .mesh import PipelineMesh
 
     if mesh is None:
         return list(jax.local_devices())
@@ -254,8 +246,6 @@ def spanning_layout(mesh: Any, me: int) -> list[list[int]]:
 
 def ranks_per_process(local: Any) -> int:
     """k: the number of pipeline ranks in ``local`` (what :func:`local_devices` returned)."""
-    from .mesh import PipelineMesh
-
     return local.num_ranks if isinstance(local, PipelineMesh) else 1
 
 
@@ -305,8 +295,6 @@ def process_mesh(local: Any, world_size: int):
     import copy
 
     from jax.sharding import Mesh
-
-    from .mesh import BATCH_AXES, DATA_AXIS, PipelineMesh
 
     if isinstance(local, PipelineMesh):
         m = copy.copy(local)

@@ -22,9 +22,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 from .. import _core
+from .. import runtime as rt
 from ..errors import ConfigError
+from ..runtime import rendezvous
+from . import ffi
 from .interpreter import on_rank_threads, raise_first
+from .rank_program import RankProgram
+from .rolling import rank_items
+from .share_match import share_groups
+from .shared import SharedProgram, SharedSegments
+from .single_program import SingleProgram
+from .tracing import gather_events
 
 
 _GPU = ("gpu", "cuda")
@@ -65,8 +76,6 @@ def refusal(step, rank: int, transport_kind: str | None = None) -> str | None:
         if kind != "nccl":
             return (f"rank {rank} runs on a GPU: its transfers go over NCCL "
                     f"(transport='nccl', the default on GPUs), not {kind!r}")
-        from . import ffi
-
         if not ffi.has_cuda():
             return ("this build of baton has no CUDA transfer handlers (it was built "
                     "without the CUDA toolkit and nccl.h); rebuild on a machine that has them")
@@ -94,8 +103,6 @@ def check(step, rank: int, transport_kind: str | None = None) -> None:
 
 def links(step, rank: int) -> list[tuple[int, int, bool]]:
     """(peer, channel, send) of every direction of a link ``rank``'s loop uses."""
-    from .rolling import rank_items
-
     return sorted({(peer, step.buffers.channel(k, s), op == "send") for op, k, s, _, peer in
                    rank_items(step, rank) if op in ("send", "post")})
 
@@ -104,8 +111,6 @@ def local_slots(step, rank: int) -> list[tuple[int, Any]]:
     """(slot, device) of each of ``rank``'s devices this process holds: slot j is the rank's
     j-th device in its sub-mesh's order (device j of one rank exchanges with device j of
     another, shard to shard)."""
-    import jax
-
     me = jax.process_index()
     flat = list(step.mesh.meshes[rank].devices.flat)
     return [(j, d) for j, d in enumerate(flat) if d.process_index == me]
@@ -167,10 +172,6 @@ class ProgramEngine:
     def run_single(self, flat_args, opts) -> list[Any]:
         """The one-rank step as one program; traced (``opts.record``): the same program with
         its task markers (``SingleProgram``'s docstring), built once and kept."""
-        import jax
-
-        from .single_program import SingleProgram
-
         step = self.step
         if not opts.record:
             if self.single is None:
@@ -194,8 +195,6 @@ class ProgramEngine:
     def _local_programs(self, vals, timeout):
         """This step's rank programs over an in-process hub (built on the first call, and
         again after a failed step: a failed hub stays failed)."""
-        from .rank_program import RankProgram
-
         step = self.step
         R = step.num_ranks
         if self.local_progs is None:
@@ -203,8 +202,6 @@ class ProgramEngine:
                 check(step, r)
             if step.transport == "nccl":
                 import tempfile
-
-                from .. import runtime as rt
 
                 self._nccl_builds += 1
                 comms = nccl_comms(step, list(range(R)), rt.file_store(tempfile.mkdtemp(
@@ -214,8 +211,6 @@ class ProgramEngine:
             progs = [RankProgram(step, r, comms[r], timeout) for r in range(R)]
             units = progs
             if self.share and step.transport != "nccl":
-                from .shared import SharedProgram, share_groups
-
                 units = [g[0].prog if len(g) == 1 else SharedProgram(g)
                          for g in share_groups(progs)]
             raise_first(compile_all(units, vals))
@@ -235,8 +230,6 @@ class ProgramEngine:
     def post_groups(self):
         """The code after the loop of this process's shared ranks (``shared.SharedSegments``;
         built once), or None when no ranks share a program."""
-        from .shared import SharedProgram, SharedSegments
-
         sp = next((u for u in self.local_units or () if isinstance(u, SharedProgram)), None)
         if sp is None:
             return None
@@ -315,15 +308,11 @@ class ProgramEngine:
         step.last_stats = {"rank_program": progs[0].describe() if one
                            else [p.describe() for p in progs]}
         if opts.record:
-            from .tracing import gather_events
-
             step.last_events, step.last_offsets = gather_events(
                 group, [p.events() for p in progs], timeout, step.mesh)
         return final
 
     def _build_rank(self, group, router, vals, timeout, ts):
-        from .rank_program import RankProgram
-
         step = self.step
         ranks = step.mesh.ranks_of(group.rank)
         whys = {r: refusal(step, r) for r in ranks}
@@ -332,8 +321,6 @@ class ProgramEngine:
             r = ranks[0]
             try:
                 if step.transport == "nccl":  # the loop over NCCL, the rest over the group
-                    from ..runtime import rendezvous
-
                     self._nccl_builds += 1
                     comms = nccl_comms(step, ranks, rendezvous.make_store(
                         rendezvous.rank_info().store), timeout,

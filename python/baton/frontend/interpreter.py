@@ -27,7 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _core
+from .. import runtime as rt
+from ..runtime import to_host
 from .tasks import OUT_GROUPS, buffer_reads, final_part, task_exes
+from .tracing import gather_events
 
 G = _core.graph
 
@@ -92,8 +95,6 @@ class _StepState:
 def _to_host(value):
     """A value (list of jax.Arrays) as host-transferable arrays: one-device arrays cross as
     DLPack views, arrays sharded over several devices are gathered with numpy."""
-    from ..runtime import to_host
-
     out = []
     for x in value:
         sh = getattr(x, "sharding", None)
@@ -317,8 +318,6 @@ class Interpreter:
         return self.step.buffers.layout(kind, s)
 
     def _tasks(self):
-        from .. import runtime as rt
-
         return rt.Tasks(run=self._cb_run, accumulate=self._cb_accumulate,
                         received=self._cb_received, to_host=_to_host,
                         from_host=rt.from_host, recv_layout=self._recv_layout)
@@ -327,8 +326,6 @@ class Interpreter:
     def run_local(self, vals, timeout, opts) -> dict[int, Any]:
         """The loop of every rank (``vals``: the step's values before the loop; ``opts``:
         the run's ``RunOptions``); returns every loop output part."""
-        from .. import runtime as rt
-
         step = self.step
         st = self._state = _StepState(vals, opts)
         R = step.num_ranks
@@ -358,8 +355,6 @@ class Interpreter:
         """The loops of this process's ranks, one executor per rank over its transport
         (``group.rank_transports``), each on its own thread (inline for one); returns their
         loop output parts."""
-        from .. import runtime as rt
-
         step = self.step
         k = step.mesh.ranks_per_process
         ranks = group.ranks(k)
@@ -388,8 +383,6 @@ class Interpreter:
         peaks = [int(x) for p in router.allgather(mine) for x in p.split()]
         step.last_stats = {"peak_bytes": peaks[0::2], "peak_buffers": peaks[1::2]}
         if opts.record:
-            from .tracing import gather_events
-
             step.last_events, step.last_offsets = gather_events(
                 group, [e.events() for e in exes], timeout)
         return self._reduce_parts(st, [i for i, p in enumerate(step.parts)

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..errors import ExecutionError
 from .rings import ring_slots
-from .share_match import Share, _Jaxprs, _stages, share_groups  # noqa: F401  (engine.py)
+from .share_match import Share, _Jaxprs, _stages
 
 _AX = "baton_ranks"
 

@@ -2,7 +2,7 @@
 
 It holds the C++ partition and plan, the task functions (``tasks.build_tasks``), the code
 before and after the loop as per-stage segments (``tasks.Segments``), the plan's buffer
-facts (``tasks.Buffers``), and two engines that run the loop:
+facts (``buffers.Buffers``), and two engines that run the loop:
 
 * ``engine`` (``engine.ProgramEngine``, the default): each rank's loop as one XLA program
   whose transfers are FFI calls into the C++ transports (``rank_program.py``);
@@ -29,6 +29,7 @@ import numpy as np
 from .. import _core
 from .. import _jax_compat as jc
 from ..errors import ConfigError, ExecutionError
+from ..planning import Plan
 from . import engine as engine_mod
 from . import step_costs
 from .engine import ProgramEngine
@@ -36,7 +37,9 @@ from .interpreter import Interpreter
 from .mesh import PipelineMesh
 from .retarget import on_rank
 from .run_options import PLAIN, RunOptions
-from .tasks import Buffers, Segments, build_tasks
+from .buffers import Buffers
+from .distributed import Remote, Router
+from .tasks import Segments, build_tasks
 from .trace import Traced
 
 G = _core.graph
@@ -76,8 +79,6 @@ class CompiledStep:
         core = plan.core if hasattr(plan, "core") else plan
         skips = list(self.partition.skips)
         if skips:  # values between stages that are not neighbours: the plan's skip edges
-            from ..planning import Plan
-
             plan = Plan(_core.lower(core.schedule, skips))
             plan.verify()
             core = plan.core
@@ -330,8 +331,6 @@ class CompiledStep:
         loop of a rank runs as multi-controller jits in every process of the rank, its values
         ``jax.Array``s over the rank's sub-mesh, and a value needed on a rank goes to each of
         its processes."""
-        from .distributed import Remote, Router
-
         tr = self.traced
         lits = tr.literals
         me = group.rank

@@ -22,7 +22,6 @@ import numpy as np
 from .. import _core
 from .. import _jax_compat as jc
 from ..errors import TraceError
-from .buffers import Buffers  # noqa: F401  (step.py imports it from here)
 from .trace import Traced
 
 G = _core.graph
