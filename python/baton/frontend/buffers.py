@@ -49,7 +49,7 @@ class Buffers:
         k = self._key.get(b)
         if k is None:
             bk = self.plan.buffer_key(b)
-            k = self._key[b] = (str(bk.kind).split(".")[-1], bk.stage, bk.microbatch)
+            k = self._key[b] = (bk.kind.name, bk.stage, bk.microbatch)
         return k
 
     def id(self, kind: str, stage: int, m: int) -> int:
@@ -100,7 +100,7 @@ class Buffers:
         if ts is None:
             act = self.rank_actions[rank][a]
             raw = [act.first] + ([act.second] if act.is_fused else [])
-            ts = [(str(t.kind).split(".")[-1], t.stage, t.microbatch) for t in raw]
+            ts = [(t.kind.name, t.stage, t.microbatch) for t in raw]
             if (len(ts) == 2 and (ts[0][0], ts[1][0]) == ("F", "B") and ts[0][1:] == ts[1][1:]
                     and ("FB", ts[0][1]) in self._tasks):
                 ts = [("FB", ts[0][1], ts[0][2])]

@@ -162,7 +162,7 @@ def recorded_events(cs, rank, comm, order) -> list[tuple]:
     marks = comm.take_marks()
     comm_events = comm.take_events()
     prog = cs.programs[rank]
-    ops = [op.split(".")[-1].upper() for op, _, _, _ in prog]
+    ops = [op for op, _, _, _ in prog]
     tasks_per_run = [len(cs.buffers.tasks_of(rank, a)) for (_, a, _, _), op in zip(prog, ops)
                      if op == "RUN"]
     if not marks or len(marks) != 2 * sum(tasks_per_run):

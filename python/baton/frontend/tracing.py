@@ -46,7 +46,7 @@ def buffer_bytes(core_plan: Any, costs: Any) -> list[int]:
     out = []
     for b in range(core_plan.num_buffer_ids()):
         k = core_plan.buffer_key(b)
-        kind = str(k.kind).split(".")[-1]
+        kind = k.kind.name
         if kind in ("Skip", "SkipGrad"):
             c = skips.get((edges[k.stage].src, edges[k.stage].dst))
             out.append(0 if c is None else int(c.act_bytes if kind == "Skip" else c.grad_bytes))
@@ -59,7 +59,7 @@ def buffer_bytes(core_plan: Any, costs: Any) -> list[int]:
 def _category(act) -> str:
     if act.is_fused:
         return "fused"
-    return str(act.first.kind).split(".")[-1]
+    return act.first.kind.name
 
 
 @dataclasses.dataclass
