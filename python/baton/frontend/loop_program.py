@@ -56,7 +56,7 @@ class _LoopProgram:
         sym = {"send": ">", "post": "+", "wait": "<"}
 
         def name(it):
-            return f"{it[1]}{it[2]}" if it[0] == "run" else f"{sym[it[0]]}{it[1]}{it[2]}"
+            return f"{it.kind}{it.stage}" if it.op == "run" else f"{sym[it.op]}{it.kind}{it.stage}"
 
         out = []
         for pat, r, d in self.runs:
@@ -100,7 +100,7 @@ class _LoopProgram:
         i = 0
         while i < len(items):
             it = items[i]
-            if it[0] == "run":
+            if it.op == "run":
                 _, kind, s, m, _ = it
                 made: dict[tuple, list] = {}
 
@@ -142,15 +142,15 @@ class _LoopProgram:
         # the run except through a carry slot, see _analyze)
         xs: dict[tuple, Any] = {("t",): jnp.arange(r, dtype=jnp.int32)}
         for it in pattern:
-            if it[0] == "run":
-                for exe in _exes(cs, it[1], it[2]):
+            if it.op == "run":
+                for exe in _exes(cs, it.kind, it.stage):
                     for v in exe.in_groups[1]:
-                        xs[("m", v, it[3])] = whole_mb(v)[it[3]:it[3] + (r - 1) * d + 1:d]
+                        xs[("m", v, it.mb)] = whole_mb(v)[it.mb:it.mb + (r - 1) * d + 1:d]
         # carry: the sums the pattern adds to, the slots, the token
         parts = set()
         for it in pattern:
-            if it[0] == "run":
-                parts.update(_parts_of(cs, it[1], it[2]))
+            if it.op == "run":
+                parts.update(_parts_of(cs, it.kind, it.stage))
         summed = sorted(i for i in parts if cs.parts[i].reduce != G.Reduce.Stack)
         stacked = sorted(i for i in parts if cs.parts[i].reduce == G.Reduce.Stack)
         init_acc = {}
@@ -194,9 +194,9 @@ class _LoopProgram:
             env.rows.setdefault((k, s), []).append((m, r, d, ys[key]))
         m0 = {}  # the first microbatch each part is added at
         for it in pattern:
-            if it[0] == "run":
-                for i in _parts_of(cs, it[1], it[2]):
-                    m0.setdefault(i, it[3])
+            if it.op == "run":
+                for i in _parts_of(cs, it.kind, it.stage):
+                    m0.setdefault(i, it.mb)
         for i in stacked:
             env.stack_rows.setdefault(i, []).append((m0[i], r, d, st[i]))
 

@@ -229,10 +229,10 @@ class _TableBody:
         self.pool_of, self.slot_of, self.table = pool_of, slot_of, table
         self.units: list[_Unit] = []
         for j, pat in enumerate(t_stretches):
-            n = 1 + max(it[3] for it in pat)
+            n = 1 + max(it.mb for it in pat)
             self.units.append(_Unit(0, j, pat, list(range(3, 3 + n)), *self._io(pat)))
         for j, (kind, s) in enumerate(t_units):
-            it: Item = ("run", kind, s, 0, -1)
+            it = Item("run", kind, s, 0, -1)
             self.units.append(_Unit(1, j, (it,), [2], *self._io([it])))
 
     def _io(self, items):
@@ -242,7 +242,7 @@ class _TableBody:
               if key[:2] in pool_of}
         wr = {pool_of[key[:2]] for it in items for key in item_writes(cs, it)
               if key[:2] in pool_of}
-        ps = {i for it in items if it[0] == "run" for i in _parts_of(cs, it[1], it[2])}
+        ps = {i for it in items if it.op == "run" for i in _parts_of(cs, it.kind, it.stage)}
         return sorted(rd - wr), sorted(wr), sorted(ps)
 
     def body(self, t, carry):

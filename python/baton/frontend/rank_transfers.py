@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec
 
 from .. import _jax_compat as jc
 from . import ffi
+from .tracing import Event
 
 _OP_KIND = {"send": 0, "post": 1, "wait": 2}  # CommOpKind (cpp/include/baton/comm.h)
 
@@ -152,7 +153,7 @@ class RankTransfers:
                 pos += len(avals)
 
 
-def recorded_events(cs, rank, comm, order) -> list[tuple]:
+def recorded_events(cs, rank, comm, order) -> list[Event]:
     """The last step's recorded events of rank ``rank``'s program in the interpreter's format
     (``Executor.events``: instr, op, buffer, peer, posted, started, completed in ns) for its
     instruction stream: a RUN spans its tasks' begin and end markers, a SEND or RECV is its
@@ -178,17 +179,17 @@ def recorded_events(cs, rank, comm, order) -> list[tuple]:
     for i, ((_, a, b, peer), op) in enumerate(zip(prog, ops)):
         if op == "RUN":
             t0, t1 = spans[run_i]
-            out.append((i, "RUN", -1, -1, t0, t0, t1))
+            out.append(Event(i, "RUN", -1, -1, t0, t0, t1))
             last_end = t1
             run_i += 1
         elif op == "FREE":
-            out.append((i, "FREE", b, -1, last_end, last_end, last_end))
+            out.append(Event(i, "FREE", b, -1, last_end, last_end, last_end))
     for kind, peer, chan, _, seq, po, st, co in comm_events:
         ids = order.get((peer, chan, kind == 0))
         if not ids:
             continue
         b = ids[seq % len(ids)]
         op = "SEND" if kind == 0 else "RECV"
-        out.append((instr_of[(op, b)], op, b, peer, po, st or po, co or st or po))
+        out.append(Event(instr_of[(op, b)], op, b, peer, po, st or po, co or st or po))
     out.sort()
     return out

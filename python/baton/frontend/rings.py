@@ -33,7 +33,7 @@ def table_steps(items) -> list[tuple[list[Item], Item | None]]:
     stretch after the last task is a step without a task)."""
     out, cur = [], []
     for it in items:
-        if it[0] == "run":
+        if it.op == "run":
             out.append((cur, it))
             cur = []
         else:
@@ -47,7 +47,7 @@ def _symbolic(items) -> tuple[tuple, list[int]]:
     """``items`` with each microbatch replaced by its symbol (0, 1, ... in order of first
     appearance), and the microbatch of each symbol."""
     sym: dict[int, int] = {}
-    pat = tuple((op, k, s, sym.setdefault(m, len(sym)), peer) for op, k, s, m, peer in items)
+    pat = tuple(it._replace(mb=sym.setdefault(it.mb, len(sym))) for it in items)
     return pat, list(sym)
 
 

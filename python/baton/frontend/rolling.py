@@ -22,14 +22,23 @@ would have to be read from a stack of copies. Items outside any run are called i
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from .. import _core
 from .tasks import buffer_reads, task_exes
 
 _MAX_PERIOD_PER_STAGE = 4
 
-# An item: (op, kind, stage, microbatch, peer). op "run": kind a task kind (F, B, I, W, FB);
-# "send" / "post" (a receive posted) / "wait" (a receive waited on): kind a buffer kind.
-Item = tuple
+class Item(NamedTuple):
+    """One step of a rank's program as the emitter lowers it. ``op`` "run": ``kind`` a task
+    kind (F, B, I, W, FB), ``peer`` -1; "send" / "post" (a receive posted) / "wait" (a
+    receive waited on): ``kind`` a buffer kind, ``peer`` the other rank."""
+
+    op: str
+    kind: str
+    stage: int
+    mb: int
+    peer: int
 
 
 def task_list(cs, rank: int = 0) -> list[tuple[str, int, int]]:
@@ -69,7 +78,7 @@ def item_writes(cs, it: Item) -> list[tuple[str, int, int]]:
 
 
 def _shift(it: Item, d: int) -> Item:
-    return (it[0], it[1], it[2], it[3] + d, it[4])
+    return it._replace(mb=it.mb + d)
 
 
 def rank_items(cs, rank: int) -> list[Item]:
@@ -91,13 +100,13 @@ def rank_items(cs, rank: int) -> list[Item]:
             for t in prog.groups[ins.group].transfers:
                 x = prog.transfers[t]
                 op = "send" if x.dir == _core.TransferDir.SEND else "post"
-                items.append((op, *key(x.buffer), x.peer))
+                items.append(Item(op, *key(x.buffer), x.peer))
         elif ins.op == _core.RankOp.WAIT:
             x = prog.transfers[ins.transfer]
-            items.append(("wait", *key(x.buffer), x.peer))
+            items.append(Item("wait", *key(x.buffer), x.peer))
         elif ins.op == _core.RankOp.RUN:
             for kind, s, m in bufs.tasks_of(rank, prog.units[ins.unit].action):
-                items.append(("run", kind, s, m, -1))
+                items.append(Item("run", kind, s, m, -1))
     return items
 
 

@@ -150,7 +150,8 @@ def match(lead, prog, jaxprs: _Jaxprs) -> Share | None:
     for pat in prog.stretches:
         if any(st not in inv or not 0 <= p - shift < R for _, _, st, _, p in pat):
             return None
-        stretches.append(tuple((op, k, inv[st], m, p - shift) for op, k, st, m, p in pat))
+        stretches.append(tuple(it._replace(stage=inv[it.stage], peer=it.peer - shift)
+                               for it in pat))
     if not all(s in stage for _, s in lead.lives):
         return None
     lk = {(k, stage[s]) for k, s in lead.lives}

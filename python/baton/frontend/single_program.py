@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from . import ffi
 from .loop_program import _LoopProgram
 from .rank_transfers import RankTransfers, recorded_events
-from .rolling import task_list
+from .rolling import Item, task_list
 from .task_env import _Env, _Token
 from .tasks import donatable
 
@@ -49,7 +49,7 @@ class SingleProgram(_LoopProgram):
             self.transfers = RankTransfers(cs, comm, sub)
         # no stacked buffers between loops (XLA would zero-fill them, see stacked_buffers):
         # runs that would need them stay unrolled (GPipe's forwards)
-        super().__init__(cs, 0, [("run", k, s, m, -1) for k, s, m in self.tasks],
+        super().__init__(cs, 0, [Item("run", k, s, m, -1) for k, s, m in self.tasks],
                          stacked=False)
         # donated step inputs (baton.jit(donate_argnums=...)), each matched to a step output
         # of its shape and dtype, enter as the first argument, which XLA may overwrite

@@ -90,7 +90,7 @@ class CompiledStep:
         self.M = sched.num_microbatches
         self.stage_rank = list(sched.stage_rank)
         # A readable, immutable copy of the per-rank programs the executor runs.
-        self.programs = tuple(tuple((i.opcode.name, i.action, i.buffer, i.peer) for i in prog)
+        self.programs = tuple(tuple((i.opcode, i.action, i.buffer, i.peer) for i in prog)
                               for prog in core.programs)
         self.parts = list(self.partition.parts)
         fixes = {r: on_rank(mesh, r) for r in set(self.stage_rank)}

@@ -26,11 +26,11 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["Trace", "build_trace", "buffer_bytes", "trace", "clock_offsets", "gather_events"]
+__all__ = ["Event", "Trace", "build_trace", "buffer_bytes", "trace", "clock_offsets", "gather_events"]
 
 _TAG_CLOCK = 1 << 45  # above the Router's tags; slots are tag << 16, below 1 << 62 (control)
 _FIELDS = {"Act": "act_bytes", "Grad": "grad_bytes", "Stash": "stash_bytes",
@@ -200,6 +200,20 @@ def span_bubbles(runs, num_ranks: int) -> list[float]:
     return out
 
 
+class Event(NamedTuple):
+    """One instruction's recorded times (ns; 0: did not happen) as the engines report them
+    (``Executor.events()``, ``RankProgram.events()``): its index in the rank's stream, opcode
+    name, buffer id and peer (-1: none)."""
+
+    instr: int
+    op: str
+    buffer: int
+    peer: int
+    posted: int
+    started: int
+    completed: int
+
+
 def build_trace(core_plan: Any, events: list, sizes: list[int] | None = None,
                 offsets_ns: list[int] | None = None) -> Trace:
     """A Trace from every rank's executor events (``Executor.events()`` tuples: instr, op,
@@ -212,9 +226,9 @@ def build_trace(core_plan: Any, events: list, sizes: list[int] | None = None,
     evs = []
     for r in range(P):
         off = offsets_ns[r]
-        evs.append([(i, op, b, p, po - off if po else 0, st - off if st else 0,
-                     co - off if co else 0) for i, op, b, p, po, st, co in events[r]])
-    t0 = min((e[4] for rank in evs for e in rank if e[4]), default=0)
+        evs.append([Event(i, op, b, p, po - off if po else 0, st - off if st else 0,
+                           co - off if co else 0) for i, op, b, p, po, st, co in events[r]])
+    t0 = min((e.posted for rank in evs for e in rank if e.posted), default=0)
 
     def sec(t_ns):
         return (t_ns - t0) / 1e9
@@ -236,7 +250,7 @@ def build_trace(core_plan: Any, events: list, sizes: list[int] | None = None,
                 d["second_microbatch"] = act.second.microbatch
             runs.append(d)
     runs.sort(key=lambda d: (d["rank"], d["start"]))
-    recvs = {(r, e[2], e[3]): e for r in range(P) for e in evs[r] if e[1] == "RECV"}
+    recvs = {(r, e.buffer, e.peer): e for r in range(P) for e in evs[r] if e.op == "RECV"}
     transfers = []
     for src in range(P):
         for i, op, b, dst, po, st, co in evs[src]:
@@ -244,12 +258,13 @@ def build_trace(core_plan: Any, events: list, sizes: list[int] | None = None,
                 continue
             rv = recvs.get((dst, b, src))
             start = st or po
-            end = rv[6] if rv is not None and rv[6] else co or start
+            end = rv.completed if rv is not None and rv.completed else co or start
             transfers.append({"src": src, "dst": dst, "buffer": b,
                               "name": core_plan.describe_buffer(b), "send_instr": i,
-                              "recv_instr": rv[0] if rv is not None else -1,
+                              "recv_instr": rv.instr if rv is not None else -1,
                               "posted": sec(po), "start": sec(start),
-                              "recv_posted": sec(rv[4]) if rv is not None and rv[4] else None,
+                              "recv_posted": sec(rv.posted) if rv is not None and rv.posted
+                              else None,
                               "end": sec(max(end, start)), "bytes": sizes[b]})
     memory, peak_act, peak_tot = _replay_memory(core_plan, evs, sizes, sec)
     return Trace(sched.name, P, S, M, runs, transfers, memory, peak_act, peak_tot, offsets_ns)
