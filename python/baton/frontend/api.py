@@ -20,11 +20,11 @@ from .distributed import local_devices, process_group, process_mesh, ranks_per_p
 from .checks import check_backward, check_leaves, stages_hint
 from .step import CompiledStep
 from .handshake import agree_program, describe, error_text
-from .memory import memory as memory_model
 from .mesh import PipelineMesh
 from .retarget import check_axis_types
 from .run_options import RunOptions
 from .arguments import donated_inputs, input_specs, leaf_key
+from .inspection import StepInspection
 from .step_costs import cost_model_of
 from .trace import trace_step
 from .tracing import buffer_bytes, build_trace
@@ -43,7 +43,7 @@ def _schedule_spec(schedule: Any):
     return schedule
 
 
-class PipelinedFunction:
+class PipelinedFunction(StepInspection):
     """The result of ``baton.jit``. Call it like the step; inspect ``.plan``, ``.summary()``."""
 
     def __init__(self, fn: Callable, mesh: Any, schedule: Any, microbatches: int,
@@ -305,13 +305,6 @@ class PipelinedFunction:
                 " ".join(f"{b:.1%}" for b in self.last_trace.bubble))
         return jax.tree.unflatten(step.traced.out_tree, outs)
 
-    def write_trace(self, path) -> str:
-        """Writes the last traced call's Chrome/Perfetto trace (``baton.jit(..., trace=True)``
-        or ``baton.trace``) to ``path``; returns the JSON text."""
-        if self.last_trace is None:
-            raise ConfigError("no traced call yet: use baton.jit(..., trace=True) or baton.trace")
-        return self.last_trace.write(path)
-
     @property
     def rank(self) -> int | None:
         """This process's pipeline rank in multi-process mode with one rank per process
@@ -342,47 +335,6 @@ class PipelinedFunction:
             return jax.device_get(tree)
         return gather(self._connect(), tree, self.timeout)
 
-    # -- inspection ----------------------------------------------------------------
-    def cost_model(self, *args) -> Any:
-        step = self.compile(*args) if args else self.last
-        if step is None:
-            raise ConfigError("call the step (or pass example arguments) first")
-        return cost_model_of(step)
-
-    def rank_ir(self, *args) -> Any:
-        """The step's rank programs as they run (``_core.RankIR``; ``.to_text()``,
-        ``.programs``; docs/RANK_IR.md)."""
-        step = self.compile(*args) if args else self.last
-        if step is None:
-            raise ConfigError("call the step (or pass example arguments) first")
-        return step.rank_ir()
-
-    def summary(self, *args) -> str:
-        step = self.compile(*args) if args else self.last
-        if step is None:
-            raise ConfigError("call the step (or pass example arguments) first")
-        text = step.plan.summary(cost_model_of(step))
-        prof = getattr(step, "profiled", None)
-        if prof is not None:
-            text += "\n" + prof.summary()
-        if step.memory_model is not None:
-            text += "\nmemory per device (step.memory):\n" + step.memory_model.table()
-        return text
-
-    def memory(self, *args, measure: bool = False):
-        """The per-rank, per-device memory model of the step on ``args``: a
-        ``baton.frontend.memory.Memory`` (static arguments, copies, running sums, pipeline
-        buffers, XLA temporaries; ``.table()``), shown by ``summary()`` from then on.
-        ``measure``: also run one step sampling the live jax arrays per device
-        (``Memory.measured``) on the step's own engine. Captures each task's arguments
-        (``CompiledStep.capture_task_args``) to compile the tasks as they run; one process
-        only. See docs/ARCHITECTURE.md, "Measurement and memory"."""
-        return memory_model(self, args, measure)
-
-    def simulate(self, *args):
-        step = self.compile(*args) if args else self.last
-        return step.plan.simulate(cost_model_of(step))
-
 
 def jit(
     fn: Callable | None = None,
@@ -402,64 +354,41 @@ def jit(
     donate_argnums: Any = (),
     share_programs: bool = True,
 ):
-    """Pipelines ``fn`` (a training step containing one ``baton.accumulate``).
+    """Pipelines ``fn`` (a training step containing one ``baton.accumulate``); usable as
+    ``baton.jit(step, mesh=..., ...)`` or as a decorator ``@baton.jit(mesh=..., ...)``.
 
-    Usable as ``baton.jit(step, mesh=..., schedule=..., microbatches=...)`` or
-    as a decorator ``@baton.jit(mesh=..., ...)``.
-
-    ``transport``: how the loop's activations and gradients move between ranks. ``"local"``
-    runs every rank in this process (one thread per rank over the in-process transport;
-    ``mesh`` is a ``PipelineMesh``); ``"gloo"`` makes this process one rank of a
-    multi-process pipeline over TCP (``mesh``: this rank's devices, default
-    ``jax.local_devices()``); ``"nccl"``: between GPUs (a rank of one or several GPUs, one NCCL
-    context per device slot; in one process, or one process per rank or per GPU when launched
-    with several). ``None`` picks ``"nccl"`` when the
-    ranks run on GPUs, else ``"gloo"`` when the process was started by ``python -m
-    baton.launch`` (or SLURM, Open MPI, ``jax.distributed``) with more than one process,
-    else ``"local"``. An impossible choice (``"nccl"`` on CPUs, two ranks on one GPU) raises
-    ``baton.ConfigError`` at the first call. ``timeout``: seconds one instruction may wait for a transfer.
-    ``trace``: record every call (``.last_trace``, ``.write_trace(path)``; see ``baton.trace``).
-    ``remat``: shrink each stage's stash by recomputing cheap forward ops (elementwise, casts,
-    reshapes) in the backward task instead of keeping their outputs (a minimum cut over the
-    stash bytes; see docs/ARCHITECTURE.md); ``False`` stashes every residual JAX keeps.
-    ``fuse_forward_backward``: where the schedule runs B(s,m) right after F(s,m) on a rank (the
-    last stage of 1F1B, every microbatch on one rank), run both as one program that keeps no
-    stash (``baton.fuse_forward_backward`` on the schedule); ``False`` keeps them apart.
-    ``retain_host_memory``: when the step is first compiled, set glibc's malloc to keep freed
-    memory for reuse (``baton.runtime.retain_host_memory``; process-wide, stays set). XLA:CPU
-    allocates each task's temporaries and outputs anew, and with glibc's default each large
-    block is mapped and unmapped per call, page-faulting it in every time (~10 ms per call on
-    a 40 MB working set); the cost is that the process keeps its peak host memory.
-    ``False`` leaves malloc alone.
-    ``param_shardings``: a pytree of ``PartitionSpec``s (or ``NamedSharding``s, or None for
-    replicated) with the structure of ``fn``'s first argument (the parameters), naming axes of
-    the ``PipelineMesh``'s sub-meshes (e.g. ``"tensor"``, ``"fsdp"``); the pipe axis, if
-    named, is dropped. Every sub-tree of the other arguments with the parameters' structure
-    (optax's ``mu``, ``nu``) takes the same shardings. Without it, arguments that are already
-    ``NamedSharding``-ed keep their specs; the rest is replicated on each rank.
-    ``single_program``: the engine. ``True`` (default): the compiled engine. With one rank,
-    the whole step, the schedule's tasks rolled into ``lax.scan`` loops in the schedule's
-    order, is one XLA program (as Megatron-LM runs a pipeline of size 1 without its pipeline
-    engine); with several ranks (in this process or one process per rank), each rank's
-    microbatch loop is one XLA program whose sends and receives are XLA FFI calls into the
-    C++ transports, in the order of the rank's instruction stream. A step it cannot run (a
-    multi-rank step whose ranks have several devices; a transport the devices cannot use)
-    raises ``baton.ConfigError``. ``False``: the interpreter (the C++ executor, one Python callback
-    per task), the reference engine; it also runs ``baton.profile`` and traced one-rank steps.
-    ``share_programs``: with several ranks in this process (CPU devices, one each), ranks
-    that do the same work on different parameters (the middle ranks of a pipeline of equal
-    blocks) run one compiled program, an SPMD program over their devices, so it is traced
-    and compiled once (``frontend/shared.py``; 4-rank 1F1B: 3 programs, 8 ranks: 3 instead
-    of 8). XLA compiles that program on its own, so its kernels may round differently from
-    the one-rank programs' (seen: 1e-7 in a GPT block's gradients; an MLP's are bit-identical);
-    ``False``: one program per rank.
-    ``boundaries``: the indices (0-based, in forward order) of the ``stage_boundary`` calls
-    that end stages; the others are identities. For a model marked at a finer grain than its
-    stages (a boundary after every layer); ``baton.autoplan`` chooses them. Default: all.
-    ``donate_argnums``: arguments (indices) the caller gives up, as in ``jax.jit``: the
-    optimizer update after the loop writes the new parameters and optimizer state into their
-    buffers instead of next to them (without it the update holds both), and the donated arrays
-    are deleted by the call. Pass the step's outputs back in, as a training loop does.
+    ``transport``: how activations and gradients move between ranks: ``"local"`` (every rank
+    in this process, ``mesh`` a ``PipelineMesh``), ``"gloo"`` (this process is one rank of a
+    multi-process pipeline over TCP; ``mesh``: its devices, default ``jax.local_devices()``),
+    ``"nccl"`` (GPUs; one NCCL context per device slot, in one process or one per rank or per
+    GPU). ``None``: ``"nccl"`` on GPUs, else ``"gloo"`` when launched with several processes
+    (``python -m baton.launch``, SLURM, Open MPI, ``jax.distributed``), else ``"local"``; an
+    impossible choice raises ``baton.ConfigError`` at the first call. ``timeout``: seconds one
+    instruction may wait for a transfer. ``trace``: record every call (``.last_trace``,
+    ``.write_trace(path)``; ``baton.trace``).
+    ``remat``: shrink each stage's stash by recomputing cheap forward ops in the backward task
+    (a minimum cut over the stash bytes); ``False`` stashes every residual JAX keeps.
+    ``fuse_forward_backward``: where a rank runs B(s,m) right after F(s,m), run both as one
+    program that keeps no stash. ``retain_host_memory``: at the first compile, make glibc keep
+    freed memory for reuse (``baton.runtime.retain_host_memory``, process-wide): XLA:CPU
+    allocates each call's buffers anew, and glibc's default maps and page-faults them every
+    time.
+    ``param_shardings``: ``PartitionSpec``s (or ``NamedSharding``s, None: replicated) with the
+    structure of the first argument (the parameters), naming axes of the ranks' sub-meshes
+    (the pipe axis, if named, is dropped); every sub-tree of the other arguments with that
+    structure (optax's ``mu``, ``nu``) takes the same. Without it, ``NamedSharding``-ed
+    arguments keep their specs and the rest is replicated on each rank.
+    ``single_program``: ``True`` (default): the compiled engine (one rank: the whole step as one
+    XLA program; several: each rank's loop one XLA program whose transfers are FFI calls into
+    the C++ transports); a step it cannot run raises ``baton.ConfigError``. ``False``: the
+    interpreter (the C++ executor, one Python callback per task), for debugging.
+    ``share_programs``: ranks of this process doing the same work on different parameters run
+    one compiled SPMD program (``frontend/shared.py``), whose kernels may round differently
+    from one rank's; ``False``: one program per rank.
+    ``boundaries``: the indices (forward order) of the ``stage_boundary`` calls that end stages;
+    the others are identities (``baton.autoplan`` chooses them). Default: all.
+    ``donate_argnums``: arguments the caller gives up, as in ``jax.jit``: the optimizer update
+    writes the new parameters and optimizer state into their buffers.
     """
     if mesh is None and (transport == "local" or
                          (transport in (None, "nccl") and launched_world_size() <= 1)):

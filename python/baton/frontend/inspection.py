@@ -1,0 +1,65 @@
+"""What a ``baton.jit`` function tells about its step (``StepInspection``, a base of
+``PipelinedFunction``): its costs, rank programs, summary, memory model, simulation and last
+trace."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ConfigError
+from .memory import memory as memory_model
+from .step_costs import cost_model_of
+
+
+class StepInspection:
+    """Inspection methods; the class using it provides ``compile(*args)``, ``last`` (the last
+    ``CompiledStep``) and ``last_trace``."""
+
+    def write_trace(self, path) -> str:
+        """Writes the last traced call's Chrome/Perfetto trace (``baton.jit(..., trace=True)``
+        or ``baton.trace``) to ``path``; returns the JSON text."""
+        if self.last_trace is None:
+            raise ConfigError("no traced call yet: use baton.jit(..., trace=True) or baton.trace")
+        return self.last_trace.write(path)
+
+    def _step(self, args):
+        step = self.compile(*args) if args else self.last
+        if step is None:
+            raise ConfigError("call the step (or pass example arguments) first")
+        return step
+
+    def cost_model(self, *args) -> Any:
+        """The simulator's costs (``step_costs.cost_model_of``)."""
+        return cost_model_of(self._step(args))
+
+    def rank_ir(self, *args) -> Any:
+        """The step's rank programs as they run (``_core.RankIR``; ``.to_text()``,
+        ``.programs``; docs/RANK_IR.md)."""
+        return self._step(args).rank_ir()
+
+    def summary(self, *args) -> str:
+        """The plan's summary (step time, bubble, memory per rank), with the profile's and
+        the memory model's tables once measured."""
+        step = self._step(args)
+        text = step.plan.summary(cost_model_of(step))
+        prof = getattr(step, "profiled", None)
+        if prof is not None:
+            text += "\n" + prof.summary()
+        if step.memory_model is not None:
+            text += "\nmemory per device (step.memory):\n" + step.memory_model.table()
+        return text
+
+    def memory(self, *args, measure: bool = False):
+        """The per-rank, per-device memory model of the step on ``args``: a
+        ``baton.frontend.memory.Memory`` (static arguments, copies, running sums, pipeline
+        buffers, XLA temporaries; ``.table()``), shown by ``summary()`` from then on.
+        ``measure``: also run one step sampling the live jax arrays per device
+        (``Memory.measured``) on the step's own engine. Captures each task's arguments
+        (``CompiledStep.capture_task_args``) to compile the tasks as they run; one process
+        only. See docs/ARCHITECTURE.md, "Measurement and memory"."""
+        return memory_model(self, args, measure)
+
+    def simulate(self, *args):
+        """The simulated step (``Plan.simulate`` with ``cost_model``)."""
+        step = self._step(args)
+        return step.plan.simulate(cost_model_of(step))
