@@ -36,8 +36,8 @@ CONFIGS = {
     "gpt pipe 2 x fsdp 4": dict(model="gpt", mesh=(2, {"fsdp": 4}), fsdp="fsdp"),
     "gpt pipe 4 x data 2": dict(model="gpt", mesh=(4, {"data": 2})),
     "moe gpt pipe 2 x expert 2 x data 2": dict(model="moe", mesh=(2, {"expert": 2, "data": 2})),
-    "gpt pipe 4, compiled": dict(model="gpt", mesh=(4, {}), engine="compiled"),
-    "gpt pipe 1, compiled": dict(model="gpt", mesh=(1, {}), engine="compiled"),
+    "gpt pipe 4 compiled": dict(model="gpt", mesh=(4, {}), engine="compiled"),
+    "gpt pipe 1 compiled": dict(model="gpt", mesh=(1, {}), engine="compiled"),
 }
 
 
