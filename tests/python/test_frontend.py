@@ -194,7 +194,7 @@ def test_compile_cache_key_per_leaf():
     scalars, Python scalars by JAX's weak types), and agrees across array kinds."""
     import ml_dtypes
 
-    from baton.frontend.api import _leaf_key
+    from baton.frontend.arguments import leaf_key as _leaf_key
 
     f32 = jnp.ones((2, 3), jnp.float32)
     assert _leaf_key(f32) == _leaf_key(np.ones((2, 3), np.float32))
