@@ -273,11 +273,11 @@ class PipelinedFunction:
         return tuple(jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, a)
                      if i in self.donate_argnums else a for i, a in enumerate(args))
 
-    def capture_task_args(self, args, post: list | None = None) -> dict:
-        """Each task's first arguments on ``args`` (``CompiledStep.capture_task_args``)."""
-        args = self.kept(args)
+    def capture_task_args(self, args, post: list | None = None, arrays: bool = True) -> dict:
+        """Each task's first arguments on ``args`` (``CompiledStep.capture_task_args``:
+        derived from the plan, nothing runs)."""
         step = self.compile(*args)
-        return step.capture_task_args(jax.tree.leaves(args), self.group, self.timeout, post)
+        return step.capture_task_args(jax.tree.leaves(args), self.group, post, arrays)
 
     def _call(self, args, record: bool = False, keep_args: bool = False, live=None):
         """One step. ``record``: traced (``last_trace``); ``live`` (``memory.LivePeak``): the
@@ -374,8 +374,8 @@ class PipelinedFunction:
         ``baton.frontend.memory.Memory`` (static arguments, copies, running sums, pipeline
         buffers, XLA temporaries; ``.table()``), shown by ``summary()`` from then on.
         ``measure``: also run one step sampling the live jax arrays per device
-        (``Memory.measured``) on the step's own engine. Captures each task's arguments
-        (``CompiledStep.capture_task_args``) to compile the tasks as they run; one process
+        (``Memory.measured``) on the step's own engine. Compiles each task on the arguments
+        the loop hands it (their layouts, ``CompiledStep.capture_task_args``); one process
         only. See docs/ARCHITECTURE.md, "Measurement and memory"."""
         return memory_model(self, args, measure)
 
