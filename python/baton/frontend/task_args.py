@@ -81,9 +81,9 @@ def _compile(fn, args) -> list[jax.ShapeDtypeStruct]:
 def _zeros(sds):
     """Zeros of ``sds`` in its sharding (typed PRNG keys: zero key data wrapped; float0:
     the numpy zeros jax takes for it)."""
-    w = jc.wire_aval(sds)
     if sds.dtype == jax.dtypes.float0:
         return np.zeros(tuple(sds.shape), sds.dtype)
+    w = jc.wire_aval(sds)
     return jc.from_wire(jax.device_put(np.zeros(tuple(w.shape), w.dtype), sds.sharding),
                         sds.dtype)
 
@@ -215,17 +215,21 @@ class _Derive:
                 return False
             args += [(x, None) for x in xs]
         got = exe.split(self.call(exe, args, sums))
+        self.keep_parts(exe, got)
         if len(exes) == 2:  # B as I then W: I's weight stash goes straight to W
             we = exes[1]
             wargs = self.inputs(we, rank) + [(x, None) for x in got["wstash"]]
-            got["wgrad"] = we.split(self.call(we, wargs, sums))["wgrad"]
-            self.keep_parts(we, got)
-        self.keep_parts(exe, got)
+            wgot = we.split(self.call(we, wargs, sums))
+            self.keep_parts(we, wgot)
+            got["wgrad"] = wgot["wgrad"]
         for key, value in step.buffers.outputs(kind, s, 0, got):
             self.bufs.setdefault(key[:2], (rank, value))
         return True
 
     def call(self, exe, args, sums) -> list:
+        """Compiles one task function on ``args`` ((layout, source) pairs), records them (and
+        its running sums' layouts where it is handed some: those of its summed outputs), and
+        returns its outputs' layouts."""
         outs = _compile(exe.fn, [x for x, _ in args])
         acc = None
         if sums.get((exe.kind, exe.stage)):
@@ -234,6 +238,7 @@ class _Derive:
         return outs
 
     def keep_parts(self, exe, got) -> None:
+        """The layouts of the loop-output parts a task's outputs (by group) make."""
         for g, idx in (("wgrad", exe.body[0]), ("mb", exe.body[1])):
             for i, x in zip(idx, got.get(g, ())):
                 self.parts.setdefault(i, x)
