@@ -273,11 +273,11 @@ class PipelinedFunction(StepInspection):
         return tuple(jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, a)
                      if i in self.donate_argnums else a for i, a in enumerate(args))
 
-    def capture_task_args(self, args, post: list | None = None) -> dict:
-        """Each task's first arguments on ``args`` (``CompiledStep.capture_task_args``)."""
-        args = self.kept(args)
+    def capture_task_args(self, args, post: list | None = None, arrays: bool = True) -> dict:
+        """Each task's first arguments on ``args`` (``CompiledStep.capture_task_args``:
+        derived from the plan, nothing runs)."""
         step = self.compile(*args)
-        return step.capture_task_args(jax.tree.leaves(args), self.group, self.timeout, post)
+        return step.capture_task_args(jax.tree.leaves(args), self.group, post, arrays)
 
     def _call(self, args, record: bool = False, keep_args: bool = False, live=None):
         """One step. ``record``: traced (``last_trace``); ``live`` (``memory.LivePeak``): the

@@ -54,8 +54,8 @@ class StepInspection:
         ``baton.frontend.memory.Memory`` (static arguments, copies, running sums, pipeline
         buffers, XLA temporaries; ``.table()``), shown by ``summary()`` from then on.
         ``measure``: also run one step sampling the live jax arrays per device
-        (``Memory.measured``) on the step's own engine. Captures each task's arguments
-        (``CompiledStep.capture_task_args``) to compile the tasks as they run; one process
+        (``Memory.measured``) on the step's own engine. Compiles each task on the arguments
+        the loop hands it (their layouts, ``CompiledStep.capture_task_args``); one process
         only. See docs/ARCHITECTURE.md, "Measurement and memory"."""
         return memory_model(self, args, measure)
 

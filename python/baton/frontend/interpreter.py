@@ -6,9 +6,9 @@ callbacks.
 * received     ``jax.device_put``s a received value to the consuming rank's sharding;
 * accumulate   adds a WGrad into the stage's accumulator.
 
-Chosen with ``baton.jit(..., single_program=False)`` (for debugging: every task is its own
-call); besides, ``CompiledStep.capture_task_args`` runs it once to hand ``baton.profile`` and
-the memory model each task's arguments (nothing is timed there). Single process: one executor
+It runs only when chosen, with ``baton.jit(..., single_program=False)`` (for debugging:
+every task is its own call); ``baton.profile`` and the memory model get each task's arguments
+without it (``task_args.py``). Single process: one executor
 per rank over an in-process transport, each in its own thread; a task that raises stops
 every rank and the call raises the failing rank's ``ExecutionError`` (never hangs: every
 wait is bounded). One process per rank: this process's executor over its transport
@@ -234,13 +234,6 @@ class Interpreter:
         acc = None
         if exe.acc_parts and exe.acc_parts[0] in st.acc:
             acc = [st.acc.pop(i) for i in exe.acc_parts]
-        if opts.capture is not None:
-            had = opts.capture.get(key)
-            if had is None or (had[0] is None and acc is not None):
-                # a donating step's update consumes the parameters the tasks read: keep copies
-                keep = [x.copy() if isinstance(x, jax.Array) else x for x in args] \
-                    if step.donated else args
-                opts.capture[key] = (acc, keep)
         if not exe.acc_parts:
             outs = exe.fn(*args)
             if opts.live is not None:

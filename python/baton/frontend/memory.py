@@ -33,9 +33,10 @@ sharding: the user's spec over the rank's sub-mesh, or the layout XLA gave a tas
                     devices
     predicted(d) = max(static + copies + loop, update)
 
-The tasks are compiled with the arguments the loop hands them
-(``CompiledStep.capture_task_args``, as ``baton.profile`` uses), so the layouts and
-temporaries are those of the programs the step runs.
+The tasks are compiled on the layouts of the arguments the loop hands them, and the segments
+after the loop on theirs (``CompiledStep.capture_task_args``, derived from the plan without
+running the step: ``task_args.py``), so the layouts and temporaries are those of the programs
+the step runs.
 
 **Measurement** (``measure=True``: one more call on the step's own engine): the bytes of every
 live ``jax.Array`` per device (``jax.live_arrays()``, each array's shards per device from
@@ -459,7 +460,7 @@ def memory(fn, args, measure: bool = False) -> Memory:
     step = fn.compile(*args)
     flat = jax.tree.leaves(args)
     layouts: list = []
-    captured = fn.capture_task_args(args, post=layouts)
+    captured = fn.capture_task_args(args, post=layouts, arrays=False)
     compiled = _compiled_tasks(step, captured)
     del captured
     bufs, sums = _buffers(step, compiled)

@@ -5,9 +5,11 @@
     print(prof.summary())     # predicted (simulated with those costs) vs measured, per rank
     print(step.summary())     # the plan summary now uses the profiled costs and adds the table
 
-How: every task's first arguments are captured as the loop hands them (on its rank's
-devices; ``CompiledStep.capture_task_args``); then each task's jit is timed alone, blocking on its outputs, ``runs`` times after ``warmup``
-calls, and the median kept (per kind and stage: F, B or I and W, FB for a fused F+B). A
+How: every task's arguments are derived from the plan in the layouts the loop hands them
+(on its rank's devices; ``CompiledStep.capture_task_args``, ``task_args.py``: nothing runs
+to get them; the step's own arguments where they are the task's inputs, zeros for the
+buffers and running sums); then each task's jit is timed alone, blocking on its outputs,
+``runs`` times after ``warmup`` calls, and the median kept (per kind and stage: F, B or I and W, FB for a fused F+B). A
 transfer is timed on a small and on the largest activation/gradient buffer (in one process:
 ``jax.device_put`` to the next rank's devices; over Gloo: half a ping-pong round trip);
 latency = small time, bandwidth from the difference. With ``costs="step"`` (the default) the
@@ -261,7 +263,7 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
     step = fn.compile(*args)
     step.profiled = None  # flop-based costs while measuring (buffer sizes)
     flop_costs = cost_model_of(step)
-    # 1. each task's arguments as the loop hands them (CompiledStep.capture_task_args)
+    # 1. each task's arguments in the loop's layouts (CompiledStep.capture_task_args)
     captured = fn.capture_task_args(args)
     # 2. time each task alone
     samples: dict[str, list[float]] = {}

@@ -16,7 +16,7 @@ straight (the items rolled into scans, ``rolling.py`` and ``loop_program.py``); 
 chooses.
 
 Traced rank programs record their markers and transfers (a runtime switch of the same
-executable; ``RankProgram.events``); profiling (``capture``) runs on the interpreter.
+executable; ``RankProgram.events``).
 """
 
 from __future__ import annotations

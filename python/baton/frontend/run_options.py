@@ -15,17 +15,11 @@ class RunOptions:
     per rank; ``last_offsets``: clock offsets to rank 0 in ns). ``block``: the interpreter
     waits for every task's outputs, so a RUN spans its compute. ``live``
     (``memory.LivePeak``): the live arrays per device are sampled while the step runs
-    (``PipelinedFunction.memory(measure=True)``). ``capture_post`` (a list): the argument
-    layouts of each segment after the loop are appended (the memory model's update phase).
-    ``capture`` (a dict): each task's first arguments are kept; only
-    ``CompiledStep.capture_task_args`` sets it (the interpreter hands each task its
-    arguments; nothing is timed there)."""
+    (``PipelinedFunction.memory(measure=True)``)."""
 
     record: bool = False
     block: bool = False
     live: Any = None
-    capture_post: list | None = None
-    capture: dict | None = None
 
 
 PLAIN = RunOptions()

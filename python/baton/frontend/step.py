@@ -7,9 +7,11 @@ facts (``buffers.Buffers``), and two engines that run the loop:
 * ``engine`` (``engine.ProgramEngine``, the default): each rank's loop as one XLA program
   whose transfers are FFI calls into the C++ transports (``rank_program.py``);
 * ``interpreter`` (``interpreter.Interpreter``, the reference engine): the C++ executor
-  calling the jitted tasks; chosen with ``single_program=False`` (a debugging engine), and
-  used by no other call but ``capture_task_args`` (each task's arguments, for
-  ``baton.profile``'s isolated timings and the memory model; nothing is timed there).
+  calling the jitted tasks; it runs only when chosen with ``single_program=False`` (a
+  debugging engine).
+
+``capture_task_args`` (each task's arguments, for ``baton.profile``'s isolated timings and
+the memory model) runs neither: it derives them from the plan (``task_args.py``).
 
 Every call runs the step's own engine; what a call measures or records is an explicit
 ``RunOptions`` (``run_options.py``), never a flag on the step.
@@ -37,6 +39,7 @@ from .interpreter import Interpreter
 from .mesh import PipelineMesh
 from .retarget import on_rank
 from .run_options import PLAIN, RunOptions
+from .task_args import task_args
 from .buffers import Buffers
 from .distributed import Remote, Router
 from .tasks import Segments, build_tasks
@@ -195,8 +198,7 @@ class CompiledStep:
         """Runs ``segs`` in order on ``vals``. ``free`` (the segments after the loop): a value
         the step does not return leaves ``vals`` after the last segment that reads it (or at
         once if none does), so a stage's summed gradients go once its update ran, not at the
-        end of the step. With ``opts.capture_post`` (a list, ``step.memory``) each segment's
-        argument layouts are kept; with ``opts.live``, the live arrays are sampled once a
+        end of the step. With ``opts.live``, the live arrays are sampled once a
         segment's outputs exist (its inputs still held; its XLA temporaries are
         ``("post", j)`` in the sampler's table). ``shared`` (``shared.SharedSegments``): the
         segments that run as one program for several ranks, at the first one's index."""
@@ -215,10 +217,6 @@ class CompiledStep:
             elif shared is None or j not in shared.skip:
                 rank = self.stage_rank[seg.stage]
                 args = self.place(seg.inputs, [vals[v] for v in seg.inputs], rank)
-                if opts.capture_post is not None:
-                    opts.capture_post.append(
-                        [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding)
-                         if isinstance(x, jax.Array) else x for x in args])
                 outs = seg.fn(*args)
                 del args
                 for v, x in zip(seg.outputs, outs):
@@ -267,22 +265,19 @@ class CompiledStep:
             return self._run(flat_args, group, timeout, opts, not self.single_program)
 
     def capture_task_args(self, flat_args: list[Any], group: Any = None,
-                          timeout: float = 120.0, post: list | None = None) -> dict:
+                          post: list | None = None, arrays: bool = True) -> dict:
         """Each task's first arguments, (kind, stage) -> (running sums or None, args), as the
         loop hands them (``baton.profile`` times each task alone on them; the memory model
-        compiles each on their layouts). The interpreter executes the same plan once for this,
-        since a compiled loop's tasks have no arguments of their own; nothing is timed.
-        ``post`` (a list): each segment after the loop's argument layouts are appended."""
+        compiles each on their layouts), derived from the plan without running anything
+        (``task_args.py``): layouts, or arrays with ``arrays``. ``group``: this process's
+        ranks' tasks only. ``post`` (a list): each segment after the loop's argument
+        layouts are appended."""
         if group is not None and self.mesh.spans:
             raise ConfigError(
-                "baton.profile / step.memory: capturing each task's arguments runs ranks held "
-                "by one process each; ranks that span processes cannot be captured (measure "
-                "them with baton.trace)")
-        got: dict = {}
-        with jc.without_mesh_context():
-            self._run(flat_args, group, timeout,
-                      RunOptions(block=True, capture=got, capture_post=post), True)
-        return got
+                "baton.profile: each task is timed alone on the ranks of one process each; "
+                "ranks that span processes cannot be (measure them with baton.trace)")
+        ranks = None if group is None else self.mesh.ranks_of(group.rank)
+        return task_args(self, flat_args, ranks, group, post, arrays)
 
     def _run(self, flat_args, group, timeout, opts, interp) -> list[Any]:
         if not interp:
@@ -302,7 +297,7 @@ class CompiledStep:
             vals[outer] = self.combine(idx, {i: final[i] for i in idx})
         del final  # (partial sums of a value several stages make: combined above)
         shared = None
-        if not interp and opts.capture_post is None and opts.live is None:
+        if not interp and opts.live is None:
             shared = self.engine.post_groups()
         self._run_segments(self.post_segments, vals, free=True, shared=shared, opts=opts)
         return [vals[v] if v in vals else tr.literals[v] for v in tr.step_outputs]
