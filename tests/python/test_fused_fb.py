@@ -29,6 +29,7 @@ def _run(ranks, fuse, m=4):
                 def counted(*a, _f=f, _k=key_):
                     calls[_k] = calls.get(_k, 0) + 1
                     return _f(*a)
+                counted.lower = f.lower  # (baton.profile compiles each task on its layouts)
                 setattr(exe, attr, counted)
     out = ps(params, batch)
     ps.calls = calls
