@@ -245,6 +245,30 @@ def _stage_cost(s: int, fc: Any, times: dict, split: bool):
     return sc
 
 
+def _isolated(fn, args, step, runs: int, warmup: int) -> tuple[dict, dict]:
+    """Each task's run times alone (name -> seconds per run) and XLA memory analysis, on the
+    arguments in the loop's layouts (``CompiledStep.capture_task_args``); with several
+    processes each times its own ranks' tasks and every process gets all of them."""
+    samples: dict[str, list[float]] = {}
+    xla: dict[str, dict] = {}
+    for (kind, s), (acc, a) in sorted(fn.capture_task_args(args).items()):
+        exe = step.tasks[(kind, s)]
+        name = f"{kind}{s}"
+        task = exe.fn
+        if acc is not None:  # as it runs in the loop: adding to the running sums
+            task, a = exe.fn_acc, [acc, *a]
+        samples[name] = _median_time(task, a, runs, warmup)
+        mem = _xla_memory(task, a)
+        if mem is not None:
+            xla[name] = mem
+    if fn.group is not None:
+        for b in fn.group.transport.exchange(json.dumps([samples, xla]), fn.timeout):
+            smp, xm = json.loads(b)
+            samples.update(smp)
+            xla.update(xm)
+    return samples, xla
+
+
 def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = None,
             costs: str = "step") -> Profile:
     """Measures ``fn`` (a ``baton.jit`` function) on ``args`` and returns a :class:`Profile`
@@ -263,27 +287,8 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
     step = fn.compile(*args)
     step.profiled = None  # flop-based costs while measuring (buffer sizes)
     flop_costs = cost_model_of(step)
-    # 1. each task's arguments in the loop's layouts (CompiledStep.capture_task_args)
-    captured = fn.capture_task_args(args)
-    # 2. time each task alone
-    samples: dict[str, list[float]] = {}
-    xla: dict[str, dict] = {}
-    for (kind, s), (acc, a) in sorted(captured.items()):
-        exe = step.tasks[(kind, s)]
-        name = f"{kind}{s}"
-        task = exe.fn
-        if acc is not None:  # as it runs in the loop: adding to the running sums
-            task, a = exe.fn_acc, [acc, *a]
-        samples[name] = _median_time(task, a, runs, warmup)
-        mem = _xla_memory(task, a)
-        if mem is not None:
-            xla[name] = mem
-    if fn.group is not None:  # every process gets every rank's tasks
-        blobs = fn.group.transport.exchange(json.dumps([samples, xla]), fn.timeout)
-        for b in blobs:
-            smp, xm = json.loads(b)
-            samples.update(smp)
-            xla.update(xm)
+    # 1.-2. each task timed alone on the arguments the loop hands it
+    samples, xla = _isolated(fn, args, step, runs, warmup)
     times = {k: statistics.median(v) for k, v in samples.items()}
     # 3. transfers
     big = max([int(c.act_bytes) for c in flop_costs.stages]

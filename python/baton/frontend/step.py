@@ -30,10 +30,10 @@ import numpy as np
 
 from .. import _core
 from .. import _jax_compat as jc
-from ..errors import ConfigError, ExecutionError
+from ..errors import ConfigError
 from ..planning import Plan
 from . import engine as engine_mod
-from . import step_costs
+from . import step_costs, step_group
 from .engine import ProgramEngine
 from .interpreter import Interpreter
 from .mesh import PipelineMesh
@@ -41,7 +41,6 @@ from .retarget import on_rank
 from .run_options import PLAIN, RunOptions
 from .task_args import task_args
 from .buffers import Buffers
-from .distributed import Remote, Router
 from .tasks import Segments, build_tasks
 from .trace import Traced
 
@@ -304,89 +303,8 @@ class CompiledStep:
 
     # -- several processes ------------------------------------------------------------
     def _run_group(self, flat_args, group, timeout, opts, interp):
-        try:
-            return self._run_group_body(flat_args, group, timeout, opts, interp)
-        except ExecutionError:
-            raise
-        except BaseException as e:
-            # e.g. code outside the loop raised: tell the other processes' ranks instead of
-            # letting them wait out the timeout.
-            group.abort_all(f"rank {self.mesh.ranks_of(group.rank)[0]}: "
-                            f"{type(e).__name__}: {e}")
-            raise
-
-    def _run_group_body(self, flat_args, group, timeout, opts, interp):
-        """This process (``group.rank``) runs ranks ``mesh.ranks_of(p)`` (``p*k .. p*k+k-1``,
-        or the one rank it holds a slot of when ranks span processes): the code outside the
-        loop of their stages, their loops (``engine.run_rank``), and the transfers of values
-        that cross processes outside the loop (inputs another process holds, partial sums of
-        a value shared by stages on several processes, per-microbatch outputs sent to every
-        process). ``where`` says which processes hold a value; every process walks the same
-        sequence of transfers, so they pair up. When ranks span processes, the code outside the
-        loop of a rank runs as multi-controller jits in every process of the rank, its values
-        ``jax.Array``s over the rank's sub-mesh, and a value needed on a rank goes to each of
-        its processes."""
-        tr = self.traced
-        lits = tr.literals
-        me = group.rank
-        router = Router(group, timeout)
-        vals: dict[Any, Any] = {}
-        where = router.holders(tr.step_inputs, flat_args, vals)
-        made: dict[Any, int] = {}  # value -> the rank that made it (named by Remote)
-        procs = self.mesh.procs
-        self._group_segments(self.pre_segments, vals, where, router, me, made)
-        for r in range(self.num_ranks):
-            router.need([o for o in self.loop_needs[r] if o not in lits], procs(r), vals, where)
-        if not interp:
-            final = self.engine.run_rank(group, router, vals, timeout, opts)
-        elif self.mesh.spans:
-            raise ConfigError(
-                "baton.jit: the interpreter (single_program=False) runs ranks held by one "
-                "process each; ranks that span processes run on the compiled engine only")
-        else:
-            final = self.interpreter.run_rank(group, router, vals, timeout, opts)
-        for i, p in enumerate(self.parts):
-            where[("part", i)] = set(procs(self.stage_rank[p.stage]))
-            if i in final:
-                vals[("part", i)] = final[i]
-        for outer, idx in self.by_outer.items():
-            home = self.home(idx)
-            if len(idx) > 1:
-                router.need([("part", i) for i in idx], procs(home), vals, where)
-            if me in procs(home):
-                vals[outer] = self.combine(idx, {i: vals[("part", i)] for i in idx})
-            where[outer], made[outer] = set(procs(home)), home
-        self._group_segments(self.post_segments, vals, where, router, me, made, opts)
-        seen = set()
-        for v in tr.step_outputs:
-            if v in self._broadcast and v not in seen:
-                seen.add(v)
-                for q in range(group.world_size):
-                    router.need([v], q, vals, where)
-        outs = []
-        for v in tr.step_outputs:
-            if v in lits:
-                outs.append(lits[v])
-            elif me in where[v]:
-                outs.append(vals[v])
-            else:
-                aval = tr.avals[v]
-                outs.append(Remote(tuple(aval.shape), np.dtype(aval.dtype),
-                                   made.get(v, self.mesh.ranks_of(min(where[v]))[0])))
-        router.finish()
-        return outs
-
-    def _group_segments(self, segs, vals, where, router, me, made, opts=PLAIN):
-        lits = self.traced.literals
-        for seg in segs:
-            r = self.stage_rank[seg.stage]
-            procs = self.mesh.procs(r)
-            router.need([v for v in seg.inputs if v not in lits], procs, vals, where)
-            if me in procs:
-                self._run_segments([seg], vals, opts=opts)
-            for v in seg.outputs:  # a value copied on several stages is held by each
-                where.setdefault(v, set()).update(procs)
-                made.setdefault(v, r)
+        """This process's ranks of the step (``step_group.run_group``)."""
+        return step_group.run_group(self, flat_args, group, timeout, opts, interp)
 
     # -- planning data (step_costs.py) ----------------------------------------------
     def skip_costs(self) -> list:
