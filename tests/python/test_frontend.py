@@ -216,6 +216,10 @@ def test_pipeline_mesh():
     jm = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("pipe", "data"))
     m2 = baton.PipelineMesh(jm)
     assert m2.rank_devices == m.rank_devices
+    # a mesh of the pipe axis alone: one device per rank
+    pipe_only = baton.PipelineMesh(jax.sharding.Mesh(np.array(jax.devices()[:4]), ("pipe",)))
+    assert pipe_only.num_ranks == 4 and pipe_only.devices_per_rank() == 1
+    assert pipe_only.rank_devices == [[d] for d in jax.devices()[:4]]
 
 
 def test_boundary_inside_nested_jit_is_found_and_inside_scan_is_rejected():

@@ -56,8 +56,8 @@ class PipelineMesh:
                 self.meshes = [Mesh(arr[r], names, axis_types=types)
                                for r in range(arr.shape[0])]
             else:
-                self.meshes = [Mesh(arr[r].reshape(1), (DATA_AXIS,))
-                               for r in range(arr.shape[0])]
+                # (a mesh of the pipe axis alone: arr is 1-D, each rank one device)
+                self.meshes = [Mesh(arr[r:r + 1], (DATA_AXIS,)) for r in range(arr.shape[0])]
             groups = [list(arr[r].reshape(-1)) for r in range(arr.shape[0])]
         else:
             devs = list(jax.devices() if devices is None else devices)
