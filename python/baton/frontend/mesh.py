@@ -58,7 +58,8 @@ class PipelineMesh:
             else:
                 # (a mesh of the pipe axis alone: arr is 1-D, each rank one device)
                 self.meshes = [Mesh(arr[r:r + 1], (DATA_AXIS,)) for r in range(arr.shape[0])]
-            groups = [list(arr[r].reshape(-1)) for r in range(arr.shape[0])]
+            groups = [list(np.asarray(arr[r:r + 1]).reshape(-1)) if arr.ndim == 1
+                      else list(arr[r].reshape(-1)) for r in range(arr.shape[0])]
         else:
             devs = list(jax.devices() if devices is None else devices)
             if ranks is None:
