@@ -162,16 +162,19 @@ class CompiledStep:
         return self.mesh.sharding(rank, sp) if sp is not None else self.mesh.replicated(rank)
 
     def placement(self, v, x, rank):
-        """The sharding value ``v`` (array ``x``) has once placed on ``rank`` (``place``): a
-        step input with a spec in that sharding; any other array already on the rank's
-        devices as XLA laid it out (a sharded gradient stays sharded for the optimizer); the
-        rest replicated."""
+        """The sharding value ``v`` (array ``x``, or its layout: a ``jax.ShapeDtypeStruct``
+        with a sharding, ``task_args``) has once placed on ``rank`` (``place``): a step input
+        with a spec in that sharding; any other value already on the rank's devices as XLA
+        laid it out (a sharded gradient stays sharded for the optimizer); the rest
+        replicated."""
         sh = self.sharding(v, rank)
         if v in self.in_specs or _placed(x, sh):
             return sh
-        if (isinstance(x, jax.Array) and getattr(x, "committed", True)
-                and x.sharding.device_set == set(self.mesh.meshes[rank].devices.flat)):
-            return x.sharding
+        held = (x.sharding if isinstance(x, jax.Array) and getattr(x, "committed", True)
+                else getattr(x, "sharding", None) if isinstance(x, jax.ShapeDtypeStruct)
+                else None)
+        if held is not None and held.device_set == set(self.mesh.meshes[rank].devices.flat):
+            return held
         return sh
 
     def place(self, vs, xs, rank):

@@ -129,18 +129,9 @@ class _Derive:
         for a layout as well as an array: a value a segment made is committed to its rank's
         devices)."""
         step = self.step
-        if v not in self.made:
-            x = self.vals[v] if v in self.vals else step.traced.literals[v]
-            return step.placement(v, x, rank)
-        x = self.made[v]
-        sh = step.sharding(v, rank)
-        if x is None or v in step.in_specs:
-            return sh
-        if x.sharding.is_equivalent_to(sh, len(x.shape)):
-            return sh
-        if x.sharding.device_set == set(step.mesh.meshes[rank].devices.flat):
-            return x.sharding
-        return sh
+        x = (self.made[v] if v in self.made
+             else self.vals[v] if v in self.vals else step.traced.literals[v])
+        return step.placement(v, x, rank)
 
     def segments(self, segs, out: list | None = None) -> None:
         """The layouts of what ``segs`` make (compiled on their argument layouts); only
