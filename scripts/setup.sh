@@ -127,9 +127,14 @@ installed_ok() {
 if [[ "${BATON_FORCE_INSTALL:-0}" == 1 ]] || ! installed_ok; then
   log "building and installing Baton into $VENV (build dir $BUILD_PY; first build takes minutes)"
   rm -f "$STAMP"
+  # BATON_SETUP_CPP_TESTS=1 (scripts/test.sh sets it when it runs the C++ tests): the same
+  # build also compiles the C++ tests, with -Werror, so the libraries compile once for both.
+  tests=()
+  [[ "${BATON_SETUP_CPP_TESTS:-0}" == 1 ]] &&
+    tests=(-Ccmake.define.BATON_BUILD_TESTS=ON -Ccmake.define.BATON_WERROR=ON)
   "$VPY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
     -Cbuild-dir="$BUILD_PY" -Ccmake.define.BATON_BIND_PLANNER=ON \
-    -Ccmake.define.BATON_BIND_GRAPH=ON -Ccmake.define.BATON_BIND_RUNTIME=ON "$ROOT"
+    -Ccmake.define.BATON_BIND_GRAPH=ON -Ccmake.define.BATON_BIND_RUNTIME=ON "${tests[@]}" "$ROOT"
   echo "$HASH" >"$STAMP"
 fi
 log "ready: $VENV ($("$VPY" -V 2>&1), jax $("$VPY" -c 'import jax; print(jax.__version__)'))"

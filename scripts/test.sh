@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every Baton test: sets up (scripts/setup.sh), builds and runs the C++ tests
-# (ctest, build/cpp, -Werror), then the Python tests (pytest). Exits non-zero if
+# (ctest, in setup's build directory build/py, -Werror), then the Python tests (pytest). Exits non-zero if
 # anything fails.
 #
 #   bash scripts/test.sh                 # the C++ tests, then every Python test but the
@@ -59,6 +59,8 @@ if ((run_maxtext)); then
   ((${#pytest_args[@]})) || pytest_args=(tests/python/test_maxtext.py)
   export BATON_PYTEST_WORKERS="${BATON_PYTEST_WORKERS:-0}"
 else
+  # With the C++ tests to run, setup's build compiles them too (one build of the libraries).
+  ((run_cpp)) && [[ "${BATON_SANITIZE:-0}" != 1 ]] && export BATON_SETUP_CPP_TESTS=1
   bash scripts/setup.sh || { log "setup failed"; exit 1; }
 fi
 
@@ -71,7 +73,10 @@ if ((run_cpp)); then
     export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0}"
     export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
   else
-    BUILD="build/cpp"
+    # setup's build directory (scripts/setup.sh: build/py, or build/py-<name> for BATON_VENV)
+    vname="$(basename "${BATON_VENV:-.venv}")"
+    BUILD="build/py"
+    [[ "$vname" == ".venv" ]] || BUILD="build/py-${vname#.}"
     cfg=(-DCMAKE_BUILD_TYPE=Release)
   fi
   log "C++: configure + build ($BUILD)"

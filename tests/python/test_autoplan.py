@@ -71,6 +71,7 @@ def _check_trains_like_jax(ps):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.heavy  # test_jit_with_auto_schedule plans and trains through the same search
 def test_autoplan_ranks_plans_and_the_best_one_trains(tmp_path):
     params, batch = init(), batch_of()
     args = (params, OPT.init(params), batch)

@@ -35,7 +35,8 @@ def _steps(ranks, schedule, donate, steps=3):
     return ps, (p, s, loss), deleted
 
 
-@pytest.mark.parametrize("ranks,schedule", [(2, baton.OneFOneB()), (2, baton.ZBH1()),
+@pytest.mark.parametrize("ranks,schedule", [(2, baton.OneFOneB()),
+                                            pytest.param(2, baton.ZBH1(), marks=pytest.mark.heavy),
                                             (1, baton.OneFOneB())],
                          ids=["2-ranks-1f1b", "2-ranks-zbh1", "1-rank"])
 def test_donated_arguments_are_updated_in_place(ranks, schedule):

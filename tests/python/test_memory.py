@@ -25,7 +25,8 @@ if len(jax.devices()) < 8:
     pytest.skip("needs 8 devices (JAX_NUM_CPU_DEVICES=8)", allow_module_level=True)
 
 
-@pytest.mark.parametrize("schedule", [baton.OneFOneB(), baton.DualPipeV()],
+@pytest.mark.parametrize("schedule", [baton.OneFOneB(),
+                                      pytest.param(baton.DualPipeV(), marks=pytest.mark.heavy)],
                          ids=["1f1b", "dualpipev"])
 def test_predicted_peak_per_device_matches_live_arrays(schedule):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("pipe", "data", "tensor"))
@@ -85,6 +86,9 @@ def update_bound():
     return out
 
 
+# heavy: the lighter cases check the same model, the update phase included, in their ratios;
+# this one adds a step whose update is its peak, and donation
+@pytest.mark.heavy
 def test_update_phase_is_modelled_and_measured(update_bound):
     for donate, mem in update_bound.items():
         assert mem.measured_update, mem.table()
@@ -103,7 +107,8 @@ def test_update_phase_is_modelled_and_measured(update_bound):
         assert b["update"] < a["update"], (plain.table(), donating.table())
 
 
-@pytest.mark.parametrize("ranks", [1, 4], ids=["one-rank", "pipe4"])
+@pytest.mark.parametrize("ranks", [1, pytest.param(4, marks=pytest.mark.heavy)],
+                         ids=["one-rank", "pipe4"])
 def test_measure_runs_the_compiled_engine(ranks):
     """``measure=True`` on a step of the default engine measures its compiled programs: the
     sample as they start holds the step's arguments plus each program's own allocation

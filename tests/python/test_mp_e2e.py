@@ -363,7 +363,8 @@ def _scan_step(params, opt_state, batch, m):
 FOUR_PROCESS_SCHEDULES = ("1f1b", "interleaved", "zbv", "dualpipev")
 
 
-@pytest.mark.parametrize("nprocs", [2, pytest.param(4, marks=pytest.mark.heavy)])
+@pytest.mark.heavy  # the other cases here run schedules across processes one at a time
+@pytest.mark.parametrize("nprocs", [2, 4])
 def test_every_schedule_multi_process(tmp_path, nprocs):
     names = list(SCHEDULES) if nprocs == 2 else list(FOUR_PROCESS_SCHEDULES)
     p, elapsed = launch(tmp_path, nprocs, ",".join(names), timeout=420)

@@ -138,7 +138,8 @@ def test_bad_stacks_are_refused():
 
 
 @pytest.mark.parametrize("split,schedule", [(True, baton.OneFOneB()), (False, baton.ZBH1()),
-                                            (True, baton.ZBH1())],
+                                            pytest.param(True, baton.ZBH1(),
+                                                         marks=pytest.mark.heavy)],
                          ids=["split-1f1b", "whole-zbh1", "split-zbh1"])
 def test_nnx_scan_stack_in_four_stages_matches_plain_jax(split, schedule):
     graphdef, params = model_parts()

@@ -195,8 +195,10 @@ def _check_direct(step, edges, microbatches=4):
 # Eager 1F1B and ZB-H2 place the stages and move the skip edge as 1F1B and ZB-H1 do (stage s on
 # rank s; only the order of tasks differs, which test_skip_connections_across_stages runs for
 # all eight).
-# DualPipeV places the stages as ZB-V does (a V over two ranks) and is marked ``heavy``.
-ENC_DEC = [pytest.param(*s, id=s[0], marks=pytest.mark.heavy if s[0] == "dualpipev" else ())
+# ZB-H1 places the stages as 1F1B does (stage s on rank s) and DualPipeV as ZB-V does (a V
+# over two ranks): both are marked ``heavy``.
+ENC_DEC = [pytest.param(*s, id=s[0],
+                        marks=pytest.mark.heavy if s[0] in ("zbh1", "dualpipev") else ())
            for s in SCHEDULES if s[0] in ("1f1b", "zbh1", "interleaved", "zbv", "dualpipev")]
 
 
@@ -272,7 +274,8 @@ def test_global_norm_clipping_keeps_updates_on_their_stage():
         assert leaf.sharding.device_set == set(cs.mesh.rank_devices[cs.stage_rank[s]]), s
 
 
-@pytest.mark.parametrize("schedule,ranks", [(baton.OneFOneB(), 4), (baton.ZBV(), 2)],
+@pytest.mark.parametrize("schedule,ranks", [(baton.OneFOneB(), 4),
+                                            pytest.param(baton.ZBV(), 2, marks=pytest.mark.heavy)],
                          ids=["1f1b", "zbv"])
 def test_skip_edges_on_the_interpreter(schedule, ranks):
     """The reference engine (``single_program=False``: the C++ executor) moves the skip
