@@ -11,8 +11,10 @@ void init_rankir(nb::module_& m);   // bind_rankir.cc: rank programs
 void init_graph(nb::module_& m);  // bind_graph.cc: Program IR and graph passes
 #endif
 #if BATON_BIND_RUNTIME
-void init_runtime(nb::module_& m);  // bind_runtime.cc: executor, transports (_core.runtime)
-void init_ffi(nb::module_& m);      // ffi_handlers.cc: XLA FFI transfer handlers (_core.ffi)
+// bind_runtime.cc (with bind_values.cc, bind_comm.cc): executor, transports, transfer
+// contexts (_core.runtime)
+void init_runtime(nb::module_& m);
+void init_ffi(nb::module_& m);  // ffi_handlers.cc: XLA FFI transfer handlers (_core.ffi)
 #endif
 
 NB_MODULE(_core, m) {
