@@ -137,7 +137,7 @@ struct DeadPort {
   }
 };
 
-// Rewrites every Gloo address in an address blob (see gloo.cc: per peer a
+// Rewrites every Gloo address in an address blob (see gloo_mesh.cc: per peer a
 // 4-byte little-endian length, then tcp::Address bytes) to 127.0.0.1:port.
 std::string redirect_addresses(std::string blob, uint16_t port) {
   std::string out;

@@ -6,7 +6,7 @@
 // loader path (nccl_library.h: the order and the version rule). The library's
 // ncclGetVersion must have the major version of the nccl.h Baton was compiled
 // against. Shared by the NCCL transport (nccl.cc) and the rank-program context
-// NcclComm (nccl_comm.cc).
+// NcclComm (nccl_comm*.cc).
 //
 // Communicators are made non-blocking (ncclConfig_t.blocking = 0): no NCCL call
 // blocks the host waiting for a peer; a call may return ncclInProgress, and

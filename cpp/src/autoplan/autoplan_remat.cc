@@ -1,0 +1,294 @@
+// The search over per-stage remat options of one partition: the bounds that
+// need stage costs (B3 relaxation, stash rows, B5 dominance), the options'
+// depth-first search, and the simulation of each surviving candidate.
+#include <algorithm>
+
+#include "autoplan_internal.h"
+
+namespace baton::autoplan_detail {
+
+double Searcher::relax(const Config& c) const {
+  const int S = c.S, M = c.M;
+  const double cc = c.chain_c;
+  const double ff = in_.fused_factor;
+  std::vector<double> hp(S, 0), bi(S, 0), hd(S, 0), td(S, 0), up(S, 0);
+  for (int s = 0; s < S; ++s) {
+    bi[s] = bi_min(c, s, stc_[s].b, stc_[s].i);
+    if (s + 1 < S) hp[s] = hop(c, s, stc_[s].act_bytes);
+  }
+  for (int s = 1; s < S; ++s) {
+    hd[s] = hd[s - 1] + cc * stc_[s - 1].f + hp[s - 1];
+    td[s] = td[s - 1] + cc * bi[s - 1] + hp[s - 1];
+  }
+  for (int s = S - 2; s >= 0; --s) up[s] = up[s + 1] + cc * (stc_[s + 1].f + bi[s + 1]) + 2 * hp[s];
+  fend_.assign(static_cast<size_t>(S) * M, 0);
+  double lb = 0;
+  for (int r = 0; r < c.P; ++r) {
+    double t = 0;
+    for (const ActRef& a : c.acts[r]) {
+      double rel = 0, dur = 0;
+      for (int j = 0; j < a.n; ++j) {
+        const TaskRef& x = a.t[j];
+        const StageCost& sc = stc_[x.stage];
+        dur += task_time(sc, x.kind);
+        if (x.kind == TaskKind::F) {
+          rel = std::max(rel, hd[x.stage]);
+        } else if (x.kind == TaskKind::B || x.kind == TaskKind::I) {
+          const bool internal = a.n == 2 && a.t[0].kind == TaskKind::F && a.t[0].stage == x.stage &&
+                                a.t[0].mb == x.mb;
+          if (!internal)
+            rel = std::max(rel, fend_[static_cast<size_t>(x.stage) * M + x.mb] + up[x.stage]);
+        }
+      }
+      if (a.n == 2) dur *= ff;
+      const double end = std::max(t, rel) + dur;
+      t = end;
+      for (int j = 0; j < a.n; ++j) {
+        const TaskRef& x = a.t[j];
+        if (x.kind == TaskKind::F)
+          fend_[static_cast<size_t>(x.stage) * M + x.mb] = end;
+        else if (x.kind == TaskKind::B || x.kind == TaskKind::I)
+          lb = std::max(lb, end + td[x.stage]);
+      }
+    }
+    lb = std::max(lb, t);
+  }
+  return lb;
+}
+
+int64_t Searcher::rank_stash_lb(const Config& c, int r) const {
+  const auto& st = c.rank_stages[r];
+  const int nloc = static_cast<int>(st.size());
+  int64_t best = 0;
+  const auto& rows = c.row_action[r];
+  for (size_t k = 0; k < rows.size(); ++k) {
+    const ActRef& a = c.acts[r][rows[k]];
+    double dur = 0;
+    // Positive at the fastest options implies positive at every choice.
+    for (int j = 0; j < a.n; ++j) dur += task_time(fast_[a.t[j].stage], a.t[j].kind);
+    if (!(dur > 0)) continue;
+    // The action's own activation, gradient and weight-gradient buffers are
+    // live during its RUN too (inputs present before it, outputs allocated at
+    // its start, all released after its end).
+    int64_t v = 0;
+    for (int j = 0; j < a.n; ++j) {
+      const TaskRef& t = a.t[j];
+      const StageCost& x = stc_[t.stage];
+      switch (t.kind) {
+        case TaskKind::F:
+          if (t.stage > 0) v += x.grad_bytes;       // act(s-1) in
+          if (t.stage < c.S - 1) v += x.act_bytes;  // act(s) out
+          break;
+        case TaskKind::B:
+        case TaskKind::I:
+          if (t.stage < c.S - 1) v += x.act_bytes;  // grad(s+1) in
+          if (t.stage > 0) v += x.grad_bytes;       // grad(s) out
+          if (t.kind == TaskKind::B) v += x.wgrad_bytes;
+          break;
+        case TaskKind::W:
+          v += x.wgrad_bytes;
+          break;
+      }
+    }
+    const int32_t* cnt = &c.row_cnt[r][k * 2 * nloc];
+    for (int l = 0; l < nloc; ++l)
+      v += cnt[2 * l] * stc_[st[l]].stash_bytes + cnt[2 * l + 1] * stc_[st[l]].wstash_bytes;
+    best = std::max(best, v);
+  }
+  return best;
+}
+
+void Searcher::note_peak(int64_t peak, int rank, const std::string& what, bool exact) {
+  // Simulated peaks win over bounds (a bound only covers part of the space).
+  const bool better =
+      exact ? (!min_peak_exact_ || peak < min_peak_) : (!min_peak_exact_ && peak < min_peak_);
+  if (better) {
+    min_peak_ = peak;
+    min_peak_rank_ = rank;
+    min_peak_exact_ = exact;
+    min_peak_what_ = what;
+  }
+}
+
+void Searcher::build_options(const Config& c) {
+  const int S = c.S;
+  stc_.resize(S);
+  opts_.assign(S, {});
+  for (int s = 0; s < S; ++s) {
+    const int a = cuts_[s], e = s + 1 < S ? cuts_[s + 1] : n_;
+    stc_[s] = stage_cost(c.sc, a, e, Remat::Keep);
+    double rec = 0;
+    for (int k = a; k < e; ++k) rec += c.sc.segments[k].min_recompute;
+    std::vector<Option> os;
+    for (Remat m : modes_) {
+      Option op{m, 0, 0, stage_cost(c.sc, a, e, m)};
+      // stage_cost adds exactly these sums, so `added` orders b and i too.
+      op.added = m == Remat::Keep ? 0.0 : m == Remat::Min ? rec : stc_[s].f;
+      op.stash = op.cost.stash_bytes;
+      os.push_back(op);
+    }
+    std::sort(os.begin(), os.end(), [](const Option& x, const Option& y) {
+      return x.added != y.added ? x.added < y.added : x.stash < y.stash;
+    });
+    for (const Option& op : os)  // Pareto: keep an option only if it stashes less
+      if (opts_[s].empty() || op.stash < opts_[s].back().stash) opts_[s].push_back(op);
+  }
+}
+
+void Searcher::leaf(Config& c) {
+  ++st_.partitions;
+  const int S = c.S;
+  build_options(c);
+  // Base costs (keep) then apply option 0 (the fastest) everywhere.
+  choice_.assign(S, 0);
+  auto apply = [&](int s) { stc_[s] = opts_[s][choice_[s]].cost; };
+  for (int s = 0; s < S; ++s) apply(s);
+  fast_ = stc_;
+  // Memory: least stash everywhere.
+  for (int s = 0; s < S; ++s) {
+    choice_[s] = static_cast<int>(opts_[s].size()) - 1;
+    apply(s);
+  }
+  for (int r = 0; r < c.P; ++r) {
+    const int64_t m = rank_peak(r, rank_stash_lb(c, r));
+    if (m > budget_) {
+      ++st_.pruned;
+      note_peak(m, r, describe(c, cuts_), false);
+      return;
+    }
+  }
+  for (int s = 0; s < S; ++s) {
+    choice_[s] = 0;
+    apply(s);
+  }
+  leaf_lb_ = relax(c);
+  if (cut(leaf_lb_, T_, gap_)) {
+    ++st_.pruned;
+    return;
+  }
+  order_.clear();
+  rank_end_.assign(S, -1);
+  for (int r = 0; r < c.P; ++r) {
+    for (int s : c.rank_stages[r]) order_.push_back(s);
+    if (!c.rank_stages[r].empty()) rank_end_[order_.size() - 1] = r;
+  }
+  feasible_.clear();
+  remat_dfs(c, 0);
+}
+
+void Searcher::remat_dfs(Config& c, size_t k) {
+  if (node_budget_ > 0 && ++nodes_ > node_budget_) {
+    abandoned_lb_ = std::min(abandoned_lb_, leaf_lb_);  // (B3) at the fastest remat
+    return;
+  }
+  if (k == order_.size()) {
+    remat_leaf(c);
+    return;
+  }
+  // (B5) on the whole subtree: every completion is componentwise at least as
+  // slow as a vector that fits when that vector is at its fastest option on
+  // every stage not yet chosen.
+  for (const auto& f : feasible_) {
+    bool dominated = true;
+    for (size_t q = 0; q < order_.size() && dominated; ++q) {
+      const int t = order_[q];
+      dominated = q < k ? choice_[t] >= f[t] : f[t] == 0;
+    }
+    if (dominated) {
+      ++st_.pruned;
+      return;
+    }
+  }
+  const int s = order_[k];
+  for (int j = 0; j < static_cast<int>(opts_[s].size()); ++j) {
+    choice_[s] = j;
+    stc_[s] = opts_[s][j].cost;
+    if (rank_end_[k] >= 0) {
+      const int r = rank_end_[k];
+      const int64_t m = rank_peak(r, rank_stash_lb(c, r));
+      if (m > budget_) {
+        ++st_.pruned;
+        note_peak(m, r, describe(c, cuts_), false);
+        continue;  // slower options stash less: try them
+      }
+    }
+    if (j > 0) {
+      // (B1)+(B2) with the choices so far (unchosen stages at their fastest).
+      double lb = 0;
+      for (int r = 0; r < c.P; ++r) {
+        double busy = 0;
+        for (int t : c.rank_stages[r]) {
+          const StageCost& x = stc_[t];
+          busy += c.cf[t] * x.f + c.cb[t] * x.b + c.ci[t] * x.i + c.cw[t] * x.w;
+        }
+        lb = std::max(lb, busy);
+      }
+      if (cut(lb, T_, gap_)) {
+        ++st_.pruned;
+        break;  // later options are slower still
+      }
+    }
+    remat_dfs(c, k + 1);
+  }
+  choice_[s] = 0;
+  stc_[s] = opts_[s][0].cost;
+}
+
+SimResult Searcher::simulate_stc(const Config& c) {
+  CostModel cm;
+  cm.link = in_.link;
+  cm.fused_factor = in_.fused_factor;
+  cm.stages = stc_;
+  SimResult res = simulate(c.plan, cm);
+  ++st_.simulated;
+  return res;
+}
+
+void Searcher::remat_leaf(Config& c) {
+  ++st_.candidates;
+  const int S = c.S;
+  for (const auto& f : feasible_) {
+    bool dominated = true;
+    for (int s = 0; s < S && dominated; ++s) dominated = choice_[s] >= f[s];
+    if (dominated) {  // (B5): at least as slow as a vector that fits
+      ++st_.pruned;
+      return;
+    }
+  }
+  // The update seconds outside the loop are exact for this partition, so
+  // adding them keeps (B3) a lower bound on the candidate's step time.
+  const std::vector<int> cuts(cuts_.begin(), cuts_.begin() + S);
+  const double upd = update_time(c.sc, cuts, c.stage_rank, c.P);
+  if (cut(relax(c) + upd, T_, gap_)) {
+    ++st_.pruned;
+    return;
+  }
+  const SimResult res = simulate_stc(c);
+  PlanCandidate pc;
+  pc.schedule = c.name;
+  pc.virtual_stages = c.v;
+  pc.microbatches = c.M;
+  pc.cuts = cuts;
+  pc.remat.resize(S);
+  for (int s = 0; s < S; ++s) pc.remat[s] = opts_[s][choice_[s]].mode;
+  pc.step_time = res.step_time + upd;
+  pc.bubble_fraction = res.bubble_fraction;
+  pc.peak_memory.resize(c.P);
+  pc.fits = true;
+  for (int r = 0; r < c.P; ++r) {
+    pc.peak_memory[r] = rank_peak(r, res.peak_total[r]);
+    if (pc.peak_memory[r] > budget_) pc.fits = false;
+  }
+  if (!pc.fits) {
+    note_peak(pc.max_memory(), pc.max_memory_rank(), describe(c, pc.cuts), true);
+    return;
+  }
+  feasible_.push_back(choice_);
+  if (pc.step_time < c.best) {
+    c.best = pc.step_time;
+    c.best_cand = std::move(pc);
+    T_ = std::min(c.best, kth_);
+  }
+}
+
+}  // namespace baton::autoplan_detail
