@@ -51,7 +51,8 @@ while (($#)); do
 done
 
 JOBS="${BATON_JOBS:-2}"
-log() { echo "[test] $*" >&2; }
+# each line carries the seconds since the command started (where the time goes)
+log() { echo "[test ${SECONDS}s] $*" >&2; }
 
 if ((run_maxtext)); then
   export BATON_VENV=.venv-maxtext
@@ -106,10 +107,12 @@ if ((run_py)); then
   VENV="$ROOT/${BATON_VENV:-.venv}"
   export PATH="$VENV/bin:$PATH"
   workers=()
-  ((${BATON_PYTEST_WORKERS:-2} > 0)) && workers=(-n "${BATON_PYTEST_WORKERS:-2}")
-  # Without arguments: every test but the `heavy` cases (each repeats the code path of a
-  # lighter case at a larger size: more processes, more devices, more schedules): about 10
-  # minutes on a 2-core machine instead of 17; --all runs them too (.ci/run does).
+  # worksteal: a worker that runs out of cases takes queued ones from the other, so a long case
+# queued last does not leave a core idle at the end
+((${BATON_PYTEST_WORKERS:-2} > 0)) && workers=(-n "${BATON_PYTEST_WORKERS:-2}" --dist worksteal)
+  # Without arguments: every test but the `heavy` cases (each a costly case whose code path a
+  # lighter case also runs: more processes, more devices, more schedules); --all runs them
+  # too (.ci/run does, as a pass of its own). Times: bench/results/test_time.md.
   if ((${#pytest_args[@]} == 0 && ! run_heavy)); then
     pytest_args=(-m "not heavy")
     log "leaving out the cases marked heavy (--all runs them)"
