@@ -154,3 +154,113 @@ def test_constants_compared_for_sharing_include_prng_keys():
     assert not _same_literal(k0, jax.random.key_data(k0))  # a key is not its raw data
     assert not _same_literal(jax.random.split(k0, 2), k0)
     assert _same_literal(np.arange(3), np.arange(3)) and not _same_literal(np.ones(2), np.zeros(2))
+
+
+# -- models whose stages name devices or slice stacked values ----------------------------------
+D = 8
+
+
+def _pipe_mesh(ranks=4):
+    """The user's mesh: ``ranks`` ranks of one CPU device each (pipe x data)."""
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(jax.devices()[:ranks]).reshape(ranks, 1), ("pipe", "data"))
+
+
+def _constrained_loss(mesh):
+    """Four equal stages of two layers under ``lax.scan``, each layer's output constrained
+    onto the user's mesh (inside the scan body) and the stage's output again (top level):
+    ``with_sharding_constraint`` as MaxText's ``nn.with_logical_constraint`` leaves it."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    rows = NamedSharding(mesh, PartitionSpec("data", None))
+
+    def layer(h, p):
+        h = jnp.tanh(h @ p["w"] + p["b"])
+        return jax.lax.with_sharding_constraint(h, rows), None
+
+    def loss_fn(params, batch):
+        x, y = batch
+        for s, p in enumerate(params):
+            x, _ = jax.lax.scan(layer, x, p)
+            x = jax.lax.with_sharding_constraint(x, rows)
+            if s < len(params) - 1:
+                x = baton.stage_boundary(x)
+        return jnp.mean((x - y) ** 2)
+
+    return loss_fn
+
+
+def _stage_params(key, stages=4, layers=2):
+    ks = jax.random.split(key, 2 * stages)
+    return [{"w": jax.random.normal(ks[2 * s], (layers, D, D)) / np.sqrt(D),
+             "b": 0.1 * jax.random.normal(ks[2 * s + 1], (layers, D))} for s in range(stages)]
+
+
+def _batch(key, rows=32):
+    kx, ky = jax.random.split(jax.random.fold_in(key, 99))
+    return jax.random.normal(kx, (rows, D)), jnp.sin(jax.random.normal(ky, (rows, D)))
+
+
+def _pipelined(loss_fn, mesh, share):
+    vg = jax.value_and_grad(loss_fn)
+    return baton.jit(lambda p, b: baton.accumulate(vg, p, batch=b),
+                     mesh=baton.PipelineMesh(mesh), schedule=baton.OneFOneB(), microbatches=8,
+                     share_programs=share)
+
+
+def _check_middle_ranks_share(loss_fn, mesh, params, batch):
+    """Ranks 1 and 2 run one shared program; the results equal one program per rank bit for
+    bit, and plain JAX (the whole batch at once) within float tolerance."""
+    from test_e2e import close
+
+    ps = _pipelined(loss_fn, mesh, True)
+    got = ps(params, batch)
+    units, shared = _shared(ps)
+    assert len(shared) == 1 and [p.rank for p in shared[0].progs] == [1, 2], units
+    assert len(units) == 3
+    want = _pipelined(loss_fn, mesh, False)(params, batch)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    close(got, jax.jit(jax.value_and_grad(loss_fn))(params, batch))
+
+
+def test_sharding_constraints_on_one_device_ranks_share():
+    """Stages holding sharding constraints on the user's mesh: on ranks of one device a
+    constraint is the identity, removed from the rank's tasks, so the middle ranks' tasks
+    are equal and share one program (before, a task holding a constraint never shared)."""
+    mesh = _pipe_mesh()
+    key = jax.random.key(3)
+    _check_middle_ranks_share(_constrained_loss(mesh), mesh, _stage_params(key), _batch(key))
+
+
+def test_constraints_removed_only_on_one_device_ranks():
+    """``OnRank.drop``: a constraint onto a ``NamedSharding`` in the device's own memory on a
+    rank of one device is removed; on a rank of two devices, into host memory, or with
+    another kind of sharding it stays (and a task holding it does not share)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+    from baton.frontend.retarget import on_rank
+
+    P = PartitionSpec
+    one = on_rank(baton.PipelineMesh(_pipe_mesh()), 1)
+    two = on_rank(baton.PipelineMesh(jax.devices()[:8], ranks=4), 1)
+    sub1 = one.sub
+
+    def params(sh):
+        return {"sharding": sh, "layout": None, "unconstrained_dims": frozenset(),
+                "context_mesh": None}
+
+    assert one.drop("sharding_constraint", params(NamedSharding(sub1, P("data"))))
+    assert one.drop("sharding_constraint", params(NamedSharding(sub1, P())))
+    assert not one.drop("sharding_constraint",
+                        params(NamedSharding(sub1, P(), memory_kind="pinned_host")))
+    assert not one.drop("sharding_constraint",
+                        params(SingleDeviceSharding(sub1.devices.flat[0])))
+    assert not one.drop("sharding_constraint",
+                        dict(params(NamedSharding(sub1, P())), layout=object()))
+    assert not one.drop("copy_p", {})
+    assert two.sub.devices.size == 2
+    assert not two.drop("sharding_constraint", params(NamedSharding(two.sub, P("data"))))
+    assert not two.drop("sharding_constraint",
+                        params(NamedSharding(Mesh(two.sub.devices, ("data",)), P())))
