@@ -264,3 +264,70 @@ def test_constraints_removed_only_on_one_device_ranks():
     assert not two.drop("sharding_constraint", params(NamedSharding(two.sub, P("data"))))
     assert not two.drop("sharding_constraint",
                         params(NamedSharding(Mesh(two.sub.devices, ("data",)), P())))
+
+
+def _dropout_loss(keys):
+    """Four equal stages of two layers under ``lax.scan`` with dropout, each layer's RNG key
+    one row of ``keys`` (a stack of 8 keys closed over, as MaxText's scanned layers hold
+    their per-layer RNG streams): stage s slices rows ``2s:2s+2``. The mask is per feature,
+    so the whole batch at once draws the same masks as each microbatch."""
+
+    def layer(h, pk):
+        p, k = pk
+        keep = jax.random.bernoulli(k, 0.75, (D,))
+        return jnp.where(keep, jnp.tanh(h @ p["w"] + p["b"]) / 0.75, 0.0), None
+
+    def loss_fn(params, batch):
+        x, y = batch
+        for s, p in enumerate(params):
+            k = jax.lax.slice_in_dim(keys, 2 * s, 2 * s + 2)
+            x, _ = jax.lax.scan(layer, x, (p, k))
+            if s < len(params) - 1:
+                x = baton.stage_boundary(x)
+        return jnp.mean((x - y) ** 2)
+
+    return loss_fn
+
+
+def test_stacked_rng_keys_sliced_per_stage_share():
+    """The stages slice a stacked array of RNG keys at their own offsets: the slices move
+    before the loop (``trace._Exporter.hoist_slice``) and each stage reads its keys like its
+    parameters, so the middle ranks' tasks are equal and share one program, each device with
+    its own rank's keys (the results equal plain JAX, whose every stage draws its own
+    masks)."""
+    mesh = _pipe_mesh()
+    key = jax.random.key(4)
+    loss_fn = _dropout_loss(jax.random.split(jax.random.key(7), 8))
+    _check_middle_ranks_share(loss_fn, mesh, _stage_params(key), _batch(key))
+
+
+def test_only_slices_without_gradients_move_before_the_loop():
+    """Static slices of loop-invariant keys and integers leave the loop (one op per distinct
+    slice, before the loop; a slice of such a slice too: ``k[1]`` is a slice of ``k``); a
+    slice of a float parameter, whose gradient the loop makes, and a slice of a
+    per-microbatch value stay."""
+    from baton.frontend.trace import trace_step
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    ids = jnp.arange(4, dtype=jnp.int32)
+
+    def loss_fn(w, batch):
+        k = jax.lax.slice_in_dim(keys, 1, 3)
+        k2 = jax.lax.slice_in_dim(keys, 1, 3)  # the same slice again: the same input
+        i = jax.lax.slice_in_dim(ids, 2, 4)
+        x = batch * jax.lax.slice_in_dim(w, 0, 2).sum() + batch[:1].sum()
+        noise = jax.random.normal(k[1], x.shape) + jax.random.normal(k2[0], x.shape)
+        return jnp.mean(x * noise * i.sum())
+
+    w = jnp.ones((4,))
+    tr = trace_step(lambda w, b: baton.accumulate(jax.value_and_grad(loss_fn), w, batch=b),
+                    (w, jnp.ones((8, 2))), 2)
+    pre = [op for op in tr.ops if op.region == "pre" and op.prim.name == "slice"]
+    loop = [op for op in tr.ops if op.region == "loop" and op.prim.name == "slice"]
+    assert [tuple(op.params["start_indices"]) for op in pre] == [(1,), (2,), (1,), (0,)]
+    assert {tr.avals[op.inputs[0]].dtype for op in loop} == {jnp.dtype(jnp.float32)}
+    assert len(loop) == 2  # w's rows and the batch's first row
+    first = min(i for i, op in enumerate(tr.ops) if op.region == "loop")
+    assert all(tr.ops.index(op) < first for op in pre)
+    hoisted = {o for _, o, mb in tr.loop_inputs if not mb} & {op.outputs[0] for op in pre}
+    assert len(hoisted) == 4
