@@ -55,10 +55,10 @@ class OnRank:
         self.sub = mesh.meshes[rank]
         self.axis = mesh.axis
         self._meshes: dict[Any, Any] = {}
-        dev = self.sub.devices.flat[0]
-        # the memory a one-device rank's constraint may name and stay an identity
-        self._own_memory = ((None, dev.default_memory().kind) if self.sub.devices.size == 1
-                            else None)
+        # the memory a one-device rank's constraint may name and stay an identity: the
+        # device's default (as JAX names it for a sharding that names none)
+        self._own_memory = ((None, NamedSharding(self.sub, PartitionSpec()).memory_kind)
+                            if self.sub.devices.size == 1 else None)
 
     # -- meshes ---------------------------------------------------------------------------
     def mesh(self, m: Any, where: str) -> Any:
