@@ -161,16 +161,18 @@ def call_jaxpr(eqn: Any):
 
 
 def map_eqn_params(name: str, params: dict, fix, fix_ctx=None, fix_value=None,
-                   fix_aval=None) -> dict:
+                   fix_aval=None, drop=None) -> dict:
     """``params`` of a ``name`` equation with ``fix(name, params) -> params`` applied to it
     and to every equation of the jaxprs nested in it (scan bodies, checkpoint, jit callees,
     ``shard_map`` bodies), rebuilt with ``replace`` (``Jaxpr``, ``JaxprEqn``, 0.11's
     ``ClosedJaxpr``). When given, in every nested jaxpr: ``fix_ctx(ctx) -> ctx`` replaces
     each equation's context (see ``eqn_ctx_with_mesh``), ``fix_value(x) -> x`` the value of
-    each literal operand (see ``value_with_sharding``) and ``fix_aval(aval) -> aval`` the
-    type of each variable (a new ``Var``: a jit callee's output types are its call's).
+    each literal operand (see ``value_with_sharding``), ``fix_aval(aval) -> aval`` the
+    type of each variable (a new ``Var``: a jit callee's output types are its call's), and
+    an equation for which ``drop(name, fixed params)`` is true is removed, its outputs
+    replaced by its inputs (an identity: as many inputs as outputs, of equal types).
     Returns the same dict when nothing changed."""
-    fixes = (fix, fix_ctx, fix_value, fix_aval)
+    fixes = (fix, fix_ctx, fix_value, fix_aval, drop)
     out = {}
     changed = False
     for k, v in params.items():
@@ -220,7 +222,7 @@ def _new_var(v, aval):
 
 
 def _map_jaxpr(j, fixes):
-    fix, fix_ctx, fix_value, fix_aval = fixes
+    fix, fix_ctx, fix_value, fix_aval, drop = fixes
     if not hasattr(j, "eqns"):
         if hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):  # ClosedJaxpr (0.11)
             inner = _map_jaxpr(j.jaxpr, fixes)
@@ -233,6 +235,10 @@ def _map_jaxpr(j, fixes):
     for e in j.eqns:
         new = {}
         p = map_eqn_params(e.primitive.name, e.params, *fixes)
+        if drop is not None and drop(e.primitive.name, p):
+            _forward_identity(m, e)
+            changed = True
+            continue
         if p is not e.params:
             new["params"] = p
         c = fix_ctx(e.ctx) if fix_ctx is not None and hasattr(e, "ctx") else None
@@ -249,6 +255,18 @@ def _map_jaxpr(j, fixes):
         return j
     new = {k: v for k, v in top.items() if v is not None}
     return j.replace(eqns=eqns, outvars=outs if outs is not None else j.outvars, **new)
+
+
+def _forward_identity(m: _JaxprMap, e: Any) -> None:
+    """Removes identity equation ``e`` from the jaxpr ``m`` maps: each output variable
+    becomes the (mapped) input at its position."""
+    if len(e.invars) != len(e.outvars) or any(
+            (a.aval.shape, a.aval.dtype) != (b.aval.shape, b.aval.dtype)
+            for a, b in zip(e.invars, e.outvars)):
+        raise ValueError(f"{e.primitive.name}: not an identity of its operands, cannot drop")
+    for a, b in zip(e.invars, e.outvars):
+        if not is_drop_var(b):
+            m.vars[b] = m.atom(a)
 
 
 def eqn_ctx_mesh(ctx: Any) -> Any:

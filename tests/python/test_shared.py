@@ -154,3 +154,180 @@ def test_constants_compared_for_sharing_include_prng_keys():
     assert not _same_literal(k0, jax.random.key_data(k0))  # a key is not its raw data
     assert not _same_literal(jax.random.split(k0, 2), k0)
     assert _same_literal(np.arange(3), np.arange(3)) and not _same_literal(np.ones(2), np.zeros(2))
+
+
+# -- models whose stages name devices or slice stacked values ----------------------------------
+D = 8
+
+
+def _pipe_mesh(ranks=4):
+    """The user's mesh: ``ranks`` ranks of one CPU device each (pipe x data)."""
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(jax.devices()[:ranks]).reshape(ranks, 1), ("pipe", "data"))
+
+
+def _constrained_loss(mesh):
+    """Four equal stages of two layers under ``lax.scan``, each layer's output constrained
+    onto the user's mesh (inside the scan body) and the stage's output again (top level):
+    ``with_sharding_constraint`` as MaxText's ``nn.with_logical_constraint`` leaves it."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    rows = NamedSharding(mesh, PartitionSpec("data", None))
+
+    def layer(h, p):
+        h = jnp.tanh(h @ p["w"] + p["b"])
+        return jax.lax.with_sharding_constraint(h, rows), None
+
+    def loss_fn(params, batch):
+        x, y = batch
+        for s, p in enumerate(params):
+            x, _ = jax.lax.scan(layer, x, p)
+            x = jax.lax.with_sharding_constraint(x, rows)
+            if s < len(params) - 1:
+                x = baton.stage_boundary(x)
+        return jnp.mean((x - y) ** 2)
+
+    return loss_fn
+
+
+def _stage_params(key, stages=4, layers=2):
+    ks = jax.random.split(key, 2 * stages)
+    return [{"w": jax.random.normal(ks[2 * s], (layers, D, D)) / np.sqrt(D),
+             "b": 0.1 * jax.random.normal(ks[2 * s + 1], (layers, D))} for s in range(stages)]
+
+
+def _batch(key, rows=32):
+    kx, ky = jax.random.split(jax.random.fold_in(key, 99))
+    return jax.random.normal(kx, (rows, D)), jnp.sin(jax.random.normal(ky, (rows, D)))
+
+
+def _pipelined(loss_fn, mesh, share):
+    vg = jax.value_and_grad(loss_fn)
+    return baton.jit(lambda p, b: baton.accumulate(vg, p, batch=b),
+                     mesh=baton.PipelineMesh(mesh), schedule=baton.OneFOneB(), microbatches=8,
+                     share_programs=share)
+
+
+def _check_middle_ranks_share(loss_fn, mesh, params, batch):
+    """Ranks 1 and 2 run one shared program; the results equal one program per rank bit for
+    bit, and plain JAX (the whole batch at once) within float tolerance."""
+    from test_e2e import close
+
+    ps = _pipelined(loss_fn, mesh, True)
+    got = ps(params, batch)
+    units, shared = _shared(ps)
+    assert len(shared) == 1 and [p.rank for p in shared[0].progs] == [1, 2], units
+    assert len(units) == 3
+    want = _pipelined(loss_fn, mesh, False)(params, batch)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    close(got, jax.jit(jax.value_and_grad(loss_fn))(params, batch))
+
+
+def test_sharding_constraints_on_one_device_ranks_share():
+    """Stages holding sharding constraints on the user's mesh: on ranks of one device a
+    constraint is the identity, removed from the rank's tasks, so the middle ranks' tasks
+    are equal and share one program (before, a task holding a constraint never shared)."""
+    mesh = _pipe_mesh()
+    key = jax.random.key(3)
+    _check_middle_ranks_share(_constrained_loss(mesh), mesh, _stage_params(key), _batch(key))
+
+
+def test_constraints_removed_only_on_one_device_ranks():
+    """``OnRank.drop``: a constraint onto a ``NamedSharding`` in the device's own memory on a
+    rank of one device is removed; on a rank of two devices, into host memory, or with
+    another kind of sharding it stays (and a task holding it does not share)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+    from baton.frontend.retarget import on_rank
+
+    P = PartitionSpec
+    one = on_rank(baton.PipelineMesh(_pipe_mesh()), 1)
+    two = on_rank(baton.PipelineMesh(jax.devices()[:8], ranks=4), 1)
+    sub1 = one.sub
+
+    def params(sh):
+        return {"sharding": sh, "layout": None, "unconstrained_dims": frozenset(),
+                "context_mesh": None}
+
+    assert one.drop("sharding_constraint", params(NamedSharding(sub1, P("data"))))
+    assert one.drop("sharding_constraint", params(NamedSharding(sub1, P())))
+    assert not one.drop("sharding_constraint",
+                        params(NamedSharding(sub1, P(), memory_kind="pinned_host")))
+    assert not one.drop("sharding_constraint",
+                        params(SingleDeviceSharding(sub1.devices.flat[0])))
+    assert not one.drop("sharding_constraint",
+                        dict(params(NamedSharding(sub1, P())), layout=object()))
+    assert not one.drop("copy_p", {})
+    assert two.sub.devices.size == 2
+    assert not two.drop("sharding_constraint", params(NamedSharding(two.sub, P("data"))))
+    assert not two.drop("sharding_constraint",
+                        params(NamedSharding(Mesh(two.sub.devices, ("data",)), P())))
+
+
+def _dropout_loss(keys):
+    """Four equal stages of two layers under ``lax.scan`` with dropout, each layer's RNG key
+    one row of ``keys`` (a stack of 8 keys closed over, as MaxText's scanned layers hold
+    their per-layer RNG streams): stage s slices rows ``2s:2s+2``. The mask is per feature,
+    so the whole batch at once draws the same masks as each microbatch."""
+
+    def layer(h, pk):
+        p, k = pk
+        keep = jax.random.bernoulli(k, 0.75, (D,))
+        return jnp.where(keep, jnp.tanh(h @ p["w"] + p["b"]) / 0.75, 0.0), None
+
+    def loss_fn(params, batch):
+        x, y = batch
+        for s, p in enumerate(params):
+            k = jax.lax.slice_in_dim(keys, 2 * s, 2 * s + 2)
+            x, _ = jax.lax.scan(layer, x, (p, k))
+            if s < len(params) - 1:
+                x = baton.stage_boundary(x)
+        return jnp.mean((x - y) ** 2)
+
+    return loss_fn
+
+
+def test_stacked_rng_keys_sliced_per_stage_share():
+    """The stages slice a stacked array of RNG keys at their own offsets: the slices move
+    before the loop (``trace._Exporter.hoist_slice``) and each stage reads its keys like its
+    parameters, so the middle ranks' tasks are equal and share one program, each device with
+    its own rank's keys (the results equal plain JAX, whose every stage draws its own
+    masks)."""
+    mesh = _pipe_mesh()
+    key = jax.random.key(4)
+    loss_fn = _dropout_loss(jax.random.split(jax.random.key(7), 8))
+    _check_middle_ranks_share(loss_fn, mesh, _stage_params(key), _batch(key))
+
+
+def test_only_slices_without_gradients_move_before_the_loop():
+    """Static slices of loop-invariant keys and integers leave the loop (one op per distinct
+    slice, before the loop; a slice of such a slice too: ``k[1]`` is a slice of ``k``); a
+    slice of a float parameter, whose gradient the loop makes, and a slice of a
+    per-microbatch value stay."""
+    from baton.frontend.trace import trace_step
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    ids = jnp.arange(4, dtype=jnp.int32)
+
+    def loss_fn(w, batch):
+        k = jax.lax.slice_in_dim(keys, 1, 3)
+        k2 = jax.lax.slice_in_dim(keys, 1, 3)  # the same slice again: the same input
+        i = jax.lax.slice_in_dim(ids, 2, 4)
+        x = batch * jax.lax.slice_in_dim(w, 0, 2).sum() + batch[:1].sum()
+        noise = jax.random.normal(k[1], x.shape) + jax.random.normal(k2[0], x.shape)
+        return jnp.mean(x * noise * i.sum())
+
+    w = jnp.ones((4,))
+    tr = trace_step(lambda w, b: baton.accumulate(jax.value_and_grad(loss_fn), w, batch=b),
+                    (w, jnp.ones((8, 2))), 2)
+    pre = [op for op in tr.ops if op.region == "pre" and op.prim.name == "slice"]
+    loop = [op for op in tr.ops if op.region == "loop" and op.prim.name == "slice"]
+    assert [tuple(op.params["start_indices"]) for op in pre] == [(1,), (2,), (1,), (0,)]
+    assert {tr.avals[op.inputs[0]].dtype for op in loop} == {jnp.dtype(jnp.float32)}
+    assert len(loop) == 2  # w's rows and the batch's first row
+    first = min(i for i, op in enumerate(tr.ops) if op.region == "loop")
+    assert all(tr.ops.index(op) < first for op in pre)
+    hoisted = {o for _, o, mb in tr.loop_inputs if not mb} & {op.outputs[0] for op in pre}
+    assert len(hoisted) == 4

@@ -20,6 +20,11 @@ onto it (``OnRank``):
 * a ``PartitionSpec`` drops the pipe axis (``PipelineMesh.spec_on_ranks``);
 * ``shard_map``'s manual-axes sets drop the pipe axis.
 
+On a rank of one device a sharding constraint in the device's own memory, without a layout,
+is the identity: it is removed (``OnRank.drop``), so the rank's tasks name no device there
+and equal ranks' tasks are equal jaxprs (``share_match``), which one program over their
+devices can run (``shared.py``: a constraint on one rank's device could not be traced there).
+
 A mesh whose other axes differ from the sub-mesh's in names or sizes raises ``ConfigError``
 naming the primitive and both meshes.
 """
@@ -50,6 +55,10 @@ class OnRank:
         self.sub = mesh.meshes[rank]
         self.axis = mesh.axis
         self._meshes: dict[Any, Any] = {}
+        # the memory a one-device rank's constraint may name and stay an identity: the
+        # device's default (as JAX names it for a sharding that names none)
+        self._own_memory = ((None, NamedSharding(self.sub, PartitionSpec()).memory_kind)
+                            if self.sub.devices.size == 1 else None)
 
     # -- meshes ---------------------------------------------------------------------------
     def mesh(self, m: Any, where: str) -> Any:
@@ -149,6 +158,17 @@ class OnRank:
                 if isinstance(params.get(k), frozenset):
                     new[k] = frozenset(a for a in params[k] if a != self.axis)
         return dict(params, **new) if new else params
+
+    def drop(self, name: str, params: dict) -> bool:
+        """Whether an equation (its parameters already on this rank) is removed as the
+        identity: a sharding constraint on a rank of one device, onto a ``NamedSharding`` in
+        the device's default memory, without a layout. (A constraint into another memory,
+        or with a layout, moves or lays out its value: kept.)"""
+        if name != "sharding_constraint" or self._own_memory is None:
+            return False
+        sh = params.get("sharding")
+        return (isinstance(sh, NamedSharding) and sh.memory_kind in self._own_memory
+                and params.get("layout") is None)
 
     def ctx(self, ctx: Any) -> Any:
         """An equation's context with its mesh on this rank's sub-mesh (abstract)."""

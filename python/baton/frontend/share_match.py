@@ -7,9 +7,10 @@ and
 
 * each task of a mapped stage is the same computation: the same jaxpr text and constants
   (``jax.make_jaxpr`` of the task function on its input avals; none that places values on
-  devices: sharding constraints, ``shard_map``, ``device_put``), reading the mapped loop
-  inputs (equal avals; literals equal) and adding into the mapped loop output parts (equal
-  avals and reduction);
+  devices: sharding constraints, ``shard_map``, ``device_put``. A one-device rank's tasks
+  hold no sharding constraint on its own device: there it is the identity, removed when the
+  tasks are made, ``retarget.OnRank.drop``), reading the mapped loop inputs (equal avals;
+  literals equal) and adding into the mapped loop output parts (equal avals and reduction);
 * its table uses only units (tasks and transfer stretches, microbatches as symbols) that
   are the first's mapped, and rings only kinds the first rings; no task has skip edges.
 
@@ -80,7 +81,8 @@ class _Jaxprs:
         """Functions ``a`` and ``b`` (each ``(fn, input ids)``) are the same computation. Not
         when they name devices: a sharding constraint or ``shard_map`` is moved onto its rank's
         own sub-mesh (``retarget.on_rank``), which a jaxpr's text does not show, and a
-        ``device_put`` may name a device."""
+        ``device_put`` may name a device. (The constraints a one-device rank's tasks held are
+        gone: ``OnRank.drop``; any left, e.g. into host memory, refuse.)"""
         (ta, ca), (tb, cb) = self.key(*a), self.key(*b)
         if any(p in ta for p in _PLACED):
             return False

@@ -34,12 +34,12 @@ def make_fn(traced: Traced, op_ids: list[int], in_ids: list[int], out_ids: list[
             fix=None):
     """The ops ``op_ids`` (program order) as a plain function from ``in_ids`` to
     ``out_ids``; ``fix`` (``retarget.OnRank``): applied to every equation's parameters and
-    context first, nested ones included (the ops moved onto a rank's sub-mesh)."""
+    context first, nested ones included (the ops moved onto a rank's sub-mesh), and the
+    equations it drops (``OnRank.drop``: identities) removed, their outputs read as their
+    inputs."""
     ops = [traced.ops[i] for i in op_ids]
     if fix is not None:
-        ops = [_Op(op.prim, jc.map_eqn_params(op.prim.name, op.params, fix.params, fix.ctx,
-                                              fix.value, fix.aval),
-                   fix.ctx(op.ctx), op.inputs, op.outputs) for op in ops]
+        ops, out_ids = _on_rank(ops, out_ids, fix)
     lits = traced.literals
     if fix is not None:
         needed = {v for op in ops for v in op.inputs} | set(out_ids)
@@ -69,6 +69,24 @@ class _Op:
     ctx: Any
     inputs: list
     outputs: list
+
+
+def _on_rank(ops, out_ids, fix) -> tuple[list, list]:
+    """``ops`` and ``out_ids`` (value ids) with ``fix`` applied (see ``make_fn``): a dropped
+    op's outputs renamed to its inputs in the ops after it and in ``out_ids``."""
+    ren: dict[int, int] = {}
+    out = []
+    for op in ops:
+        params = jc.map_eqn_params(op.prim.name, op.params, fix.params, fix.ctx, fix.value,
+                                   fix.aval, fix.drop)
+        inputs = [ren.get(v, v) for v in op.inputs]
+        if fix.drop(op.prim.name, params):
+            if len(inputs) != len(op.outputs):
+                raise ValueError(f"{op.prim.name}: not an identity of its operands, cannot drop")
+            ren.update(zip(op.outputs, inputs))
+            continue
+        out.append(_Op(op.prim, params, fix.ctx(op.ctx), inputs, op.outputs))
+    return out, [ren.get(v, v) for v in out_ids]
 
 
 def _with_acc(fn, pos: list[int]):

@@ -7,7 +7,9 @@ and must not contain a ``stage_boundary``, with one exception: a boundary on the
 edge of a ``jax.checkpoint`` region (a model whose layers are rematerialized and
 end in a boundary) is moved out of it (see ``_Exporter.emit_remat``). Literals
 and closed-over constants become ``Literal`` values whose contents stay here, in
-``Traced.literals``.
+``Traced.literals``. A static slice in the loop of a loop-invariant array without
+gradients (a scanned stack's per-layer RNG keys) moves before the loop
+(``_Exporter.hoist_slice``).
 """
 
 from __future__ import annotations
@@ -84,6 +86,12 @@ def _eqn_cost(eqn) -> float:
     return float(max(out_elems, 1))
 
 
+def _no_gradient(dtype) -> bool:
+    """Values of ``dtype`` have no gradient: PRNG keys, integers, booleans."""
+    return (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+            or np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.bool_))
+
+
 def _contains_marker(closed) -> bool:
     for e in jc.jaxpr_parts(closed)[4]:
         if e.primitive is stage_boundary_p or e.primitive is accumulate_p:
@@ -103,6 +111,9 @@ class _Exporter:
         self.loop_outputs: list[tuple[int, int, str]] = []
         self.microbatches = 0
         self.seen_loop = False
+        self.invariant: dict[int, int] = {}  # the loop's invariant inputs: body -> outer
+        self.hoisted: dict[tuple, int] = {}  # (outer, slice params) -> its loop input
+        self.loop_at = 0  # where the loop's ops start in ``ops``
 
     def new_value(self, aval, kind) -> int:
         self.avals.append(aval)
@@ -146,6 +157,8 @@ class _Exporter:
                 self.seen_loop = True
                 region = "post"
                 continue
+            if region == "loop" and self.hoist_slice(eqn, env):
+                continue
             if eqn.primitive is stage_boundary_p and region != "loop":
                 raise TraceError(
                     "stage_boundary outside baton.accumulate: boundaries must be inside the "
@@ -188,6 +201,36 @@ class _Exporter:
             info.kind = "add_any"
         self.ops.append(info)
         return outs
+
+    def hoist_slice(self, eqn, env) -> bool:
+        """Whether loop equation ``eqn`` is a static ``slice`` of a loop-invariant input whose
+        values have no gradient (PRNG keys, integers, booleans), moved before the loop: the
+        slice is the same in every microbatch, so it is emitted once on the input's outer
+        value (the op inserted where the loop's ops start) and the loop reads the result as
+        an invariant input of its own (one per distinct slice). A stage then takes its part of
+        a scanned stack's per-layer RNG keys like its parameters, and stages that differ only
+        by where their part starts run equal task functions (``share_match``). (A slice with
+        a gradient stays in the loop, next to its transpose.)"""
+        if eqn.primitive.name != "slice" or jc.is_literal(eqn.invars[0]):
+            return False
+        outer = self.invariant.get(env.get(eqn.invars[0], -1))
+        if outer is None or not _no_gradient(eqn.invars[0].aval.dtype):
+            return False
+        key = (outer, *(None if v is None else tuple(v) for v in (
+            eqn.params["start_indices"], eqn.params["limit_indices"],
+            eqn.params.get("strides"))))
+        body = self.hoisted.get(key)
+        if body is None:
+            [piece] = self.emit_op(eqn, [outer], "pre")
+            self.ops.insert(self.loop_at, self.ops.pop())
+            self.loop_at += 1
+            body = self.hoisted[key] = self.new_value(eqn.outvars[0].aval,
+                                                      G.ValueKind.LoopInvariant)
+            self.loop_inputs.append((body, piece, False))
+            self.invariant[body] = piece
+        if not jc.is_drop_var(eqn.outvars[0]):
+            env[eqn.outvars[0]] = body
+        return True
 
     def emit_remat(self, eqn, env, region: str) -> None:
         """A ``jax.checkpoint`` (remat) equation whose region has stage boundaries on its
@@ -271,6 +314,9 @@ class _Exporter:
             b = self.new_value(v.aval, kind)
             benv[v] = b
             self.loop_inputs.append((b, outer, is_mb))
+            if not is_mb:
+                self.invariant[b] = outer
+        self.loop_at = len(self.ops)
         if consts:
             # make_jaxpr kept closed-over constants as consts: they are the
             # leading operands already (see accumulate).
