@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every Baton test: sets up (scripts/setup.sh), builds and runs the C++ tests
-# (ctest, in setup's build directory build/py, -Werror), then the Python tests (pytest). Exits non-zero if
-# anything fails.
+# (ctest, in setup's build directory build/py, -Werror), then the Python tests (pytest).
+# Exits non-zero if anything fails.
 #
 #   bash scripts/test.sh                 # the C++ tests, then every Python test but the
 #                                        # ones marked `heavy` (pyproject.toml's markers)
@@ -107,9 +107,9 @@ if ((run_py)); then
   VENV="$ROOT/${BATON_VENV:-.venv}"
   export PATH="$VENV/bin:$PATH"
   workers=()
-  # worksteal: a worker that runs out of cases takes queued ones from the other, so a long case
-# queued last does not leave a core idle at the end
-((${BATON_PYTEST_WORKERS:-2} > 0)) && workers=(-n "${BATON_PYTEST_WORKERS:-2}" --dist worksteal)
+  # worksteal: a worker that runs out of cases takes queued ones from the other, so a long
+  # case queued last does not leave a core idle at the end
+  ((${BATON_PYTEST_WORKERS:-2} > 0)) && workers=(-n "${BATON_PYTEST_WORKERS:-2}" --dist worksteal)
   # Without arguments: every test but the `heavy` cases (each a costly case whose code path a
   # lighter case also runs: more processes, more devices, more schedules); --all runs them
   # too (.ci/run does, as a pass of its own). Times: bench/results/test_time.md.
