@@ -97,6 +97,9 @@ struct NcclComm::Impl {
   void pair_self(Link& l, int channel);
   void take_spent();
   void check_failed() const;
+  // nccl_mu_, held for NCCL calls on the links' communicators; raises the failure (or
+  // "gone") instead when an abort or close took the communicators meanwhile.
+  std::unique_lock<std::mutex> comms_lock();
   [[noreturn]] void fail(const std::string& msg, int origin);
   size_t note(CommOpKind kind, const CommOp& op, uint64_t seq, cudaStream_t s);
   void note_end(size_t rec, cudaStream_t s);

@@ -27,12 +27,7 @@ void NcclComm::Impl::pair_self(Link& l, int channel) {
     if (s.bytes) {
       ncclResult_t a = ncclSuccess, b = ncclSuccess, e = ncclSuccess;
       {
-        std::lock_guard<std::mutex> lock(nccl_mu_);
-        if (gone_.done()) {
-          check_failed();
-          throw ExecutionError(fmt::format("rank {}: the NCCL communicators are gone", rank_),
-                               rank_);
-        }
+        auto lock = comms_lock();
         nccl_check(api.GroupStart(), "ncclGroupStart (self link)");
         a = api.Send(s.slot, s.bytes, ncclUint8, 0, l.comm, l.stream);
         b = api.Recv(r->slot, r->bytes, ncclUint8, 0, l.comm, l.stream);
@@ -60,6 +55,15 @@ void NcclComm::Impl::settle(Link& l, const std::string& doing) {
                            k.src == rank_ ? k.dst : k.src);
       },
       fmt::format("rank {}: {}", rank_, doing), &nccl_mu_, [this] { return gone_.done(); });
+}
+
+std::unique_lock<std::mutex> NcclComm::Impl::comms_lock() {
+  std::unique_lock<std::mutex> lock(nccl_mu_);
+  if (gone_.done()) {  // aborted or closed meanwhile
+    check_failed();
+    throw ExecutionError(fmt::format("rank {}: the NCCL communicators are gone", rank_), rank_);
+  }
+  return lock;
 }
 
 void NcclComm::Impl::check_failed() const {
@@ -174,11 +178,7 @@ void NcclComm::Impl::send(cudaStream_t stream, const CommOp& op,
   if (total) {
     ncclResult_t r = ncclSuccess;
     {
-      std::lock_guard<std::mutex> lock(nccl_mu_);
-      if (gone_.done()) {  // aborted or closed meanwhile
-        check_failed();
-        throw ExecutionError(fmt::format("rank {}: the NCCL communicators are gone", rank_), rank_);
-      }
+      auto lock = comms_lock();
       r = nccl_api().Send(p.slot, total, ncclUint8, 1, l.comm, l.stream);
     }
     accepted(r, "ncclSend");
@@ -213,11 +213,7 @@ void NcclComm::Impl::post(const CommOp& op) {
   if (total) {
     ncclResult_t r = ncclSuccess;
     {
-      std::lock_guard<std::mutex> lock(nccl_mu_);
-      if (gone_.done()) {  // aborted or closed meanwhile
-        check_failed();
-        throw ExecutionError(fmt::format("rank {}: the NCCL communicators are gone", rank_), rank_);
-      }
+      auto lock = comms_lock();
       r = nccl_api().Recv(p.slot, total, ncclUint8, 0, l.comm, l.stream);
     }
     accepted(r, "ncclRecv");
