@@ -35,7 +35,9 @@ void init_rankir(nb::module_& m) {
       .def_ro("pool", &baton::RankBuffer::pool)
       .def_ro("slot", &baton::RankBuffer::slot)
       .def_ro("live_from", &baton::RankBuffer::live_from)
-      .def_ro("live_to", &baton::RankBuffer::live_to);
+      .def_ro("live_to", &baton::RankBuffer::live_to)
+      .def_ro("held_from", &baton::RankBuffer::held_from)
+      .def_ro("held_to", &baton::RankBuffer::held_to);
   nb::class_<baton::Pool>(m, "Pool", "Plan rows that share slots, and the number of slots.")
       .def_ro("rows", &baton::Pool::rows)
       .def_ro("slots", &baton::Pool::slots);

@@ -202,6 +202,31 @@ TEST(RankIR, SlotsAreTheLivePeakAndPoolsCanBeShared) {
   EXPECT_THROW(build_rank_ir(plan, opts), ConfigError);
 }
 
+TEST(RankIR, BuffersAreHeldFromWhereTheProgramPutsThemToTheirLastRead) {
+  const RankIR ir = build_rank_ir(lower(one_f_one_b(4, 8)));
+  const RankProgram& p1 = ir.programs[1];
+  for (const Transfer& t : p1.transfers) {
+    const RankBuffer& b = p1.buffers[t.buffer];
+    if (t.dir == TransferDir::Recv) {
+      // A receive lands in its slot at its WAIT, not at its POST.
+      EXPECT_EQ(b.held_from, t.wait);
+      EXPECT_GT(b.held_from, p1.groups[t.group].post);
+    } else {
+      // A sent buffer is held until the POST that sends it.
+      EXPECT_EQ(b.held_to, p1.groups[t.group].post);
+    }
+  }
+  // Rank 1 posts two receives from rank 0 ahead, but holds one at a time:
+  // one slot for act(s0), where the plan's lifetimes (to the FREE) need two.
+  for (const RankBuffer& b : p1.buffers) {
+    if (b.key.kind == BufKind::WGrad) {
+      EXPECT_EQ(b.pool, -1) << "a weight gradient is added where it is made";
+    } else if (b.key.kind == BufKind::Act && b.key.stage == 0) {
+      EXPECT_EQ(p1.pools[b.pool].slots, 1);
+    }
+  }
+}
+
 TEST(RankIR, ShareClasses) {
   // Middle ranks of 1F1B run the same units and transfers (peers and stages
   // relative to the rank); the first and last rank differ.
@@ -272,6 +297,33 @@ TEST(RankIRMutation, SlotReusedWhileLive) {
                            std::to_string(p.buffers[m0].pool) + "." +
                            std::to_string(p.buffers[m0].slot) + ", which still holds stash(s0,m0)";
   EXPECT_NE(rep.find(want), std::string::npos) << rep;
+}
+
+TEST(RankIRMutation, HeldRangeMisstatedOrNoSlot) {
+  RankIR ir = ir_of(one_f_one_b(4, 8));
+  RankProgram& p = ir.programs[0];
+  int m0 = -1, m1 = -1;
+  for (int b = 0; b < static_cast<int>(p.buffers.size()); ++b) {
+    if (p.buffers[b].key == BufferKey{BufKind::Stash, 0, 0}) m0 = b;
+    if (p.buffers[b].key == BufferKey{BufKind::Stash, 0, 1}) m1 = b;
+  }
+  ASSERT_GE(m0, 0);
+  ASSERT_GE(m1, 0);
+  const int put = p.buffers[m0].held_from, last = p.buffers[m0].held_to;
+  p.buffers[m0].held_to = put;  // says it is free before B0.0 reads it
+  p.buffers[m1].pool = -1;      // read by B0.1 but given no slot
+  const std::string rep = report(ir);
+  EXPECT_NE(rep.find("slots: rank 0: stash(s0,m0) records that it is held from #" +
+                     std::to_string(put) + " to #" + std::to_string(put) +
+                     ", but the instructions put it into its slot at #" + std::to_string(put) +
+                     " and last read it at #" + std::to_string(last)),
+            std::string::npos)
+      << rep;
+  EXPECT_NE(rep.find("slots: rank 0 #" + std::to_string(p.buffers[m1].held_from) +
+                     " RUN F0.1 puts stash(s0,m1) into no slot, but #" +
+                     std::to_string(p.buffers[m1].held_to) + " reads it"),
+            std::string::npos)
+      << rep;
 }
 
 TEST(RankIRMutation, SwappedChannel) {

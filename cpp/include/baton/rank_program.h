@@ -12,9 +12,9 @@
 //   WAIT t      block until receive t has arrived; its buffer is then present.
 //   RUN u       run unit u; reads its input buffers (present), writes its
 //               outputs into their slots.
-//   FREE b      release buffer b's slot; for a buffer that was sent, first
-//               wait until its send has completed (the peer posted the
-//               matching receive).
+//   FREE b      release buffer b; for a buffer that was sent, first wait
+//               until its send has completed (the peer posted the matching
+//               receive).
 //   ACCUMULATE b   add weight gradient b into its stage's accumulator.
 // Transfers travel in order per (sender, receiver, channel): the k-th SEND of
 // rank a to rank b on channel c pairs with the k-th RECV of rank b from a on
@@ -25,6 +25,18 @@
 // Nothing waits earlier and nothing is posted later than in the Plan, so the
 // program is deadlock-free whenever the plan is (the verifier checks it
 // again on the IR).
+//
+// Slots are where the compiled program keeps buffers between the units that
+// make and read them (the rings of a table program): a buffer is *held* from
+// the instruction that puts it into its slot (the RUN writing it, the WAIT of
+// its receive) to the last instruction on the rank that reads it (a RUN, or
+// the POST of its send), both included. Every buffer of a row (one kind of
+// one stage or skip edge) that some later instruction on the rank reads has
+// a slot; the other rows (weight gradients, which the program adds to its
+// sums where they are made; a fused unit's internal buffers; outputs only
+// freed) have none. A transport's own copies of sent and received data are
+// the transport's: the plan's lifetimes (live_from / live_to, to the FREE)
+// describe them and the simulator's memory.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -54,17 +66,19 @@ struct RankInstr {
 struct RankBuffer {
   int32_t id = -1;  // the plan's buffer id
   BufferKey key;
-  int32_t pool = -1;  // index into RankProgram::pools
+  int32_t pool = -1;  // index into RankProgram::pools; -1: the buffer holds no slot
   int32_t slot = -1;  // slot in that pool
   int32_t live_from =
       -1;                // instruction that creates it (the RUN writing it, the POST receiving it)
   int32_t live_to = -1;  // its FREE (the plan's lifetime)
+  int32_t held_from = -1;  // the RUN writing it, or the WAIT of its receive
+  int32_t held_to = -1;    // the last RUN or POST on the rank reading it (>= held_from)
   bool operator==(const RankBuffer&) const = default;
 };
 
 // Buffers that share slots: the plan rows (buffer id / microbatches: one
 // kind of one stage or skip edge) listed in `rows`. A slot holds at most one
-// live buffer at a time; `slots` is the most buffers of the pool live at once.
+// held buffer at a time; `slots` is the most buffers of the pool held at once.
 struct Pool {
   std::vector<int32_t> rows;
   int32_t slots = 0;
@@ -157,8 +171,10 @@ std::vector<std::vector<int32_t>> share_classes(const Plan& plan,
 //   data: every buffer a RUN reads is present (written by an earlier RUN or
 //     received and waited on) and not yet freed; every sent buffer is present
 //     when posted;
-//   slots: a buffer's slot is in its pool's range and never holds another
-//     live buffer (live: from its RUN or POST to its FREE);
+//   slots: held_from / held_to are where the instructions put the buffer
+//     into its slot and last read it; every buffer a later instruction reads
+//     has a slot, in its pool's range, that holds no other buffer while it
+//     is held (verify_slots.cc);
 //   channels: every SEND pairs with the peer's RECV of the same buffer at the
 //     same FIFO position on the same channel, and the channel is the plan's;
 //   deadlock: the programs run to their ends under the semantics above with

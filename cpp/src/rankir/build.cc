@@ -45,6 +45,12 @@ struct Builder {
     return it->second;
   }
 
+  // Instruction `at` reads buffer b: it stays held in its slot until then.
+  void read(int32_t b, int32_t at) {
+    RankBuffer& rb = prog.buffers[b];
+    rb.held_to = std::max(rb.held_to, at);
+  }
+
   void flush(int32_t next_run) {
     if (next_run >= 0) {
       for (int32_t j : hoisted[next_run]) open_instrs.push_back(plan.programs[rank][j]);
@@ -71,6 +77,7 @@ struct Builder {
           throw VerifyError(fmt::format("rank {}: {} sends a buffer the rank never has", rank,
                                         plan.describe_buffer(in.buffer)));
         t.buffer = it->second;
+        read(t.buffer, grp.post);
         last_send[in.buffer] = ti;
       } else {
         t.buffer = buffer(in.buffer);
@@ -97,6 +104,8 @@ struct Builder {
       const auto it = pending_recv.find(b);
       if (it != pending_recv.end()) {
         prog.transfers[it->second].wait = n_instrs();
+        RankBuffer& rb = prog.buffers[prog.transfers[it->second].buffer];
+        rb.held_from = rb.held_to = n_instrs();
         prog.instrs.push_back(RankInstr{RankOp::Wait, -1, -1, it->second, -1});
         pending_recv.erase(it);
       }
@@ -108,7 +117,12 @@ struct Builder {
     }
     const int32_t ui = static_cast<int32_t>(prog.units.size());
     u.instr = n_instrs();
-    for (int i = 0; i < io.n_out; ++i) u.writes.push_back(buffer(io.out[i]));
+    for (int32_t b : u.reads) read(b, u.instr);
+    for (int i = 0; i < io.n_out; ++i) {
+      const int32_t b = buffer(io.out[i]);
+      prog.buffers[b].held_from = prog.buffers[b].held_to = u.instr;
+      u.writes.push_back(b);
+    }
     prog.units.push_back(std::move(u));
     prog.instrs.push_back(RankInstr{RankOp::Run, ui, -1, -1, -1});
   }

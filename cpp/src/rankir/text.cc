@@ -11,7 +11,8 @@
 //     #3 FREE act(s0,m0)
 // A transfer reads "SEND buffer->peer" or "RECV buffer<-peer", then its
 // channel and FIFO position ("ch0.1": the second on channel 0 with that
-// peer), then its slot. A buffer's slot reads "@p<pool>.<slot>".
+// peer), and for a receive its slot. A buffer's slot reads "@p<pool>.<slot>";
+// a buffer that holds none (rank_program.h) shows none.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -53,10 +54,14 @@ std::string transfer_name(const RankIR& ir, const RankProgram& p, int32_t t) {
                      buf_name(ir, p, x.buffer), x.dir == TransferDir::Send ? "->" : "<-", x.peer);
 }
 
+// "@p<pool>.<slot>", or nothing for a buffer that holds no slot.
+std::string slot_of(const RankProgram& p, int32_t b) {
+  if (!in_range(p.buffers, b) || p.buffers[b].pool < 0) return "";
+  return fmt::format("@p{}.{}", p.buffers[b].pool, p.buffers[b].slot);
+}
+
 std::string with_slot(const RankIR& ir, const RankProgram& p, int32_t b) {
-  if (!in_range(p.buffers, b)) return buf_name(ir, p, b);
-  const RankBuffer& rb = p.buffers[b];
-  return fmt::format("{}@p{}.{}", buf_name(ir, p, b), rb.pool, rb.slot);
+  return fmt::format("{}{}", buf_name(ir, p, b), slot_of(p, b));
 }
 
 std::string instr_text(const RankIR& ir, const RankProgram& p, const RankInstr& in, bool full) {
@@ -70,9 +75,8 @@ std::string instr_text(const RankIR& ir, const RankProgram& p, const RankInstr& 
         out += transfer_name(ir, p, ts[k]);
         if (full && in_range(p.transfers, ts[k])) {
           const Transfer& t = p.transfers[ts[k]];
-          out += fmt::format(" ch{}.{} @p{}.{}", t.channel, t.seq,
-                             in_range(p.buffers, t.buffer) ? p.buffers[t.buffer].pool : -1,
-                             in_range(p.buffers, t.buffer) ? p.buffers[t.buffer].slot : -1);
+          out += fmt::format(" ch{}.{}", t.channel, t.seq);
+          if (t.dir == TransferDir::Recv) out += fmt::format(" {}", slot_of(p, t.buffer));
         }
       }
       return out;

@@ -9,89 +9,11 @@
 
 #include "baton/error.h"
 #include "baton/rank_program.h"
+#include "ir_verifier.h"
 
 namespace baton {
 
-namespace {
-
-constexpr size_t kMaxViolations = 50;
-
-template <class T>
-bool in_range(const std::vector<T>& v, int32_t i) {
-  return i >= 0 && i < static_cast<int32_t>(v.size());
-}
-
-// Per rank, what the scan of its instructions found.
-struct RankScan {
-  std::vector<int32_t> posted;  // per transfer: its POST instr, -1 when never posted
-  std::vector<int32_t> seq;     // per transfer: FIFO position recomputed from post order
-  std::vector<int32_t> freed;   // per buffer: its FREE instr, -1
-};
-
-class IRVerifier {
- public:
-  IRVerifier(const RankIR& ir, VerifyReport& rep) : ir_(ir), plan_(ir.plan), rep_(rep) {}
-
-  bool structure();
-  void scan(int r);
-  void channels();
-  void deadlock();
-  bool clean() const { return rep_.violations.empty(); }
-  void finish() {
-    if (dropped_) {
-      Violation v;
-      v.check = "summary";
-      v.message =
-          fmt::format("... further violations not listed (the report stops at {})", kMaxViolations);
-      rep_.violations.push_back(std::move(v));
-    }
-  }
-
- private:
-  void add(const char* check, std::string msg, std::vector<int> ranks, std::vector<int> instrs,
-           BufferKey k = {}) {
-    if (rep_.violations.size() >= kMaxViolations) {
-      dropped_ = true;
-      return;
-    }
-    Violation v;
-    v.check = check;
-    v.message = fmt::format("{}: {}", check, msg);
-    v.ranks = std::move(ranks);
-    v.instrs = std::move(instrs);
-    v.stage = k.stage;
-    v.microbatch = k.microbatch;
-    rep_.violations.push_back(std::move(v));
-  }
-  std::string d(int r, int i) const { return ir_.describe(r, i); }
-  const RankProgram& prog(int r) const { return ir_.programs[r]; }
-  std::string buf(int r, int32_t b) const { return plan_.describe_buffer(prog(r).buffers[b].id); }
-  BufferKey key(int r, int32_t b) const { return prog(r).buffers[b].key; }
-  // "SEND act(s0,m1)->1" / "RECV act(s0,m1)<-0"
-  std::string tname(int r, int32_t t) const {
-    const Transfer& x = prog(r).transfers[t];
-    return fmt::format("{} {}{}{}", x.dir == TransferDir::Send ? "SEND" : "RECV", buf(r, x.buffer),
-                       x.dir == TransferDir::Send ? "->" : "<-", x.peer);
-  }
-  // "rank 1 #0 POST g0: RECV act(s0,m0)<-0" (where it is posted), or
-  // "rank 1: RECV act(s0,m0)<-0" for a transfer that is not posted.
-  std::string at(int r, int32_t t) const {
-    const int32_t i = scans_[r].posted[t];
-    if (i < 0) return fmt::format("rank {}: {}", r, tname(r, t));
-    return fmt::format("rank {} #{} POST g{}: {}", r, i, prog(r).instrs[i].group, tname(r, t));
-  }
-  // The instruction that best names transfer t: its POST, else its WAIT/FREE.
-  int anchor(int r, int32_t t) const {
-    if (scans_[r].posted[t] >= 0) return scans_[r].posted[t];
-    return prog(r).transfers[t].wait;
-  }
-
-  const RankIR& ir_;
-  const Plan& plan_;
-  VerifyReport& rep_;
-  bool dropped_ = false;
-  std::vector<RankScan> scans_;
-};
+namespace rankir_verify {
 
 bool IRVerifier::structure() {
   const int R = plan_.schedule.num_ranks;
@@ -193,13 +115,6 @@ void IRVerifier::scan(int r) {
   std::vector<int32_t> recv_of(p.buffers.size(), -1);
   for (int32_t t = 0; t < static_cast<int32_t>(p.transfers.size()); ++t)
     (p.transfers[t].dir == TransferDir::Send ? send_of : recv_of)[p.transfers[t].buffer] = t;
-  // Where each buffer is freed (for messages about a slot still occupied).
-  std::vector<int32_t> free_at(p.buffers.size(), -1);
-  for (int i = 0; i < n; ++i)
-    if (p.instrs[i].op == RankOp::Free && free_at[p.instrs[i].buffer] < 0)
-      free_at[p.instrs[i].buffer] = i;
-  std::vector<std::vector<int32_t>> occupant(p.pools.size());
-  for (size_t k = 0; k < p.pools.size(); ++k) occupant[k].assign(std::max(0, p.pools[k].slots), -1);
   std::map<std::tuple<int, int, int>, int32_t> count;  // (dir, peer, channel) -> next seq
   std::map<std::pair<int, int>, int32_t> next_wait;    // (peer, channel) -> next seq to wait
   auto create = [&](int i, int32_t b) {
@@ -210,23 +125,6 @@ void IRVerifier::scan(int r) {
       return;
     }
     created[b] = i;
-    if (!in_range(p.pools, rb.pool) || rb.slot < 0 || rb.slot >= p.pools[rb.pool].slots) {
-      add("slots",
-          fmt::format("{} puts {} into slot p{}.{}, which its pool does not have", d(r, i),
-                      buf(r, b), rb.pool, rb.slot),
-          {r}, {i}, rb.key);
-      return;
-    }
-    int32_t& occ = occupant[rb.pool][rb.slot];
-    if (occ >= 0) {
-      add("slots",
-          fmt::format("{} puts {} into slot p{}.{}, which still holds {} (live since #{}, "
-                      "freed at #{})",
-                      d(r, i), buf(r, b), rb.pool, rb.slot, buf(r, occ), created[occ],
-                      free_at[occ]),
-          {r, r}, {created[occ], i}, rb.key);
-    }
-    occ = b;
   };
   for (int i = 0; i < n; ++i) {
     const RankInstr& in = p.instrs[i];
@@ -340,10 +238,6 @@ void IRVerifier::scan(int r) {
                           tname(r, send_of[b])),
               {r}, {i}, key(r, b));
         sc.freed[b] = i;
-        const RankBuffer& rb = p.buffers[b];
-        if (in_range(p.pools, rb.pool) && rb.slot >= 0 && rb.slot < p.pools[rb.pool].slots &&
-            occupant[rb.pool][rb.slot] == b)
-          occupant[rb.pool][rb.slot] = -1;
         break;
       }
       case RankOp::Accumulate:
@@ -508,13 +402,16 @@ void IRVerifier::deadlock() {
   if (!ranks.empty()) add("deadlock", msg, ranks, instrs);
 }
 
-}  // namespace
+}  // namespace rankir_verify
 
 VerifyReport verify_rank_ir(const RankIR& ir) {
   VerifyReport rep;
-  IRVerifier v(ir, rep);
+  rankir_verify::IRVerifier v(ir, rep);
   if (v.structure()) {
-    for (int r = 0; r < static_cast<int>(ir.programs.size()); ++r) v.scan(r);
+    for (int r = 0; r < static_cast<int>(ir.programs.size()); ++r) {
+      v.scan(r);
+      v.slots(r);
+    }
     v.channels();
     if (v.clean()) v.deadlock();
   }
