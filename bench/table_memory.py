@@ -47,7 +47,8 @@ def main():
         f"`python bench/table_memory.py --ranks {a.ranks} --dim {a.dim}`: GPT dim {a.dim}, seq 16, "
         "2 blocks per stage, 8 microbatches of 2, AdamW; one process, one CPU device per rank. "
         "MiB per rank (ranks 0..R-1). *live peak*: the most bytes of buffers live at once; "
-        "*shared rings*: the rings the programs hold (kinds of equal avals share one); *per-kind "
+        "*shared rings*: the rings the programs hold (kinds of equal avals share one; ranks "
+        "sharing one program: rings sized for every member); *per-kind "
         "rings*: one ring per buffer kind; *XLA temp*: `memory_analysis().temp_size_in_bytes` "
         "of each compiled rank program.",
         "",
@@ -63,7 +64,10 @@ def main():
         ps = baton.jit(step, mesh=baton.PipelineMesh(jax.devices()[:a.ranks], ranks=a.ranks),
                        schedule=sched, microbatches=8)
         jax.block_until_ready(ps(params, st, batch))
-        progs = [cs for cs in ps._cache.values()][0].engine.local_progs
+        engine = [cs for cs in ps._cache.values()][0].engine
+        progs = engine.local_progs
+        compiled = {m.rank: q.compiled for q in engine.local_units  # (a shared program: its
+                    for m in getattr(q, "progs", [q])}             # members' one executable)
 
         def col(f):
             return " / ".join(f"{f(p) / mib:.2f}" for p in progs)
@@ -71,7 +75,7 @@ def main():
         lines.append(f"| {name} | {col(lambda p: p.live_buffer_peak())} | "
                      f"{col(lambda p: p.ring_bytes())} | "
                      f"{col(lambda p: p.ring_bytes(pooled=False))} | "
-                     f"{col(lambda p: p.compiled.memory_analysis().temp_size_in_bytes)} |")
+                     f"{col(lambda p: compiled[p.rank].memory_analysis().temp_size_in_bytes)} |")
         print(lines[-1], flush=True)
     publish("\n".join(lines) + "\n", a.md)
 

@@ -88,34 +88,29 @@ def test_rank_items_keep_the_stream(name, ranks):
 
 
 def _check_rings(cs, r):
-    """Replays rank ``r``'s table with its rings, one per buffer kind and one shared by all
-    kinds (the lowering shares a ring among kinds of equal avals): every read finds the
-    buffer it wants in its slot (nothing overwrote it), a unit never writes a slot it reads,
-    and each ring has exactly as many slots as the most buffers of its pool live at once
-    (from a write to the last read, both ends included)."""
+    """Replays rank ``r``'s items with the rings its rank program assigns, one per buffer
+    kind and one shared by all kinds (the lowering shares a ring among kinds of equal avals):
+    every read finds the buffer it wants in its slot (nothing overwrote it), a task never
+    writes a slot it reads, and each ring has exactly as many slots as the most buffers of
+    its pool held at once (from where the program puts one to its last read, both
+    included)."""
     rp = RankProgram(cs, r, _core.runtime.RankComm(r), 10.0)
-    for pool_of in ({ks: ks for ks in rp.lives}, {ks: 0 for ks in rp.lives}):
+    for pool_of in (None, {ks: 0 for ks in rp.lives}):
         rp._pool(pool_of)
         slots: dict[tuple, tuple] = {}
-        life: dict[tuple, list] = {}
-        for i, (st, task) in enumerate(rp.steps):
-            for pos, its in ((2 * i, st), (2 * i + 1, [task] if task else [])):
-                read = set()
-                for it in its:
-                    for k, s, m in item_reads(cs, it):
-                        key = (pool_of[(k, s)], int(rp.slots[(k, s)][m]))
-                        assert slots.get(key) == (k, s, m), (r, it, slots.get(key))
-                        read.add(key)
-                        life[(k, s, m)][1] = pos
-                for it in its:
-                    for k, s, m in item_writes(cs, it):
-                        if (k, s) in pool_of:
-                            key = (pool_of[(k, s)], int(rp.slots[(k, s)][m]))
-                            assert key not in read, (r, it)
-                            slots[key] = (k, s, m)
-                            life[(k, s, m)] = [pos, pos]
+        for it in rp.items:
+            read = set()
+            for k, s, m in item_reads(cs, it):
+                key = (rp.pool_of[(k, s)], int(rp.slots[(k, s)][m]))
+                assert slots.get(key) == (k, s, m), (r, it, slots.get(key))
+                read.add(key)
+            for k, s, m in item_writes(cs, it):
+                if (k, s) in rp.pool_of:
+                    key = (rp.pool_of[(k, s)], int(rp.slots[(k, s)][m]))
+                    assert key not in read, (r, it)
+                    slots[key] = (k, s, m)
         for pool, R in rp.rings.items():
-            spans = [iv for key, iv in life.items() if pool_of[key[:2]] == pool]
+            spans = [(w, last) for ks, w, last in rp.layout.held if rp.pool_of[ks] == pool]
             most = max(sum(w <= p <= last for w, last in spans) for p, _ in spans)
             assert R == most, (r, pool, R, most)
     # every task kind once per rank, whatever the schedule

@@ -32,7 +32,7 @@ from . import ffi
 from .loop_program import _LoopProgram
 from .rank_table import build_table, describe_table, lower_table, unit_sequence
 from .rank_transfers import RankTransfers, recorded_events
-from .rings import ring_slots
+from .rings import ring_layout
 from .rolling import rank_items
 from .task_env import _Env, _Token
 
@@ -106,22 +106,23 @@ class RankProgram(_LoopProgram):
     # -- the table (rank_table.py) ---------------------------------------------------------
     def _table_init(self):
         """The rank's loop as a table (``build_table``, lowered by ``_loop``): its steps,
-        units and rows, and when each buffer a later unit reads lives; rings per kind until
-        the lowering knows the avals and pools the kinds of equal shape (``_pool``)."""
-        t = build_table(self.cs, self.items)
-        self.steps, self.stretches, self.units = t.steps, t.stretches, t.units
-        self.rows, self.lives = t.rows, t.lives
-        self._pool({ks: ks for ks in self.lives})
+        units and rows; a ring per ringed kind until the lowering knows the avals and pools
+        the kinds of equal shape (``_pool``)."""
+        t = build_table(self.items)
+        self.steps, self.stretches, self.units, self.rows = t.steps, t.stretches, t.units, t.rows
+        self._pool(None)
 
     def _pool(self, pool_of):
-        """Kinds with equal ``pool_of`` share a ring: ``self.pools`` (pool -> its kinds),
-        ``self.slots`` ((kind, stage) -> the slot of each microbatch's buffer), ``self.rings``
-        (pool -> slots)."""
-        self.pool_of = dict(pool_of)
-        self.slots, self.rings = ring_slots(self.lives, self.pool_of, self.cs.M)
+        """The rank program's rings with ``pool_of`` (``(kind, stage)`` -> pool; kinds of one
+        pool share a ring; None: a ring per kind): ``self.lives`` (the ringed kinds),
+        ``self.pool_of``, ``self.pools`` (pool -> its kinds), ``self.slots`` (``(kind,
+        stage)`` -> the slot of each microbatch's buffer), ``self.rings`` (pool -> slots)."""
+        lay = self.layout = ring_layout(self.cs, self.rank, pool_of)
+        self.lives, self.pool_of = lay.kinds, lay.pool_of
+        self.slots, self.rings = lay.slots, lay.sizes
         self.pools: dict = {}
-        for ks in sorted(self.lives):
-            self.pools.setdefault(self.pool_of[ks], []).append(ks)
+        for ks in lay.kinds:
+            self.pools.setdefault(lay.pool_of[ks], []).append(ks)
 
     def ring_bytes(self, pooled: bool = True) -> int:
         """Bytes the rank's rings hold (after lowering): with the rings the program uses
@@ -129,14 +130,14 @@ class RankProgram(_LoopProgram):
         if pooled:
             return sum(R * self.buffer_bytes[kinds[0]] for pool, kinds in self.pools.items()
                        for R in [self.rings[pool]])
-        _, sizes = ring_slots(self.lives, {ks: ks for ks in self.lives}, self.cs.M)
+        sizes = ring_layout(self.cs, self.rank).sizes
         return sum(R * self.buffer_bytes[ks] for ks, R in sizes.items())
 
     def live_buffer_peak(self) -> int:
-        """The most bytes of ringed buffers ever live at once (a lower bound for any rings)."""
-        ends = sorted({w for iv in self.lives.values() for w, _ in iv.values()})
-        return max((sum(self.buffer_bytes[ks] for ks, iv in self.lives.items()
-                        for w, last in iv.values() if w <= p <= last) for p in ends), default=0)
+        """The most bytes of ringed buffers ever held at once (a lower bound for any rings)."""
+        held = self.layout.held
+        return max((sum(self.buffer_bytes[ks] for ks, w, last in held if w <= p <= last)
+                    for p in {w for _, w, _ in held}), default=0)
 
     def describe(self) -> str:
         """The table: its steps, its units (tasks, and transfer stretches with symbolic

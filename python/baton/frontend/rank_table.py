@@ -3,8 +3,8 @@
 The loop is one ``fori_loop`` whose body holds each *unit* of the rank once (each distinct
 task, each distinct transfer stretch with its microbatches as symbols), each a two-branch
 ``lax.switch`` run when the step's row names it; buffers live in rings, one per set of kinds
-of equal avals, a slot per buffer (``rings.ring_slots``). So every task is compiled once per
-rank.
+of equal avals, a slot per buffer as the rank program assigns it (``rings.ring_layout``). So
+every task is compiled once per rank.
 
 ``build_table`` makes the table from a rank's items (its steps, units and rows, and when
 each ringed buffer lives); ``lower_table`` traces the loop.
@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import _core
 from .. import _jax_compat as jc
-from .rings import _ring_aval, _ring_in, _symbolic, buffer_lives, table_steps
+from .rings import _ring_aval, _ring_in, _symbolic, table_steps
 from .rolling import Item, _exes, item_reads, item_writes
 from .task_env import _parts_of, _run_task, _Token
 
@@ -31,19 +31,18 @@ _SYM = {"send": ">", "post": "+", "wait": "<"}
 @dataclass
 class Table:
     """A rank's table: its ``steps`` (``table_steps``), the distinct transfer ``stretches``
-    (microbatches as symbols) and tasks (``units``: (kind, stage)), one row per step
-    (``rows``: stretch, task unit, task microbatch, then the stretch's microbatches; -1: none)
-    and when each ringed buffer lives (``lives``, ``buffer_lives``)."""
+    (microbatches as symbols) and tasks (``units``: (kind, stage)), and one row per step
+    (``rows``: stretch, task unit, task microbatch, then the stretch's microbatches; -1:
+    none)."""
 
     steps: list
     stretches: list[tuple]
     units: list[tuple[str, int]]
     rows: np.ndarray
-    lives: dict
 
 
-def build_table(cs, items) -> Table:
-    """The table of a rank's ``items``: units, rows, and the buffers a later unit reads."""
+def build_table(items) -> Table:
+    """The table of a rank's ``items``: its steps, units and rows."""
     steps = table_steps(items)
     stretches: list[tuple] = []  # symbolic transfer stretches
     units: list[tuple[str, int]] = []  # (kind, stage) of each task unit
@@ -64,8 +63,7 @@ def build_table(cs, items) -> Table:
         rows.append(row)
     width = max(len(r) for r in rows)
     table_rows = np.asarray([r + [0] * (width - len(r)) for r in rows], np.int32)
-    # (kind, stage) -> microbatch -> (write, last read)
-    return Table(steps, stretches, units, table_rows, buffer_lives(cs, steps))
+    return Table(steps, stretches, units, table_rows)
 
 
 def describe_table(units, stretches, n_rows, pools, rings) -> str:
@@ -137,7 +135,7 @@ def lower_table(prog, env, outer, whole_mb, token) -> None:
     over its table (one row per step). The body holds each unit once: every transfer stretch
     and every task of the rank, each a two-branch ``lax.switch`` (branch 0 passes its
     operands through, branch 1 runs the unit) that runs when the row names it. Buffers live
-    in rings (one per set of kinds of equal avals, a slot per buffer: ``ring_slots``),
+    in rings (one per set of kinds of equal avals, a slot per buffer: ``ring_layout``),
     weight-gradient sums and stacked outputs in the loop's carry; a unit's switch takes as
     operands only what it reads, and returns only what it writes, so XLA updates them in
     place (a pass-through in branch 0 is not copied). So each task is compiled once per
@@ -170,7 +168,7 @@ def lower_table(prog, env, outer, whole_mb, token) -> None:
 
 
 def _rings(prog, share, avals) -> tuple[dict, dict]:
-    """Pools ``prog``'s kinds of equal avals into rings (``ring_slots``; shared by several
+    """Pools ``prog``'s kinds of equal avals into rings (``ring_layout``; shared by several
     ranks: sized for every member, shared.py) and records the bytes of one buffer of each
     kind. Returns (``(kind, stage)`` -> pool, pool -> the ring's arrays, zeros)."""
     prog._pool({ks: tuple((_ring_aval(a).shape, np.dtype(_ring_aval(a).dtype).str)

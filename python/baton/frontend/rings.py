@@ -1,15 +1,16 @@
-"""A rank's table and its rings: the items as table steps, when each ringed buffer lives
-(``buffer_lives``) and the ring slot each buffer takes (``ring_slots``), and how an array is
-kept in a ring slot."""
+"""A rank's table and its rings: the items as table steps, the ring slot of each buffer as
+the rank program assigns it (``ring_layout``), and how an array is kept in a ring slot."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import _jax_compat as jc
-from .rolling import Item, item_reads, item_writes
+from .rolling import Item
 
 
 def _ring_aval(a):
@@ -51,48 +52,47 @@ def _symbolic(items) -> tuple[tuple, list[int]]:
     return pat, list(sym)
 
 
-def buffer_lives(cs, steps) -> dict[tuple[str, int], dict[int, tuple[int, int]]]:
-    """When each ringed buffer lives: ``(kind, stage)`` -> microbatch -> (position of its
-    write, position of its last read). A step's transfers are position 2i, its task 2i+1; a
-    buffer nothing reads lives at its write only. Only kinds a later unit reads are ringed
-    (a buffer only sent is handed from its task to the stretch after it by value)."""
-    read_kinds = {(k, s) for st, task in steps for it in st + ([task] if task else [])
-                  for k, s, _ in item_reads(cs, it)}
-    life: dict[tuple[str, int], dict[int, list[int]]] = {}
-    for i, (st, task) in enumerate(steps):
-        for pos, its in ((2 * i, st), (2 * i + 1, [task] if task else [])):
-            for it in its:
-                for k, s, m in item_writes(cs, it):
-                    if (k, s) in read_kinds:
-                        life.setdefault((k, s), {})[m] = [pos, pos]
-                for k, s, m in item_reads(cs, it):
-                    iv = life[(k, s)][m]
-                    iv[1] = max(iv[1], pos)
-    return {ks: {m: (w, last) for m, (w, last) in iv.items()} for ks, iv in life.items()}
+@dataclass
+class RingLayout:
+    """A rank's ringed buffers as its C++ rank program places them (``assign_slots``, checked
+    by the rank-IR verifier): ``kinds``, the ringed ``(kind, stage)`` (rows some later
+    instruction on the rank reads); ``pool_of``, each kind's pool (kinds of one pool share a
+    ring); ``slots``, each kind's slot per microbatch; ``sizes``, each pool's slots (the most
+    of its buffers held at once); ``held``, each ringed buffer's ``(kind, stage)`` and the
+    instructions where the program puts it into its slot and last reads it."""
+
+    kinds: list[tuple[str, int]]
+    pool_of: dict
+    slots: dict[tuple[str, int], np.ndarray]
+    sizes: dict
+    held: list[tuple[tuple[str, int], int, int]]
 
 
-def ring_slots(lives, pool_of, M: int) -> tuple[dict, dict]:
-    """Rings for buffers: kinds with the same ``pool_of[(kind, stage)]`` (the same avals)
-    share one ring. Returns (``(kind, stage)`` -> int32 [M], the slot of each microbatch's
-    buffer; pool -> its number of slots). No buffer may be written into a slot between
-    another buffer's write and its last read, both included (so a unit never reads and
-    writes one slot). Slots are given greedily in order of the writes, each buffer the lowest
-    slot free at its write: for intervals that is optimal, so a ring has exactly as many
-    slots as the most buffers of its pool ever live at once. Sharing one ring among the
-    kinds of equal shape (a rank's boundary activations and gradients; the stashes of a
-    rank's two stages in a V schedule) brings a table's buffers to the schedule's live peak
-    for most schedules, where per-kind rings held the sum of each kind's peak
-    (``bench/results/table_memory.md``)."""
-    slots = {ks: np.zeros(M, np.int32) for ks in lives}
-    ends: dict = {}  # pool -> per slot, the last position its buffer is read
-    order = sorted((w, ks, m, last) for ks, iv in lives.items() for m, (w, last) in iv.items())
-    for w, ks, m, last in order:
-        e = ends.setdefault(pool_of[ks], [])
-        j = next((j for j, x in enumerate(e) if x < w), len(e))
-        if j == len(e):
-            e.append(last)
-        else:
-            e[j] = last
-        slots[ks][m] = j
-    sizes = {pool: len(e) for pool, e in ends.items()}
-    return slots, sizes
+def ring_layout(cs, rank: int, pool_of: dict | None = None) -> RingLayout:
+    """Rank ``rank``'s rings: the rank program built with ``pool_of`` (``(kind, stage)`` -> a
+    pool label; kinds of one label share slots; without it, one pool per kind)."""
+    M = cs.M
+    bufs = cs.buffers
+    labels = None
+    if pool_of:
+        n_rows = cs.core_plan.num_buffer_ids() // M
+        names = sorted({repr(v) for v in pool_of.values()})
+        labels = list(range(n_rows))  # rows without a label: a pool of their own
+        for (k, s), v in pool_of.items():
+            labels[bufs.id(k, s, 0) // M] = n_rows + names.index(repr(v))
+    prog = cs.rank_ir(labels).programs[rank]
+    kinds = sorted({bufs.key(row * M)[:2]
+                    for pool in prog.pools for row in pool.rows})
+    chosen = dict(pool_of) if pool_of else {ks: ks for ks in kinds}
+    slots = {ks: np.zeros(M, np.int32) for ks in kinds}
+    sizes: dict = {}
+    held = []
+    for b in prog.buffers:
+        if b.pool < 0:
+            continue
+        k, s, m = bufs.key(b.id)
+        slots[(k, s)][m] = b.slot
+        held.append(((k, s), b.held_from, b.held_to))
+        label = chosen[(k, s)]
+        sizes[label] = max(sizes.get(label, 0), prog.pools[b.pool].slots)
+    return RingLayout(kinds, {ks: chosen[ks] for ks in kinds}, slots, sizes, held)

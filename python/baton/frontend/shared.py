@@ -28,7 +28,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..errors import ExecutionError
-from .rings import ring_slots
 from .share_match import Share, _Jaxprs, _stages
 
 _AX = "baton_ranks"
@@ -90,7 +89,7 @@ class SharedProgram:
             rows.append(r)
         self.rows = self._stack([jax.device_put(r, d) for r, d in zip(rows, devs)])
         self.kinds = sorted(self.lead.lives)  # the lead's ringed kinds, in slot-table order
-        self.slots = None  # [members * kinds, M] int32, set by the lowering (ring_slots)
+        self.slots = None  # [members * kinds, M] int32, set by the lowering (rings)
         self.post = None  # SharedSegments: their code after the loop (engine.post_groups)
         self.lead.share = self
         self.fn = jax.jit(self._program)
@@ -140,24 +139,21 @@ class SharedProgram:
 
     def rings(self, lead_rings, pool_of):
         """Called by the lead's lowering once its rings are pooled: every member's slots
-        (``ring_slots`` with the lead's pools, mapped) and the rings sized for the largest.
-        Returns (pool -> slots) for the program."""
-        cs = self.lead.cs
-        M = cs.M
+        (its rank program's, with the lead's pools mapped) and the rings sized for the
+        largest. Returns (pool -> slots) for the program."""
+        M = self.lead.cs.M
         sizes = dict(lead_rings)
         tables = []
         for s in self.shares:
             back = {(k, s.stage[st]): (k, st) for k, st in self.lead.lives}
-            pool = {ks: pool_of[back[ks]] for ks in s.prog.lives}
-            sl, rs = ring_slots(s.prog.lives, pool, M)
-            s.prog._pool(pool)
-            for p, n in rs.items():
+            s.prog._pool({ks: pool_of[back[ks]] for ks in s.prog.lives})
+            for p, n in s.prog.rings.items():
                 sizes[p] = max(sizes.get(p, 0), n)
             t = np.zeros((max(1, len(self.kinds)), M), np.int32)
             for j, ks in enumerate(self.kinds):
                 mk = (ks[0], s.stage[ks[1]])
-                if mk in sl:
-                    t[j] = sl[mk]
+                if mk in s.prog.slots:
+                    t[j] = s.prog.slots[mk]
             tables.append(t)
         self._tables = tables  # (placed by ``lower`` once traced)
         for s in self.shares:  # (what each rank's rings hold: the shared sizes)

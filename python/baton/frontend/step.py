@@ -136,12 +136,15 @@ class CompiledStep:
         self.interpreter = Interpreter(self)
 
     # -- what runs ---------------------------------------------------------------------------
-    def rank_ir(self) -> Any:
+    def rank_ir(self, pool_of: list[int] | None = None) -> Any:
         """The rank programs of this step's plan (``_core.RankIR``, built and verified in
-        C++; docs/RANK_IR.md)."""
-        if getattr(self, "_rank_ir", None) is None:
-            self._rank_ir = _core.build_rank_ir(self.core_plan)
-        return self._rank_ir
+        C++; docs/RANK_IR.md); ``pool_of``: a pool label per plan row (rows of one label
+        share slots; ``rings.ring_layout``)."""
+        key = tuple(pool_of or ())
+        irs = self.__dict__.setdefault("_rank_irs", {})
+        if key not in irs:
+            irs[key] = _core.build_rank_ir(self.core_plan, list(key))
+        return irs[key]
 
     def rank_programs(self) -> list:
         """Each rank's program (``_core.RankProgram``), rank by rank."""
