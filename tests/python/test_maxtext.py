@@ -4,7 +4,9 @@ pipelined over 4 CPU devices with 1F1B and ZB-H1, trained for 5 steps; every los
 (relative) of MaxText's own, non-pipelined ``train_step`` on the same batches, with the same
 optimizer (MaxText's AdamW and gradient clipping). The Mixtral case trains with MaxText's MoE
 load-balance loss (sown inside the scanned layers, read in the loss on the last stage); one
-case keeps ``scan_layers=False`` (one module per layer).
+case keeps ``scan_layers=False`` (one module per layer). One test runs the Mixtral on 2 ranks
+of 2 devices with MaxText's ``expert`` axis (``ici_expert_parallelism=2``) inside each stage,
+against MaxText's own step on the same 4 devices.
 
 Needs MaxText, which lives in its own virtual environment (``bash scripts/setup_maxtext.sh``);
 run with ``bash scripts/test.sh --maxtext`` or
@@ -109,6 +111,60 @@ def test_pipelined_maxtext_matches_maxtexts_own_step(reference, schedule):
         return
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4)
+
+
+def test_mixtral_experts_sharded_over_maxtexts_expert_axis_inside_stages():
+    """MaxText's expert axis inside each pipeline stage: the tiny Mixtral (scan_layers=True,
+    load-balance loss, SGD as in "mixtral-lb") with ``ici_expert_parallelism=2``, 2 ranks of 2
+    devices (``expert=2``), 1F1B, against MaxText's own step with gradient accumulation over
+    the same microbatches on the same 4 devices (MaxText's mesh there: ``expert=2`` and
+    ``fsdp=2``). The experts stay split over the expert axis on each rank: each device holds
+    half of them. Ranks of several devices in one process run on the interpreter
+    (``single_program=False``: XLA:CPU runs one multi-device program at a time)."""
+    batch, ranks = 16, 2  # microbatches of 4 rows: split over MaxText's batch axes everywhere
+    m = bmt.build("mixtral", batch=batch, ici_expert_parallelism=2,
+                  **CASES["mixtral-lb"][1])
+    assert m.config.scan_layers and len(m.devices) == 2 and m.mesh.shape["expert"] == 2
+    devices = jax.devices()[:ranks * 2]
+    ref = m.reference_step(grad_accum=MICROBATCHES, devices=devices)
+    state = m.reference_state(devices=devices)
+    batches = [m.make_batch(seed) for seed in range(STEPS)]
+    want = []
+    for b in batches:
+        state, loss = ref(state, b)
+        want.append(float(loss))
+    want_params = m.reference_params(state)
+    assert want_params["decoder"]["layers"]["MoeBlock_0"]["wi_0"].sharding.spec[0] == "expert"
+
+    mesh = bmt.pipeline_mesh(m, ranks)
+    assert mesh.devices_per_rank() == 2 and mesh.axis_size("expert") == 2
+    params = m.init_params(stages=ranks)
+    opt_state = m.init_opt_state(params)
+    step = m.pipeline_step(mesh, baton.OneFOneB(), microbatches=MICROBATCHES,
+                           single_program=False)
+    got = []
+    for b in batches:
+        params, opt_state, loss = step(params, opt_state, b)
+        got.append(float(loss))
+    print(f"mixtral expert=2 x 2 ranks: baton {got}\n  maxtext {want}")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
+    last = step.last
+    assert last.traced.num_stages == ranks
+    experts = m.config.num_experts
+    for name in ("wi_0", "wi_1", "wo"):
+        stacked = params["decoder"]["layers"]["MoeBlock_0"][name]
+        for g, piece in enumerate(stacked.pieces):
+            assert piece.sharding.spec[0] == "expert", (name, piece.sharding)
+            assert piece.sharding.device_set == set(mesh.rank_devices[last.stage_rank[g]])
+            shards = piece.addressable_shards
+            assert len(shards) == 2 and all(s.data.shape[0] == experts // 2 for s in shards)
+    _check_sgd_updates(m, baton.join_stacks(params), want_params)
+
+
+def test_expert_count_must_divide_the_expert_axis():
+    with pytest.raises(baton.ConfigError,
+                       match="num_experts=3 is not divisible by ici_expert_parallelism=2"):
+        bmt.build("mixtral", batch=BATCH, num_experts=3, ici_expert_parallelism=2)
 
 
 def _scan_lengths(jaxpr) -> list[int]:

@@ -46,6 +46,21 @@ load-balance loss, ``load_balance_loss_weight > 0``) travel with the activations
 stage boundaries to the loss (``maxtext_scan.py``). With ``scan_layers=False`` they would cross
 stages without a boundary: refused with a ``ConfigError``.
 
+**Parallelism inside stages.** MaxText's ``ici_*_parallelism`` shape each rank: with
+``bmt.build("mixtral", batch=16, ici_expert_parallelism=2)`` the model is built on MaxText's
+mesh of 2 devices (``maxtext_utils.get_mesh_from_config``: its ``mesh_axes``, ``expert=2``);
+``pipeline_mesh(m, ranks=2)`` gives each rank a sub-mesh of that shape (4 devices in all); the
+parameters are placed as MaxText's logical axis rules shard them (``param_shardings``: the
+experts over ``expert``, ``embed`` dimensions over ``fsdp`` and ``expert``). Baton keeps those
+shardings on every rank, splits each microbatch over the ``data``, ``fsdp`` and ``expert``
+axes, and XLA partitions each stage's tasks over the rank's devices. ``reference_step`` and
+``reference_state`` take ``devices=``: MaxText's own step on MaxText's mesh for them, jitted as
+its trainer jits it (state and batch in MaxText's shardings). In one process on CPUs, ranks of
+several devices run on the interpreter (``pipeline_step(..., single_program=False)``): the
+compiled engine refuses them there, since XLA:CPU runs one multi-device program at a time. An
+expert count that ``ici_expert_parallelism`` does not divide, and MaxText's own pipeline axis
+(``ici_pipeline_parallelism > 1``), raise ``ConfigError``.
+
 **Limits.** The generic scanned stack (one layer per scan step): DeepSeek's separate dense and
 MoE stacks and other decoder blocks that scan blocks of layers are refused. With
 ``init_params(stages=S)`` each rank holds only its stage's rows of the stacked parameters (and
@@ -55,7 +70,6 @@ holds the whole stacked parameters.
 
 from __future__ import annotations
 
-import functools
 import os
 import tempfile
 from typing import Any, Sequence
@@ -252,20 +266,58 @@ def _decoder_layers(model) -> list:
     return layers
 
 
+def rank_size(config: Any) -> int:
+    """The devices of one pipeline rank: the product of MaxText's ``ici_*_parallelism`` that
+    are set (a ``-1``, MaxText's axis that takes the rest, counts 1). MaxText's own pipeline
+    axis (``ici_pipeline_parallelism``) is refused: Baton pipelines the model."""
+    ici = dict(zip(config.mesh_axes, config.ici_parallelism))
+    if ici.get("stage", 1) not in (1, -1):
+        raise ConfigError(f"ici_pipeline_parallelism={ici['stage']}: Baton pipelines the model "
+                          "over its ranks; leave MaxText's stage axis at 1 and pass the ranks "
+                          "to pipeline_mesh")
+    return int(np.prod([v for v in ici.values() if v > 0], dtype=np.int64))
+
+
+def mesh_of(config: Any, devices: Sequence[Any]):
+    """MaxText's mesh (``maxtext_utils.get_mesh_from_config``: its ``mesh_axes`` and
+    ``ici_*_parallelism``) on ``devices``."""
+    from maxtext.utils import maxtext_utils
+
+    n = rank_size(config)
+    if not devices or len(devices) % n or (len(devices) != n and -1 not in config.ici_parallelism):
+        sizes = {a: v for a, v in zip(config.mesh_axes, config.ici_parallelism) if v != 1}
+        raise ConfigError(f"MaxText's mesh ({sizes}) does not fit {len(devices)} devices: it needs "
+                          f"{n} (or a multiple, for the axis set to -1); on CPUs set "
+                          f"JAX_NUM_CPU_DEVICES")
+    return maxtext_utils.get_mesh_from_config(config, list(devices))
+
+
+def check_expert_axis(config: Any) -> None:
+    """Raises ``ConfigError`` when MaxText's expert axis (``ici_expert_parallelism``) does not
+    divide the expert count: MaxText's logical axis rules shard the experts over it."""
+    ep = int(config.ici_expert_parallelism)
+    if config.num_experts > 1 and ep > 1 and config.num_experts % ep:
+        raise ConfigError(f"num_experts={config.num_experts} is not divisible by "
+                          f"ici_expert_parallelism={ep}: MaxText shards the experts over its "
+                          f"expert axis; choose an ici_expert_parallelism that divides "
+                          f"num_experts")
+
+
 class MaxTextModel:
     """A MaxText model with what a Baton training step and MaxText's own step need.
 
     ``MaxTextModel(model, batch=, **overrides)``: ``load_config``'s arguments. ``config``:
-    MaxText's config; ``model``: its NNX ``Transformer`` (built on ``device``, default
-    ``jax.devices()[0]``, left unmarked); ``tx``: MaxText's optimizer. See the module
-    docstring."""
+    MaxText's config; ``mesh``: MaxText's mesh on ``devices`` (default the first
+    ``rank_size(config)`` devices; ``device``: one), the shape of every pipeline rank;
+    ``model``: its NNX ``Transformer`` built on that mesh (left unmarked); ``tx``: MaxText's
+    optimizer. See the module docstring."""
 
     def __init__(self, model: str | dict = "llama2", *, batch: int = 8, device=None,
-                 **overrides):
+                 devices: Sequence[Any] | None = None, **overrides):
         require_maxtext()
         import jax
         from flax import nnx
-        from maxtext.utils import maxtext_utils, maxtext_utils_nnx, model_creation_utils, train_utils
+        from maxtext.utils import maxtext_utils_nnx, model_creation_utils, train_utils
 
         self._spec = (model, batch, overrides)
         cfg = load_config(model, batch=batch, **overrides)
@@ -276,17 +328,24 @@ class MaxTextModel:
                 "pipeline stages without a stage boundary; use scan_layers=True (MaxText's "
                 "default; the sown values then travel through the stage boundaries) or "
                 "load_balance_loss_weight=0")
+        check_expert_axis(cfg)
         self.config = cfg
-        self.device = device if device is not None else jax.devices()[0]
-        self.mesh = maxtext_utils.get_mesh_from_config(cfg, [self.device])
+        if devices is None:
+            devices = [device] if device is not None else jax.devices()[:rank_size(cfg)]
+        self.devices = list(devices)
+        self.device = self.devices[0]
+        self.mesh = mesh_of(cfg, self.devices)
         rngs = maxtext_utils_nnx.create_nnx_rngs(cfg)
         self.model = model_creation_utils.create_model(cfg, self.mesh, rngs=rngs)
         self.num_layers = (_scanned_layer_count(self.model) if cfg.scan_layers
                            else len(_decoder_layers(self.model)))
         self.lr_schedule, self.tx = train_utils.create_training_optimizer(cfg, self.model,
                                                                           mesh=self.mesh)
-        self._params = nnx.as_pure(nnx.state(self.model, nnx.Param))
+        # the parameters as MaxText shards them on its mesh (its logical axis rules)
+        self._params = jax.device_put(nnx.as_pure(nnx.state(self.model, nnx.Param)),
+                                      self.param_shardings())
         self._configs = {cfg.gradient_accumulation_steps: cfg}
+        self._ref: dict = {}
 
     # --- data, parameters, optimizer state ---
 
@@ -320,6 +379,22 @@ class MaxTextModel:
             return x
 
         return jax.tree_util.tree_map_with_path(piece, self._params)
+
+    def param_shardings(self, mesh=None) -> Any:
+        """MaxText's shardings of the parameters (``NamedSharding``s on ``mesh``, default the
+        model's mesh, in ``init_params()``'s layout): its logical annotations under its
+        ``logical_axis_rules`` (``sharding.nnx_construct_named_sharding``, as MaxText's
+        training setup places its state), e.g. the experts over the ``expert`` axis."""
+        import jax
+        from flax import nnx
+        from flax.core.spmd import logical_axis_rules
+        from maxtext.utils import sharding
+
+        with logical_axis_rules(self.config.logical_axis_rules):
+            named = sharding.nnx_construct_named_sharding(nnx.state(self.model, nnx.Param),
+                                                          self.mesh if mesh is None else mesh)
+        return jax.tree.map(lambda v: v.get_value(), named,
+                            is_leaf=lambda x: isinstance(x, nnx.Variable))
 
     def init_opt_state(self, params: Any = None) -> Any:
         return self.tx.init(self.init_params() if params is None else params)
@@ -382,7 +457,9 @@ class MaxTextModel:
                       **jit_kwargs):
         """A ``baton.jit`` training step ``(params, opt_state, batch) -> (params, opt_state,
         loss)``: ``microbatches`` microbatches through ``schedule`` on ``mesh`` (see
-        ``pipeline_mesh``), then MaxText's gradient clipping and optimizer."""
+        ``pipeline_mesh``), then MaxText's gradient clipping and optimizer. ``jit_kwargs`` go
+        to ``baton.jit`` (ranks of several devices in one process on CPUs:
+        ``single_program=False``)."""
         import jax
         import jax.numpy as jnp
         import optax
@@ -419,40 +496,68 @@ class MaxTextModel:
 
     # --- MaxText's own step ---
 
-    def reference_state(self) -> Any:
-        """MaxText's train state (``TrainStateNNX``: model + ``nnx.Optimizer`` with ``tx``),
-        split: the pure state that ``reference_step`` takes and returns."""
+    def _reference(self, devices: Sequence[Any] | None = None):
+        """``(mesh, graphdef, shardings, init)`` of MaxText's training setup on ``devices``
+        (default: the model's): its mesh for them, the train state's graph and shardings (as
+        ``maxtext_utils.get_abstract_state`` derives them) and its factory."""
+        devices = self.devices if devices is None else list(devices)
+        key = tuple(d.id for d in devices)
+        got = self._ref.get(key)
+        if got is None:
+            from flax import nnx
+            from flax.core.spmd import logical_axis_rules
+            from maxtext.common import train_state_nnx
+            from maxtext.utils import maxtext_utils, maxtext_utils_nnx, model_creation_utils
+
+            cfg = self.config
+            mesh = mesh_of(cfg, devices)
+
+            def init():
+                model = model_creation_utils.create_model(
+                    cfg, mesh, rngs=maxtext_utils_nnx.create_nnx_rngs(cfg))
+                return train_state_nnx.TrainStateNNX(
+                    model, nnx.Optimizer(model, self.tx, wrt=nnx.Param))
+
+            _, _, shardings = maxtext_utils.get_abstract_state(cfg, mesh, init, True)
+            with logical_axis_rules(cfg.logical_axis_rules):
+                graphdef = nnx.graphdef(nnx.eval_shape(init))
+            got = self._ref[key] = (mesh, graphdef, shardings, init)
+        return got
+
+    def reference_state(self, devices: Sequence[Any] | None = None) -> Any:
+        """MaxText's train state (``TrainStateNNX``: model + ``nnx.Optimizer`` with ``tx``) on
+        MaxText's mesh for ``devices`` (default: the model's), placed in MaxText's state
+        shardings, split: the pure state that ``reference_step`` takes and returns. Its
+        parameters are ``init_params()``'s."""
+        import jax
         from flax import nnx
-        from maxtext.common import train_state_nnx
 
-        model = nnx.clone(self.model)
-        state = train_state_nnx.TrainStateNNX(model, nnx.Optimizer(model, self.tx, wrt=nnx.Param))
-        self._ref_graphdef, pure = nnx.split(state)
-        return pure
+        _, _, shardings, init = self._reference(devices)
+        state = init()
+        nnx.update(state.model, jax.device_get(self._params))
+        return jax.device_put(nnx.split(state)[1], shardings)
 
-    def reference_step(self, grad_accum: int = 1):
-        """MaxText's own ``train_step`` (not pipelined) under ``jax.jit``, on ``devices[0]``
-        with MaxText's mesh and logical axis rules: ``f(state, batch) -> (state, loss)``, with
+    def reference_step(self, grad_accum: int = 1, devices: Sequence[Any] | None = None):
+        """MaxText's own ``train_step`` (not pipelined), jitted as MaxText's trainer jits it
+        (``get_functional_train_with_signature``: the state in its shardings, the batch in
+        MaxText's input data sharding) on MaxText's mesh for ``devices`` (default: the
+        model's): ``f(state, batch) -> (state, loss)``, with
         ``gradient_accumulation_steps=grad_accum``."""
         import jax
-        from flax.core.spmd import logical_axis_rules
-        from jax.sharding import NamedSharding, PartitionSpec
-        from maxtext.trainers.pre_train import train
-
-        if not hasattr(self, "_ref_graphdef"):
-            self.reference_state()
-        cfg = self.config_with(grad_accum)
-        rep = NamedSharding(self.mesh, PartitionSpec())
         from flax import nnx
+        from flax.core.spmd import logical_axis_rules
+        from maxtext.trainers.pre_train import train
+        from maxtext.utils import maxtext_utils, sharding
 
-        # an nnx.State of Param variables holding shardings, as MaxText's setup makes it
-        params_shardings = jax.tree.map(lambda _: rep, nnx.state(self.model, nnx.Param))
-        fn = jax.jit(functools.partial(train.train_step, self._ref_graphdef, cfg, None,
-                                       params_shardings))
-        mesh = self.mesh
+        mesh, graphdef, shardings, _ = self._reference(devices)
+        cfg = self.config_with(grad_accum)
+        _, params_shardings, _ = nnx.split(shardings.model, nnx.Param, ...)
+        data_sharding = sharding.get_input_data_sharding(cfg, mesh)
+        fn, in_sh, out_sh, _, donate = maxtext_utils.get_functional_train_with_signature(
+            train.train_step, data_sharding, shardings, graphdef, cfg, params_shardings)
+        fn = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
 
         def step(state, batch):
-            batch = jax.device_put(batch, rep)
             with jax.set_mesh(mesh), logical_axis_rules(cfg.logical_axis_rules):
                 state, metrics = fn(state, batch)
             return state, metrics["scalar"]["learning/loss"]
@@ -463,29 +568,40 @@ class MaxTextModel:
         """The parameters in a ``reference_state``, in ``init_params``'s layout."""
         from flax import nnx
 
-        return nnx.as_pure(nnx.state(nnx.merge(self._ref_graphdef, state).model, nnx.Param))
+        graphdef = self._reference()[1]  # (any devices': only the parameters are read)
+        return nnx.as_pure(nnx.state(nnx.merge(graphdef, state).model, nnx.Param))
 
 
 def build(model: str | dict = "llama2", *, batch: int = 8, device=None,
-          **overrides) -> MaxTextModel:
+          devices: Sequence[Any] | None = None, **overrides) -> MaxTextModel:
     """A tiny MaxText model (``CONFIGS``: ``"llama2"``, ``"mixtral"``) with a global batch of
-    ``batch`` sequences; ``overrides`` are MaxText config keys."""
-    return MaxTextModel(model, batch=batch, device=device, **overrides)
+    ``batch`` sequences; ``overrides`` are MaxText config keys. The model is built on MaxText's
+    mesh for ``devices`` (default: the first ``rank_size`` devices, one unless an
+    ``ici_*_parallelism`` is set, e.g. ``ici_expert_parallelism=2``; ``device``: one)."""
+    return MaxTextModel(model, batch=batch, device=device, devices=devices, **overrides)
 
 
 def pipeline_mesh(model: MaxTextModel, ranks: int, devices: Sequence[Any] | None = None):
-    """A ``baton.PipelineMesh`` of ``ranks`` ranks of one device each whose sub-meshes have
-    MaxText's mesh axes (all of size 1; the pipe axis is MaxText's ``stage``), so the
-    sharding constraints inside MaxText's layers name axes every rank has."""
+    """A ``baton.PipelineMesh`` of ``ranks`` ranks, each a sub-mesh shaped like the model's
+    mesh (MaxText's mesh axes and sizes, e.g. ``expert=2``; the pipe axis is MaxText's
+    ``stage``), so the sharding constraints inside MaxText's layers and MaxText's parameter
+    shardings name axes every rank has. ``devices``: default the first ``ranks`` x (the
+    model's devices) devices; rank r holds the r-th block of them."""
     import jax
     from jax.sharding import Mesh
 
     from ..frontend import PipelineMesh
 
-    devs = list(jax.devices()[:ranks] if devices is None else devices)
-    if len(devs) != ranks:
-        raise ConfigError(f"pipeline_mesh: {ranks} ranks need {ranks} devices "
-                          f"(have {len(devs)}; set JAX_NUM_CPU_DEVICES={ranks} on CPUs)")
-    axes = [a for a in model.config.mesh_axes if a != "stage"]
-    arr = np.array(devs, dtype=object).reshape((ranks,) + (1,) * len(axes))
-    return PipelineMesh(Mesh(arr, ("stage", *axes)), axis="stage")
+    shape = dict(model.mesh.shape)
+    per = int(np.prod(list(shape.values()), dtype=np.int64))
+    devs = list(jax.devices()[:ranks * per] if devices is None else devices)
+    if len(devs) != ranks * per:
+        raise ConfigError(f"pipeline_mesh: {ranks} ranks of {per} device(s) (the model's mesh) "
+                          f"need {ranks * per} devices (have {len(devs)}; set "
+                          f"JAX_NUM_CPU_DEVICES={ranks * per} on CPUs)")
+    axes = [a for a in model.mesh.axis_names if a != "stage"]
+    arr = np.array(devs, dtype=object).reshape((ranks,) + tuple(shape[a] for a in axes))
+    types = dict(zip(model.mesh.axis_names, model.mesh.axis_types))
+    return PipelineMesh(Mesh(arr, ("stage", *axes),
+                             axis_types=(types["stage"], *(types[a] for a in axes))),
+                        axis="stage")
