@@ -139,6 +139,11 @@ def test_measure_runs_the_compiled_engine(ranks):
         d = row["device"]
         assert own[d] > 0
         assert mem.measured[d] >= row["static"] + own[d], mem.table()
-        # the model of the loop's buffers against the compiled programs (bench/results/
-        # memory.md: within 0.6-1.05 on these GPTs)
-        assert 0.6 <= row["ratio"] <= 1.1, mem.table()
+        # the model of the loop against the compiled programs (bench/results/memory.md): one
+        # rank (the whole step one program) within 0.6-1.05 on these GPTs; rank programs run
+        # as tables, whose buffers the model takes as their rings, within 10%
+        assert (0.9 if ranks > 1 else 0.6) <= row["ratio"] <= 1.1, mem.table()
+    if ranks > 1:  # the rings the model counts are the ones the programs hold
+        for q in eng.local_progs:
+            d = step.mesh.rank_devices[q.rank][0].id
+            assert mem.parts["buffers"][d] == q.ring_bytes(), (q.rank, mem.table())

@@ -15,7 +15,9 @@ sharding: the user's spec over the rank's sub-mesh, or the layout XLA gave a tas
                     layout of the task outputs that make them; stacked outputs M times
     buffers(d)      the simulator's peak_total of r with each buffer sized per device (the
                     tasks' compiled output layouts: boundary values split over the batch
-                    axes, stashes as XLA laid them out)
+                    axes, stashes as XLA laid them out); for a rank the compiled engine runs
+                    as a table, its rings instead, held for the whole loop
+                    (``memory_rings.py``: the rank program's slots per pool of equal avals)
     transient(d)    max over r's tasks of XLA's temp_size_in_bytes of its program plus the
                     new running sums it writes (the old ones stay until it returns: the sums
                     are not donated); for a B that runs as I then W (a split partition's B:
@@ -23,7 +25,9 @@ sharding: the user's spec over the rank's sub-mesh, or the layout XLA gave a tas
                     the larger of I's and W's
     loop(d)         the peak over the simulated loop of: live buffers + the running sums of
                     r's stages made by then + (during a RUN) its task's temporaries and new
-                    sums; at most buffers + accumulators + transient
+                    sums; at most buffers + accumulators + transient. A table: its rings +
+                    every sum + the largest of a task's temporaries, new sums and the buffers
+                    it reads (sliced out of the rings)
     update(d)       the peak over the segments after the loop (the optimizer update), in the
                     order the step runs them: static + the values they read that the loop or
                     the code before it made (the combined gradients) until their last reader
@@ -60,14 +64,14 @@ valid); the originals are subtracted from every sample, as if the caller had giv
 from __future__ import annotations
 
 import dataclasses
-import functools
-import threading
 
 import jax
 import numpy as np
 
 from .. import _core
 from ..errors import ConfigError
+from .memory_live import LivePeak, measure_live, per_device, program_bytes
+from .memory_rings import _BUF_GROUP, table_loop
 from .profile import xla_memory
 from .step_costs import cost_model_of
 from .tasks import task_exes
@@ -75,92 +79,6 @@ from .tasks import task_exes
 G = _core.graph
 # the model's components per device; predicted = max(static + copies + loop, update)
 COMPONENTS = ("static", "copies", "accumulators", "buffers", "transient", "loop", "update")
-
-
-@functools.lru_cache(maxsize=4096)
-def _shard_bytes(sharding, shape: tuple, itemsize: int) -> tuple:
-    """((device id, bytes), ...): each device's shard of an array of ``shape``."""
-    out = []
-    for d, idx in sharding.devices_indices_map(shape).items():
-        n = 1
-        for sl, dim in zip(idx, shape):
-            n *= len(range(*sl.indices(dim)))
-        out.append((d.id, n * itemsize))
-    return tuple(out)
-
-
-def _itemsize(dtype) -> int:
-    """Bytes per element (also of extended dtypes such as PRNG keys: their storage)."""
-    return int(getattr(dtype, "itemsize", None) or np.dtype(dtype).itemsize)
-
-
-def per_device(items, out: dict | None = None, times: int = 1) -> dict:
-    """Adds the per-device shard bytes of ``items`` ((sharding, shape, dtype) triples or
-    jax.Arrays) into ``out`` (device id -> bytes), ``times`` each."""
-    out = {} if out is None else out
-    for it in items:
-        sh, shape, dt = ((it.sharding, it.shape, it.dtype) if isinstance(it, jax.Array)
-                         else it)
-        for d, n in _shard_bytes(sh, tuple(shape), _itemsize(dt)):
-            out[d] = out.get(d, 0) + n * times
-    return out
-
-
-class LivePeak:
-    """The peak over samples of live jax array bytes per device (see the module
-    docstring); ``temps[(kind, stage)]``: a task's XLA temporaries, added on its rank's
-    devices at a sample taken inside it."""
-
-    def __init__(self, rank_devices, temps: dict):
-        self.devs = [{d.id for d in g} for g in rank_devices]
-        self.temps = temps
-        self.peak: dict[int, int] = {}
-        self.update_peak: dict[int, int] = {}  # over the samples after the loop
-        self.offset: dict[int, int] = {}  # added to every sample (measure_live)
-        self.samples = 0
-        self._lock = threading.Lock()
-
-    def sample(self, rank: int | None = None, task: tuple | None = None) -> None:
-        live = per_device(jax.live_arrays())
-        extra = self.temps.get(task, 0) if task is not None else 0
-        with self._lock:
-            self.samples += 1
-            for d, n in live.items():
-                n += self.offset.get(d, 0)
-                if extra and d in self.devs[rank]:
-                    n += extra
-                if n > self.peak.get(d, 0):
-                    self.peak[d] = n
-                if task is not None and task[0] == "post" and n > self.update_peak.get(d, 0):
-                    self.update_peak[d] = n
-
-    def sample_programs(self, progs) -> None:
-        """One sample as compiled programs start: ``progs`` ((ranks, compiled) pairs), each
-        program's allocation (``program_bytes``) added on its ranks' devices."""
-        extra: dict[int, int] = {}
-        for ranks, compiled in progs:
-            n = program_bytes(compiled)
-            for r in ranks:
-                for d in self.devs[r]:
-                    extra[d] = extra.get(d, 0) + n
-        live = per_device(jax.live_arrays())
-        with self._lock:
-            self.samples += 1
-            for d in set(live) | set(extra):
-                n = live.get(d, 0) + self.offset.get(d, 0) + extra.get(d, 0)
-                if n > self.peak.get(d, 0):
-                    self.peak[d] = n
-
-
-def program_bytes(compiled) -> int:
-    """Bytes per device XLA allocates while ``compiled`` runs beyond its arguments: its
-    temporaries and the outputs not written into donated arguments."""
-    mem = xla_memory(compiled) if compiled is not None else None
-    if mem is None:
-        raise ConfigError("step.memory(measure=True): the backend gives no memory analysis "
-                          "of the compiled program (its allocation is unknown)")
-    return (mem["temp_size_in_bytes"] + mem["output_size_in_bytes"]
-            - mem.get("alias_size_in_bytes", 0))
 
 
 @dataclasses.dataclass
@@ -284,9 +202,6 @@ def _compiled_tasks(step, captured) -> dict:
         sums = per_device([outs[j] for j in exe.acc_pos]) if acc is not None else {}
         out[(kind, s)] = (exe.split(outs), int(mem["temp_size_in_bytes"]), sums)
     return out
-
-
-_BUF_GROUP = {"act": "Act", "grad": "Grad", "stash": "Stash", "wstash": "WStash"}
 
 
 def _buffers(step, compiled) -> tuple[dict, dict]:
@@ -471,6 +386,8 @@ def memory(fn, args, measure: bool = False) -> Memory:
             acc[d] = acc.get(d, 0) + n
     temps = {k: v[1] for k, v in compiled.items()}
     peak, loop, transient = _simulated(step, bufs, compiled, sums)
+    for part, per in zip((peak, loop, transient), table_loop(step, compiled, acc)):
+        part.update(per)  # ranks run as tables: their rings (memory_rings.py)
     update, post_temps = _update_phase(step, layouts, static)
     temps.update(post_temps)
     mem = Memory([[d.id for d in g] for g in step.mesh.rank_devices],
@@ -481,23 +398,6 @@ def memory(fn, args, measure: bool = False) -> Memory:
         mem.measured, mem.measured_update = measure_live(fn, args, temps)
     step.memory_model = mem
     return mem
-
-
-def measure_live(fn, args, temps: dict) -> tuple[dict, dict]:
-    """One call of ``fn`` on its own engine with live-array sampling on; device id -> peak
-    over the step, and over the segments after the loop. The interpreter samples after every
-    task and transfer; the compiled engine as each program starts (its arguments placed),
-    adding the program's own allocation as XLA assigned it (``LivePeak.sample_programs``)."""
-    step = fn.compile(*args)
-    live = LivePeak(step.mesh.rank_devices, temps)
-    # a donating step consumes copies of the caller's donated arrays (``_call(keep_args)``):
-    # the caller's originals stay live beside them, and are not the step's to count
-    for i in fn.donate_argnums:
-        for d, n in per_device([x for x in jax.tree.leaves(args[i])
-                                if isinstance(x, jax.Array)]).items():
-            live.offset[d] = live.offset.get(d, 0) - n
-    fn._call(args, keep_args=True, live=live)
-    return dict(live.peak), dict(live.update_peak)
 
 
 __all__ = ["Memory", "LivePeak", "memory", "measure_live", "per_device", "program_bytes"]
