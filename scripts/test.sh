@@ -20,7 +20,7 @@
 #
 # Environment: BATON_JOBS (build parallelism, default 2), BATON_PYTEST_TIMEOUT (seconds
 # for the whole pytest run, default 2700), BATON_PYTEST_WORKERS (pytest-xdist processes,
-# default 2; 0 runs in one process), BATON_JAX_CACHE (0: no persistent compilation cache;
+# default 3; 0 runs in one process), BATON_JAX_CACHE (0: no persistent compilation cache;
 # default on, in .cache/jax), BATON_TEST_XLA_OPT (0, the default: the tests compile with XLA's
 # optimizations off, JAX_DISABLE_MOST_OPTIMIZATIONS=1 and JAX_OPTIMIZATION_LEVEL=O0; 1: XLA's
 # default optimizations, as users run).
@@ -109,7 +109,11 @@ if ((run_py)); then
   workers=()
   # worksteal: a worker that runs out of cases takes queued ones from the other, so a long
   # case queued last does not leave a core idle at the end
-  ((${BATON_PYTEST_WORKERS:-2} > 0)) && workers=(-n "${BATON_PYTEST_WORKERS:-2}" --dist worksteal)
+  # case queued last does not leave a core idle at the end. Three workers on two cores: the
+  # cases that launch processes spend part of their time waiting (start-up, rendezvous), so a
+  # third worker fills it (2026-12-05, 2 cores, empty compilation cache: 483 s with 2, 439 s
+  # with 3).
+  ((${BATON_PYTEST_WORKERS:-3} > 0)) && workers=(-n "${BATON_PYTEST_WORKERS:-3}" --dist worksteal)
   # Without arguments: every test but the `heavy` cases (each a costly case whose code path a
   # lighter case also runs: more processes, more devices, more schedules); --all runs them
   # too (.ci/run does, as a pass of its own). Times: bench/results/test_time.md.
