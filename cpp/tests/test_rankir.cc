@@ -56,6 +56,13 @@ void move_instr(RankProgram& p, int from, int to) {
   }
 }
 
+// The index of the rank's buffer with `key`, -1 when it has none.
+int find_buffer(const RankProgram& p, const BufferKey& key) {
+  for (int b = 0; b < static_cast<int>(p.buffers.size()); ++b)
+    if (p.buffers[b].key == key) return b;
+  return -1;
+}
+
 int find_instr(const RankProgram& p, RankOp op, int after = 0) {
   for (int i = after; i < static_cast<int>(p.instrs.size()); ++i)
     if (p.instrs[i].op == op) return i;
@@ -281,11 +288,8 @@ TEST(RankIRMutation, SlotReusedWhileLive) {
   RankIR ir = ir_of(one_f_one_b(4, 8));
   RankProgram& p = ir.programs[0];
   // stash(s0,m1) is created while stash(s0,m0) is live: give it m0's slot.
-  int m0 = -1, m1 = -1;
-  for (int b = 0; b < static_cast<int>(p.buffers.size()); ++b) {
-    if (p.buffers[b].key == BufferKey{BufKind::Stash, 0, 0}) m0 = b;
-    if (p.buffers[b].key == BufferKey{BufKind::Stash, 0, 1}) m1 = b;
-  }
+  const int m0 = find_buffer(p, {BufKind::Stash, 0, 0});
+  const int m1 = find_buffer(p, {BufKind::Stash, 0, 1});
   ASSERT_GE(m0, 0);
   ASSERT_GE(m1, 0);
   ASSERT_NE(p.buffers[m0].slot, p.buffers[m1].slot);
@@ -302,11 +306,8 @@ TEST(RankIRMutation, SlotReusedWhileLive) {
 TEST(RankIRMutation, HeldRangeMisstatedOrNoSlot) {
   RankIR ir = ir_of(one_f_one_b(4, 8));
   RankProgram& p = ir.programs[0];
-  int m0 = -1, m1 = -1;
-  for (int b = 0; b < static_cast<int>(p.buffers.size()); ++b) {
-    if (p.buffers[b].key == BufferKey{BufKind::Stash, 0, 0}) m0 = b;
-    if (p.buffers[b].key == BufferKey{BufKind::Stash, 0, 1}) m1 = b;
-  }
+  const int m0 = find_buffer(p, {BufKind::Stash, 0, 0});
+  const int m1 = find_buffer(p, {BufKind::Stash, 0, 1});
   ASSERT_GE(m0, 0);
   ASSERT_GE(m1, 0);
   const int put = p.buffers[m0].held_from, last = p.buffers[m0].held_to;

@@ -71,7 +71,7 @@ import numpy as np
 from .. import _core
 from ..errors import ConfigError
 from .memory_live import LivePeak, measure_live, per_device, program_bytes
-from .memory_rings import _BUF_GROUP, table_loop
+from .memory_rings import buffer_outputs, table_loop
 from .profile import xla_memory
 from .step_costs import cost_model_of
 from .tasks import task_exes
@@ -211,16 +211,10 @@ def _buffers(step, compiled) -> tuple[dict, dict]:
     sums: dict = {}
     parts = step.parts
     M = step.M
+    for key, items in buffer_outputs(compiled):
+        bufs[key] = per_device(items)
     for (kind, s), (groups, _, _) in compiled.items():
         exe = step.tasks[(kind, s)]
-        for g, items in groups.items():
-            if g in ("wgrad", "mb"):
-                continue
-            if kind == "FB" and g == "stash":
-                continue
-            key = (_BUF_GROUP[g], s) if g in _BUF_GROUP else g  # ("Skip", e) ...
-            if items:
-                bufs[key] = per_device(items)
         stacked: list = []
         for g, idx in (("wgrad", exe.body[0]), ("mb", exe.body[1])):
             for item, i in zip(groups[g], idx):

@@ -33,17 +33,22 @@ def table_ranks(step) -> list[int]:
             if len(step.mesh.rank_devices[r]) == 1 and loop_form(step, r) == "table"]
 
 
-def _kind_avals(step, compiled) -> dict:
-    """(kind, stage or edge) -> the ring avals of one buffer of it, from the compiled
-    tasks' outputs (a received kind has its producer's avals)."""
-    out: dict = {}
+def buffer_outputs(compiled):
+    """``((kind, stage or edge), items)`` for each plan buffer a compiled task makes (its
+    output ``(sharding, shape, dtype)`` items; weight gradients, stacked outputs and a fused
+    FB's internal stash left out)."""
     for (kind, s), (groups, _, _) in compiled.items():
         for g, items in groups.items():
             if g in ("wgrad", "mb") or (kind == "FB" and g == "stash") or not items:
                 continue
-            key = (_BUF_GROUP[g], s) if g in _BUF_GROUP else g
-            out[key] = [_ring_aval(jax.ShapeDtypeStruct(shape, dt)) for _, shape, dt in items]
-    return out
+            yield ((_BUF_GROUP[g], s) if g in _BUF_GROUP else g), items  # ("Skip", e) ...
+
+
+def _kind_avals(step, compiled) -> dict:
+    """(kind, stage or edge) -> the ring avals of one buffer of it, from the compiled
+    tasks' outputs (a received kind has its producer's avals)."""
+    return {key: [_ring_aval(jax.ShapeDtypeStruct(shape, dt)) for _, shape, dt in items]
+            for key, items in buffer_outputs(compiled)}
 
 
 def _nbytes(avals) -> int:
