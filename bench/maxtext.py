@@ -221,18 +221,11 @@ def _no_persistent_cache():
                 env_cache_dir=os.environ.get("JAX_COMPILATION_CACHE_DIR"))
 
 
-def part_phases_baton(args) -> dict:
-    """One schedule's first call (a fresh process): the setup (the jitted step object, the
-    per-stage parameters, the optimizer state) and then the step's first call split into
-    Baton's phases by timing its functions (``_Clock.wrap``; they run unchanged)."""
-    cache = _no_persistent_cache()
-    import jax
-
-    import baton
+def baton_clock() -> _Clock:
+    """A ``_Clock`` timing Baton's first-call phases (its functions wrapped, run unchanged)."""
     from baton.frontend import api, engine, step as step_mod
     from baton.frontend.rank_program import RankProgram
     from baton.frontend.shared import SharedProgram
-    from baton.integrations import maxtext as bmt
 
     clk = _Clock()
     clk.wrap(api, "trace_step", "trace")
@@ -244,6 +237,38 @@ def part_phases_baton(args) -> dict:
     clk.wrap(RankProgram, "lower", "lower")
     clk.wrap(SharedProgram, "lower", "lower")
     clk.wrap(engine.ProgramEngine, "_launch", "loop")
+    return clk
+
+
+def baton_phases(get) -> dict:
+    """The first call's phases from ``get(wrapped name)`` (wall or event seconds of a
+    ``baton_clock``; the call itself timed as ``"first"``)."""
+    ph = {
+        "trace": get("trace"),
+        "plan": get("build") - get("trace") - get("partition"),
+        "partition": get("partition"),
+        "pre": get("pre"),
+        "programs_build": get("programs") - get("compile_all"),
+        "programs_lower": get("lower"),
+        "programs_compile": get("compile_all") - get("lower"),
+        "loop": get("loop"),
+        "post": get("post"),
+    }
+    ph["other"] = get("first") - sum(ph.values())
+    return ph
+
+
+def part_phases_baton(args) -> dict:
+    """One schedule's first call (a fresh process): the setup (the jitted step object, the
+    per-stage parameters, the optimizer state) and then the step's first call split into
+    Baton's phases by timing its functions (``_Clock.wrap``; they run unchanged)."""
+    cache = _no_persistent_cache()
+    import jax
+
+    import baton
+    from baton.integrations import maxtext as bmt
+
+    clk = baton_clock()
 
     name = args.schedules.split(",")[0]
     sched = (baton.Interleaved1F1B(virtual_stages=2) if name == "interleaved"
@@ -266,25 +291,9 @@ def part_phases_baton(args) -> dict:
     cs = step.last
     units = cs.engine.local_units or []
 
-    def split(get):
-        """The first call's phases from ``get(wrapped name)`` (wall or event seconds)."""
-        ph = {
-            "trace": get("trace"),
-            "plan": get("build") - get("trace") - get("partition"),
-            "partition": get("partition"),
-            "pre": get("pre"),
-            "programs_build": get("programs") - get("compile_all"),
-            "programs_lower": get("lower"),
-            "programs_compile": get("compile_all") - get("lower"),
-            "loop": get("loop"),
-            "post": get("post"),
-        }
-        ph["other"] = get("first") - sum(ph.values())
-        return ph
-
-    ph = split(clk.get)
-    cpu = split(lambda k: clk.ev(k, "cpu"))
-    xla = split(lambda k: clk.ev(k, "xla"))
+    ph = baton_phases(clk.get)
+    cpu = baton_phases(lambda k: clk.ev(k, "cpu"))
+    xla = baton_phases(lambda k: clk.ev(k, "xla"))
     res = dict(name=f"Baton {sched}", schedule=name, model_s=t_model, setup_s=t_setup,
                setup_events={k: ev1[k] - ev0[k] for k in ev0}, first_s=t_first, phases=ph,
                phases_cpu=cpu, phases_xla=xla, events_first=clk.during.get("first"),

@@ -115,3 +115,40 @@ def test_traced_and_untraced_steps_run_the_same_executable():
         want = [str(a) for a in step.rank_actions[r]]
         assert tr.rank_order(r) == want
     assert len(tr.transfers) > 0 and all(t["end"] >= t["start"] for t in tr.transfers)
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warmed", "not_warmed"])
+def test_code_after_the_loop_compiles_while_the_loop_does(monkeypatch, warm):
+    """The first call compiles the segments after the loop (the optimizer update, per stage)
+    on background threads while the rank programs compile (warm.py), so running them
+    compiles nothing; without the warm-up each compiles at its call (the check can fail)."""
+    import optax
+    from baton.frontend import engine, step as step_mod
+    from mlp_step import make_train
+
+    if not warm:
+        monkeypatch.setattr(engine, "Warmup", lambda *a, **k: None)
+    in_post, compiles = [False], []
+
+    def listen(name, secs, **kw):
+        if in_post[0] and ("backend_compile" in name or "cache_retrieval" in name):
+            compiles.append(name)
+
+    run = step_mod.CompiledStep._run_segments
+
+    def timed(self, segs, vals, free=False, **kw):
+        in_post[0] = free
+        try:
+            return run(self, segs, vals, free=free, **kw)
+        finally:
+            in_post[0] = False
+
+    monkeypatch.setattr(step_mod.CompiledStep, "_run_segments", timed)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        ps, params, st, batch = make_train(baton.OneFOneB(), 2, optax.adam(1e-2))
+        jax.block_until_ready(ps(params, st, batch))
+        assert ps.last.post_segments
+    finally:
+        in_post[0] = False
+    assert (compiles == []) == warm, compiles

@@ -36,6 +36,7 @@ from .share_match import share_groups
 from .shared import SharedProgram, SharedSegments
 from .single_program import SingleProgram
 from .tracing import gather_events
+from .warm import Warmup
 
 
 _GPU = ("gpu", "cuda")
@@ -166,6 +167,7 @@ class ProgramEngine:
         self.share = True
         self._local_hub = None  # their in-process transports
         self.rank_progs = None  # several processes: this process's ranks' RankPrograms
+        self.warmup = None  # the code after the loop, compiling while the loop does (warm.py)
         self._nccl_builds = 0
 
     # -- one rank -----------------------------------------------------------------------
@@ -213,9 +215,12 @@ class ProgramEngine:
             if self.share and step.transport != "nccl":
                 units = [g[0].prog if len(g) == 1 else SharedProgram(g)
                          for g in share_groups(progs)]
+            self.local_units = units
+            post = self.post_groups()  # (its groups compile at their first run)
+            self.warmup = Warmup(step, step.post_segments, list(range(R)),
+                                 skip=set() if post is None else post.grouped())
             raise_first(compile_all(units, vals))
             self.local_progs = progs
-            self.local_units = units
             self._local_hub = None
         progs = self.local_progs
         if self._local_hub is None and step.transport != "nccl":
@@ -226,6 +231,12 @@ class ProgramEngine:
         for p in progs:
             p.set_timeout(timeout)
         return progs
+
+    def join_warmup(self) -> None:
+        """Waits for the code after the loop to finish compiling (the first call only)."""
+        if self.warmup is not None:
+            self.warmup.join()
+            self.warmup = None
 
     def post_groups(self):
         """The code after the loop of this process's shared ranks (``shared.SharedSegments``;
@@ -332,6 +343,7 @@ class ProgramEngine:
                 for r, c, t in zip(ranks, comms, ts):
                     progs.append(RankProgram(step, r, c, timeout))
                     progs[-1].transport = t
+                self.warmup = Warmup(step, step.post_segments, ranks)
                 errors = compile_all(progs, vals)
                 whys.update({r: f"{type(e).__name__}: {e}" for r, e in zip(ranks, errors) if e})
             except Exception as e:  # noqa: BLE001  (raised below, in every process)

@@ -1,0 +1,58 @@
+"""Compiling the code after the loop while the loop runs (``Warmup``).
+
+A process's segments after the loop (``CompiledStep.post_segments``) are per-stage jits,
+compiled at their first call. With several processes they form a chain: the gradient-norm
+segment of one stage waits for another process's partial sums, whose segment only then
+compiles, and so on, so their compiles run one after another across processes. A ``Warmup``
+compiles this process's segments ahead, on background threads, from the values' avals and
+the placement they will have on the rank (``CompiledStep.sharding``); XLA compiles without
+the GIL, so this overlaps the loop program's compile and the loop. The segment's first call
+then finds its executable in JAX's in-memory compilation cache. The warm-up changes no
+result: a segment whose arguments end up laid out otherwise than guessed (only ranks of
+one device are warmed, where every layout is the one device) compiles again at its call.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import jax
+
+
+class Warmup:
+    """Background compiles of the segments of ``segs`` placed on ``ranks`` of ``step`` (the
+    ranks of one device among them), but for the indices in ``skip`` (the segments shared
+    ranks run as one program: ``shared.SharedSegments``); ``join`` waits for them. A failed background compile is
+    dropped: the segment's own call compiles it again and raises there."""
+
+    def __init__(self, step: Any, segs: list, ranks: list[int], skip: set[int] = frozenset()):
+        self.threads: list[threading.Thread] = []
+        one = {r for r in ranks if len(step.mesh.rank_devices[r]) == 1}
+        for j, seg in enumerate(segs):
+            rank = step.stage_rank[seg.stage]
+            if rank not in one or j in skip:
+                continue
+            specs = [self._spec(step, v, rank) for v in seg.inputs]
+            t = threading.Thread(target=self._compile, args=(seg.fn, specs),
+                                 name=f"baton-warm-s{seg.stage}", daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    @staticmethod
+    def _spec(step: Any, v: int, rank: int) -> jax.ShapeDtypeStruct:
+        a = step.traced.avals[v]
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=bool(getattr(a, "weak_type", 0)),
+                                    sharding=step.sharding(v, rank))
+
+    @staticmethod
+    def _compile(fn: Any, specs: list) -> None:
+        try:
+            fn.lower(*specs).compile()
+        except Exception:  # noqa: BLE001  (the segment's own call compiles and raises)
+            pass
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join()
+        self.threads = []
