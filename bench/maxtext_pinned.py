@@ -116,7 +116,7 @@ def part_baton(args) -> dict | None:
     import baton
     from baton.integrations import maxtext as bmt
 
-    clk = bm.baton_clock()
+    clk = bm._Clock()
     sched = baton.schedule_from_name(args.schedules)
     stages = sched.stages(RANKS)
     m = bmt.build("llama2", batch=bm.BATCH, **bm.MODEL)
@@ -133,10 +133,7 @@ def part_baton(args) -> dict | None:
     first, cpu = clk.span("first", _timed, call)
     t = _steady(call, args.steps)
     res = dict(rank=rank, first=first, cpu=cpu, step=t,
-               phases={k: round(v, 2) for k, v in bm.baton_phases(clk.get).items()},
-               phases_cpu={k: round(v, 2)
-                           for k, v in bm.baton_phases(lambda k: clk.ev(k, "cpu")).items()},
-               compiles=clk.events["xla_n"])
+               xla_compiles=clk.during["first"]["xla_n"], xla_s=clk.during["first"]["xla"])
     print("RANK " + json.dumps(res), flush=True)
     return res
 
