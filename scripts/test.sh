@@ -107,8 +107,7 @@ if ((run_py)); then
   VENV="$ROOT/${BATON_VENV:-.venv}"
   export PATH="$VENV/bin:$PATH"
   workers=()
-  # worksteal: a worker that runs out of cases takes queued ones from the other, so a long
-  # case queued last does not leave a core idle at the end
+  # worksteal: a worker that runs out of cases takes queued ones from the others, so a long
   # case queued last does not leave a core idle at the end. Three workers on two cores: the
   # cases that launch processes spend part of their time waiting (start-up, rendezvous), so a
   # third worker fills it (2026-12-05, 2 cores, empty compilation cache: 483 s with 2, 439 s
