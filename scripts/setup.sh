@@ -89,17 +89,26 @@ for req in sys.argv[1:]:
     print(req)
 EOF
 )
+# The packages go in with uv (itself from PyPI, into the venv): it resolves and downloads in
+# parallel, 36 s -> 5 s for the list above on the 2-core VM (pip's and uv's caches warm).
+py_install() {
+  if [[ ! -x "$VENV/bin/uv" ]]; then
+    "$VPY" -m pip install -q --disable-pip-version-check uv || die "could not install uv"
+  fi
+  "$VENV/bin/uv" pip install -q --python "$VPY" "$@"
+}
 if [[ -n "${BATON_JAX:-}" ]]; then
   # shellcheck disable=SC2206
   pins=(${BATON_JAX})
   if ! "$VPY" -m pip freeze 2>/dev/null | grep -qxF "${pins[0]}"; then
     log "installing ${pins[*]} (pinned)"
-    "$VPY" -m pip install -q --disable-pip-version-check "${pins[@]}"
+    py_install "${pins[@]}"
   fi
 fi
 if ((${#need[@]})); then
   log "installing Python packages: ${need[*]}"
-  "$VPY" -m pip install -q --disable-pip-version-check "${need[@]}" ${BATON_JAX:-}
+  # shellcheck disable=SC2086
+  py_install "${need[@]}" ${BATON_JAX:-}
 fi
 
 # --- 3. Baton itself ---------------------------------------------------------------
