@@ -33,8 +33,7 @@ class Warmup:
             rank = step.stage_rank[seg.stage]
             if rank not in one or j in skip:
                 continue
-            specs = [self._spec(step, v, rank) for v in seg.inputs]
-            t = threading.Thread(target=self._compile, args=(seg.fn, specs),
+            t = threading.Thread(target=self._compile, args=(step, seg, rank),
                                  name=f"baton-warm-s{seg.stage}", daemon=True)
             t.start()
             self.threads.append(t)
@@ -45,10 +44,10 @@ class Warmup:
         return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=bool(getattr(a, "weak_type", 0)),
                                     sharding=step.sharding(v, rank))
 
-    @staticmethod
-    def _compile(fn: Any, specs: list) -> None:
+    @classmethod
+    def _compile(cls, step: Any, seg: Any, rank: int) -> None:
         try:
-            fn.lower(*specs).compile()
+            seg.fn.lower(*[cls._spec(step, v, rank) for v in seg.inputs]).compile()
         except Exception:  # noqa: BLE001  (the segment's own call compiles and raises)
             pass
 
