@@ -167,7 +167,7 @@ class ProgramEngine:
         self.share = True
         self._local_hub = None  # their in-process transports
         self.rank_progs = None  # several processes: this process's ranks' RankPrograms
-        self.warmup = None  # the code after the loop, compiling while the loop does (warm.py)
+        self.warmup = None  # several processes: the code after the loop, compiling (warm.py)
         self._nccl_builds = 0
 
     # -- one rank -----------------------------------------------------------------------
@@ -215,12 +215,9 @@ class ProgramEngine:
             if self.share and step.transport != "nccl":
                 units = [g[0].prog if len(g) == 1 else SharedProgram(g)
                          for g in share_groups(progs)]
-            self.local_units = units
-            post = self.post_groups()  # (its groups compile at their first run)
-            self.warmup = Warmup(step, step.post_segments, list(range(R)),
-                                 skip=set() if post is None else post.grouped())
             raise_first(compile_all(units, vals))
             self.local_progs = progs
+            self.local_units = units
             self._local_hub = None
         progs = self.local_progs
         if self._local_hub is None and step.transport != "nccl":

@@ -272,10 +272,6 @@ class SharedSegments:
                 self.starts[start] = (group, self._runner(segs, group, devs))
                 self.skip.update(j for j in group if j != start)
 
-    def grouped(self) -> set[int]:
-        """The indices of the segments that run in a group."""
-        return {j for group, _ in self.starts.values() for j in group}
-
     def _runner(self, segs, group, devs):
         mesh = Mesh(np.array(devs), (_AX,))
         sharding = NamedSharding(mesh, PartitionSpec(_AX))

@@ -302,10 +302,8 @@ class CompiledStep:
             vals[outer] = self.combine(idx, {i: final[i] for i in idx})
         del final  # (partial sums of a value several stages make: combined above)
         shared = None
-        if not interp:
-            self.engine.join_warmup()
-            if opts.live is None:
-                shared = self.engine.post_groups()
+        if not interp and opts.live is None:
+            shared = self.engine.post_groups()
         self._run_segments(self.post_segments, vals, free=True, shared=shared, opts=opts)
         return [vals[v] if v in vals else tr.literals[v] for v in tr.step_outputs]
 

@@ -1,15 +1,18 @@
-"""Compiling the code after the loop while the loop runs (``Warmup``).
+"""Compiling the code after the loop while the loop's programs compile (``Warmup``).
 
 A process's segments after the loop (``CompiledStep.post_segments``) are per-stage jits,
 compiled at their first call. With several processes they form a chain: the gradient-norm
 segment of one stage waits for another process's partial sums, whose segment only then
-compiles, and so on, so their compiles run one after another across processes. A ``Warmup``
-compiles this process's segments ahead, on background threads, from the values' avals and
-the placement they will have on the rank (``CompiledStep.sharding``); XLA compiles without
-the GIL, so this overlaps the loop program's compile and the loop. The segment's first call
-then finds its executable in JAX's in-memory compilation cache. The warm-up changes no
-result: a segment whose arguments end up laid out otherwise than guessed (only ranks of
-one device are warmed, where every layout is the one device) compiles again at its call.
+compiles, and so on, so their compiles run one after another across processes. There
+(``engine.ProgramEngine._build_rank``) a ``Warmup`` compiles this process's segments ahead,
+on background threads, from the values' avals and the placement they will have on the rank
+(``CompiledStep.sharding``); XLA compiles without the GIL, so this overlaps the rank
+program's compile and the loop, and the segment's first call finds its executable in JAX's
+in-memory compilation cache. The warm-up changes no result: a segment whose arguments end
+up laid out otherwise than guessed (only ranks of one device are warmed) compiles again at
+its call. In one process the rank programs already compile in parallel and the segments'
+arguments may carry the model's own meshes, which the guess misses, so the code after the
+loop compiles at its first call there (`bench/results/maxtext.md`, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -22,16 +25,15 @@ import jax
 
 class Warmup:
     """Background compiles of the segments of ``segs`` placed on ``ranks`` of ``step`` (the
-    ranks of one device among them), but for the indices in ``skip`` (the segments shared
-    ranks run as one program: ``shared.SharedSegments``); ``join`` waits for them. A failed background compile is
+    ranks of one device among them); ``join`` waits for them. A failed background compile is
     dropped: the segment's own call compiles it again and raises there."""
 
-    def __init__(self, step: Any, segs: list, ranks: list[int], skip: set[int] = frozenset()):
+    def __init__(self, step: Any, segs: list, ranks: list[int]):
         self.threads: list[threading.Thread] = []
         one = {r for r in ranks if len(step.mesh.rank_devices[r]) == 1}
-        for j, seg in enumerate(segs):
+        for seg in segs:
             rank = step.stage_rank[seg.stage]
-            if rank not in one or j in skip:
+            if rank not in one:
                 continue
             t = threading.Thread(target=self._compile, args=(step, seg, rank),
                                  name=f"baton-warm-s{seg.stage}", daemon=True)
