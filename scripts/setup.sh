@@ -91,11 +91,18 @@ EOF
 )
 # The packages go in with uv (itself from PyPI, into the venv): it resolves and downloads in
 # parallel, 36 s -> 5 s for the list above on the 2-core VM (pip's and uv's caches warm).
+# pip's certificate bundle and wheel folder (PIP_CERT, PIP_FIND_LINKS) apply to uv too.
 py_install() {
   if [[ ! -x "$VENV/bin/uv" ]]; then
     "$VPY" -m pip install -q --disable-pip-version-check uv || die "could not install uv"
   fi
-  "$VENV/bin/uv" pip install -q --python "$VPY" "$@"
+  local links=()
+  [[ -n "${PIP_FIND_LINKS:-}" ]] && links=(--find-links "$PIP_FIND_LINKS")
+  if [[ -n "${PIP_CERT:-}" && -z "${SSL_CERT_FILE:-}" ]]; then
+    SSL_CERT_FILE="$PIP_CERT" "$VENV/bin/uv" pip install -q --python "$VPY" "${links[@]}" "$@"
+  else
+    "$VENV/bin/uv" pip install -q --python "$VPY" "${links[@]}" "$@"
+  fi
 }
 if [[ -n "${BATON_JAX:-}" ]]; then
   # shellcheck disable=SC2206
