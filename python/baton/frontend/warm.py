@@ -35,8 +35,10 @@ class Warmup:
             rank = step.stage_rank[seg.stage]
             if rank not in one:
                 continue
+            # not a daemon: a process that stops (after an error, say) waits for its compiles
+            # at exit, instead of finalizing while XLA still compiles (std::terminate)
             t = threading.Thread(target=self._compile, args=(step, seg, rank),
-                                 name=f"baton-warm-s{seg.stage}", daemon=True)
+                                 name=f"baton-warm-s{seg.stage}")
             t.start()
             self.threads.append(t)
 
