@@ -106,7 +106,7 @@ def part_maxtext(args) -> dict:
                 first=first, cpu=[cpu], step=step)
 
 
-def part_baton(args) -> dict | None:
+def part_baton(args) -> dict:
     rank = int(os.environ["BATON_RANK"])
     os.sched_setaffinity(0, {rank})
     bm = _bench_maxtext()
