@@ -221,44 +221,6 @@ def _no_persistent_cache():
                 env_cache_dir=os.environ.get("JAX_COMPILATION_CACHE_DIR"))
 
 
-def baton_clock() -> _Clock:
-    """A ``_Clock`` timing Baton's first-call phases (its functions wrapped, run unchanged)."""
-    from baton.frontend import api, engine, step as step_mod
-    from baton.frontend.rank_program import RankProgram
-    from baton.frontend.shared import SharedProgram
-
-    clk = _Clock()
-    clk.wrap(api, "trace_step", "trace")
-    clk.wrap(api.PipelinedFunction, "_build", "build")
-    clk.wrap(step_mod.CompiledStep, "__init__", "partition")
-    clk.wrap(step_mod.CompiledStep, "_run_segments", ["pre", "post"])
-    clk.wrap(engine.ProgramEngine, "_local_programs", "programs")  # (one process)
-    clk.wrap(engine.ProgramEngine, "_build_rank", "programs")  # (one rank per process)
-    clk.wrap(engine, "compile_all", "compile_all")
-    clk.wrap(RankProgram, "lower", "lower")
-    clk.wrap(SharedProgram, "lower", "lower")
-    clk.wrap(engine.ProgramEngine, "_launch", "loop")
-    return clk
-
-
-def baton_phases(get) -> dict:
-    """The first call's phases from ``get(wrapped name)`` (wall or event seconds of a
-    ``baton_clock``; the call itself timed as ``"first"``)."""
-    ph = {
-        "trace": get("trace"),
-        "plan": get("build") - get("trace") - get("partition"),
-        "partition": get("partition"),
-        "pre": get("pre"),
-        "programs_build": get("programs") - get("compile_all"),
-        "programs_lower": get("lower"),
-        "programs_compile": get("compile_all") - get("lower"),
-        "loop": get("loop"),
-        "post": get("post"),
-    }
-    ph["other"] = get("first") - sum(ph.values())
-    return ph
-
-
 def part_phases_baton(args) -> dict:
     """One schedule's first call (a fresh process): the setup (the jitted step object, the
     per-stage parameters, the optimizer state) and then the step's first call split into
@@ -267,9 +229,21 @@ def part_phases_baton(args) -> dict:
     import jax
 
     import baton
+    from baton.frontend import api, engine, step as step_mod
+    from baton.frontend.rank_program import RankProgram
+    from baton.frontend.shared import SharedProgram
     from baton.integrations import maxtext as bmt
 
-    clk = baton_clock()
+    clk = _Clock()
+    clk.wrap(api, "trace_step", "trace")
+    clk.wrap(api.PipelinedFunction, "_build", "build")
+    clk.wrap(step_mod.CompiledStep, "__init__", "partition")
+    clk.wrap(step_mod.CompiledStep, "_run_segments", ["pre", "post"])
+    clk.wrap(engine.ProgramEngine, "_local_programs", "programs")
+    clk.wrap(engine, "compile_all", "compile_all")
+    clk.wrap(RankProgram, "lower", "lower")
+    clk.wrap(SharedProgram, "lower", "lower")
+    clk.wrap(engine.ProgramEngine, "_launch", "loop")
 
     name = args.schedules.split(",")[0]
     sched = (baton.Interleaved1F1B(virtual_stages=2) if name == "interleaved"
@@ -292,9 +266,25 @@ def part_phases_baton(args) -> dict:
     cs = step.last
     units = cs.engine.local_units or []
 
-    ph = baton_phases(clk.get)
-    cpu = baton_phases(lambda k: clk.ev(k, "cpu"))
-    xla = baton_phases(lambda k: clk.ev(k, "xla"))
+    def split(get):
+        """The first call's phases from ``get(wrapped name)`` (wall or event seconds)."""
+        ph = {
+            "trace": get("trace"),
+            "plan": get("build") - get("trace") - get("partition"),
+            "partition": get("partition"),
+            "pre": get("pre"),
+            "programs_build": get("programs") - get("compile_all"),
+            "programs_lower": get("lower"),
+            "programs_compile": get("compile_all") - get("lower"),
+            "loop": get("loop"),
+            "post": get("post"),
+        }
+        ph["other"] = get("first") - sum(ph.values())
+        return ph
+
+    ph = split(clk.get)
+    cpu = split(lambda k: clk.ev(k, "cpu"))
+    xla = split(lambda k: clk.ev(k, "xla"))
     res = dict(name=f"Baton {sched}", schedule=name, model_s=t_model, setup_s=t_setup,
                setup_events={k: ev1[k] - ev0[k] for k in ev0}, first_s=t_first, phases=ph,
                phases_cpu=cpu, phases_xla=xla, events_first=clk.during.get("first"),

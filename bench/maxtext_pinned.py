@@ -36,10 +36,12 @@ import subprocess
 import sys
 import time
 
+from timing import ONE_THREAD, publish  # (bench/, imported before it leaves the path)
+
+# This file's folder off the path, or `import maxtext` finds bench/maxtext.py.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [q for q in sys.path if os.path.abspath(q or ".") != _HERE]
 RANKS = 2
-ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 def _bench_maxtext():
@@ -173,7 +175,8 @@ def main() -> None:
     ap.add_argument("--schedules", default="1f1b,zbh1")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--md", default=None)
+    ap.add_argument("--md", default=None, help="also write the table there (appended as a dated "
+                    "section to an existing results file)")
     ap.add_argument("--part", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.part == "maxtext":
@@ -210,10 +213,7 @@ def main() -> None:
         f"{args.schedules} --steps {args.steps} --repeat {args.repeat}`",
         "",
         *head, *rows, ""])
-    print(text)
-    if args.md:
-        with open(args.md, "w", encoding="utf-8") as f:
-            f.write(text)
+    publish(text, args.md)
 
 
 if __name__ == "__main__":
