@@ -115,3 +115,72 @@ def test_traced_and_untraced_steps_run_the_same_executable():
         want = [str(a) for a in step.rank_actions[r]]
         assert tr.rank_order(r) == want
     assert len(tr.transfers) > 0 and all(t["end"] >= t["start"] for t in tr.transfers)
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warmed", "not_warmed"])
+def test_code_after_the_loop_compiled_ahead_is_not_compiled_again(monkeypatch, warm):
+    """A ``Warmup`` (warm.py: with several processes, started while the rank programs
+    compile) compiles the segments after the loop from avals and placements ahead of their
+    first call, so running them compiles nothing; without it each compiles at its call (the
+    check can fail)."""
+    import optax
+    from baton.frontend import step as step_mod
+    from baton.frontend.warm import Warmup
+    from mlp_step import make_train
+
+    in_post, compiles = [False], []
+
+    def listen(name, secs, **kw):
+        if in_post[0] and ("backend_compile" in name or "cache_retrieval" in name):
+            compiles.append(name)
+
+    run = step_mod.CompiledStep._run_segments
+
+    def timed(self, segs, vals, free=False, **kw):
+        in_post[0] = free
+        try:
+            return run(self, segs, vals, free=free, **kw)
+        finally:
+            in_post[0] = False
+
+    monkeypatch.setattr(step_mod.CompiledStep, "_run_segments", timed)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        ps, params, st, batch = make_train(baton.OneFOneB(), 2, optax.adam(1e-2))
+        step = ps.compile(params, st, batch)
+        assert len(step.post_segments) >= 2
+        if warm:
+            w = Warmup(step, step.post_segments, [0, 1])
+            assert len(w.threads) == len(step.post_segments)
+            w.join()
+        jax.block_until_ready(ps(params, st, batch))
+    finally:
+        in_post[0] = False
+    assert (compiles == []) == warm, compiles
+
+
+EXIT_WHILE_WARMING = """
+import os, sys
+sys.path.insert(0, {here!r})
+import optax, baton
+from baton.frontend.warm import Warmup
+from mlp_step import make_train
+ps, params, st, batch = make_train(baton.OneFOneB(), 2, optax.adam(1e-2))
+step = ps.compile(params, st, batch)
+print(len(Warmup(step, step.post_segments, [0, 1]).threads), flush=True)
+"""
+
+
+def test_a_process_that_exits_while_warming_up_exits_cleanly(tmp_path):
+    """A process that stops while the warm-up compiles (``compile`` without a call, or an
+    error) waits for those compiles: as daemon threads inside XLA while the interpreter
+    finalizes, they crashed it (SIGSEGV here, std::terminate under load)."""
+    import subprocess
+
+    script = tmp_path / "exit_warm.py"
+    script.write_text(EXIT_WHILE_WARMING.format(here=os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="8")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=180, env=env)
+    assert p.returncode == 0, (p.returncode, p.stdout[-2000:], p.stderr[-4000:])
+    assert int(p.stdout.split()[-1]) >= 2, p.stdout

@@ -36,6 +36,7 @@ from .share_match import share_groups
 from .shared import SharedProgram, SharedSegments
 from .single_program import SingleProgram
 from .tracing import gather_events
+from .warm import Warmup
 
 
 _GPU = ("gpu", "cuda")
@@ -166,6 +167,7 @@ class ProgramEngine:
         self.share = True
         self._local_hub = None  # their in-process transports
         self.rank_progs = None  # several processes: this process's ranks' RankPrograms
+        self.warmup = None  # several processes: the code after the loop, compiling (warm.py)
         self._nccl_builds = 0
 
     # -- one rank -----------------------------------------------------------------------
@@ -226,6 +228,12 @@ class ProgramEngine:
         for p in progs:
             p.set_timeout(timeout)
         return progs
+
+    def join_warmup(self) -> None:
+        """Waits for the code after the loop to finish compiling (the first call only)."""
+        if self.warmup is not None:
+            self.warmup.join()
+            self.warmup = None
 
     def post_groups(self):
         """The code after the loop of this process's shared ranks (``shared.SharedSegments``;
@@ -332,6 +340,7 @@ class ProgramEngine:
                 for r, c, t in zip(ranks, comms, ts):
                     progs.append(RankProgram(step, r, c, timeout))
                     progs[-1].transport = t
+                self.warmup = Warmup(step, step.post_segments, ranks)
                 errors = compile_all(progs, vals)
                 whys.update({r: f"{type(e).__name__}: {e}" for r, e in zip(ranks, errors) if e})
             except Exception as e:  # noqa: BLE001  (raised below, in every process)

@@ -69,6 +69,8 @@ def _run_group_body(step, flat_args, group, timeout, opts, interp):
         if me in procs(home):
             vals[outer] = step.combine(idx, {i: vals[("part", i)] for i in idx})
         where[outer], made[outer] = set(procs(home)), home
+    if not interp:
+        step.engine.join_warmup()
     _group_segments(step, step.post_segments, vals, where, router, me, made, opts)
     seen = set()
     for v in tr.step_outputs:
