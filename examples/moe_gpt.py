@@ -160,9 +160,11 @@ def param_specs(params, expert: str | None = "expert"):
 def make(cfg: MoEConfig, lr: float = 1e-3, seed: int = 0, eps: float = 1e-6):
     """Returns (model, params, optimizer, opt_state, train_step, reference_step)."""
     model = MoEGPT(cfg)
-    params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, cfg.seq), jnp.int32))["params"]
+    # jitted: one compile instead of one per operation of the initializers
+    tokens = jnp.zeros((1, cfg.seq), jnp.int32)
+    params = jax.jit(model.init)(jax.random.PRNGKey(seed), tokens)["params"]
     opt = optax.adamw(lr, eps=eps, weight_decay=0.01)
-    opt_state = opt.init(params)
+    opt_state = jax.jit(opt.init)(params)
 
     def train_step(params, opt_state, batch):
         loss, grads = baton.accumulate(
