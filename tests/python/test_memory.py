@@ -107,12 +107,14 @@ def test_update_phase_is_modelled_and_measured(update_bound):
         assert b["update"] < a["update"], (plain.table(), donating.table())
 
 
-@pytest.mark.parametrize("ranks", [1, pytest.param(4, marks=pytest.mark.heavy)],
-                         ids=["one-rank", "pipe4"])
-def test_measure_runs_the_compiled_engine(ranks):
+@pytest.mark.parametrize("ranks, schedule", [
+    (1, "1f1b"), pytest.param(4, "1f1b", marks=pytest.mark.heavy),
+    pytest.param(4, "zbh1", marks=pytest.mark.heavy)], ids=["one-rank", "pipe4", "pipe4-zbh1"])
+def test_measure_runs_the_compiled_engine(ranks, schedule):
     """``measure=True`` on a step of the default engine measures its compiled programs: the
     sample as they start holds the step's arguments plus each program's own allocation
-    (XLA's temporaries and outputs), on every device."""
+    (XLA's temporaries and outputs), on every device. ZB-H1: its rank 0 reads a weight
+    stash bigger than the rest out of a ring of one slot (read whole, not copied)."""
     from baton.frontend.memory import program_bytes
 
     stages = ranks
@@ -120,7 +122,7 @@ def test_measure_runs_the_compiled_engine(ranks):
     _, params, _, opt_state, train_step, _ = gpt.make(cfg)
     batch = gpt.synthetic_batch(cfg, 16)
     ps = baton.jit(train_step, mesh=baton.PipelineMesh(jax.devices()[:ranks], ranks=ranks),
-                   schedule=baton.OneFOneB(), microbatches=4)
+                   schedule=baton.schedules.schedule_from_name(schedule), microbatches=4)
     p, s, _ = ps(params, opt_state, batch)
     del params, opt_state, _
     gc.collect()

@@ -59,21 +59,18 @@ def _signature(avals) -> tuple:
     return tuple((tuple(a.shape), np.dtype(a.dtype).str) for a in avals)
 
 
-def ring_bytes(step, compiled) -> dict[int, int]:
-    """Device id -> bytes of the rings of its table rank (``table_ranks``): per pool, the
-    slots (the largest any member of its shared program needs) x the bytes of one buffer."""
+def _ring_slots(step, avals) -> dict[int, dict]:
+    """Rank -> ``(kind, stage)`` -> the slots of its ring (``table_ranks``): its pool's slots,
+    the most any member of its shared program needs."""
     ranks = table_ranks(step)
-    if not ranks:
-        return {}
-    avals = _kind_avals(step, compiled)
     sizes: dict[int, dict] = {}  # rank -> pool label -> slots
-    kinds: dict[int, dict] = {}  # rank -> pool label -> one of its kinds
+    pools: dict[int, dict] = {}  # rank -> (kind, stage) -> pool label
     for r in ranks:
         lay = ring_layout(step, r)
         pool_of = {ks: _signature(avals[ks]) for ks in lay.kinds}
         lay = ring_layout(step, r, pool_of)
         sizes[r] = dict(lay.sizes)
-        kinds[r] = {lay.pool_of[ks]: ks for ks in lay.kinds}
+        pools[r] = dict(lay.pool_of)
     for group in _share_groups(step, ranks):
         most: dict = {}
         for r in group:
@@ -81,10 +78,21 @@ def ring_bytes(step, compiled) -> dict[int, int]:
                 most[label] = max(most.get(label, 0), n)
         for r in group:
             sizes[r] = {label: most[label] for label in sizes[r]}
+    return {r: {ks: sizes[r][label] for ks, label in pools[r].items()} for r in ranks}
+
+
+def ring_bytes(step, compiled) -> dict[int, int]:
+    """Device id -> bytes of the rings of its table rank (``table_ranks``): per pool, the
+    slots (the largest any member of its shared program needs) x the bytes of one buffer."""
+    if not table_ranks(step):
+        return {}
+    avals = _kind_avals(step, compiled)
     out = {}
-    for r in ranks:  # (one device: a buffer is whole on it, its ring avals' bytes)
-        d = step.mesh.rank_devices[r][0].id
-        out[d] = sum(n * _nbytes(avals[kinds[r][label]]) for label, n in sizes[r].items())
+    for r, slots in _ring_slots(step, avals).items():
+        # one device: a buffer is whole on it, its ring avals' bytes; kinds of one pool share
+        # its slots (counted once per pool)
+        per_pool = {_signature(avals[ks]): n * _nbytes(avals[ks]) for ks, n in slots.items()}
+        out[step.mesh.rank_devices[r][0].id] = sum(per_pool.values())
     return out
 
 
@@ -105,10 +113,12 @@ def _share_groups(step, ranks) -> list[list[int]]:
 def table_loop(step, compiled, acc) -> tuple[dict, dict, dict]:
     """Per device of a table rank: (its rings, its loop peak, its largest transient). The
     loop holds the rings and every running sum throughout, plus one task at a time: its XLA
-    temporaries and new sums (``compiled``) and the buffers it reads (the slices out of the
-    rings)."""
+    temporaries and new sums (``compiled``) and the buffers it reads out of rings of several
+    slots (a dynamic slice XLA materializes; a ring of one slot is read whole, the slice
+    simplified away)."""
     rings = ring_bytes(step, compiled)
     avals = _kind_avals(step, compiled)
+    slots = _ring_slots(step, avals) if rings else {}
     loop, transient = {}, {}
     for r in table_ranks(step):
         d = step.mesh.rank_devices[r][0].id
@@ -116,7 +126,8 @@ def table_loop(step, compiled, acc) -> tuple[dict, dict, dict]:
                  for k, s, _ in step.buffers.tasks_of(r, a)}
         most = 0
         for kind, s in units:
-            io = sum(_nbytes(avals.get(key[:2], [])) for key in step.buffers.reads(kind, s, 0))
+            io = sum(_nbytes(avals.get(key[:2], [])) for key in step.buffers.reads(kind, s, 0)
+                     if slots[r].get(key[:2], 0) > 1)
             for exe in task_exes(step.tasks, kind, s):
                 _, temp, new = compiled[(exe.kind, exe.stage)]
                 most = max(most, temp + new.get(d, 0) + io)
