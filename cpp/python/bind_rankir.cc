@@ -1,11 +1,13 @@
 // Bindings of rank programs (rank_program.h): the records, the enums, the
-// pass pipeline, the verifier and the simulator over them. Conversion only.
+// pass pipeline, the verifier and the simulator over them, and rolled rank
+// programs (roll.h). Conversion only.
 #include <fmt/format.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "baton/rank_program.h"
+#include "baton/roll.h"
 #include "baton/sim.h"
 
 namespace nb = nanobind;
@@ -98,4 +100,40 @@ void init_rankir(nb::module_& m) {
         return baton::simulate(ir, costs);
       },
       "ir"_a, "costs"_a, "Runs the rank programs on the cost model (what runs).");
+
+  nb::enum_<baton::ItemOp>(m, "ItemOp")
+      .value("RUN", baton::ItemOp::Run)
+      .value("SEND", baton::ItemOp::Send)
+      .value("POST", baton::ItemOp::Post)
+      .value("WAIT", baton::ItemOp::Wait);
+  nb::class_<baton::RollItem>(m, "RollItem", "One item of a rank's program (roll.h).")
+      .def_ro("op", &baton::RollItem::op)
+      .def_ro("task", &baton::RollItem::task)
+      .def_ro("fused", &baton::RollItem::fused)
+      .def_ro("buffer", &baton::RollItem::buffer)
+      .def_ro("stage", &baton::RollItem::stage)
+      .def_ro("microbatch", &baton::RollItem::microbatch)
+      .def_ro("peer", &baton::RollItem::peer)
+      .def_ro("reads", &baton::RollItem::reads)
+      .def_ro("writes", &baton::RollItem::writes)
+      .def("__eq__", [](const baton::RollItem& a, const baton::RollItem& b) { return a == b; });
+  nb::class_<baton::RollRun>(m, "RollRun", "A run of a repeating pattern of items.")
+      .def_ro("first", &baton::RollRun::first)
+      .def_ro("period", &baton::RollRun::period)
+      .def_ro("repetitions", &baton::RollRun::repetitions)
+      .def_ro("delta", &baton::RollRun::delta)
+      .def_ro("slots", &baton::RollRun::slots)
+      .def_ro("stacked", &baton::RollRun::stacked);
+  nb::class_<baton::RollOptions>(m, "RollOptions", "Options of roll_rank.")
+      .def(nb::init<>())
+      .def_rw("max_period", &baton::RollOptions::max_period)
+      .def_rw("stacked", &baton::RollOptions::stacked)
+      .def_rw("fuse_fb", &baton::RollOptions::fuse_fb);
+  nb::class_<baton::RolledRank>(m, "RolledRank", "A rank's items and their runs.")
+      .def_ro("rank", &baton::RolledRank::rank)
+      .def_ro("items", &baton::RolledRank::items)
+      .def_ro("runs", &baton::RolledRank::runs)
+      .def("to_text", &baton::RolledRank::to_text, "plan"_a);
+  m.def("roll_rank", &baton::roll_rank, "plan"_a, "program"_a, "options"_a = baton::RollOptions(),
+        "A rank program's items and their runs of a repeating pattern (roll.h).");
 }

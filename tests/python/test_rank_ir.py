@@ -96,3 +96,33 @@ def test_step_rank_programs_are_what_its_loops_run():
         assert kinds.count("run") == ops["RUN"]
         assert kinds.count("wait") == ops["WAIT"]
         assert kinds.count("send") + kinds.count("post") == ops["POST"]
+
+
+@pytest.mark.parametrize("name,ranks,mbs,rank,golden", [
+    ("1f1b", 4, 8, 1, "roll_1f1b_p4_m8_rank1.txt"), ("zbh1", 4, 8, 0, "roll_zbh1_p4_m8_rank0.txt")])
+def test_rolled_text_is_the_golden_text(name, ranks, mbs, rank, golden):
+    """``_core.roll_rank``: a rank program's items and their runs (cpp/include/baton/roll.h)
+    as records, printed as the C++ golden files."""
+    plan = baton.plan(name, ranks, mbs)
+    rolled = _core.roll_rank(plan.core, plan.rank_ir().programs[rank], _core.RollOptions())
+    assert rolled.to_text(plan.core) == (GOLDEN / golden).read_text()
+    assert sum(r.period * r.repetitions for r in rolled.runs) == len(rolled.items)
+    assert {it.op for it in rolled.items} == set(_core.ItemOp.__members__.values())
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_one_rank_loop_items_are_its_tasks(fused):
+    """A one-rank step's loop program (``SingleProgram``) runs the rank program's items: its
+    tasks in the schedule's order (``task_list``), no transfers; fused F+B as one ``FB``."""
+    from mlp_step import make
+
+    from baton.frontend.loop_program import _LoopProgram
+    from baton.frontend.rolling import task_list
+
+    ps, params, batch = make(baton.OneFOneB(), 1, 4, fuse_forward_backward=fused)
+    cs = ps.compile(params, batch)
+    prog = _LoopProgram(cs, 0, stacked=False)
+    assert [it[1:4] for it in prog.items] == task_list(cs)
+    assert {it.op for it in prog.items} == {"run"}
+    assert any(it.kind == "FB" for it in prog.items) == fused
+    assert prog.describe() == ("scan 4 x [FB0]" if fused else "scan 4 x [F0 B0]")

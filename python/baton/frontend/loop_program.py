@@ -1,7 +1,15 @@
 """The microbatch loop of one rank as traced code (``_LoopProgram``): its items rolled into
-``lax.scan`` runs (``rolling.py``), each run's carry slots, sums and stacked outputs, and the
-items outside runs called in place. ``SingleProgram`` (single_program.py) and
-``RankProgram`` (rank_program.py) build on it."""
+``lax.scan`` runs, each run's carry slots, sums and stacked outputs, and the items outside
+runs called in place. The items, the runs, their slots and stacked outputs are the C++ pass's
+over the rank program (``_core.roll_rank``, ``cpp/include/baton/roll.h``):
+
+* weight-gradient sums are a run's carry (zeros, ``+``, ``/ M``);
+* a buffer read one repetition after the one that made it is a carry slot, written where it
+  is made and read where the next repetition reads it;
+* microbatch slices are its ``xs``;
+* buffers read after the run and stacked per-microbatch outputs are its ``ys``.
+
+``SingleProgram`` (single_program.py) and ``RankProgram`` (rank_program.py) build on it."""
 
 from __future__ import annotations
 
@@ -12,35 +20,49 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .. import _core
-from .rolling import Item, _analyze, _exes, _last_reads, _rotate, _stacked_out, roll
+from .rolling import Item, _exes
 from .task_env import _parts_of, _run_task, _Token
 from .tasks import final_part
 
 G = _core.graph
 
 
+def _item(x) -> Item:
+    """A ``_core.RollItem`` as an ``Item``."""
+    if x.op == _core.ItemOp.RUN:
+        return Item("run", "FB" if x.fused else x.task.name, x.stage, x.microbatch, -1)
+    return Item(x.op.name.lower(), x.buffer.name, x.stage, x.microbatch, x.peer)
+
+
+def _key(k) -> tuple[str, int, int]:
+    return (k.kind.name, k.stage, k.microbatch)
+
+
 class _LoopProgram:
-    """The microbatch loop of one rank as traced code: items rolled into scans (see
-    rolling.py). Subclasses give the items and, for a rank of several, the transfers."""
+    """The microbatch loop of one rank as traced code: items rolled into scans (see the
+    module docstring). ``max_period``: the longest pattern (None: the pass's default);
+    ``stacked`` False: no run hands stacked buffers to later items. Subclasses give the
+    transfers of a rank of several."""
 
     marks = False  # task boundary markers (RankProgram: baton_mark calls)
 
-    def __init__(self, cs, rank, items, max_period=None, stacked=True):
+    def __init__(self, cs, rank, max_period=None, stacked=True):
         self.cs = cs
         self.rank = rank
-        self.items = items
-        self.runs = _rotate(cs, roll(cs, items, max_period, stacked))
-        last_read = _last_reads(cs, items)
-        self._keep = []  # per run: the buffers it makes that later items read (its ys)
-        self._slots = []  # per run: its carry slots
-        pos = 0
-        for pattern, r, d in self.runs:
-            end = pos + len(pattern) * r
-            slots = sorted(_analyze(cs, pattern, d) or ()) if r > 1 else []
-            self._keep.append(_stacked_out(cs, last_read, pattern, r, d, end, slots)
-                              if r > 1 else [])
-            self._slots.append(slots)
-            pos = end
+        # the rank's items and their runs (C++: baton/roll.h, over the rank program)
+        opts = _core.RollOptions()
+        opts.max_period = int(max_period or 0)
+        opts.stacked = bool(stacked)
+        # a fused F+B action runs as one FB function: the step has one for every stage with
+        # an F and a B task, i.e. for none when the partition split the backward (build_tasks)
+        opts.fuse_fb = any(kind == "FB" for kind, _ in cs.tasks)
+        rolled = _core.roll_rank(cs.core_plan, cs.rank_ir().programs[rank], opts)
+        self.items = [_item(x) for x in rolled.items]
+        self.runs = [(self.items[r.first:r.first + r.period], r.repetitions, r.delta)
+                     for r in rolled.runs]
+        self._slots = [[_key(k) for k in r.slots] for r in rolled.runs]  # per run: carry slots
+        # per run: the buffers it makes that later items read (its ys)
+        self._keep = [[_key(k) for k in r.stacked] for r in rolled.runs]
 
     def stacked_buffers(self) -> list[str]:
         """Buffer kinds a scan hands to later items stacked over its microbatches (GPipe's
@@ -139,7 +161,7 @@ class _LoopProgram:
         cs = self.cs
         slot_read = {(k, s, m - d): (k, s, m) for k, s, m in slots}  # read key -> slot
         # xs: microbatch slices and the repetition index (a pattern reads no buffer made before
-        # the run except through a carry slot, see _analyze)
+        # the run except through a carry slot, roll.h)
         xs: dict[tuple, Any] = {("t",): jnp.arange(r, dtype=jnp.int32)}
         for it in pattern:
             if it.op == "run":

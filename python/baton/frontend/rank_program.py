@@ -12,8 +12,8 @@ no earlier than their data (the argument is in ``docs/ARCHITECTURE.md``). Transf
 order per (peer, channel), the verifier's FIFO model; the tags need no buffer id.
 
 The loop is lowered as a table (``rank_table.py``: every task compiled once per rank) or
-straight (the items rolled into scans, ``rolling.py`` and ``loop_program.py``); ``loop_form``
-chooses.
+straight (the items rolled into scans, ``_core.roll_rank`` and ``loop_program.py``);
+``loop_form`` chooses.
 
 Traced rank programs record their markers and transfers (a runtime switch of the same
 executable; ``RankProgram.events``).
@@ -94,8 +94,8 @@ class RankProgram(_LoopProgram):
             self.cs, self.rank, self.items = cs, rank, rank_items(cs, rank)
             self._table_init()
         else:  # no stacked buffers between loops: runs that would need them stay unrolled
-            super().__init__(cs, rank, rank_items(cs, rank),
-                             _MAX_ITEMS_PER_STAGE * max(1, cs.num_stages), stacked=False)
+            super().__init__(cs, rank, _MAX_ITEMS_PER_STAGE * max(1, cs.num_stages),
+                             stacked=False)
         self.needs = [o for o in cs.loop_needs[rank] if o not in cs.traced.literals]
         self.mine = [i for i, p in enumerate(cs.parts) if cs.stage_rank[p.stage] == rank]
         # (peer, channel, send) -> buffer ids of one step, in order (events)

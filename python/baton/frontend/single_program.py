@@ -6,8 +6,8 @@ call). As Megatron-LM does for a pipeline of size 1, Baton then compiles the who
 code before the loop, the rank's tasks in the schedule's order, the reductions and the code
 after the loop) into one jitted function. The schedule still decides the order and so the
 memory profile: GPipe runs every forward before any backward and keeps every stash, 1F1B
-(fused) one microbatch at a time, ZB-H1 F, I and W. The task list is rolled into loops
-(``rolling.roll``, lowered by ``loop_program._LoopProgram``).
+(fused) one microbatch at a time, ZB-H1 F, I and W. The rank program's tasks are rolled into
+loops (``_core.roll_rank``, lowered by ``loop_program._LoopProgram``).
 
 A traced one-rank step (``baton.trace``, ``baton.profile``) runs the same program with task
 markers (``baton_mark`` calls, as every rank program has; ``comm`` given): the markers tie
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from . import ffi
 from .loop_program import _LoopProgram
 from .rank_transfers import RankTransfers, recorded_events
-from .rolling import Item, task_list
+from .rolling import task_list
 from .task_env import _Env, _Token
 from .tasks import donatable
 
@@ -49,8 +49,7 @@ class SingleProgram(_LoopProgram):
             self.transfers = RankTransfers(cs, comm, sub)
         # no stacked buffers between loops (XLA would zero-fill them, see stacked_buffers):
         # runs that would need them stay unrolled (GPipe's forwards)
-        super().__init__(cs, 0, [Item("run", k, s, m, -1) for k, s, m in self.tasks],
-                         stacked=False)
+        super().__init__(cs, 0, stacked=False)
         # donated step inputs (baton.jit(donate_argnums=...)), each matched to a step output
         # of its shape and dtype, enter as the first argument, which XLA may overwrite
         tr = cs.traced
