@@ -134,10 +134,9 @@ def make(cfg: GPTConfig, lr: float = 1e-3, seed: int = 0, eps: float = 1e-8):
     """Returns (model, params, optimizer, opt_state, train_step, reference_step)."""
     model = GPT(cfg)
     tokens = jnp.zeros((1, cfg.seq), jnp.int32)
-    # jitted: one compile instead of one per operation of the initializers
-    params = jax.jit(model.init)(jax.random.PRNGKey(seed), tokens)["params"]
+    params = model.init(jax.random.PRNGKey(seed), tokens)["params"]
     opt = optax.adamw(lr, eps=eps, weight_decay=0.01)
-    opt_state = jax.jit(opt.init)(params)
+    opt_state = opt.init(params)
 
     def train_step(params, opt_state, batch):
         loss, grads = baton.accumulate(

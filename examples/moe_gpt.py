@@ -160,7 +160,8 @@ def param_specs(params, expert: str | None = "expert"):
 def make(cfg: MoEConfig, lr: float = 1e-3, seed: int = 0, eps: float = 1e-6):
     """Returns (model, params, optimizer, opt_state, train_step, reference_step)."""
     model = MoEGPT(cfg)
-    # jitted: one compile instead of one per operation of the initializers
+    # jitted: one compile instead of one per operation of the initializers (eager, each
+    # operation of a new shape compiles; the MoE's routing makes many)
     tokens = jnp.zeros((1, cfg.seq), jnp.int32)
     params = jax.jit(model.init)(jax.random.PRNGKey(seed), tokens)["params"]
     opt = optax.adamw(lr, eps=eps, weight_decay=0.01)
