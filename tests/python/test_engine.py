@@ -124,6 +124,7 @@ def test_code_after_the_loop_compiled_ahead_is_not_compiled_again(monkeypatch, w
     first call, so running them compiles nothing; without it each compiles at its call (the
     check can fail)."""
     import optax
+    from baton import _jax_compat as jc
     from baton.frontend import step as step_mod
     from baton.frontend.warm import Warmup
     from mlp_step import make_train
@@ -151,12 +152,14 @@ def test_code_after_the_loop_compiled_ahead_is_not_compiled_again(monkeypatch, w
         assert len(step.post_segments) >= 2
         if warm:
             w = Warmup(step, step.post_segments, [0, 1])
-            assert len(w.threads) == len(step.post_segments)
+            # JAX 0.11's AOT compile does not fill the cache jit calls use: no warm-up there
+            assert len(w.threads) == (len(step.post_segments) if jc.jax_version >= (0, 12)
+                                      else 0)
             w.join()
         jax.block_until_ready(ps(params, st, batch))
     finally:
         in_post[0] = False
-    assert (compiles == []) == warm, compiles
+    assert (compiles == []) == (warm and jc.jax_version >= (0, 12)), compiles
 
 
 EXIT_WHILE_WARMING = """
@@ -183,4 +186,6 @@ def test_a_process_that_exits_while_warming_up_exits_cleanly(tmp_path):
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                        timeout=180, env=env)
     assert p.returncode == 0, (p.returncode, p.stdout[-2000:], p.stderr[-4000:])
-    assert int(p.stdout.split()[-1]) >= 2, p.stdout
+    from baton import _jax_compat as jc
+
+    assert int(p.stdout.split()[-1]) >= (2 if jc.jax_version >= (0, 12) else 0), p.stdout

@@ -13,6 +13,7 @@ up laid out otherwise than guessed (only ranks of one device are warmed) compile
 its call. In one process the rank programs already compile in parallel and the segments'
 arguments may carry the model's own meshes, which the guess misses, so the code after the
 loop compiles at its first call there (`bench/results/maxtext.md`, 2026-12-05).
+On JAX 0.11 the warm-up is off: its AOT compile does not fill the cache that jit calls use.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 
 import jax
 
+from .. import _jax_compat as jc
+
 
 class Warmup:
     """Background compiles of the segments of ``segs`` placed on ``ranks`` of ``step`` (the
@@ -30,6 +33,8 @@ class Warmup:
 
     def __init__(self, step: Any, segs: list, ranks: list[int]):
         self.threads: list[threading.Thread] = []
+        if jc.jax_version < (0, 12):  # its AOT compile does not fill the cache jit calls use
+            return
         one = {r for r in ranks if len(step.mesh.rank_devices[r]) == 1}
         for seg in segs:
             rank = step.stage_rank[seg.stage]
