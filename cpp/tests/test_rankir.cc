@@ -3,9 +3,6 @@
 // classes, and the simulator over rank programs against the plan simulator.
 #include <gtest/gtest.h>
 
-#include <cstdlib>
-#include <fstream>
-#include <sstream>
 #include <string>
 
 #include "baton/error.h"
@@ -15,26 +12,13 @@
 #include "baton/render.h"
 #include "baton/sim.h"
 #include "baton/verify.h"
+#include "test_golden_util.h"
 
 namespace baton {
 namespace {
 
-std::string golden_path(const std::string& name) {
-  return std::string(BATON_GOLDEN_DIR) + "/" + name;
-}
-
-// Compares with the golden file; BATON_UPDATE_GOLDEN=1 rewrites it.
 void expect_golden(const std::string& name, const std::string& text) {
-  const std::string path = golden_path(name);
-  if (std::getenv("BATON_UPDATE_GOLDEN")) {
-    std::ofstream(path) << text;
-    return;
-  }
-  std::ifstream in(path);
-  ASSERT_TRUE(in.good()) << path << " is missing (run with BATON_UPDATE_GOLDEN=1 to write it)";
-  std::stringstream ss;
-  ss << in.rdbuf();
-  EXPECT_EQ(ss.str(), text) << "rank IR text differs from " << path;
+  testing::expect_golden(name, text, "rank IR text");
 }
 
 RankIR ir_of(const Schedule& s, const std::vector<SkipEdge>& skips = {}) {

@@ -2,31 +2,19 @@
 // program, and the rules that choose, rotate and describe the runs.
 #include <gtest/gtest.h>
 
-#include <cstdlib>
-#include <fstream>
-#include <sstream>
 #include <string>
 
 #include "baton/generators.h"
 #include "baton/plan.h"
 #include "baton/rank_program.h"
 #include "baton/roll.h"
+#include "test_golden_util.h"
 
 namespace baton {
 namespace {
 
-// Compares with the golden file; BATON_UPDATE_GOLDEN=1 rewrites it.
 void expect_golden(const std::string& name, const std::string& text) {
-  const std::string path = std::string(BATON_GOLDEN_DIR) + "/" + name;
-  if (std::getenv("BATON_UPDATE_GOLDEN")) {
-    std::ofstream(path) << text;
-    return;
-  }
-  std::ifstream in(path);
-  ASSERT_TRUE(in.good()) << path << " is missing (run with BATON_UPDATE_GOLDEN=1 to write it)";
-  std::stringstream ss;
-  ss << in.rdbuf();
-  EXPECT_EQ(ss.str(), text) << "rolled rank text differs from " << path;
+  testing::expect_golden(name, text, "rolled rank text");
 }
 
 struct Rolled {
