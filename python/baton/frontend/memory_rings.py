@@ -7,8 +7,8 @@ equal avals, with as many slots as the rank program's slots of that pool
 compiled program (``shared.py``) hold rings sized for every member. So what such a rank
 holds for its buffers is its rings' bytes, whatever the moment in the loop: the model takes
 that instead of the simulator's live peak, and while a task runs, besides its temporaries and
-new sums, the buffers it reads (sliced out of the rings; its outputs are written into them in
-place) (``table_loop``).
+new sums, the buffers it slices out of rings of several slots (a ring of one slot is read
+whole; its outputs are written into the rings in place) (``table_loop``).
 """
 
 from __future__ import annotations
@@ -81,17 +81,13 @@ def _ring_slots(step, avals) -> dict[int, dict]:
     return {r: {ks: sizes[r][label] for ks, label in pools[r].items()} for r in ranks}
 
 
-def ring_bytes(step, compiled) -> dict[int, int]:
-    """Device id -> bytes of the rings of its table rank (``table_ranks``): per pool, the
-    slots (the largest any member of its shared program needs) x the bytes of one buffer."""
-    if not table_ranks(step):
-        return {}
-    avals = _kind_avals(step, compiled)
+def _ring_bytes(step, avals, slots) -> dict[int, int]:
+    """Device id -> bytes of the rings of its table rank, from each rank's ``_ring_slots``:
+    per pool, its slots x the bytes of one buffer (one device: a buffer is whole on it;
+    kinds of one pool share its slots, counted once)."""
     out = {}
-    for r, slots in _ring_slots(step, avals).items():
-        # one device: a buffer is whole on it, its ring avals' bytes; kinds of one pool share
-        # its slots (counted once per pool)
-        per_pool = {_signature(avals[ks]): n * _nbytes(avals[ks]) for ks, n in slots.items()}
+    for r, per in slots.items():
+        per_pool = {_signature(avals[ks]): n * _nbytes(avals[ks]) for ks, n in per.items()}
         out[step.mesh.rank_devices[r][0].id] = sum(per_pool.values())
     return out
 
@@ -116,9 +112,11 @@ def table_loop(step, compiled, acc) -> tuple[dict, dict, dict]:
     temporaries and new sums (``compiled``) and the buffers it reads out of rings of several
     slots (a dynamic slice XLA materializes; a ring of one slot is read whole, the slice
     simplified away)."""
-    rings = ring_bytes(step, compiled)
+    if not table_ranks(step):
+        return {}, {}, {}
     avals = _kind_avals(step, compiled)
-    slots = _ring_slots(step, avals) if rings else {}
+    slots = _ring_slots(step, avals)
+    rings = _ring_bytes(step, avals, slots)
     loop, transient = {}, {}
     for r in table_ranks(step):
         d = step.mesh.rank_devices[r][0].id
