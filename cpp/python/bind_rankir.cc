@@ -134,6 +134,8 @@ void init_rankir(nb::module_& m) {
       .def_ro("items", &baton::RolledRank::items)
       .def_ro("runs", &baton::RolledRank::runs)
       .def("to_text", &baton::RolledRank::to_text, "plan"_a);
+  m.def("rank_items", &baton::rank_items, "plan"_a, "program"_a,
+        "options"_a = baton::RollOptions(), "A rank program's items, in order (roll.h).");
   m.def("roll_rank", &baton::roll_rank, "plan"_a, "program"_a, "options"_a = baton::RollOptions(),
         "A rank program's items and their runs of a repeating pattern (roll.h).");
 }

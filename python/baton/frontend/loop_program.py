@@ -20,18 +20,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .. import _core
-from .rolling import Item, _exes
+from .rolling import Item, _exes, as_item, roll_options
 from .task_env import _parts_of, _run_task, _Token
 from .tasks import final_part
 
 G = _core.graph
-
-
-def _item(x) -> Item:
-    """A ``_core.RollItem`` as an ``Item``."""
-    if x.op == _core.ItemOp.RUN:
-        return Item("run", "FB" if x.fused else x.task.name, x.stage, x.microbatch, -1)
-    return Item(x.op.name.lower(), x.buffer.name, x.stage, x.microbatch, x.peer)
 
 
 def _key(k) -> tuple[str, int, int]:
@@ -50,14 +43,9 @@ class _LoopProgram:
         self.cs = cs
         self.rank = rank
         # the rank's items and their runs (C++: baton/roll.h, over the rank program)
-        opts = _core.RollOptions()
-        opts.max_period = int(max_period or 0)
-        opts.stacked = bool(stacked)
-        # a fused F+B action runs as one FB function: the step has one for every stage with
-        # an F and a B task, i.e. for none when the partition split the backward (build_tasks)
-        opts.fuse_fb = any(kind == "FB" for kind, _ in cs.tasks)
-        rolled = _core.roll_rank(cs.core_plan, cs.rank_ir().programs[rank], opts)
-        self.items = [_item(x) for x in rolled.items]
+        rolled = _core.roll_rank(cs.core_plan, cs.rank_ir().programs[rank],
+                                 roll_options(cs, max_period, stacked))
+        self.items = [as_item(x) for x in rolled.items]
         self.runs = [(self.items[r.first:r.first + r.period], r.repetitions, r.delta)
                      for r in rolled.runs]
         self._slots = [[_key(k) for k in r.slots] for r in rolled.runs]  # per run: carry slots

@@ -1,10 +1,11 @@
 """A rank's program as items.
 
 An item is one thing a rank's loop does: a task it runs, or a transfer (a send, a receive
-posted, a receive waited on). ``task_list`` and ``rank_items`` read a rank's items from the
-plan and the C++ rank program; ``item_reads`` / ``item_writes`` say which buffers each one
-reads and makes. The runs of a repeating pattern that the straight lowering traces as
-``lax.scan`` are the C++ pass's (``_core.roll_rank``, ``loop_program.py``).
+posted, a receive waited on). The items of a rank, and the runs of a repeating pattern that
+the straight lowering traces as ``lax.scan``, are the C++ passes' over the rank program
+(``_core.rank_items`` / ``_core.roll_rank``, ``baton/roll.h``); ``rank_items`` and
+``as_item`` give them to Python as ``Item`` records. ``item_reads`` / ``item_writes`` say
+which buffers an item passes to its function and makes.
 """
 
 from __future__ import annotations
@@ -63,30 +64,31 @@ def item_writes(cs, it: Item) -> list[tuple[str, int, int]]:
     return [(k, s, m)] if op == "wait" else []
 
 
+def roll_options(cs, max_period=None, stacked=True) -> "_core.RollOptions":
+    """Options of the C++ item and run passes (``baton/roll.h``). ``max_period``: the longest
+    pattern (None: the pass's default); ``stacked`` False: no run hands stacked buffers to
+    later items. A fused F+B action is one FB item when the step has a fused function: it
+    has one for every stage with an F and a B task, so for none when the partition split
+    the backward (``build_tasks``)."""
+    opts = _core.RollOptions()
+    opts.max_period = int(max_period or 0)
+    opts.stacked = bool(stacked)
+    opts.fuse_fb = any(kind == "FB" for kind, _ in cs.tasks)
+    return opts
+
+
+def as_item(x) -> Item:
+    """A ``_core.RollItem`` as an ``Item``."""
+    if x.op == _core.ItemOp.RUN:
+        return Item("run", "FB" if x.fused else x.task.name, x.stage, x.microbatch, -1)
+    return Item(x.op.name.lower(), x.buffer.name, x.stage, x.microbatch, x.peer)
+
+
 def rank_items(cs, rank: int) -> list[Item]:
-    """A rank's program as items, read from the C++ rank program (``cs.rank_ir()``,
-    docs/RANK_IR.md), which says where each group of transfers is posted (its receives where
-    the plan posts them: before the RUN that precedes the RECV) and where each receive is
-    waited on (just before the first task that reads it). The C++ verifier checks what the
-    FFI transfers need: each wait follows its post, and the waits of one (peer, channel) come
-    in post order."""
+    """A rank's program as items: the C++ pass over its rank program (``_core.rank_items``,
+    ``baton/roll.h``, over ``cs.rank_ir()``, docs/RANK_IR.md), which says where each group
+    of transfers is posted and where each receive is waited on (just before the first task
+    that reads it). The C++ verifier checks what the FFI transfers need: each wait follows
+    its post, and the waits of one (peer, channel) come in post order."""
     prog = cs.rank_ir().programs[rank]
-    bufs = cs.buffers
-    items: list[Item] = []
-
-    def key(b):
-        return bufs.key(prog.buffers[b].id)
-
-    for ins in prog.instrs:
-        if ins.op == _core.RankOp.POST:
-            for t in prog.groups[ins.group].transfers:
-                x = prog.transfers[t]
-                op = "send" if x.dir == _core.TransferDir.SEND else "post"
-                items.append(Item(op, *key(x.buffer), x.peer))
-        elif ins.op == _core.RankOp.WAIT:
-            x = prog.transfers[ins.transfer]
-            items.append(Item("wait", *key(x.buffer), x.peer))
-        elif ins.op == _core.RankOp.RUN:
-            for kind, s, m in bufs.tasks_of(rank, prog.units[ins.unit].action):
-                items.append(Item("run", kind, s, m, -1))
-    return items
+    return [as_item(x) for x in _core.rank_items(cs.core_plan, prog, roll_options(cs))]
