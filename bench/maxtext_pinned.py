@@ -132,10 +132,19 @@ def part_baton(args) -> dict:
         box["p"], box["o"], loss = step(box["p"], box["o"], batch)
         return loss
 
-    first, cpu = clk.span("first", _timed, call)
+    prof_dir = os.environ.get("BATON_BENCH_PROFILE")  # a folder: cProfile of the first call
+    if prof_dir:
+        import cProfile
+
+        prof = cProfile.Profile()
+        first, cpu = clk.span("first", _timed, lambda: prof.runcall(call))
+        prof.dump_stats(os.path.join(prof_dir, f"first-rank{rank}.prof"))
+    else:
+        first, cpu = clk.span("first", _timed, call)
     t = _steady(call, args.steps)
     res = dict(rank=rank, first=first, cpu=cpu, step=t,
-               xla_compiles=clk.during["first"]["xla_n"], xla_s=clk.during["first"]["xla"])
+               xla_compiles=clk.during["first"]["xla_n"], xla_s=clk.during["first"]["xla"],
+               compiles=clk.compiles)
     print("RANK " + json.dumps(res), flush=True)
     return res
 
