@@ -369,7 +369,7 @@ def _number_markers(ops: list[OpInfo]) -> int:
 
 
 _REGION = {"pre": None, "loop": None, "post": None}
-_REDUCE = {"sum": "Sum", "mean": "Mean", "stack": "Stack"}
+_REDUCE = {"sum": G.Reduce.Sum, "mean": G.Reduce.Mean, "stack": G.Reduce.Stack}
 
 
 def trace_step(fn: Callable, args: tuple, microbatches: int,
@@ -466,7 +466,7 @@ def _program(ex, step_outputs) -> G.Program:
     for b, o, _ in ex.loop_inputs:
         prog.add_loop_input(b, o)
     for b, o, r in ex.loop_outputs:
-        prog.add_loop_output(b, o, getattr(G.Reduce, _REDUCE[r]))
+        prog.add_loop_output(b, o, _REDUCE[r])
     prog.step_outputs = step_outputs
     prog.num_primal_outputs = getattr(ex, "num_primal", -1)
     prog.validate()
