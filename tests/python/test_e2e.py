@@ -28,12 +28,18 @@ import explain  # noqa: E402
 import gpt  # noqa: E402
 import mlp  # noqa: E402
 
-# AdamW with eps=1e-5: Adam divides each gradient entry by about |g| + eps, so an entry
-# that is float noise of a mathematically-zero gradient (e.g. 2.79e-8 pipelined against
-# 2.88e-8 in the reference, DualPipeV on 8 ranks, first step) moves its parameter by
-# lr * |g| / (|g| + eps): with eps=1e-6 the two differ by 8.5e-6, over rtol 1e-5 of the
-# parameter; no pipelined (or differently fused) computation reproduces such noise.
-OPT = optax.adamw(1e-2, eps=1e-5, weight_decay=0.01)
+# AdamW with eps=1e-6: with the default 1e-8 a gradient entry of ~1e-9 (e.g. float
+# noise of a mathematically-zero gradient) makes Adam's update sign noise.
+OPT = optax.adamw(1e-2, eps=1e-6, weight_decay=0.01)
+
+
+def apply_opt(params, opt_state, grads):
+    updates, opt_state = OPT.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def on_host(tree):
+    return jax.tree.map(np.asarray, tree)
 
 
 def close(a, b, rtol=1e-5, atol=1e-6):
@@ -59,15 +65,25 @@ def run_mlp(schedule, ranks, microbatches=4, steps=3, per_rank=1, remat=False, s
     ps = baton.jit(step, mesh=mesh(ranks, per_rank), schedule=schedule, microbatches=microbatches,
                    single_program=single_program, transport=transport)
     ref = jax.jit(ref)
-    p1 = p2 = params
-    s1 = s2 = OPT.init(params)
+    opt = jax.jit(apply_opt)
+    p1 = params
+    s1 = OPT.init(params)
+    # Each step is checked from the state the pipelined step starts from: its loss and
+    # gradients against the reference step's, its parameters and optimizer state against
+    # the optimizer applied (in plain JAX) to its own gradients. Adam divides each gradient
+    # entry by about |g| + eps, so the float noise of an entry near zero (2.79e-8 pipelined
+    # against 2.88e-8 in the reference, DualPipeV on 8 ranks) moves its parameter by up to
+    # lr / eps times that noise: compared with the reference's parameters, rtol 1e-5 would
+    # test the rounding of near-zero gradients, not the pipeline.
     for i in range(steps):
         if aux and i == 0:  # expected per-microbatch aux of the first step
             xs = [jax.tree.map(lambda a: a.reshape(microbatches, -1, *a.shape[1:])[m], batch)
                   for m in range(microbatches)]
             want_aux = jnp.stack([loss_fn(p1, mb)[1] for mb in xs])
+        p0, s0 = on_host(p1), on_host(s1)
         p1, s1, out1, g1 = ps(p1, s1, batch)
-        p2, s2, out2, g2 = ref(p2, s2, batch)
+        _, _, out2, g2 = ref(p0, s0, batch)
+        p2, s2 = opt(p0, s0, on_host(g1))
         if aux:
             (l1, a1), (l2, _) = out1, out2
             if i == 0:
@@ -95,8 +111,7 @@ def make_steps(loss_fn, aux=False):
     reduce = (("mean", "stack"), "mean") if aux else "mean"
 
     def update(params, opt_state, out, grads):
-        updates, opt_state = OPT.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, out, grads
+        return (*apply_opt(params, opt_state, grads), out, grads)
 
     def train_step(params, opt_state, batch):
         return update(params, opt_state, *baton.accumulate(vg, params, batch=batch,
