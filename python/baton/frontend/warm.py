@@ -10,9 +10,11 @@ on background threads, from the values' avals and the placement they will have o
 program's compile and the loop, and the segment's first call finds its executable in JAX's
 in-memory compilation cache. The warm-up changes no result: a segment whose arguments end
 up laid out otherwise than guessed (only ranks of one device are warmed) compiles again at
-its call. In one process the rank programs already compile in parallel and the segments'
-arguments may carry the model's own meshes, which the guess misses, so the code after the
-loop compiles at its first call there (`bench/results/maxtext.md`, 2026-12-05).
+its call. In one process the code after the loop compiles at its first call: there the rank
+programs already compile in parallel on every core, the warm-up's tracing holds the GIL
+against their lowering, and the segments' arguments may carry the model's own meshes, which
+the guess misses (a trial on MaxText's model lost, 10.1 against 8.5 s:
+`bench/results/maxtext.md`, 2026-12-05).
 On JAX 0.11 the warm-up is off: its AOT compile does not fill the cache that jit calls use.
 """
 
