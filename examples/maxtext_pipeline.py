@@ -5,10 +5,10 @@
     JAX_NUM_CPU_DEVICES=4 .venv-maxtext/bin/python examples/maxtext_pipeline.py \\
         --model mixtral --schedules 1f1b --steps 5
 
-For each model (a Llama-2 and a Mixtral MoE, built by MaxText's own config system at its
-defaults, scanned layers included, and shrunk to 4 layers of width 64) and each schedule, the
-model is cut into 4 stages (one decoder layer each, a scan per stage; the embedding joins the
-first, the output head and loss the last) over 4 devices, and
+For each model (a Llama-2, a Mixtral MoE and a DeepSeek-V2 MoE, built by MaxText's own config
+system at its defaults, scanned layers included, and shrunk to 4 or 5 layers of width 64) and
+each schedule, the model is cut into 4 stages (a scan per stage and stack; the embedding joins
+the first, the output head and loss the last) over 4 devices, and
 trained for ``--steps`` steps on synthetic batches of 8 sequences in 4 microbatches with
 MaxText's loss, gradient clipping and AdamW. MaxText's own ``train_step`` (not pipelined) runs
 on the same batches from the same initial state. See ``baton.integrations.maxtext``.
@@ -72,7 +72,7 @@ def run(name: str, schedules: list[str], steps: int, batch: int, microbatches: i
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=["llama2", "mixtral", "all"], default="all")
+    ap.add_argument("--model", choices=["llama2", "mixtral", "deepseek2", "all"], default="all")
     ap.add_argument("--schedules", default="1f1b,zbh1",
                     help="comma-separated schedule names (baton.schedule_names())")
     ap.add_argument("--steps", type=int, default=5)
@@ -82,7 +82,7 @@ def main() -> int:
     if len(jax.devices()) < RANKS:
         print(f"need {RANKS} devices; set JAX_NUM_CPU_DEVICES={RANKS}", file=sys.stderr)
         return 2
-    names = ["llama2", "mixtral"] if args.model == "all" else [args.model]
+    names = ["llama2", "mixtral", "deepseek2"] if args.model == "all" else [args.model]
     worst = max(run(n, args.schedules.split(","), args.steps, args.batch, args.microbatches)
                 for n in names)
     print(f"\nlargest relative loss difference from MaxText's own step: {worst:.1e}")

@@ -3,9 +3,10 @@ MaxText's own config system at its defaults (``scan_layers=True``, ``remat_polic
 pipelined over 4 CPU devices with 1F1B and ZB-H1, trained for 5 steps; every loss within 1e-5
 (relative) of MaxText's own, non-pipelined ``train_step`` on the same batches, with the same
 optimizer (MaxText's AdamW and gradient clipping). The Mixtral case trains with MaxText's MoE
-load-balance loss (sown inside the scanned layers, read in the loss on the last stage); one
-case keeps ``scan_layers=False`` (one module per layer). One test runs the Mixtral on 2 ranks
-of 2 devices with MaxText's ``expert`` axis (``ici_expert_parallelism=2``) inside each stage,
+load-balance loss (sown inside the scanned layers, read in the loss on the last stage), and so
+does the DeepSeek-V2 case, whose dense and MoE layers are two scanned stacks; one case keeps
+``scan_layers=False`` (one module per layer). One test runs the Mixtral on 2 ranks of 2 devices
+with MaxText's ``expert`` axis (``ici_expert_parallelism=2``) inside each stage,
 against MaxText's own step on the same 4 devices.
 
 Needs MaxText, which lives in its own virtual environment (``bash scripts/setup_maxtext.sh``);
@@ -48,6 +49,9 @@ CASES = {
     "mixtral-lb": ("mixtral", {"load_balance_loss_weight": 0.1, "opt_type": "sgd",
                                "learning_rate": 0.1}, MICROBATCHES),
     "llama2-unscanned": ("llama2", {"scan_layers": False}, 1),
+    # DeepSeek's two scanned stacks (1 dense layer, then 4 MoE layers), the same SGD and loss
+    "deepseek2-lb": ("deepseek2", {"load_balance_loss_weight": 0.1, "opt_type": "sgd",
+                                   "learning_rate": 0.1}, MICROBATCHES),
 }
 
 
@@ -199,6 +203,36 @@ def test_scanned_stack_stays_a_scan_per_stage():
     assert type(m.model.decoder).__name__ == "NNXDecoder"
     with pytest.raises(baton.ConfigError, match="cannot cut 8 decoder layers into 9 stages"):
         m.staged_model(9)
+
+
+def test_deepseek_stacks_are_cut_in_order_across_stages():
+    """DeepSeek's dense and MoE stacks (2 + 3 layers) in 3 stages: the stages take 2, 2 and 1
+    layers, so a stage ends where the dense stack does; each stage's part of a stack is one
+    scan, and the loss (with the load-balance loss sown in the MoE layers of every stage)
+    is MaxText's."""
+    m = bmt.build("deepseek2", batch=BATCH, base_num_decoder_layers=5, first_num_dense_layers=2,
+                  load_balance_loss_weight=0.1)
+    assert m.num_layers == 5
+    stacks = bmt.scanned_stacks(m.config)
+    assert stacks == [("dense_layers", 2), ("moe_layers", 3)]
+    assert bmt.stack_pieces(stacks, 3) == {"dense_layers": [(0, 0, 2)],
+                                           "moe_layers": [(1, 0, 2), (2, 2, 3)]}
+    params, mb = m.init_params(), m.make_batch(0)
+    tokens = np.float32(np.sum(mb["targets_segmentation"] != 0))
+    whole, staged = m.microbatch_loss(1, 1), m.microbatch_loss(3, 1)
+    assert _scan_lengths(jax.make_jaxpr(whole)(params, tokens, mb).jaxpr) == [2, 3]
+    assert _scan_lengths(jax.make_jaxpr(staged)(params, tokens, mb).jaxpr) == [2, 2, 1]
+    np.testing.assert_allclose(staged(params, tokens, mb)[0], whole(params, tokens, mb)[0],
+                               rtol=1e-6)
+    split = m.init_params(stages=3)["decoder"]
+    assert not isinstance(split["dense_layers"]["mlp"]["wi_0"]["kernel"], baton.Stacked)
+    assert split["moe_layers"]["DeepSeekMoeBlock_0"]["shared_experts"]["wi_0"]["kernel"].sizes \
+        == [2, 1]
+    with pytest.raises(baton.ConfigError, match="cannot cut 5 scanned decoder layers into 6"):
+        m.init_params(stages=6)
+    with pytest.raises(baton.ConfigError, match="use_batch_split_schedule"):
+        bmt.scanned_stacks(bmt.load_config("deepseek2", batch=BATCH,
+                                           use_batch_split_schedule=True))
 
 
 def test_layers_are_cut_into_stages_without_changing_maxtext():

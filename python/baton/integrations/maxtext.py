@@ -14,18 +14,18 @@ ref = m.reference_step()                          # MaxText's own train_step (no
 state, ref_loss = ref(m.reference_state(), m.make_batch(0))
 ```
 
-**Stages.** MaxText 0.2.5 is Flax NNX. At its default ``scan_layers=True`` the decoder keeps
-its layers as one stacked module and runs them as one ``jax.lax.scan`` under ``jax.checkpoint``
-(MaxText's ``remat_policy``); a copy of the model gets a decoder subclass that runs that scan
-once per stage group, on the group's rows of the stack, with ``baton.stage_boundary`` between
-groups (``maxtext_scan.py``): each stage's layers stay one scan, so compile time does not grow
-with the layer count. With ``scan_layers=False`` ``NNXDecoder.__call__`` loops over its
-layers ``layers_0 .. layers_{L-1}``; the layers that end a stage get a subclass of their own
-class whose ``__call__`` passes the layer's output through ``baton.stage_boundary``. The marker
-sits at the end of the checkpointed layer; Baton's tracer moves it out of the remat region
-(``frontend/trace.py``, ``emit_remat``), so MaxText's rematerialization is kept. Either way
-MaxText's files and the reference model are not changed. The embedding runs in the first
-stage, the final norm, the output head and the loss in the last.
+**Stages.** MaxText 0.2.5 is Flax NNX. At its default ``scan_layers=True`` the decoder keeps its
+layers as a stacked module (DeepSeek's: two) and runs each as one ``jax.lax.scan`` under
+``jax.checkpoint`` (MaxText's ``remat_policy``); a copy of the model gets a decoder subclass
+that runs those scans once per stage group, on the group's rows of the stack, with
+``baton.stage_boundary`` between groups (``maxtext_scan.py``): each stage's layers stay one
+scan, so compile time does not grow with the layer count. With ``scan_layers=False``
+``NNXDecoder.__call__`` loops over its layers ``layers_0 .. layers_{L-1}``; the layers that end
+a stage get a subclass of their own class whose ``__call__`` passes the layer's output through
+``baton.stage_boundary``. The marker sits at the end of the checkpointed layer; Baton's tracer
+moves it out of the remat region (``frontend/trace.py``, ``emit_remat``), so MaxText's
+rematerialization is kept. Either way MaxText's files and the reference model are not changed.
+The embedding runs in the first stage, the final norm, the output head and the loss in the last.
 
 **Loss.** Each microbatch runs MaxText's own ``loss_fn`` (``maxtext.trainers.pre_train.train``)
 with ``gradient_accumulation_steps`` = microbatches, so it returns what MaxText's gradient
@@ -61,8 +61,10 @@ compiled engine refuses them there, since XLA:CPU runs one multi-device program 
 expert count that ``ici_expert_parallelism`` does not divide, and MaxText's own pipeline axis
 (``ici_pipeline_parallelism > 1``), raise ``ConfigError``.
 
-**Limits.** The generic scanned stack (one layer per scan step): DeepSeek's separate dense and
-MoE stacks and other decoder blocks that scan blocks of layers are refused. With
+**Stacks.** The generic scanned stack (one layer per scan step), and DeepSeek's two stacks (its
+first dense layers, then its MoE layers: ``bmt.build("deepseek2")``), cut in order across
+stages. Decoder blocks that scan blocks of layers, and DeepSeek's engram, lineage and
+batch-split variants, are refused. With
 ``init_params(stages=S)`` each rank holds only its stage's rows of the stacked parameters (and
 their optimizer state); with the whole stack every stage reads its rows from it, so every rank
 holds the whole stacked parameters.
@@ -88,7 +90,7 @@ from .maxtext_config import (  # noqa: F401  (the integration's API)
     require_maxtext,
     synthetic_batch,
 )
-from .maxtext_scan import layer_axis_of, staged_decoder_class
+from .maxtext_scan import layer_axis_of, scanned_stacks, stack_pieces, staged_decoder_class
 
 # --- stage boundaries ---------------------------------------------------------------
 
@@ -126,14 +128,15 @@ def split_layers(num_layers: int, stages: int) -> list[list[int]]:
 
 
 def _scanned_layer_count(model) -> int:
-    """The layer count of MaxText's scanned decoder stack (``decoder.layers``)."""
-    cfg = model.config
-    generic = cfg.inhomogeneous_layer_cycle_interval == 1
-    if getattr(model.decoder, "layers", None) is None or not generic:
-        raise ConfigError("baton.integrations.maxtext cuts MaxText's generic scanned decoder stack "
-                          "(decoder.layers, one layer per scan step); this decoder block "
-                          f"({cfg.decoder_block}) scans other stacks: set scan_layers=False")
-    return int(cfg.num_decoder_layers)
+    """The layer count of MaxText's scanned decoder stacks (``scanned_stacks``: the generic
+    ``decoder.layers``, or DeepSeek's dense and MoE stacks)."""
+    stacks = scanned_stacks(model.config)
+    missing = [a for a, _ in stacks if getattr(model.decoder, a, None) is None]
+    if missing:
+        raise ConfigError(f"baton.integrations.maxtext: MaxText's decoder "
+                          f"({model.config.decoder_block}) has no scanned stack {missing[0]}; "
+                          f"set scan_layers=False")
+    return sum(k for _, k in stacks)
 
 
 def _decoder_layers(model) -> list:
@@ -204,23 +207,30 @@ class MaxTextModel:
     def init_params(self, stages: int | None = None) -> Any:
         """The model's parameters: the pure ``nnx.State`` (arrays) that ``nnx.Optimizer`` of
         MaxText's train state updates, same paths and values. With ``stages`` and
-        ``scan_layers=True`` the scanned stack's arrays are split into one piece per stage
-        (``baton.Stacked`` along each leaf's layer axis): each rank then holds only its own
-        layers and their optimizer state; ``baton.join_stacks`` gives MaxText's layout back."""
+        ``scan_layers=True`` each scanned stack's arrays are split into one piece per stage it
+        spans (``baton.Stacked`` along each leaf's layer axis; a stack within one stage stays
+        whole): each rank then holds only its own layers and their optimizer state;
+        ``baton.join_stacks`` gives MaxText's layout back."""
         if stages is None or not self.config.scan_layers:
             return self._params
         import jax
 
-        from ..stacks import split_stacks
+        from ..stacks import Stacked
 
         axis = layer_axis_of(self.config)
-        split_layers(self.num_layers, stages)  # a clear error for too many stages
+        stacks = scanned_stacks(self.config)
+        pieces = stack_pieces(stacks, stages)  # (too many stages: raises)
 
         def piece(path, x):
             names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-            if names[:2] == ["decoder", "layers"]:
-                return split_stacks(x, stages, axis=lambda _, v: axis(path, v))
-            return x
+            name = names[1] if names[:1] == ["decoder"] and len(names) > 1 else None
+            rows = pieces.get(name)
+            if not rows or len(rows) == 1:  # (a stack within one stage: placed whole there)
+                return x
+            ax = axis(path, x)
+            if np.shape(x)[ax:ax + 1] != (dict(stacks)[name],):
+                return x  # (a leaf without the layer axis: every stage reads it whole)
+            return Stacked([jax.lax.slice_in_dim(x, a, b, axis=ax) for _, a, b in rows], ax)
 
         return jax.tree_util.tree_map_with_path(piece, self._params)
 
@@ -418,9 +428,9 @@ class MaxTextModel:
 
 def build(model: str | dict = "llama2", *, batch: int = 8, device=None,
           devices: Sequence[Any] | None = None, **overrides) -> MaxTextModel:
-    """A tiny MaxText model (``CONFIGS``: ``"llama2"``, ``"mixtral"``) with a global batch of
-    ``batch`` sequences; ``overrides`` are MaxText config keys. The model is built on MaxText's
-    mesh for ``devices`` (default: the first ``rank_size`` devices, one unless an
+    """A tiny MaxText model (``CONFIGS``: ``"llama2"``, ``"mixtral"``, ``"deepseek2"``) with a
+    global batch of ``batch`` sequences; ``overrides`` are MaxText config keys. The model is
+    built on MaxText's mesh for ``devices`` (default: the first ``rank_size`` devices, one unless an
     ``ici_*_parallelism`` is set, e.g. ``ici_expert_parallelism=2``; ``device``: one)."""
     return MaxTextModel(model, batch=batch, device=device, devices=devices, **overrides)
 

@@ -71,7 +71,33 @@ MIXTRAL_TINY = dict(
     capacity_factor=-1.0,
 )
 
-CONFIGS = {"llama2": LLAMA2_TINY, "mixtral": MIXTRAL_TINY}
+# A tiny DeepSeek-V2 (MaxText's deepseek2-16b config, shrunk): one dense layer, then MoE
+# layers of 4 routed experts (top-2, softmax router) and a shared expert; MLA attention.
+DEEPSEEK2_TINY = dict(
+    model_name="deepseek2-16b",
+    base_emb_dim=64,
+    base_num_query_heads=4,
+    base_num_kv_heads=4,
+    base_mlp_dim=128,
+    base_moe_mlp_dim=64,
+    base_num_decoder_layers=5,
+    first_num_dense_layers=1,
+    vocab_size=256,
+    num_experts=4,
+    num_experts_per_tok=2,
+    shared_experts=1,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    original_max_position_embeddings=64,
+    max_position_embeddings=1024,
+    sparse_matmul=False,
+    megablox=False,
+    capacity_factor=-1.0,
+)
+
+CONFIGS = {"llama2": LLAMA2_TINY, "mixtral": MIXTRAL_TINY, "deepseek2": DEEPSEEK2_TINY}
 
 
 def require_maxtext():

@@ -17,6 +17,14 @@ group's layers. The groups' values travel with the activations through every lat
 boundary (a pipeline's only way between stages, so their gradients flow back the same way)
 and are joined along the layer axis into the stack, where MaxText's ``loss_fn`` pops them as it
 would after one scan over all layers.
+
+**Several stacks.** DeepSeek's decoder block scans two stacks one after the other: its first
+``first_num_dense_layers`` dense layers (``NNXDecoder.dense_layers``), then its MoE layers
+(``moe_layers``). The stages cut the layers of both in order (:func:`scanned_stacks`,
+:func:`stack_pieces`): a stage may end inside either stack or where one ends, and each stage's
+part of a stack stays one scan. The values an earlier stack sowed travel on with the later
+stack's activations through its stage boundaries and are put back into their stack after its
+last group, in the last stage.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from __future__ import annotations
 from ..errors import ConfigError
 
 _STAGED: dict[tuple[type, int], type] = {}
+# per decoder being traced: (stage reached, sown values) its earlier stacks left for the next
+_CARRY: dict[int, tuple] = {}
 
 
 def _layer_axis(var, length: int) -> int | None:
@@ -46,37 +56,78 @@ def layer_axis_of(config):
     return lambda path, x: scan_axis if len(getattr(x, "shape", ())) > scan_axis else 0
 
 
-def cut_stack(layers, length: int, stages: int) -> list[tuple[object, int]]:
-    """``layers`` (MaxText's scanned stack of ``length`` layers) as ``stages`` modules of
-    consecutive layers: ``[(module, layers in it), ...]`` (sizes as ``stacks._groups``). A
-    variable holding a :class:`baton.Stacked` value (parameters split per stage) gives each
-    group its piece."""
+def scanned_stacks(config) -> list[tuple[str, int]]:
+    """The decoder's scanned stacks in the order it runs them: ``(attribute of the decoder,
+    layer count)``; ``[("layers", L)]`` for the generic stack, the dense then the MoE stack for
+    DeepSeek's. Decoder blocks that scan blocks of layers, and DeepSeek's variants that scan
+    otherwise (engram layers, lineage, the batch-split schedule), raise ``ConfigError``."""
+    n = int(config.num_decoder_layers)
+    block = str(getattr(config.decoder_block, "value", config.decoder_block)).lower()
+    if block == "deepseek":
+        for flag in ("engram_layers", "use_lineage", "use_batch_split_schedule"):
+            if getattr(config, flag, None):
+                raise ConfigError(f"baton.integrations.maxtext cuts DeepSeek's scanned dense "
+                                  f"and MoE stacks; {flag} scans them otherwise: unset it or "
+                                  f"set scan_layers=False")
+        dense = int(config.first_num_dense_layers)
+        return [(name, k) for name, k in (("dense_layers", dense), ("moe_layers", n - dense))
+                if k > 0]
+    if int(config.inhomogeneous_layer_cycle_interval) != 1:
+        raise ConfigError("baton.integrations.maxtext cuts MaxText's scanned decoder stacks of "
+                          "one layer per scan step; this decoder block "
+                          f"({config.decoder_block}) scans blocks of layers: set "
+                          "scan_layers=False")
+    return [("layers", n)]
+
+
+def stack_pieces(stacks: list[tuple[str, int]], stages: int) -> dict[str, list[tuple]]:
+    """Per stack, its parts in the stages: ``{name: [(stage, first row, end row), ...]}``,
+    the rows counted within the stack; the stages take the stacks' layers in order, in groups
+    as ``stacks._groups`` sizes them."""
+    from ..stacks import _groups
+
+    total = sum(k for _, k in stacks)
+    if not 1 <= stages <= total:
+        raise ConfigError(f"cannot cut {total} scanned decoder layers into {stages} stages "
+                          f"(each stage needs a layer; raise base_num_decoder_layers)")
+    out, start = {}, 0
+    for name, k in stacks:
+        out[name] = [(g, max(a, start) - start, min(b, start + k) - start)
+                     for g, (a, b) in enumerate(_groups(total, stages))
+                     if max(a, start) < min(b, start + k)]
+        start += k
+    return out
+
+
+def cut_stack(layers, length: int, rows: list[tuple[int, int]]) -> list[tuple[object, int]]:
+    """``layers`` (MaxText's scanned stack of ``length`` layers) as one module per range of
+    ``rows`` (consecutive ``(first, end)``): ``[(module, layers in it), ...]``. A variable
+    holding a :class:`baton.Stacked` value (parameters split per stage) gives each range its
+    piece."""
     import jax
     from flax import nnx
 
-    from ..stacks import Stacked, _groups
+    from ..stacks import Stacked
 
-    if not 1 <= stages <= length:
-        raise ConfigError(f"cannot cut {length} scanned decoder layers into {stages} stages "
-                          f"(each stage needs a layer; raise base_num_decoder_layers)")
     graphdef, state = nnx.split(layers)
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    sizes = [b - a for a, b in rows]
     out = []
-    for g, (a, b) in enumerate(_groups(length, stages)):
-        def rows(var, g=g, a=a, b=b):
+    for g, (a, b) in enumerate(rows):
+        def piece(var, g=g, a=a, b=b):
             value = var.get_value()
             if isinstance(value, Stacked):
-                if value.sizes != [y - x for x, y in _groups(length, stages)]:
-                    raise ConfigError(f"MaxText's scanned stack is split {value.sizes}, not in "
-                                      f"{stages} stages; split it with init_params(stages="
-                                      f"{stages})")
+                if value.sizes != sizes:
+                    raise ConfigError(f"MaxText's scanned stack is split {value.sizes}, not "
+                                      f"{sizes} as the stages cut it; split the parameters "
+                                      f"with init_params(stages=...) of the step's stages")
                 return var.replace(value=value.pieces[g])
             axis = _layer_axis(var, length)
-            if axis is None:
+            if axis is None or (a, b) == (0, length):
                 return var
-            return var.replace(value=jax.lax.slice_in_dim(var.get_value(), a, b, axis=axis))
+            return var.replace(value=jax.lax.slice_in_dim(value, a, b, axis=axis))
 
-        out.append((nnx.merge(graphdef, jax.tree.map(rows, state, is_leaf=is_var)), b - a))
+        out.append((nnx.merge(graphdef, jax.tree.map(piece, state, is_leaf=is_var)), b - a))
     return out
 
 
@@ -93,10 +144,10 @@ def _join_sown(parts: list) -> object:
 
 
 def staged_decoder_class(base: type, stages: int) -> type:
-    """A subclass of MaxText's decoder class ``base`` whose scan over its main layer stack
-    (``self.layers``) runs as ``stages`` scans with a stage boundary between them (see the
-    module docstring). Other stacks (DeepSeek's dense and MoE stacks) and calls with external
-    KV caches are refused or passed through unchanged. One class per ``(base, stages)``."""
+    """A subclass of MaxText's decoder class ``base`` whose scans over its layer stacks
+    (:func:`scanned_stacks`) run as ``stages`` groups of scans with a stage boundary between
+    stages (see the module docstring). Calls with external KV caches pass through unchanged.
+    One class per ``(base, stages)``."""
     cls = _STAGED.get((base, stages))
     if cls is not None:
         return cls
@@ -107,26 +158,33 @@ def staged_decoder_class(base: type, stages: int) -> type:
 
     def _apply_layers_sequentially(self, layers, x_in, *args, length, kv_caches_stacked=None,
                                    **kwargs):
-        main = getattr(self, "layers", None)
-        if layers is not main or kv_caches_stacked is not None:
-            if any(getattr(self, n, None) is layers for n in ("dense_layers", "moe_layers")):
-                raise ConfigError("baton.integrations.maxtext cuts the generic scanned decoder "
-                                  "stack (NNXDecoder.layers); DeepSeek's dense/MoE stacks are "
-                                  "not supported")
+        stacks = scanned_stacks(self.config)
+        name = next((a for a, _ in stacks if getattr(self, a, None) is layers), None)
+        if name is None or kv_caches_stacked is not None:
             return base._apply_layers_sequentially(
                 self, layers, x_in, *args, length=length, kv_caches_stacked=kv_caches_stacked,
                 **kwargs)
-        y, sown = x_in, []
-        groups = cut_stack(layers, length, stages)
-        for g, (group, n) in enumerate(groups):
-            y, group, _ = base._apply_layers_sequentially(self, group, y, *args, length=n,
-                                                          **kwargs)
-            sown.append(nnx.state(group, nnx.Intermediate))
-            if g < len(groups) - 1:  # the values sown so far travel with the activations
-                y, sown = stage_boundary((y, sown))
-        joined = _join_sown(sown)
-        if jax.tree.leaves(joined):
-            nnx.update(layers, joined)
+        first, last = name == stacks[0][0], name == stacks[-1][0]
+        # what the earlier stacks of this call left: the stage reached and their sown values
+        carry = _CARRY.pop(id(self), None)
+        stage, sown = carry if carry is not None and not first else (0, [])
+        pieces = stack_pieces(stacks, stages)[name]
+        y = x_in
+        for g, (module, n) in zip([p[0] for p in pieces],
+                                  cut_stack(layers, length, [p[1:] for p in pieces])):
+            if g > stage:  # the values sown so far travel with the activations
+                y, vals = stage_boundary((y, [v for _, v in sown]))
+                sown, stage = [(m, v) for (m, _), v in zip(sown, vals)], g
+            y, module, _ = base._apply_layers_sequentially(self, module, y, *args, length=n,
+                                                           **kwargs)
+            sown.append((layers, nnx.state(module, nnx.Intermediate)))
+        if not last:
+            _CARRY[id(self)] = (stage, sown)
+            return y, layers, None
+        for stack in {id(m): m for m, _ in sown}.values():
+            joined = _join_sown([v for m, v in sown if m is stack])
+            if jax.tree.leaves(joined):
+                nnx.update(stack, joined)
         return y, layers, None
 
     cls = type(f"Staged{base.__name__}", (base,),
