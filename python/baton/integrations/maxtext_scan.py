@@ -164,6 +164,9 @@ def staged_decoder_class(base: type, stages: int) -> type:
             return base._apply_layers_sequentially(
                 self, layers, x_in, *args, length=length, kv_caches_stacked=kv_caches_stacked,
                 **kwargs)
+        if length != dict(stacks)[name]:
+            raise ConfigError(f"MaxText scans {length} layers of decoder.{name}; its config "
+                              f"has {dict(stacks)[name]}: cannot cut them into stages")
         first, last = name == stacks[0][0], name == stacks[-1][0]
         # what the earlier stacks of this call left: the stage reached and their sown values
         carry = _CARRY.pop(id(self), None)
