@@ -52,8 +52,17 @@ LLAMA2_TINY = dict(
     vocab_size=256,
 )
 
-# A tiny Mixtral (MaxText's mixtral-8x7b config, shrunk): 4 experts, top-2, a dense
-# ("matmul", not megablox) MoE without token dropping.
+# The MoE of the tiny configs: 4 experts, top-2, a dense ("matmul", not megablox) MoE without
+# token dropping.
+TINY_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    sparse_matmul=False,
+    megablox=False,
+    capacity_factor=-1.0,
+)
+
+# A tiny Mixtral (MaxText's mixtral-8x7b config, shrunk).
 MIXTRAL_TINY = dict(
     model_name="mixtral-8x7b",
     base_emb_dim=64,
@@ -64,15 +73,11 @@ MIXTRAL_TINY = dict(
     base_num_decoder_layers=4,
     head_dim=16,
     vocab_size=256,
-    num_experts=4,
-    num_experts_per_tok=2,
-    sparse_matmul=False,
-    megablox=False,
-    capacity_factor=-1.0,
+    **TINY_MOE,
 )
 
 # A tiny DeepSeek-V2 (MaxText's deepseek2-16b config, shrunk): one dense layer, then MoE
-# layers of 4 routed experts (top-2, softmax router) and a shared expert; MLA attention.
+# layers of the routed experts (softmax router) and a shared expert; MLA attention.
 DEEPSEEK2_TINY = dict(
     model_name="deepseek2-16b",
     base_emb_dim=64,
@@ -83,8 +88,6 @@ DEEPSEEK2_TINY = dict(
     base_num_decoder_layers=5,
     first_num_dense_layers=1,
     vocab_size=256,
-    num_experts=4,
-    num_experts_per_tok=2,
     shared_experts=1,
     kv_lora_rank=16,
     qk_nope_head_dim=16,
@@ -92,9 +95,7 @@ DEEPSEEK2_TINY = dict(
     v_head_dim=16,
     original_max_position_embeddings=64,
     max_position_embeddings=1024,
-    sparse_matmul=False,
-    megablox=False,
-    capacity_factor=-1.0,
+    **TINY_MOE,
 )
 
 CONFIGS = {"llama2": LLAMA2_TINY, "mixtral": MIXTRAL_TINY, "deepseek2": DEEPSEEK2_TINY}
