@@ -58,6 +58,13 @@ def _cpu() -> float:
     return t.user + t.system
 
 
+def _line(text: str) -> None:
+    """One line on stdout in one write: the two ranks share the pipe, and ``print`` writes
+    the text and its newline apart, so their lines could interleave."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def _timed(fn) -> tuple[float, float]:
     import jax
 
@@ -145,7 +152,7 @@ def part_baton(args) -> dict:
     res = dict(rank=rank, first=first, cpu=cpu, step=t,
                xla_compiles=clk.during["first"]["xla_n"], xla_s=clk.during["first"]["xla"],
                compiles=clk.compiles)
-    print("RANK " + json.dumps(res), flush=True)
+    _line("RANK " + json.dumps(res))
     return res
 
 
@@ -189,7 +196,7 @@ def main() -> None:
     ap.add_argument("--part", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.part == "maxtext":
-        print("RESULT " + json.dumps(part_maxtext(args)), flush=True)
+        _line("RESULT " + json.dumps(part_maxtext(args)))
         return
     if args.part == "baton":
         part_baton(args)

@@ -1,7 +1,7 @@
 """``CompiledStep``: one traced training step (one set of shapes) made runnable.
 
 It holds the C++ partition and plan, the task functions (``tasks.build_tasks``), the code
-before and after the loop as per-stage segments (``tasks.Segments``), the plan's buffer
+before and after the loop as per-stage segments (``segments.Segments``), the plan's buffer
 facts (``buffers.Buffers``), and two engines that run the loop:
 
 * ``engine`` (``engine.ProgramEngine``, the default): each rank's loop as one XLA program
@@ -41,7 +41,8 @@ from .retarget import on_rank
 from .run_options import PLAIN, RunOptions
 from .task_args import task_args
 from .buffers import Buffers
-from .tasks import Segments, build_tasks
+from .segments import Segments
+from .tasks import build_tasks
 from .trace import Traced
 
 G = _core.graph

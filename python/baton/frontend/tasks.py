@@ -1,5 +1,5 @@
-"""What a compiled step is made of, shared by both engines: the task functions, the code
-outside the loop as per-stage segments, and the plan's facts about tasks and buffers.
+"""What a compiled step's loop is made of, shared by every engine: the task functions and
+the plan's facts about tasks and buffers (the code outside the loop: ``segments.py``).
 
 A *task* (``TaskExe``) is one (kind, stage) of the C++ partition as a function of its
 invariant inputs, its microbatch inputs and the buffers it reads, returning its outputs
@@ -17,17 +17,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .. import _core
 from .. import _jax_compat as jc
-from ..errors import TraceError
 from .trace import Traced
 
 G = _core.graph
 REGION_PRE, REGION_POST = "pre", "post"
 OUT_GROUPS = ("act", "grad", "stash", "wstash", "wgrad", "mb")
-_SMALL_COPY = 4096  # elements: post-loop values small enough to compute on every stage
 
 
 def make_fn(traced: Traced, op_ids: list[int], in_ids: list[int], out_ids: list[int],
@@ -254,158 +251,6 @@ def parts_of(tasks, kind, s) -> list[int]:
     for exe in task_exes(tasks, kind, s):
         out += list(exe.body[0]) + list(exe.body[1])
     return out
-
-
-@dataclasses.dataclass
-class Segment:
-    stage: int
-    fn: Any
-    inputs: list[int]
-    outputs: list[int]
-    donate: tuple = ()  # positions of ``inputs`` the program donates
-
-
-class Segments:
-    """The code before and after the loop as per-stage jitted segments (``pre``, ``post``),
-    in dependency waves."""
-
-    def __init__(self, traced: Traced, op_stage: list[int], num_stages: int,
-                 fix_of=lambda stage: None, donated: frozenset = frozenset()):
-        self.fix_of = fix_of
-        self.traced = traced
-        self.op_stage = op_stage
-        self.num_stages = num_stages
-        tr = traced
-        ops = tr.ops
-        pre = [i for i, op in enumerate(ops) if op.region == REGION_PRE]
-        post = [i for i, op in enumerate(ops) if op.region == REGION_POST]
-        self.pre = self._segments(pre, set(tr.step_inputs))
-        avail = set(tr.step_inputs)
-        for s in self.pre:
-            avail.update(s.outputs)
-        avail.update(o for _, o, _ in tr.loop_outputs)
-        self.post = self._segments(post, avail, self._small_free_copies(post), donated)
-
-    def _small_free_copies(self, post: list[int]) -> dict[int, set[int]]:
-        """Post-loop ops that read only step inputs, literals and each other and make small
-        values (the optimizer's step count and bias corrections): op -> the other stages whose
-        post-loop ops read them. Each of those stages computes its own copy, so its optimizer
-        update does not wait for the stage the op was placed on (which finishes its loop
-        last)."""
-        tr = self.traced
-        ops = tr.ops
-        free_vals = set(tr.step_inputs) | set(tr.literals)
-        free_by_val: dict[int, int] = {}
-        for i in post:
-            op = ops[i]
-            small = all(int(np.prod(tr.avals[v].shape)) <= _SMALL_COPY for v in op.outputs)
-            if small and all(v in free_vals for v in op.inputs):
-                free_vals.update(op.outputs)
-                for v in op.outputs:
-                    free_by_val[v] = i
-        copies: dict[int, set[int]] = {}
-
-        def need(i, stage):
-            if stage == self.op_stage[i] or stage in copies.setdefault(i, set()):
-                return
-            copies[i].add(stage)
-            for v in ops[i].inputs:
-                if v in free_by_val:
-                    need(free_by_val[v], stage)
-
-        for j in post:
-            if j in free_by_val.values():
-                continue
-            for v in ops[j].inputs:
-                if v in free_by_val:
-                    need(free_by_val[v], self.op_stage[j])
-        return {i: st for i, st in copies.items() if st}
-
-    def _segments(self, op_ids: list[int], avail: set[int],
-                  copies: dict[int, set[int]] | None = None,
-                  donated: frozenset = frozenset()) -> list[Segment]:
-        """Per-stage jitted segments in dependency waves. ``copies``: op -> extra stages that
-        compute their own copy of it (see _small_free_copies); a value such an op makes is
-        read on a stage only from that stage's own copy. ``donated``: step inputs the caller
-        gave up (``baton.jit(donate_argnums=...)``); the last segment that reads one donates
-        it when it makes an output of its shape and dtype (the new parameters or optimizer
-        state: XLA writes them in place)."""
-        tr = self.traced
-        ops = tr.ops
-        lits = tr.literals
-        copies = copies or {}
-        copied_vals = {v for i in copies for v in ops[i].outputs}
-        local: dict[int, set[int]] = {s: set() for s in range(self.num_stages)}
-        # Values read after each op: by later ops, the loop, the step outputs.
-        uses: dict[int, set] = {}
-        for i, op in enumerate(ops):
-            for v in op.inputs:
-                uses.setdefault(v, set()).add(i)
-        external = set(tr.step_outputs) | {o for _, o, _ in tr.loop_inputs}
-        # (op, stage) items: every op on its own stage, plus the copies
-        remaining = sorted([(i, self.op_stage[i]) for i in op_ids]
-                           + [(i, st) for i in op_ids for st in sorted(copies.get(i, ()))])
-        avail = set(avail)
-        segs = []
-
-        def ready(v, stage, produced):
-            if v in lits or v in produced:
-                return True
-            if v in copied_vals:
-                return v in local[stage]
-            return v in avail
-
-        while remaining:
-            progress = False
-            for stage in range(self.num_stages):
-                seg, produced = [], set()
-                for i, st in remaining:
-                    if st != stage:
-                        continue
-                    if all(ready(v, stage, produced) for v in ops[i].inputs):
-                        seg.append(i)
-                        produced.update(ops[i].outputs)
-                if not seg:
-                    continue
-                progress = True
-                seg_set = set(seg)
-                remaining = [(i, st) for i, st in remaining if not (st == stage and i in seg_set)]
-                ins = sorted({v for i in seg for v in ops[i].inputs
-                              if v not in produced and v not in lits})
-                outs = sorted(v for v in produced
-                              if v in external or any(u not in seg_set for u in uses.get(v, ())))
-                segs.append((stage, seg, ins, outs))
-                avail.update(produced)
-                local[stage].update(produced)
-            if not progress:
-                raise TraceError("internal: code outside the loop could not be ordered by stage")
-        out = []
-        for j, (stage, seg, ins, outs) in enumerate(segs):
-            later = set(tr.step_outputs).union(*[set(x[2]) for x in segs[j + 1:]])
-            give = self._donate(ins, outs, donated, later)
-            out.append(Segment(stage, jax.jit(make_fn(tr, seg, ins, outs, self.fix_of(stage)),
-                                              donate_argnums=give), ins, outs, give))
-        return out
-
-    def _donate(self, ins, outs, donated, later) -> tuple[int, ...]:
-        return donatable(self.traced.avals, ins, outs, donated, later)
-
-
-def donatable(avals, ins, outs, donated, later) -> tuple[int, ...]:
-    """Positions of ``ins`` a program donates: donated step inputs nothing ``later`` reads,
-    each matched to an output of ``outs`` with the same shape and dtype (XLA reuses a donated
-    buffer only for such an output; an unmatched donation would only warn)."""
-    free: dict[tuple, int] = {}
-    for v in outs:
-        k = (tuple(avals[v].shape), str(avals[v].dtype))
-        free[k] = free.get(k, 0) + 1
-    pos = []
-    for j, v in enumerate(ins):
-        k = (tuple(avals[v].shape), str(avals[v].dtype))
-        if v in donated and v not in later and free.get(k, 0) > 0:
-            free[k] -= 1
-            pos.append(j)
-    return tuple(pos)
 
 
 def final_part(part, acc, stacked, M: int):
