@@ -23,7 +23,6 @@ from .. import _jax_compat as jc
 from .trace import Traced
 
 G = _core.graph
-REGION_PRE, REGION_POST = "pre", "post"
 OUT_GROUPS = ("act", "grad", "stash", "wstash", "wgrad", "mb")
 
 
