@@ -100,7 +100,9 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("handshake")
     script = tmp / "worker.py"
     script.write_text(WORKER)
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES="1", JAX_PLATFORMS="cpu")
+    # (faulthandler: a process that aborts prints every thread's Python stack to stderr,
+    # which the assertion below shows)
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="1", JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1")
     p = subprocess.run([sys.executable, "-m", "baton.launch", "--nprocs", "2", "--grace", "20",
                         "--timeout", "200", str(script), str(tmp)],
                        capture_output=True, text=True, timeout=240, env=env)
