@@ -117,12 +117,13 @@ def test_traced_and_untraced_steps_run_the_same_executable():
     assert len(tr.transfers) > 0 and all(t["end"] >= t["start"] for t in tr.transfers)
 
 
-@pytest.mark.parametrize("warm", [True, False], ids=["warmed", "not_warmed"])
+@pytest.mark.parametrize("warm", ["threads", "here", None],
+                         ids=["warmed", "warmed_in_this_thread", "not_warmed"])
 def test_code_after_the_loop_compiled_ahead_is_not_compiled_again(monkeypatch, warm):
-    """A ``Warmup`` (warm.py: with several processes, started while the rank programs
-    compile) compiles the segments after the loop from avals and placements ahead of their
-    first call, so running them compiles nothing; without it each compiles at its call (the
-    check can fail)."""
+    """A ``Warmup`` (warm.py: with several processes, on threads started while the rank
+    programs compile, or on one core in the building thread after them) compiles the
+    segments after the loop from avals and placements ahead of their first call, so running
+    them compiles nothing; without it each compiles at its call (the check can fail)."""
     import optax
     from baton import _jax_compat as jc
     from baton.frontend import step as step_mod
@@ -150,16 +151,21 @@ def test_code_after_the_loop_compiled_ahead_is_not_compiled_again(monkeypatch, w
         ps, params, st, batch = make_train(baton.OneFOneB(), 2, optax.adam(1e-2))
         step = ps.compile(params, st, batch)
         assert len(step.post_segments) >= 2
-        if warm:
+        want = len(step.post_segments) if jc.jax_version >= (0, 12) else 0
+        if warm == "threads":
             w = Warmup(step, step.post_segments, [0, 1])
             # JAX 0.11's AOT compile does not fill the cache jit calls use: no warm-up there
-            assert len(w.threads) == (len(step.post_segments) if jc.jax_version >= (0, 12)
-                                      else 0)
+            assert len(w.threads) == want and w.jobs == []
             w.join()
+        elif warm == "here":
+            w = Warmup(step, step.post_segments, [0, 1], background=False)
+            assert w.threads == [] and len(w.jobs) == want
+            w.run()
+            assert w.jobs == []
         jax.block_until_ready(ps(params, st, batch))
     finally:
         in_post[0] = False
-    assert (compiles == []) == (warm and jc.jax_version >= (0, 12)), compiles
+    assert (compiles == []) == (warm is not None and jc.jax_version >= (0, 12)), compiles
 
 
 EXIT_WHILE_WARMING = """

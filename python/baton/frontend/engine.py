@@ -20,6 +20,7 @@ fallback to the interpreter.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -340,8 +341,11 @@ class ProgramEngine:
                 for r, c, t in zip(ranks, comms, ts):
                     progs.append(RankProgram(step, r, c, timeout))
                     progs[-1].transport = t
-                self.warmup = Warmup(step, step.post_segments, ranks)
+                serial = _cores() < 2  # (one core: no overlap to gain, warm.py)
+                self.warmup = Warmup(step, step.post_segments, ranks, background=not serial)
                 errors = compile_all(progs, vals)
+                if serial:
+                    self.warmup.run()
                 whys.update({r: f"{type(e).__name__}: {e}" for r, e in zip(ranks, errors) if e})
             except Exception as e:  # noqa: BLE001  (raised below, in every process)
                 whys[r] = f"{type(e).__name__}: {e}"
@@ -354,6 +358,14 @@ class ProgramEngine:
                               + "; ".join(bad))
         self.rank_progs = progs
         return progs
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (no affinity on this platform)
+        return os.cpu_count() or 1
 
 
 def compile_all(progs, vals) -> list:

@@ -15,6 +15,10 @@ programs already compile in parallel on every core, the warm-up's tracing holds 
 against their lowering, and the segments' arguments may carry the model's own meshes, which
 the guess misses (a trial on MaxText's model lost, 10.1 against 8.5 s:
 `bench/results/maxtext.md`, 2026-12-05).
+On a process with one core (a rank pinned to its core) the compiles run in the building
+thread right after the rank program's (``run``): two XLA compiles time-sliced on one core take
+longer than the same two one after the other (about 0.1 s on MaxText's two-rank step,
+`bench/results/maxtext.md`, 2026-12-05, night), and there is no second core to overlap with.
 On JAX 0.11 the warm-up is off: its AOT compile does not fill the cache that jit calls use.
 """
 
@@ -29,27 +33,40 @@ from .. import _jax_compat as jc
 
 
 class Warmup:
-    """Background compiles of the segments of ``segs`` placed on ``ranks`` of ``step`` (the
-    ranks of one device among them); ``join`` waits for them. A failed background compile is
-    dropped: the segment's own call compiles it again and raises there."""
+    """Compiles ahead of their first call the segments of ``segs`` placed on ``ranks`` of
+    ``step`` (the ranks of one device among them): on background threads started here, or,
+    with ``background=False``, in the thread that calls ``run``; ``join`` waits for the
+    threads. A failed compile is dropped: the segment's own call compiles it again and
+    raises there."""
 
-    def __init__(self, step: Any, segs: list, ranks: list[int]):
+    def __init__(self, step: Any, segs: list, ranks: list[int], background: bool = True):
         self.threads: list[threading.Thread] = []
+        self.jobs: list[tuple[Any, Any, int]] = []  # (step, segment, rank) not yet compiled
         if jc.jax_version < (0, 12):  # its AOT compile does not fill the cache jit calls use
             return
         one = {r for r in ranks if len(step.mesh.rank_devices[r]) == 1}
         for seg in segs:
             rank = step.stage_rank[seg.stage]
-            if rank not in one:
-                continue
+            if rank in one:
+                self.jobs.append((step, seg, rank))
+        if not background:
+            return
+        for job in self.jobs:
             # not a daemon: a process that stops while they compile (after an error, or after
             # `compile` without a call) waits for them at exit; a daemon thread inside XLA's
             # compiler while the interpreter finalizes crashes the process (SIGSEGV or
             # std::terminate; test_engine.py)
-            t = threading.Thread(target=self._compile, args=(step, seg, rank),
-                                 name=f"baton-warm-s{seg.stage}")
+            t = threading.Thread(target=self._compile, args=job,
+                                 name=f"baton-warm-s{job[1].stage}")
             t.start()
             self.threads.append(t)
+        self.jobs = []
+
+    def run(self) -> None:
+        """Compiles the segments not started on threads, here, one after another."""
+        jobs, self.jobs = self.jobs, []
+        for job in jobs:
+            self._compile(*job)
 
     @staticmethod
     def _spec(step: Any, v: int, rank: int) -> jax.ShapeDtypeStruct:
