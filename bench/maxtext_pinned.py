@@ -230,6 +230,10 @@ def main() -> None:
                                    cpu=[r["cpu"] for r in ranks],
                                    step=max(r["step"] for r in ranks),
                                    ratio=max(r["first"] for r in ranks) / mt[-1]["first"]))
+            got = runs[name][-1]
+            print(f"round {len(mt)}: MaxText {mt[-1]['first']:.2f} s, Baton {name} "
+                  f"{max(r['first'] for r in ranks):.2f} s, ratio {got['ratio']:.3f}, CPU "
+                  f"{' + '.join(f'{c:.2f}' for c in got['cpu'])}", file=sys.stderr, flush=True)
     rows = [_row(mt[0]["name"], mt)]
     for name in names:
         rows.append(_row(f"Baton {name}, {RANKS} processes pinned to cores 0 and 1", runs[name]))
