@@ -18,6 +18,7 @@ from .distributed import Remote, Router, agree_ranks_per_process, agree_spanning
 from .distributed import launched_world_size
 from .distributed import local_devices, process_group, process_mesh, ranks_per_process
 from .checks import check_backward, check_leaves, stages_hint
+from .gc_hold import held
 from .step import CompiledStep
 from .handshake import agree_program, describe, error_text
 from .mesh import PipelineMesh
@@ -51,8 +52,9 @@ class PipelinedFunction(StepInspection):
                  remat: bool = True, fuse_forward_backward: bool = True,
                  retain_host_memory: bool = True, single_program: bool = True,
                  param_shardings: Any = None, boundaries: Any = None,
-                 donate_argnums: Any = (), share_programs: bool = True):
+                 donate_argnums: Any = (), share_programs: bool = True, hold_gc: bool = True):
         self.param_shardings = param_shardings
+        self.hold_gc = bool(hold_gc)
         nums = (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
         try:
             nums = tuple(nums)
@@ -178,7 +180,8 @@ class PipelinedFunction(StepInspection):
         key = self._key(flat, tree)
         step = self._cache.get(key)
         if step is None:
-            step = self._build_agreed(args)
+            with held(self.hold_gc):
+                step = self._build_agreed(args)
             self._cache[key] = step
             self._tree = tree
         self.last = step
@@ -294,7 +297,9 @@ class PipelinedFunction(StepInspection):
         # steps then run alike); across processes a SEND already waits for its value.
         opts = RunOptions(record=bool(record), block=bool(record) or not self.multi,
                           live=live)
-        outs = step.run(flat, self.group, self.timeout, opts)
+        with held(self.hold_gc and step.runs == 0):  # (the first run builds the programs)
+            outs = step.run(flat, self.group, self.timeout, opts)
+        step.runs += 1
         if record:
             self.last_trace = build_trace(step.core_plan, step.last_events,
                                           buffer_bytes(step.core_plan, cost_model_of(step)),
@@ -353,6 +358,7 @@ def jit(
     boundaries: Any = None,
     donate_argnums: Any = (),
     share_programs: bool = True,
+    hold_gc: bool = True,
 ):
     """Pipelines ``fn`` (a training step containing one ``baton.accumulate``); usable as
     ``baton.jit(step, mesh=..., ...)`` or as a decorator ``@baton.jit(mesh=..., ...)``.
@@ -389,6 +395,10 @@ def jit(
     the others are identities (``baton.autoplan`` chooses them). Default: all.
     ``donate_argnums``: arguments the caller gives up, as in ``jax.jit``: the optimizer update
     writes the new parameters and optimizer state into their buffers.
+    ``hold_gc``: while a call builds the step (tracing, planning, lowering and compiling its
+    programs: the first call, and a call with new shapes), Python's garbage collector runs
+    every 50,000 allocations instead of CPython's 700 (``gc.set_threshold``, process-wide,
+    restored after; ``frontend/gc_hold.py``); ``False`` leaves the collector alone.
     """
     if mesh is None and (transport == "local" or
                          (transport in (None, "nccl") and launched_world_size() <= 1)):
@@ -398,6 +408,6 @@ def jit(
         return PipelinedFunction(f, mesh, schedule, microbatches, transport, timeout, trace,
                                  remat, fuse_forward_backward, retain_host_memory,
                                  single_program, param_shardings, boundaries, donate_argnums,
-                                 share_programs)
+                                 share_programs, hold_gc)
 
     return wrap if fn is None else wrap(fn)

@@ -74,6 +74,7 @@ class CompiledStep:
                  in_specs: list | None = None, donated: frozenset = frozenset(),
                  share_programs: bool = True):
         self.traced = traced
+        self.runs = 0  # calls completed (the first one builds the programs: gc_hold.py)
         # step inputs the caller gives up (baton.jit(donate_argnums=...)): the optimizer
         # update after the loop writes the new values into their buffers
         self.donated = frozenset(donated)
