@@ -25,11 +25,16 @@ On JAX 0.11 the warm-up is off: its AOT compile does not fill the cache that jit
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
 from .. import _jax_compat as jc
+
+
+class _Job(NamedTuple):
+    seg: Any  # a segment after the loop (``segments.Segment``)
+    rank: int  # the rank it runs on
 
 
 class Warmup:
@@ -41,14 +46,15 @@ class Warmup:
 
     def __init__(self, step: Any, segs: list, ranks: list[int], background: bool = True):
         self.threads: list[threading.Thread] = []
-        self.jobs: list[tuple[Any, Any, int]] = []  # (step, segment, rank) not yet compiled
+        self.step = step
+        self.jobs: list[_Job] = []  # not yet compiled or started
         if jc.jax_version < (0, 12):  # its AOT compile does not fill the cache jit calls use
             return
         one = {r for r in ranks if len(step.mesh.rank_devices[r]) == 1}
         for seg in segs:
             rank = step.stage_rank[seg.stage]
             if rank in one:
-                self.jobs.append((step, seg, rank))
+                self.jobs.append(_Job(seg, rank))
         if not background:
             return
         for job in self.jobs:
@@ -56,8 +62,8 @@ class Warmup:
             # `compile` without a call) waits for them at exit; a daemon thread inside XLA's
             # compiler while the interpreter finalizes crashes the process (SIGSEGV or
             # std::terminate; test_engine.py)
-            t = threading.Thread(target=self._compile, args=job,
-                                 name=f"baton-warm-s{job[1].stage}")
+            t = threading.Thread(target=self._compile, args=(step, job.seg, job.rank),
+                                 name=f"baton-warm-s{job.seg.stage}")
             t.start()
             self.threads.append(t)
         self.jobs = []
@@ -66,7 +72,7 @@ class Warmup:
         """Compiles the segments not started on threads, here, one after another."""
         jobs, self.jobs = self.jobs, []
         for job in jobs:
-            self._compile(*job)
+            self._compile(self.step, job.seg, job.rank)
 
     @staticmethod
     def _spec(step: Any, v: int, rank: int) -> jax.ShapeDtypeStruct:
