@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
@@ -97,17 +95,9 @@ T.worker_main(sys.argv[1])
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("handshake")
-    script = tmp / "worker.py"
-    script.write_text(WORKER)
-    # (faulthandler: a process that aborts prints every thread's Python stack to stderr,
-    # which the assertion below shows)
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES="1", JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1")
-    p = subprocess.run([sys.executable, "-m", "baton.launch", "--nprocs", "2", "--grace", "20",
-                        "--timeout", "200", str(script), str(tmp)],
-                       capture_output=True, text=True, timeout=240, env=env)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-6000:]
-    return [json.loads((tmp / f"process{q}.json").read_text()) for q in range(2)]
+    from launched import run_workers
+
+    return run_workers(tmp_path_factory.mktemp("handshake"), WORKER)
 
 
 def both(results, name):

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
@@ -95,14 +93,9 @@ T.worker_main(sys.argv[1])
 def test_one_core_process_compiles_the_code_after_the_loop_before_its_loop(tmp_path):
     from baton import _jax_compat as jc
 
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES="1", JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1")
-    p = subprocess.run([sys.executable, "-m", "baton.launch", "--nprocs", "2", "--grace", "20",
-                        "--timeout", "200", str(script), str(tmp_path)],
-                       capture_output=True, text=True, timeout=240, env=env)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-6000:]
-    res = [json.loads((tmp_path / f"process{q}.json").read_text()) for q in range(2)]
+    from launched import run_workers
+
+    res = run_workers(tmp_path, WORKER)
 
     def plain(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
