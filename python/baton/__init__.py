@@ -43,9 +43,11 @@ from .schedules import (  # noqa: F401,E402
     ScheduleSpec,
     load_schedule,
     save_schedule,
+    schedule_aliases,
     schedule_from_name,
     schedule_names,
 )
+from .layout import Layout, PipelineConfig  # noqa: F401,E402
 
 # --- JAX frontend (stage_boundary, PipelineMesh, accumulate, jit) ---
 from .frontend import (  # noqa: F401,E402
@@ -74,5 +76,9 @@ from .scale import evaluate_cluster, plan_cluster  # noqa: F401,E402
 
 # --- checkpoints on Orbax (baton.checkpoint.save / restore / latest_step) ---
 from . import checkpoint  # noqa: F401,E402
+
+# --- per-stage initialization and data read where it is consumed ---
+from .init import abstract_state, init_stages, leaf_homes  # noqa: F401,E402
+from . import data  # noqa: F401,E402
 
 __version__ = "0.1.0"
