@@ -34,6 +34,7 @@ __all__ = [
     "ScheduleFile",
     "schedule_from_name",
     "schedule_names",
+    "schedule_aliases",
     "load_schedule",
     "save_schedule",
 ]
@@ -242,24 +243,93 @@ _SPECS: dict[str, type[ScheduleSpec]] = {
 }
 
 
+# Other systems' spellings of the same schedules. torchtitan passes its
+# ``pipeline_parallel_schedule`` to ``torch.distributed.pipelining``'s
+# ``get_schedule_class`` (class names without the "Schedule" prefix); Megatron-LM picks
+# ``forward_backward_pipelining_without_interleaving`` (1F1B) or ``..._with_interleaving``
+# (interleaved 1F1B, when ``virtual_pipeline_model_parallel_size`` is set) in
+# ``megatron.core.pipeline_parallel.schedules``; its zero-bubble variants are named after
+# the paper's ZB-H1 / ZB-H2 / ZB-V.
+_ALIASES: dict[str, str] = {
+    # torchtitan / torch.distributed.pipelining
+    "schedulegpipe": "gpipe",
+    "schedule1f1b": "1f1b",
+    "scheduleinterleaved1f1b": "interleaved",
+    "zbvzerobubble": "zbv",
+    "schedulezbvzerobubble": "zbv",
+    "scheduledualpipev": "dualpipev",
+    # Megatron-LM
+    "forwardbackwardpipeliningwithoutinterleaving": "1f1b",
+    "forwardbackwardpipeliningwithinterleaving": "interleaved",
+    "pipedreamflush": "1f1b",
+    "zerobubbleh1": "zbh1",
+    "zerobubbleh2": "zbh2",
+    "zerobubblev": "zbv",
+}
+
+# Names other systems use for schedules Baton has no generator for: recognised, refused
+# with the nearest Baton schedule.
+_UNSUPPORTED: dict[str, str] = {
+    "loopedbfs": "torchtitan's LoopedBFS (several stages per rank, all forwards of a stage "
+                 "before the next) has no Baton generator; the nearest is 'Interleaved1F1B'",
+    "scheduleloopedbfs": "torchtitan's LoopedBFS has no Baton generator; the nearest is "
+                         "'Interleaved1F1B'",
+    "interleavedzerobubble": "torchtitan's InterleavedZeroBubble (ZB-H1 over stages placed "
+                             "round-robin, several per rank) has no Baton generator; the "
+                             "nearest are 'ZBVZeroBubble' (zbv: two stages per rank in a V) "
+                             "and 'ZBH1' (one stage per rank)",
+    "scheduleinterleavedzerobubble": "torchtitan's InterleavedZeroBubble has no Baton "
+                                     "generator; the nearest are 'ZBVZeroBubble' (zbv) and "
+                                     "'ZBH1'",
+    "pipelineschedulesingle": "PipelineScheduleSingle is torch's base class; a schedule as "
+                              "data is baton.ScheduleFile(path) (the text format)",
+    "pipelineschedulemulti": "PipelineScheduleMulti is torch's base class; a schedule as "
+                             "data is baton.ScheduleFile(path) (the text format)",
+}
+
+
 def schedule_names() -> list[str]:
     """Names accepted by ``schedule_from_name`` (canonical generator names)."""
     return ["gpipe", "1f1b", "eager1f1b", "interleaved", "zbh1", "zbh2", "zbv", "dualpipev"]
 
 
-def schedule_from_name(name: str, virtual_stages: int | None = None) -> ScheduleSpec:
-    """The spec for a generator name ("zbv", "1F1B", "dual-pipe-v", ...).
+def schedule_aliases() -> dict[str, str]:
+    """Other systems' spellings accepted by ``schedule_from_name``, with the Baton name each
+    stands for (torchtitan's ``Interleaved1F1B``, ``ZBVZeroBubble``, ``DualPipeV``;
+    Megatron-LM's ``forward_backward_pipelining_with_interleaving`` ...)."""
+    shown = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved",
+             "ZBVZeroBubble": "zbv", "DualPipeV": "dualpipev", "OneFOneB": "1f1b",
+             "ZBH1": "zbh1", "ZBH2": "zbh2", "ZBV": "zbv", "Eager1F1B": "eager1f1b",
+             "forward_backward_pipelining_without_interleaving": "1f1b",
+             "forward_backward_pipelining_with_interleaving": "interleaved",
+             "PipeDreamFlush": "1f1b", "ZeroBubbleH1": "zbh1", "ZeroBubbleH2": "zbh2",
+             "ZeroBubbleV": "zbv"}
+    return shown
 
-    Case, '-' and '_' are ignored. ``virtual_stages`` applies to "interleaved"
-    only (``None`` takes its default, 2); other schedules accept only ``None``
-    or 1.
+
+def _key(name: str) -> str:
+    return name.lower().replace("-", "").replace("_", "").replace(" ", "")
+
+
+def schedule_from_name(name: str, virtual_stages: int | None = None) -> ScheduleSpec:
+    """The spec for a schedule name in Baton's, torchtitan's or Megatron-LM's spelling
+    ("zbv", "1F1B", "dual-pipe-v", "ZBVZeroBubble", "Interleaved1F1B",
+    "forward_backward_pipelining_with_interleaving", ...; ``schedule_aliases()``).
+
+    Case, spaces, '-' and '_' are ignored. ``virtual_stages`` applies to "interleaved"
+    only (``None`` takes its default, 2); other schedules accept only ``None`` or 1.
+    A name no system uses raises ``ScheduleError`` listing the accepted names.
     """
     if not isinstance(name, str):
         raise ScheduleError(f"schedule name must be a string (got {type(name).__name__})")
-    key = name.lower().replace("-", "").replace("_", "")
-    cls = _SPECS.get(key)
+    key = _key(name)
+    if key in _UNSUPPORTED:
+        raise ScheduleError(f"schedule {name!r}: {_UNSUPPORTED[key]}")
+    cls = _SPECS.get(key) or _SPECS.get(_ALIASES.get(key, ""))
     if cls is None:
-        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(schedule_names())}")
+        raise ScheduleError(
+            f"unknown schedule {name!r}; Baton's names: {', '.join(schedule_names())}; also "
+            f"accepted (torchtitan, Megatron-LM): {', '.join(schedule_aliases())}")
     v = None if virtual_stages is None else _positive_int(virtual_stages, "virtual_stages")
     if cls is Interleaved1F1B:
         return Interleaved1F1B() if v is None else Interleaved1F1B(virtual_stages=v)

@@ -31,6 +31,30 @@ from .trace import trace_step
 from .tracing import buffer_bytes, build_trace
 
 
+def _layout_options(layout, boundaries, microbatch_size, schedule):
+    """``baton.jit``'s ``layout`` and ``microbatch_size``, checked (``baton.Layout``)."""
+    from ..layout import Layout
+    if layout is not None:
+        if not isinstance(layout, Layout):
+            raise ConfigError(f"baton.jit: layout must be a baton.Layout (got "
+                              f"{type(layout).__name__}: {layout!r:.80})")
+        if boundaries is not None:
+            raise ConfigError("baton.jit: give layout= or boundaries=, not both (a layout "
+                              "chooses the boundaries)")
+        if isinstance(schedule, Auto):
+            raise ConfigError("baton.jit: schedule=baton.Auto(...) chooses the cuts itself; "
+                              "it takes no layout=")
+    if microbatch_size is not None:
+        if (isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int)
+                or microbatch_size < 1):
+            raise ConfigError(f"baton.jit: microbatch_size must be a positive integer "
+                              f"(got {microbatch_size!r})")
+        if isinstance(schedule, Auto):
+            raise ConfigError("baton.jit: schedule=baton.Auto(...) chooses the microbatches "
+                              "itself; it takes no microbatch_size=")
+    return layout, microbatch_size
+
+
 def _schedule_spec(schedule: Any):
     if isinstance(schedule, str):
         return S.schedule_from_name(schedule)
@@ -52,8 +76,11 @@ class PipelinedFunction(StepInspection):
                  remat: bool = True, fuse_forward_backward: bool = True,
                  retain_host_memory: bool = True, single_program: bool = True,
                  param_shardings: Any = None, boundaries: Any = None,
-                 donate_argnums: Any = (), share_programs: bool = True, hold_gc: bool = True):
+                 donate_argnums: Any = (), share_programs: bool = True, hold_gc: bool = True,
+                 layout: Any = None, microbatch_size: int | None = None):
         self.param_shardings = param_shardings
+        self.layout, self.microbatch_size = _layout_options(layout, boundaries, microbatch_size,
+                                                            schedule)
         self.hold_gc = bool(hold_gc)
         nums = (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
         try:
@@ -226,9 +253,14 @@ class PipelinedFunction(StepInspection):
             kw = best.jit_kwargs()
             self.spec, self.microbatches = kw["schedule"], kw["microbatches"]
             self.remat, self.boundaries = kw["remat"], kw["boundaries"]
-        traced = trace_step(self.fn, args, self.microbatches, self.boundaries)
         ranks = self.mesh.num_ranks
         want = self.spec.stages(ranks)
+        bounds = self.boundaries
+        if self.layout is not None:  # the layout picks the marks that end `want` stages
+            bounds = functools.partial(self.layout.boundaries, stages=want)
+        traced = trace_step(self.fn, args, self.microbatches, bounds, self.microbatch_size)
+        if self.microbatch_size is not None:  # the count of this batch size
+            self.microbatches = traced.microbatches
         check_backward(traced)
         if traced.num_stages == 1 and want != 1:
             raise TraceError(
@@ -346,7 +378,7 @@ def jit(
     *,
     mesh: Any = None,
     schedule: Any = "1f1b",
-    microbatches: int = 1,
+    microbatches: int | None = None,
     transport: str | None = None,
     timeout: float = 120.0,
     trace: bool = False,
@@ -359,6 +391,8 @@ def jit(
     donate_argnums: Any = (),
     share_programs: bool = True,
     hold_gc: bool = True,
+    layout: Any = None,
+    microbatch_size: int | None = None,
 ):
     """Pipelines ``fn`` (a training step containing one ``baton.accumulate``); usable as
     ``baton.jit(step, mesh=..., ...)`` or as a decorator ``@baton.jit(mesh=..., ...)``.
@@ -399,7 +433,17 @@ def jit(
     programs: the first call, and a call with new shapes), Python's garbage collector runs
     every 50,000 allocations instead of CPython's 700 (``gc.set_threshold``, process-wide,
     restored after; ``frontend/gc_hold.py``); ``False`` leaves the collector alone.
+    ``microbatch_size``: rows per microbatch instead of a count (``microbatches`` is then
+    the batch size over it, per batch shape); give one of the two (default: 1 microbatch).
+    ``layout``: a ``baton.Layout``: the model marks every layer end with ``stage_boundary``
+    and the layout chooses which marks end the schedule's stages (layers per stage, first
+    and last stage counts, split points; ``baton/layout.py``), so the schedule changes
+    without editing the model.
     """
+    if microbatches is not None and microbatch_size is not None:
+        raise ConfigError(f"baton.jit: give microbatches={microbatches} or microbatch_size="
+                          f"{microbatch_size}, not both")
+    microbatches = 1 if microbatches is None else microbatches
     if mesh is None and (transport == "local" or
                          (transport in (None, "nccl") and launched_world_size() <= 1)):
         raise ConfigError("baton.jit: pass mesh=baton.PipelineMesh(devices, ranks=R)")
@@ -408,6 +452,6 @@ def jit(
         return PipelinedFunction(f, mesh, schedule, microbatches, transport, timeout, trace,
                                  remat, fuse_forward_backward, retain_host_memory,
                                  single_program, param_shardings, boundaries, donate_argnums,
-                                 share_programs, hold_gc)
+                                 share_programs, hold_gc, layout, microbatch_size)
 
     return wrap if fn is None else wrap(fn)

@@ -54,6 +54,7 @@ REDUCTIONS = ("sum", "mean", "stack")
 class _TraceContext(threading.local):
     def __init__(self):
         self.microbatches: int | None = None
+        self.microbatch_size: int | None = None  # baton.jit(microbatch_size=...)
         self.loops: list = []
 
 
@@ -63,17 +64,19 @@ _ctx = _TraceContext()
 class tracing_pipeline:
     """Context manager: ``accumulate`` calls record a loop body instead of a scan."""
 
-    def __init__(self, microbatches: int):
+    def __init__(self, microbatches: int, microbatch_size: int | None = None):
         self.microbatches = microbatches
+        self.microbatch_size = microbatch_size  # when given: the count is batch / size
 
     def __enter__(self):
-        self._saved = (_ctx.microbatches, _ctx.loops)
+        self._saved = (_ctx.microbatches, _ctx.microbatch_size, _ctx.loops)
         _ctx.microbatches = self.microbatches
+        _ctx.microbatch_size = self.microbatch_size
         _ctx.loops = []
         return _ctx.loops
 
     def __exit__(self, *exc):
-        _ctx.microbatches, _ctx.loops = self._saved
+        _ctx.microbatches, _ctx.microbatch_size, _ctx.loops = self._saved
         return False
 
 
@@ -192,6 +195,17 @@ def _num_primal(out, args) -> int:
     return len(jax.tree.leaves(value))
 
 
+def _count_of_size(leaves, size: int) -> int:
+    """The microbatch count of a batch cut into microbatches of ``size`` rows
+    (``baton.jit(microbatch_size=...)``), or a ConfigError naming the batch size."""
+    b = np.shape(leaves[0])[0] if np.shape(leaves[0]) else 0
+    if b < size or b % size:
+        raise ConfigError(
+            f"baton.jit(microbatch_size={size}): the batch has {b} rows, which do not split "
+            f"into microbatches of {size} (the batch size must be a multiple of it)")
+    return b // size
+
+
 def accumulate(
     fn: Callable,
     *args: Any,
@@ -213,15 +227,17 @@ def accumulate(
             raise ConfigError("accumulate: no batch given")
         *args, batch = args
     args = tuple(args)
-    m = _ctx.microbatches if _ctx.microbatches is not None else (microbatches or 1)
-    if _ctx.microbatches is not None and microbatches is not None and microbatches != m:
-        raise ConfigError(
-            f"accumulate(microbatches={microbatches}) disagrees with baton.jit(microbatches={m})"
-        )
     inv_leaves, inv_tree = jax.tree.flatten(args)
     mb_leaves, mb_tree = jax.tree.flatten(batch)
     if not mb_leaves:
         raise ConfigError("accumulate: the batch has no arrays")
+    m = _ctx.microbatches if _ctx.microbatches is not None else (microbatches or 1)
+    if _ctx.microbatches is not None and _ctx.microbatch_size is not None:
+        m = _count_of_size(mb_leaves, _ctx.microbatch_size)
+    if _ctx.microbatches is not None and microbatches is not None and microbatches != m:
+        raise ConfigError(
+            f"accumulate(microbatches={microbatches}) disagrees with baton.jit(microbatches={m})"
+        )
     for x in mb_leaves:
         shape = np.shape(x)
         if not shape or shape[0] % m:

@@ -373,9 +373,12 @@ _REDUCE = {"sum": G.Reduce.Sum, "mean": G.Reduce.Mean, "stack": G.Reduce.Stack}
 
 
 def trace_step(fn: Callable, args: tuple, microbatches: int,
-               boundaries: list[int] | None = None) -> Traced:
+               boundaries: Any = None, microbatch_size: int | None = None) -> Traced:
     """``boundaries``: which stage_boundary calls (0-based, forward order) end stages; the
-    others are identities (candidate cut points the planner did not choose). None: all."""
+    others are identities (candidate cut points the planner did not choose). None: all; a
+    callable: called with the step's number of stage_boundary calls, returns the indices
+    (``baton.Layout``). ``microbatch_size``: the microbatch count is the batch size over it
+    (``microbatches`` is then ignored; ``Traced.microbatches`` has the count)."""
     flat, in_tree = jax.tree.flatten(args)
     structs = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) for x in flat]
     box = []
@@ -386,7 +389,7 @@ def trace_step(fn: Callable, args: tuple, microbatches: int,
         box[:] = [tree]
         return leaves
 
-    with tracing_pipeline(microbatches):
+    with tracing_pipeline(microbatches, microbatch_size):
         closed = jax.make_jaxpr(flat_fn)(*structs)
     out_tree = box[0]
     constvars, consts, invars, outvars, eqns = jc.jaxpr_parts(closed)
@@ -407,6 +410,8 @@ def trace_step(fn: Callable, args: tuple, microbatches: int,
         )
     step_outputs = [ex.read(env, o) for o in outvars]
     n_markers = _number_markers(ex.ops)
+    if callable(boundaries):
+        boundaries = boundaries(n_markers)
     if boundaries is not None:
         n_markers = _keep_boundaries(ex.ops, boundaries, n_markers)
     prog = _program(ex, step_outputs)
