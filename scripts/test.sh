@@ -23,7 +23,8 @@
 # default 3; 0 runs in one process), BATON_JAX_CACHE (0: no persistent compilation cache;
 # default on, in .cache/jax), BATON_TEST_XLA_OPT (0, the default: the tests compile with XLA's
 # optimizations off, JAX_DISABLE_MOST_OPTIMIZATIONS=1 and JAX_OPTIMIZATION_LEVEL=O0; 1: XLA's
-# default optimizations, as users run).
+# default optimizations, as users run), BATON_TEST_CASE_TIMEOUT (seconds one Python case may
+# take, default 600). A skip whose reason tests/python/skip_policy.py does not list fails the run.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -141,11 +142,20 @@ if ((run_py)); then
     export JAX_DISABLE_MOST_OPTIMIZATIONS=1 JAX_OPTIMIZATION_LEVEL=O0
     log "XLA optimizations off for the tests (BATON_TEST_XLA_OPT=1 turns them on)"
   fi
+  # Skips: -rs prints every skip's reason; the plugin tests/python/skip_policy.py (its
+  # EXPECTED, the one list of skip reasons a run may have: no CUDA device, CUDA not built, ...)
+  # fails the run on any other skip, so a case that needs what this harness provides (eight
+  # CPU devices, ...) fails instead of skipping. A hang names itself: pytest-timeout stops a
+  # case after BATON_TEST_CASE_TIMEOUT seconds (default 600) and prints every thread's stack
+  # (thread method: it also ends a case blocked in C++; under xdist the worker is replaced and
+  # the case reported as failed).
+  export PYTHONPATH="$ROOT/tests/python${PYTHONPATH:+:$PYTHONPATH}"
+  policy=(-rs -p skip_policy --timeout="${BATON_TEST_CASE_TIMEOUT:-600}" --timeout-method=thread)
   # pytest exits 5 when it collects nothing: that is a failure here too. --durations: the
   # slowest cases in the log, where the suite's time goes.
   timeout --kill-after=30 "${BATON_PYTEST_TIMEOUT:-2700}" \
     "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 "${workers[@]}" \
-    "${pytest_args[@]}"
+    "${policy[@]}" "${pytest_args[@]}"
   rc=$?
   if ((rc == 124 || rc == 137)); then
     log "pytest timed out after ${BATON_PYTEST_TIMEOUT:-2700}s"

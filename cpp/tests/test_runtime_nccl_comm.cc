@@ -264,12 +264,53 @@ TEST(NcclCommConstruct, WithoutADeviceThrowsClearly) {
   }
 }
 
+// The message of the ConfigError `f` throws ("" when it throws nothing else).
+template <class F>
+std::string config_error(F&& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool has(const std::string& s, const std::string& sub) { return s.find(sub) != std::string::npos; }
+
+// Bad arguments are refused by name before CUDA is touched: the same message in
+// every build (with or without CUDA) and on every machine (with or without a GPU).
 TEST(NcclCommConstruct, BadArgumentsThrowBeforeTouchingCuda) {
-  EXPECT_THROW(NcclComm(0, 2, 0, nullptr, {}, std::chrono::milliseconds(10)), ConfigError);
-  EXPECT_THROW(NcclComm(2, 2, 0, make_hash_store(), {}, std::chrono::milliseconds(10)),
-               ConfigError);
-  EXPECT_THROW(NcclComm(0, 2, 0, make_hash_store(), {{0, 0, true}}, std::chrono::milliseconds(10)),
-               ConfigError);
+  const auto ms = std::chrono::milliseconds(10);
+  std::string m = config_error([&] { NcclComm(0, 2, 0, nullptr, {}, ms); });
+  EXPECT_TRUE(has(m, "a rendezvous store is required")) << m;
+  m = config_error([&] { NcclComm(2, 2, 0, make_hash_store(), {}, ms); });
+  EXPECT_TRUE(has(m, "rank 2 is invalid for world size 2")) << m;
+  m = config_error([&] { NcclComm(0, 2, 0, make_hash_store(), {{5, 0, true}}, ms); });
+  EXPECT_TRUE(has(m, "NCCL link of rank 0: peer 5 is invalid (world size 2)")) << m;
+  m = config_error([&] { NcclComm(0, 2, 0, make_hash_store(), {{1, -1, false}}, ms); });
+  EXPECT_TRUE(has(m, "NCCL link of rank 0: channel -1 is negative")) << m;
+}
+
+// A self link (a rank sending to itself) is valid: it passes the argument checks
+// and is one 1-rank communicator whose send and receive directions share a key.
+TEST(NcclCommConstruct, SelfLinkIsAcceptedAsOneKey) {
+  EXPECT_NO_THROW(staging::check_arguments(0, 2, true, {{0, 0, true}, {0, 0, false}}));
+  const auto keys = staging::canonical_links(0, 2, {{0, 0, true}, {0, 0, false}});
+  ASSERT_EQ(keys.size(), 1u);
+  EXPECT_EQ(keys[0], (staging::LinkKey{0, 0, 0}));
+  // Constructing with it fails, if at all, only for want of CUDA, a GPU or NCCL.
+  const std::string msg =
+      config_error([&] { NcclComm c(0, 1, 0, make_hash_store(), {{0, 0, true}, {0, 0, false}},
+                                    std::chrono::milliseconds(1000)); c.close(); });
+  if (std::getenv("BATON_EXPECT_NO_GPU") && NcclComm::built()) {
+    EXPECT_TRUE(has(msg, "needs a CUDA device")) << msg;
+  }
+  if (!msg.empty()) {
+    EXPECT_TRUE(has(msg, "built without CUDA") || has(msg, "needs a CUDA device") ||
+                has(msg, "cannot load NCCL"))
+        << msg;
+    EXPECT_FALSE(has(msg, "invalid")) << msg;
+  }
 }
 
 }  // namespace

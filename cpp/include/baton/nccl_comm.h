@@ -121,6 +121,12 @@ struct LinkKey {
 // negative channel.
 std::vector<LinkKey> canonical_links(int rank, int world, const std::vector<NcclLink>& links);
 
+// The arguments of an NcclComm, checked before anything touches CUDA (in every
+// build): a store is required, 0 <= rank < world, every link's peer in range and
+// its channel not negative (canonical_links). A self link (peer == rank) is valid.
+// Throws ConfigError naming the argument.
+void check_arguments(int rank, int world, bool has_store, const std::vector<NcclLink>& links);
+
 // Offsets of tensors of `bytes` packed into one slot, each aligned to `align`;
 // the last element is the total size.
 std::vector<size_t> packed_offsets(const std::vector<size_t>& bytes, size_t align = 256);

@@ -30,6 +30,14 @@ std::vector<LinkKey> canonical_links(int rank, int world, const std::vector<Nccl
   return out;
 }
 
+void check_arguments(int rank, int world, bool has_store, const std::vector<NcclLink>& links) {
+  if (!has_store) throw ConfigError("NcclRankComm: a rendezvous store is required");
+  if (world < 1 || rank < 0 || rank >= world)
+    throw ConfigError(
+        fmt::format("NcclRankComm: rank {} is invalid for world size {}", rank, world));
+  (void)canonical_links(rank, world, links);
+}
+
 std::vector<size_t> packed_offsets(const std::vector<size_t>& bytes, size_t align) {
   if (align == 0) align = 1;
   std::vector<size_t> out;
@@ -182,8 +190,10 @@ std::shared_ptr<NcclComm> find_nccl_comm(int64_t id) { return nccl_registry().fi
 #if !defined(BATON_HAVE_NCCL)
 struct NcclComm::Impl {};
 
-NcclComm::NcclComm(int, int, int, std::shared_ptr<Store>, std::vector<NcclLink>,
-                   std::chrono::milliseconds, std::string, std::chrono::milliseconds) {
+NcclComm::NcclComm(int rank, int world, int, std::shared_ptr<Store> store,
+                   std::vector<NcclLink> links, std::chrono::milliseconds, std::string,
+                   std::chrono::milliseconds) {
+  staging::check_arguments(rank, world, store != nullptr, links);
   throw ConfigError(
       "NcclComm is not available: Baton was built without CUDA/nccl.h (rebuild on a machine "
       "with the CUDA toolkit and NCCL headers)");

@@ -21,10 +21,7 @@ NcclComm::Impl::Impl(int rank, int world, int device, std::shared_ptr<Store> sto
       links_in_(std::move(links)),
       prefix_(std::move(prefix)),
       timeout_ms_(timeout.count()) {
-  if (!store_) throw ConfigError("NcclRankComm: a rendezvous store is required");
-  if (world < 1 || rank < 0 || rank >= world)
-    throw ConfigError(
-        fmt::format("NcclRankComm: rank {} is invalid for world size {}", rank, world));
+  staging::check_arguments(rank, world, store_ != nullptr, links_in_);
   const std::vector<LinkKey> keys = staging::canonical_links(rank, world, links_in_);
   int count = 0;
   const cudaError_t ce = cudaGetDeviceCount(&count);
