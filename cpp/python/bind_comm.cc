@@ -17,6 +17,7 @@
 
 #include "baton/comm.h"
 #include "baton/nccl_comm.h"
+#include "baton/roll.h"
 #include "bind_runtime.h"
 
 namespace baton::python {
@@ -54,6 +55,29 @@ struct PyNcclComm {
 }  // namespace
 
 void bind_comm(nb::module_& m) {
+  nb::enum_<runtime::CommOpKind>(m, "CommOpKind", nb::is_arithmetic(),
+                                 "A transfer operation of a `baton_comm` FFI call (comm.h).")
+      .value("SEND", runtime::CommOpKind::Send)
+      .value("POST", runtime::CommOpKind::Post)
+      .value("WAIT", runtime::CommOpKind::Wait);
+  // The conversion from the rolled item level (roll.h's ItemOp) to the FFI level; RUN items
+  // are no transfer (docs/RANK_IR.md, "Vocabularies").
+  m.def(
+      "comm_op_kind",
+      [](baton::ItemOp op) {
+        switch (op) {
+          case baton::ItemOp::Send:
+            return runtime::CommOpKind::Send;
+          case baton::ItemOp::Post:
+            return runtime::CommOpKind::Post;
+          case baton::ItemOp::Wait:
+            return runtime::CommOpKind::Wait;
+          case baton::ItemOp::Run:
+            break;
+        }
+        throw nb::value_error("comm_op_kind: a RUN item is no transfer");
+      },
+      "op"_a, "The baton_comm operation of a transfer item (ItemOp SEND, POST or WAIT).");
   nb::class_<PyComm>(m, "RankComm",
                      "The transfers of one rank's compiled program (the XLA FFI handlers of "
                      "baton._core.ffi call it; `id` is their `comm` attribute).")

@@ -130,6 +130,29 @@ void bind_plan(nb::module_& m) {
           "kind"_a, "stage"_a, "microbatch"_a)
       .def("buffer_key", &baton::Plan::buffer_key, "id"_a)
       .def("num_buffer_ids", &baton::Plan::num_buffer_ids)
+      // Rows of the dense buffer ids (plan.h: id = row * M + microbatch, one row per
+      // (kind, stage or skip edge)): the unit of rank-IR pools and ring layouts.
+      .def(
+          "num_buffer_rows",
+          [](const baton::Plan& p) {
+            return p.schedule.num_microbatches > 0
+                       ? p.num_buffer_ids() / p.schedule.num_microbatches
+                       : 0;
+          },
+          "The number of buffer rows (one per kind and stage or skip edge).")
+      .def(
+          "buffer_row",
+          [](const baton::Plan& p, int32_t id) {
+            p.buffer_key(id);  // range check, with the error naming the id
+            return id / p.schedule.num_microbatches;
+          },
+          "id"_a, "The row of buffer `id` (its kind and stage, every microbatch).")
+      .def(
+          "row_key",
+          [](const baton::Plan& p, int32_t row) {
+            return p.buffer_key(row * p.schedule.num_microbatches);
+          },
+          "row"_a, "The key of a row's microbatch-0 buffer (its kind and stage).")
       .def("channel", &baton::Plan::channel, "id"_a,
            "The ordered channel a transfer of buffer `id` travels on (its kind for act .. "
            "wgrad, 5 + e for skip edge e, 5 + E + e for its gradient).")

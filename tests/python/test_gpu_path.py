@@ -85,7 +85,8 @@ def test_transfer_counts_of_a_rank():
     for r in range(2):
         items = rank_items(cs, r)
         counts = ffi.transfer_counts(items, chan)
-        assert sum(n for *_, n in counts) == sum(op in ("send", "post") for op, *_ in items)
+        assert sum(n for *_, n in counts) == sum(
+            op in (_core.ItemOp.SEND, _core.ItemOp.POST) for op, *_ in items)
         sends = sum(n for _, _, send, n in counts if send)
         assert sends == 4  # one activation (rank 0) or gradient (rank 1) per microbatch
         assert all(n > 0 for *_, n in counts) and counts == sorted(counts)

@@ -93,9 +93,9 @@ def test_step_rank_programs_are_what_its_loops_run():
             elif name in ops:
                 ops[name] += 1
         kinds = [it[0] for it in items]
-        assert kinds.count("run") == ops["RUN"]
-        assert kinds.count("wait") == ops["WAIT"]
-        assert kinds.count("send") + kinds.count("post") == ops["POST"]
+        assert kinds.count(_core.ItemOp.RUN) == ops["RUN"]
+        assert kinds.count(_core.ItemOp.WAIT) == ops["WAIT"]
+        assert kinds.count(_core.ItemOp.SEND) + kinds.count(_core.ItemOp.POST) == ops["POST"]
 
 
 @pytest.mark.parametrize("name,ranks,mbs,rank,golden", [
@@ -123,6 +123,6 @@ def test_one_rank_loop_items_are_its_tasks(fused):
     cs = ps.compile(params, batch)
     prog = _LoopProgram(cs, 0, stacked=False)
     assert [it[1:4] for it in prog.items] == task_list(cs)
-    assert {it.op for it in prog.items} == {"run"}
+    assert {it.op for it in prog.items} == {_core.ItemOp.RUN}
     assert any(it.kind == "FB" for it in prog.items) == fused
     assert prog.describe() == ("scan 4 x [FB0]" if fused else "scan 4 x [F0 B0]")

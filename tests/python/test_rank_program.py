@@ -48,10 +48,12 @@ def test_one_f_one_b_rank_programs():
     # rank 0: Grad1(m) is posted right after Act0(m) is sent, before F0(m+1), and waited on
     # before B0(m)
     items = rank_items(cs, 0)
-    assert items[:7] == [("run", "F", 0, 0, -1), ("send", "Act", 0, 0, 1),
-                         ("post", "Grad", 1, 0, 1), ("run", "F", 0, 1, -1),
-                         ("send", "Act", 0, 1, 1), ("wait", "Grad", 1, 0, 1),
-                         ("run", "B", 0, 0, -1)]
+    RUN, SEND, POST, WAIT = (_core.ItemOp.RUN, _core.ItemOp.SEND, _core.ItemOp.POST,
+                             _core.ItemOp.WAIT)
+    assert items[:7] == [(RUN, "F", 0, 0, -1), (SEND, "Act", 0, 0, 1),
+                         (POST, "Grad", 1, 0, 1), (RUN, "F", 0, 1, -1),
+                         (SEND, "Act", 0, 1, 1), (WAIT, "Grad", 1, 0, 1),
+                         (RUN, "B", 0, 0, -1)]
 
 
 # the V schedules at 2 ranks only: 4 ranks would need 8 stages of the test MLP
@@ -68,16 +70,16 @@ def test_rank_items_keep_the_stream(name, ranks):
     sent, waited = set(), set()
     for r in range(ranks):
         items = rank_items(cs, r)
-        assert [it[1:4] for it in items if it[0] == "run"] == task_list(cs, r)
+        assert [it[1:4] for it in items if it[0] == _core.ItemOp.RUN] == task_list(cs, r)
         have, posted = set(), set()
         for it in items:
             op, k, s, m, peer = it
-            if op == "post":
+            if op == _core.ItemOp.POST:
                 posted.add((k, s, m))
-            elif op == "wait":
+            elif op == _core.ItemOp.WAIT:
                 assert (k, s, m) in posted, (r, it)
                 waited.add((peer, r, k, s, m))
-            elif op == "send":
+            elif op == _core.ItemOp.SEND:
                 assert (k, s, m) in have, (r, it)
                 sent.add((r, peer, k, s, m))
             for key in item_reads(cs, it):
@@ -114,7 +116,7 @@ def _check_rings(cs, r):
             most = max(sum(w <= p <= last for w, last in spans) for p, _ in spans)
             assert R == most, (r, pool, R, most)
     # every task kind once per rank, whatever the schedule
-    tasks = [it[1:3] for it in rp.items if it[0] == "run"]
+    tasks = [it[1:3] for it in rp.items if it[0] == _core.ItemOp.RUN]
     assert sorted(rp.units) == sorted(set(tasks)), (r, rp.describe())
 
 
@@ -130,11 +132,11 @@ def test_transfers_pair_in_fifo_order(name, ranks):
     for r in range(ranks):
         waits: dict[tuple, list] = {}
         for op, k, s, m, peer in rank_items(cs, r):
-            if op == "send":
+            if op == _core.ItemOp.SEND:
                 sends.setdefault((r, peer, k), []).append((s, m))
-            elif op == "post":
+            elif op == _core.ItemOp.POST:
                 posts.setdefault((peer, r, k), []).append((s, m))
-            elif op == "wait":
+            elif op == _core.ItemOp.WAIT:
                 waits.setdefault((peer, r, k), []).append((s, m))
         for key, got in waits.items():
             assert got == posts[key], (r, key)

@@ -28,8 +28,8 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..runtime import rendezvous
-from .interpreter import on_rank_threads
 from .mesh import BATCH_AXES, DATA_AXIS, PipelineMesh
+from .threads import on_rank_threads
 
 _TAG_BASE = 1 << 44  # executor tags are step * num_buffer_ids + buffer: far below
 _TAG_SPAN = 1 << 40
@@ -364,8 +364,8 @@ class Router:
 
     def allgather(self, blob: str) -> list[str]:
         """Every process's ``blob``, over the transport (point to point, 2 (R - 1) messages
-        per process): the rendezvous store's exchange polls files and took 5-15 ms per call,
-        every step."""
+        per process): the rendezvous store's exchange polls files, a cost every step
+        (bench/results/code_notes.md)."""
         me, R, t = self.g.rank, self.g.world_size, self.g.transport
         mine = np.frombuffer(blob.encode(), np.uint8).copy()
         recvs = {}

@@ -30,12 +30,12 @@ from .. import runtime as rt
 from ..errors import ConfigError
 from ..runtime import rendezvous
 from . import ffi
-from .interpreter import on_rank_threads, raise_first
 from .rank_program import RankProgram
-from .rolling import rank_items
+from .rolling import ItemOp, rank_items
 from .share_match import share_groups
 from .shared import SharedProgram, SharedSegments
 from .single_program import SingleProgram
+from .threads import on_rank_threads, raise_first
 from .tracing import gather_events
 from .warm import Warmup
 
@@ -105,8 +105,8 @@ def check(step, rank: int, transport_kind: str | None = None) -> None:
 
 def links(step, rank: int) -> list[tuple[int, int, bool]]:
     """(peer, channel, send) of every direction of a link ``rank``'s loop uses."""
-    return sorted({(peer, step.buffers.channel(k, s), op == "send") for op, k, s, _, peer in
-                   rank_items(step, rank) if op in ("send", "post")})
+    return sorted({(peer, step.buffers.channel(k, s), op == ItemOp.SEND) for op, k, s, _, peer
+                   in rank_items(step, rank) if op in (ItemOp.SEND, ItemOp.POST)})
 
 
 def local_slots(step, rank: int) -> list[tuple[int, Any]]:

@@ -52,14 +52,15 @@ def transfer_counts(items, channel) -> list[tuple[int, int, bool, int]]:
     and posted receives), for ``NcclRankComm.reserve``."""
     counts: dict[tuple[int, int, bool], int] = {}
     for op, k, s, _, _ in items:
-        if op in ("send", "post"):
-            key = (channel(k, s), s, op == "send")
+        if op in (_core.ItemOp.SEND, _core.ItemOp.POST):
+            key = (channel(k, s), s, op == _core.ItemOp.SEND)
             counts[key] = counts.get(key, 0) + 1
     return [(c, s, send, n) for (c, s, send), n in sorted(counts.items())]
 
 
 def comm(comm_id: int, ops: list[tuple[int, int, int, int]], token, sends: list, outs: list):
-    """One transfer group: ``ops`` are (kind 0 send / 1 post / 2 wait, peer, channel, stage);
+    """One transfer group: ``ops`` are (kind, a ``_core.runtime.CommOpKind`` value, peer,
+    channel, stage);
     ``sends`` the SEND operations' arrays in order; ``outs`` the WAIT operations' result
     shapes in order. Returns (token, received arrays)."""
     cols = np.asarray(ops, np.int32).reshape(len(ops), 4).T

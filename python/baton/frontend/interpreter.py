@@ -19,7 +19,6 @@ wait is bounded). One process per rank: this process's executor over its transpo
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Any
 
 import jax
@@ -30,6 +29,7 @@ from .. import _core
 from .. import runtime as rt
 from ..runtime import to_host
 from .tasks import OUT_GROUPS, buffer_reads, final_part, task_exes
+from .threads import on_rank_threads, raise_first
 from .tracing import gather_events
 
 G = _core.graph
@@ -102,52 +102,6 @@ def _to_host(value):
             x = np.asarray(x)
         out.append(x)
     return to_host(out)
-
-
-def on_rank_threads(num_ranks: int, fn, inline: bool = False) -> list[BaseException | None]:
-    """Runs ``fn(r)`` for every rank on its own thread ("baton-rank-r") and returns each
-    rank's exception (None where it returned); ``inline``: one rank runs on this thread."""
-    errors: list[BaseException | None] = [None] * num_ranks
-    if inline and num_ranks == 1:
-        try:
-            fn(0)
-        except BaseException as e:  # noqa: BLE001  (the caller re-raises)
-            errors[0] = e
-        return errors
-
-    def go(r):
-        try:
-            fn(r)
-        except BaseException as e:  # noqa: BLE001  (the caller re-raises)
-            errors[r] = e
-
-    threads = [threading.Thread(target=go, args=(r,), name=f"baton-rank-{r}", daemon=True)
-               for r in range(num_ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
-
-
-def raise_first(errors, causes=None):
-    """Raises the error of the rank where the failure started (``causes``: rank -> its
-    Python exception, raised as the cause); the other ranks' errors only say that rank
-    failed."""
-    errs = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if not errs:
-        return
-    origin = None
-    for _, e in errs:
-        fr = getattr(e, "failed_rank", -1)
-        if isinstance(fr, int) and fr >= 0:
-            origin = fr
-            break
-    chosen = next((e for r, e in errs if r == origin), errs[0][1])
-    cause = (causes or {}).get(origin if origin is not None else errs[0][0])
-    if cause is not None and cause is not chosen:
-        raise chosen from cause
-    raise chosen
 
 
 class Interpreter:
@@ -402,4 +356,4 @@ class Interpreter:
         return final
 
 
-__all__ = ["Interpreter", "on_rank_threads", "raise_first", "OUT_GROUPS"]
+__all__ = ["Interpreter", "OUT_GROUPS"]

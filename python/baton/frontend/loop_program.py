@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .. import _core
-from .rolling import Item, _exes, as_item, roll_options
+from .rolling import Item, ItemOp, _exes, as_item, roll_options
 from .task_env import _parts_of, _run_task, _Token
 from .tasks import final_part
 
@@ -55,18 +55,17 @@ class _LoopProgram:
     def stacked_buffers(self) -> list[str]:
         """Buffer kinds a scan hands to later items stacked over its microbatches (GPipe's
         stashes). Such a program is slower than the executor: XLA zero-fills each stacked
-        output before the loop writes it (about 216 MB per step for the GPT of
-        bench/one_rank.py, 632 against 599 ms), where the executor keeps per-microbatch
-        buffers."""
+        output before the loop writes it, where the executor keeps per-microbatch buffers
+        (bench/results/one_rank.md)."""
         return sorted({f"{k}{s}" for keep in self._keep for k, s, _ in keep})
 
     def describe(self) -> str:
         """The runs, e.g. ``scan 8 x [FB0]`` or ``scan 8 x [F0]; [B0]; ...``; transfers
         as ``>Act0`` (send), ``+Grad1`` (receive posted), ``<Grad1`` (received)."""
-        sym = {"send": ">", "post": "+", "wait": "<"}
+        sym = {ItemOp.SEND: ">", ItemOp.POST: "+", ItemOp.WAIT: "<"}
 
         def name(it):
-            return f"{it.kind}{it.stage}" if it.op == "run" else f"{sym[it.op]}{it.kind}{it.stage}"
+            return f"{it.kind}{it.stage}" if it.op == ItemOp.RUN else f"{sym[it.op]}{it.kind}{it.stage}"
 
         out = []
         for pat, r, d in self.runs:
@@ -110,7 +109,7 @@ class _LoopProgram:
         i = 0
         while i < len(items):
             it = items[i]
-            if it.op == "run":
+            if it.op == ItemOp.RUN:
                 _, kind, s, m, _ = it
                 made: dict[tuple, list] = {}
 
@@ -140,7 +139,7 @@ class _LoopProgram:
                 i += 1
             else:
                 j = i
-                while j < len(items) and items[j][0] != "run":
+                while j < len(items) and items[j][0] != ItemOp.RUN:
                     j += 1
                 self._comm(items[i:j], base, get, put, token)
                 i = j
@@ -152,14 +151,14 @@ class _LoopProgram:
         # the run except through a carry slot, roll.h)
         xs: dict[tuple, Any] = {("t",): jnp.arange(r, dtype=jnp.int32)}
         for it in pattern:
-            if it.op == "run":
+            if it.op == ItemOp.RUN:
                 for exe in _exes(cs, it.kind, it.stage):
                     for v in exe.in_groups[1]:
                         xs[("m", v, it.mb)] = whole_mb(v)[it.mb:it.mb + (r - 1) * d + 1:d]
         # carry: the sums the pattern adds to, the slots, the token
         parts = set()
         for it in pattern:
-            if it.op == "run":
+            if it.op == ItemOp.RUN:
                 parts.update(_parts_of(cs, it.kind, it.stage))
         summed = sorted(i for i in parts if cs.parts[i].reduce != G.Reduce.Stack)
         stacked = sorted(i for i in parts if cs.parts[i].reduce == G.Reduce.Stack)
@@ -204,7 +203,7 @@ class _LoopProgram:
             env.rows.setdefault((k, s), []).append((m, r, d, ys[key]))
         m0 = {}  # the first microbatch each part is added at
         for it in pattern:
-            if it.op == "run":
+            if it.op == ItemOp.RUN:
                 for i in _parts_of(cs, it.kind, it.stage):
                     m0.setdefault(i, it.mb)
         for i in stacked:

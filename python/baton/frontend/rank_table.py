@@ -21,11 +21,11 @@ import numpy as np
 from .. import _core
 from .. import _jax_compat as jc
 from .rings import _ring_aval, _ring_in, _symbolic, table_steps
-from .rolling import Item, _exes, item_reads, item_writes
+from .rolling import Item, ItemOp, _exes, item_reads, item_writes
 from .task_env import _parts_of, _run_task, _Token
 
 G = _core.graph
-_SYM = {"send": ">", "post": "+", "wait": "<"}
+_SYM = {ItemOp.SEND: ">", ItemOp.POST: "+", ItemOp.WAIT: "<"}
 
 
 @dataclass
@@ -99,7 +99,7 @@ def ring_avals(prog, outer, mbs):
     avals: dict[tuple[str, int], list] = {}
     for st, _ in prog.steps:
         for op, k, s, _, _ in st:
-            if op == "wait":
+            if op == ItemOp.WAIT:
                 avals[(k, s)] = list(cs.buffers.layout(k, s))
 
     def discover():
@@ -230,7 +230,7 @@ class _TableBody:
             n = 1 + max(it.mb for it in pat)
             self.units.append(_Unit(0, j, pat, list(range(3, 3 + n)), *self._io(pat)))
         for j, (kind, s) in enumerate(t_units):
-            it = Item("run", kind, s, 0, -1)
+            it = Item(ItemOp.RUN, kind, s, 0, -1)
             self.units.append(_Unit(1, j, (it,), [2], *self._io([it])))
 
     def _io(self, items):
@@ -240,7 +240,7 @@ class _TableBody:
               if key[:2] in pool_of}
         wr = {pool_of[key[:2]] for it in items for key in item_writes(cs, it)
               if key[:2] in pool_of}
-        ps = {i for it in items if it.op == "run" for i in _parts_of(cs, it.kind, it.stage)}
+        ps = {i for it in items if it.op == ItemOp.RUN for i in _parts_of(cs, it.kind, it.stage)}
         return sorted(rd - wr), sorted(wr), sorted(ps)
 
     def body(self, t, carry):

@@ -19,11 +19,13 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from .. import _core
 from .. import _jax_compat as jc
 from . import ffi
+from .rolling import ItemOp
 from .tracing import Event
 
-_OP_KIND = {"send": 0, "post": 1, "wait": 2}  # CommOpKind (cpp/include/baton/comm.h)
+comm_op_kind = _core.runtime.comm_op_kind
 
 
 def _nbytes(aval) -> int:
@@ -52,13 +54,13 @@ class RankTransfers:
             comm.set_shards([int(d.id) for d in self.sub.devices.flat])
         chan = cs.buffers.channel
         for op, k, s, m, peer in items:
-            if op != "run":
+            if op != ItemOp.RUN:
                 comm.set_layout(chan(k, s), s, [_nbytes(a) for a in self.local(k, s)])
-            if op in ("send", "post"):
+            if op in (ItemOp.SEND, ItemOp.POST):
                 b = cs.buffers.id(k, s, m)
-                names.setdefault((peer, chan(k, s), op == "send"), []).append(
+                names.setdefault((peer, chan(k, s), op == ItemOp.SEND), []).append(
                     cs.core_plan.describe_buffer(b))
-                order.setdefault((peer, chan(k, s), op == "send"), []).append(b)
+                order.setdefault((peer, chan(k, s), op == ItemOp.SEND), []).append(b)
         for (peer, chan, send), ns in names.items():
             comm.set_names(peer, chan, send, ns)
         if nccl:  # one step's staging slots and CUDA events, before any receive is posted
@@ -120,19 +122,19 @@ class RankTransfers:
         """One ``baton_comm`` custom call for a stretch of transfers: it posts the stretch's
         sends and receives and returns the arrays of the receives it waits on. On a rank of
         several devices, one call per device (``shard_map``) on its shards."""
-        sends = [jc.to_wire(x) for op, k, s, m, _ in group if op == "send"
+        sends = [jc.to_wire(x) for op, k, s, m, _ in group if op == ItemOp.SEND
                  for x in get((k, s, m))]
-        ops = [(_OP_KIND[op], peer, self.cs.buffers.channel(k, s), s)
+        ops = [(int(comm_op_kind(op)), peer, self.cs.buffers.channel(k, s), s)
                for op, k, s, _, peer in group]
         if self.D == 1:
             outs = [jax.ShapeDtypeStruct(a.shape, a.dtype)
-                    for op, k, s, _, _ in group if op == "wait" for a in self.layout(k, s)]
+                    for op, k, s, _, _ in group if op == ItemOp.WAIT for a in self.layout(k, s)]
             token.dep, got = ffi.comm(self.comm.id, ops, token.dep, sends, outs)
         else:
-            outs = [a for op, k, s, _, _ in group if op == "wait" for a in self.local(k, s)]
-            send_specs = [sp for op, k, s, _, _ in group if op == "send"
+            outs = [a for op, k, s, _, _ in group if op == ItemOp.WAIT for a in self.local(k, s)]
+            send_specs = [sp for op, k, s, _, _ in group if op == ItemOp.SEND
                           for sp in self.specs(k, s)]
-            recv_specs = [sp for op, k, s, _, _ in group if op == "wait"
+            recv_specs = [sp for op, k, s, _, _ in group if op == ItemOp.WAIT
                           for sp in self.specs(k, s)]
             cid = self.comm.id
 
@@ -146,7 +148,7 @@ class RankTransfers:
             token.dep, got = res[0], list(res[1:])
         pos = 0
         for op, k, s, m, _ in group:
-            if op == "wait":
+            if op == ItemOp.WAIT:
                 avals = self.cs.buffers.layout(k, s)
                 put((k, s, m), [jc.from_wire(x, a.dtype)
                                 for x, a in zip(got[pos:pos + len(avals)], avals)])

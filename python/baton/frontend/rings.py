@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _jax_compat as jc
-from .rolling import Item
+from .rolling import Item, ItemOp
 
 
 def _ring_aval(a):
@@ -34,7 +34,7 @@ def table_steps(items) -> list[tuple[list[Item], Item | None]]:
     stretch after the last task is a step without a task)."""
     out, cur = [], []
     for it in items:
-        if it.op == "run":
+        if it.op == ItemOp.RUN:
             out.append((cur, it))
             cur = []
         else:
@@ -75,14 +75,14 @@ def ring_layout(cs, rank: int, pool_of: dict | None = None) -> RingLayout:
     bufs = cs.buffers
     labels = None
     if pool_of:
-        n_rows = cs.core_plan.num_buffer_ids() // M
+        n_rows = cs.core_plan.num_buffer_rows()
         names = sorted({repr(v) for v in pool_of.values()})
         labels = list(range(n_rows))  # rows without a label: a pool of their own
         for (k, s), v in pool_of.items():
-            labels[bufs.id(k, s, 0) // M] = n_rows + names.index(repr(v))
+            labels[cs.core_plan.buffer_row(bufs.id(k, s, 0))] = n_rows + names.index(repr(v))
     prog = cs.rank_ir(labels).programs[rank]
-    kinds = sorted({bufs.key(row * M)[:2]
-                    for pool in prog.pools for row in pool.rows})
+    row_keys = (cs.core_plan.row_key(row) for pool in prog.pools for row in pool.rows)
+    kinds = sorted({(k.kind.name, k.stage) for k in row_keys})
     chosen = dict(pool_of) if pool_of else {ks: ks for ks in kinds}
     slots = {ks: np.zeros(M, np.int32) for ks in kinds}
     sizes: dict = {}

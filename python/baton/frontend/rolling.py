@@ -16,12 +16,16 @@ from .. import _core
 from .tasks import buffer_reads, task_exes
 
 
-class Item(NamedTuple):
-    """One step of a rank's program as the emitter lowers it. ``op`` "run": ``kind`` a task
-    kind (F, B, I, W, FB), ``peer`` -1; "send" / "post" (a receive posted) / "wait" (a
-    receive waited on): ``kind`` a buffer kind, ``peer`` the other rank."""
+ItemOp = _core.ItemOp  # the item level's vocabulary (roll.h; docs/RANK_IR.md, "Vocabularies")
 
-    op: str
+
+class Item(NamedTuple):
+    """One step of a rank's program as the emitter lowers it. ``op`` ``ItemOp.RUN``:
+    ``kind`` a task kind (F, B, I, W, FB), ``peer`` -1; ``SEND`` / ``POST`` (a receive
+    posted) / ``WAIT`` (a receive waited on): ``kind`` a buffer kind, ``peer`` the other
+    rank."""
+
+    op: "_core.ItemOp"
     kind: str
     stage: int
     mb: int
@@ -52,16 +56,16 @@ def writes(cs, kind, s, m) -> list[tuple[str, int, int]]:
 
 def item_reads(cs, it: Item) -> list[tuple[str, int, int]]:
     op, k, s, m, _ = it
-    if op == "run":
+    if op == ItemOp.RUN:
         return reads(cs, k, s, m)
-    return [(k, s, m)] if op == "send" else []
+    return [(k, s, m)] if op == ItemOp.SEND else []
 
 
 def item_writes(cs, it: Item) -> list[tuple[str, int, int]]:
     op, k, s, m, _ = it
-    if op == "run":
+    if op == ItemOp.RUN:
         return writes(cs, k, s, m)
-    return [(k, s, m)] if op == "wait" else []
+    return [(k, s, m)] if op == ItemOp.WAIT else []
 
 
 def roll_options(cs, max_period=None, stacked=True) -> "_core.RollOptions":
@@ -79,9 +83,9 @@ def roll_options(cs, max_period=None, stacked=True) -> "_core.RollOptions":
 
 def as_item(x) -> Item:
     """A ``_core.RollItem`` as an ``Item``."""
-    if x.op == _core.ItemOp.RUN:
-        return Item("run", "FB" if x.fused else x.task.name, x.stage, x.microbatch, -1)
-    return Item(x.op.name.lower(), x.buffer.name, x.stage, x.microbatch, x.peer)
+    if x.op == ItemOp.RUN:
+        return Item(x.op, "FB" if x.fused else x.task.name, x.stage, x.microbatch, -1)
+    return Item(x.op, x.buffer.name, x.stage, x.microbatch, x.peer)
 
 
 def rank_items(cs, rank: int) -> list[Item]:

@@ -184,9 +184,8 @@ class CompiledStep:
 
     def place(self, vs, xs, rank):
         """Values ``xs`` (ids ``vs``) on ``rank``, each in its ``placement``. Arrays already
-        in place cost nothing (``device_put`` costs ~20 us per array even then: ~10 ms per
-        step for the optimizer's inputs and the parameters); the rest moves in one batched
-        ``device_put``."""
+        in place cost nothing (``device_put`` has a per-array cost even then,
+        bench/results/code_notes.md); the rest moves in one batched ``device_put``."""
         out = list(xs)
         move, to = [], []
         for i, (v, x) in enumerate(zip(vs, out)):

@@ -1,0 +1,60 @@
+"""One vocabulary: python/baton reads the rank IR's instruction ops as the C++ enums
+(``_core.ItemOp``, ``_core.runtime.CommOpKind``, docs/RANK_IR.md "Vocabularies"), never as
+strings; it keeps no copy of a C++ enum's values and does no buffer-id arithmetic (the rows
+of the dense buffer ids come from ``Plan.buffer_row`` / ``row_key`` / ``num_buffer_rows``).
+Each check is a ``git grep`` over python/baton whose output must be empty."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+ITEM_OPS = "run|send|post|wait|recv|free|accumulate"
+# (what must not be there, the extended regular expression that finds it)
+PATTERNS = {
+    "an item op compared as a string":
+        rf'(\bop|\.op|\bit\[0\]|\bitems\[[a-z]+\]\[0\])\s*(==|!=)\s*"({ITEM_OPS})"'
+        rf'|\bop\s+(not\s+)?in\s+\(\s*"({ITEM_OPS})"',
+    "a copy of a C++ enum (op name -> value)":
+        r'\{\s*"(send|post|wait|run|SEND|POST|WAIT|RUN)"\s*:\s*[0-9]',
+    "buffer-id arithmetic (dense id = row * M + microbatch)":
+        r'(num_buffer_ids\(\)|\bid\b|\.id\([^)]*\))\s*//\s*(M|cs\.M)\b|\brow\s*\*\s*(M|cs\.M)\b',
+}
+
+
+def git_grep(pattern: str, *paths: str) -> str:
+    p = subprocess.run(["git", "grep", "-nE", pattern, "--", *paths], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert p.returncode in (0, 1), p.stderr  # 1: no match
+    return p.stdout
+
+
+needs_git = pytest.mark.skipif(
+    shutil.which("git") is None or not (ROOT / ".git").exists(),
+    reason="needs git and the repository's work tree")
+
+
+@needs_git
+@pytest.mark.parametrize("what", list(PATTERNS))
+def test_python_baton_has_none(what):
+    assert git_grep(PATTERNS[what], "python/baton") == "", what
+
+
+@needs_git
+@pytest.mark.parametrize("what,line", [
+    ("an item op compared as a string", 'if op == "send":'),
+    ("an item op compared as a string", 'if it.op != "run":'),
+    ("an item op compared as a string", 'if op in ("send", "post"):'),
+    ("a copy of a C++ enum (op name -> value)", '_K = {"send": 0, "post": 1}'),
+    ("buffer-id arithmetic (dense id = row * M + microbatch)", "r = bufs.id(k, s, 0) // M"),
+    ("buffer-id arithmetic (dense id = row * M + microbatch)", "b = key(row * M)"),
+])
+def test_the_patterns_find_what_they_forbid(what, line):
+    import re
+
+    assert re.search(PATTERNS[what], line), (what, line)
