@@ -8,6 +8,12 @@
     python examples/train_lm.py --ckpt runs/lm --ckpt-every 100 --resume
     # one process per rank (here 4 processes on this machine; see README "Several processes")
     python -m baton.launch --nprocs 4 examples/train_lm.py --steps 50
+    # under SLURM (examples/launch/train_lm.sbatch): jax.distributed.initialize() first
+    # the layout in configuration: any schedule (Baton's, torchtitan's or Megatron's name),
+    # microbatch size, layers per stage; the model marks every block end once
+    python examples/train_lm.py --schedule ZBVZeroBubble --layers 8 --microbatch-size 2
+    # metrics (step time, tokens/s, MFU, each rank's idle fraction and memory) to TensorBoard
+    python examples/train_lm.py --tensorboard runs/tb --metrics-every 5
 
 The data order is a function of the step number alone, so a resumed run sees the same batches
 as one that never stopped, and its losses are the same, bit for bit.
@@ -30,12 +36,27 @@ import gpt  # noqa: E402
 
 import baton  # noqa: E402
 from baton import checkpoint as ckpt  # noqa: E402
+from baton import metrics  # noqa: E402
 
-SCHEDULES = {
-    "gpipe": baton.GPipe, "1f1b": baton.OneFOneB, "eager1f1b": baton.Eager1F1B,
-    "interleaved": lambda: baton.Interleaved1F1B(virtual_stages=2), "zbh1": baton.ZBH1,
-    "zbh2": baton.ZBH2, "zbv": baton.ZBV, "dualpipev": baton.DualPipeV,
-}
+
+def start_distributed() -> bool:
+    """Whether this process is one of several. Under SLURM or Open MPI with several tasks, or
+    with ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set (the
+    Kubernetes JobSet recipe), ``jax.distributed.initialize()`` first (it reads the launcher's variables; Baton's
+    rendezvous then uses its key-value store); ``python -m baton.launch`` needs none (its
+    processes meet in a file store)."""
+    if "BATON_RANK" in os.environ:
+        return True
+    if "JAX_COORDINATOR_ADDRESS" in os.environ:  # e.g. examples/launch/jobset.yaml
+        jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"],
+                                   int(os.environ["JAX_NUM_PROCESSES"]),
+                                   int(os.environ["JAX_PROCESS_ID"]))
+        return True
+    for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        if int(os.environ.get(var, "1")) > 1:
+            jax.distributed.initialize()
+            return True
+    return False
 
 
 class Batches:
@@ -78,9 +99,17 @@ def progress(step: int, total: int, loss: float, tok_s: float, width: int = 24) 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
+    ap.add_argument("--schedule", default="1f1b",
+                    help="a schedule name: Baton's (1f1b, zbv, dualpipev ...), torchtitan's "
+                    "(1F1B, ZBVZeroBubble, DualPipeV ...) or Megatron-LM's")
     ap.add_argument("--ranks", type=int, default=4, help="pipeline ranks (one process)")
-    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--microbatches", type=int, default=None, help="count (default 8)")
+    ap.add_argument("--microbatch-size", type=int, default=None,
+                    help="sequences per microbatch (instead of --microbatches)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="GPT blocks (default: the schedule's stages x --layers-per-stage)")
+    ap.add_argument("--first-stage-layers", type=int, default=None)
+    ap.add_argument("--last-stage-layers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=16, help="sequences per step")
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=256)
@@ -98,27 +127,44 @@ def main(argv=None) -> int:
     ap.add_argument("--log-every", type=int, default=1)
     ap.add_argument("--print-losses", action="store_true",
                     help="print every step's loss exactly (one line each)")
+    ap.add_argument("--tensorboard", help="write metrics to a TensorBoard event file here")
+    ap.add_argument("--wandb-project", help="also log metrics to this W&B project")
+    ap.add_argument("--metrics-every", type=int, default=1,
+                    help="traced step (idle, memory per rank) every N steps")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="per-device peak TFLOP/s for the MFU (the datasheet figure for the "
+                    "dtype; default: the measured float32 matmul rate of this device)")
     args = ap.parse_args(argv)
 
-    launched = "BATON_RANK" in os.environ  # python -m baton.launch: one rank per process
-    spec = SCHEDULES[args.schedule]()
-    if launched:
-        from baton.frontend.distributed import process_group
-        ranks, rank = process_group().world_size, process_group().rank
+    launched = start_distributed()  # several processes: one rank each
+    # the pipeline layout as configuration (baton.PipelineConfig): no model edit changes it
+    pipe = baton.PipelineConfig.from_dict({
+        "schedule": args.schedule,
+        **({"microbatch_size": args.microbatch_size} if args.microbatch_size
+           else {"microbatches": args.microbatches or 8}),
+        **({"first_stage_layers": args.first_stage_layers}
+           if args.first_stage_layers is not None else {}),
+        **({"last_stage_layers": args.last_stage_layers}
+           if args.last_stage_layers is not None else {})})
+    if launched:  # one rank per process: the launcher's world size is the rank count
         mesh = None
+        ranks = (int(os.environ["BATON_WORLD_SIZE"]) if "BATON_WORLD_SIZE" in os.environ
+                 else jax.process_count())
     else:
-        ranks, rank = args.ranks, 0
+        ranks = args.ranks
         if len(jax.devices()) < ranks:
             print(f"need {ranks} devices; set JAX_NUM_CPU_DEVICES={ranks}", file=sys.stderr)
             return 2
         mesh = baton.PipelineMesh(jax.devices()[:ranks], ranks=ranks)
-    say = print if rank == 0 else (lambda *a, **k: None)
-    stages = spec.stages(ranks)
-    cfg = gpt.GPTConfig(vocab=args.vocab, seq=args.seq, dim=args.dim, heads=args.heads,
-                        layers=stages * args.layers_per_stage, stages=stages)
-    _, params, _, opt_state, train_step, _ = gpt.make(cfg, lr=args.lr, seed=args.seed)
-    step_fn = baton.jit(train_step, mesh=mesh, schedule=spec, microbatches=args.microbatches)
     data = Batches(args.data, args.batch, args.seq, args.vocab, args.seed)
+    # every block ends with a stage_boundary mark (stages=layers); the layout picks the cuts
+    layers = args.layers or pipe.spec().stages(ranks) * args.layers_per_stage
+    cfg = gpt.GPTConfig(vocab=args.vocab, seq=args.seq, dim=args.dim, heads=args.heads,
+                        layers=layers, stages=layers)
+    _, params, _, opt_state, train_step, _ = gpt.make(cfg, lr=args.lr, seed=args.seed)
+    step_fn = baton.jit(train_step, mesh=mesh, **pipe.jit_kwargs())
+    rank = step_fn.ranks[0]
+    say = print if rank == 0 else (lambda *a, **k: None)
 
     start = 0
     if args.resume:
@@ -135,12 +181,28 @@ def main(argv=None) -> int:
     n = sum(x.size for x in jax.tree.leaves(params) if hasattr(x, "size"))
     say(f"GPT {cfg.layers} blocks, dim {cfg.dim}, vocab {cfg.vocab} ({n:,} parameters); "
         f"{args.schedule} over {ranks} ranks ({'launched' if launched else 'one process'}), "
-        f"{args.microbatches} microbatches of {args.batch // args.microbatches} sequences")
+        + (f"microbatches of {args.microbatch_size} sequences" if args.microbatch_size
+           else f"{args.microbatches or 8} microbatches"))
 
+    writer = open_metrics(args, rank, launched)
+    peak = None
+    if writer is not None:
+        peak = (args.peak_tflops * 1e12 if args.peak_tflops
+                else metrics.measured_matmul_flops())
     tokens = args.batch * args.seq
     t_log, n_log = time.perf_counter(), 0
     for i in range(start + 1, args.steps + 1):
-        params, opt_state, loss = step_fn(params, opt_state, data(i - 1))
+        measure = (writer is not None and i > start + 1
+                   and (i % args.metrics_every == 0 or i == args.steps))
+        if measure:  # a traced step: each rank's measured idle time and buffers
+            t0 = time.perf_counter()
+            tr = baton.trace(step_fn, params, opt_state, data(i - 1))
+            params, opt_state, loss = tr.outputs
+            jax.block_until_ready(loss)
+            writer.write(metrics.step_metrics(step_fn, i, time.perf_counter() - t0, tokens,
+                                              trace=tr, peak_flops=peak, loss=float(loss)))
+        else:
+            params, opt_state, loss = step_fn(params, opt_state, data(i - 1))
         n_log += 1
         if args.print_losses:
             say(f"loss {i} {float(loss)!r}")
@@ -159,8 +221,22 @@ def main(argv=None) -> int:
             ckpt.save(args.ckpt, i, (params, opt_state), step_fn, overwrite=True)
     if args.ckpt:
         ckpt.wait_until_finished()  # commit the last save before the program ends
+    if writer is not None:
+        writer.close()
     say("")
     return 0
+
+
+def open_metrics(args, rank: int, launched: bool):
+    """The metrics hook (TensorBoard and/or W&B), or None. Several processes: each writes
+    its own ranks' measures (its own event file: ``<dir>/rank<r>``)."""
+    ws = []
+    if args.tensorboard:
+        logdir = os.path.join(args.tensorboard, f"rank{rank}") if launched else args.tensorboard
+        ws.append(metrics.TensorBoardWriter(logdir))
+    if args.wandb_project and rank == 0:
+        ws.append(metrics.WandbWriter(project=args.wandb_project))
+    return metrics.writers(ws) if ws else None
 
 
 if __name__ == "__main__":
