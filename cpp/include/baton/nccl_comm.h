@@ -87,6 +87,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -232,6 +233,13 @@ class LinkFifo {
 class AbortOnce {
  public:
   bool first() { return !done_.exchange(true); }
+  // first() under `mu`: after whatever holds `mu` (an NCCL call in flight) let go
+  // of it, and with `mu` released again on return, so the abort that follows runs
+  // without a lock other threads need.
+  bool first_under(std::mutex& mu) {
+    std::lock_guard<std::mutex> lock(mu);
+    return first();
+  }
   bool done() const { return done_.load(); }
 
  private:

@@ -69,6 +69,7 @@ const NcclApi& nccl_api() {
     sym(a.GetVersion, "ncclGetVersion");
     sym(a.GetUniqueId, "ncclGetUniqueId");
     sym(a.CommInitRankConfig, "ncclCommInitRankConfig");
+    sym(a.CommFinalize, "ncclCommFinalize");
     sym(a.CommDestroy, "ncclCommDestroy");
     sym(a.CommAbort, "ncclCommAbort");
     sym(a.CommGetAsyncError, "ncclCommGetAsyncError");

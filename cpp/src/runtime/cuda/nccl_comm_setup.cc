@@ -4,9 +4,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <iterator>
 
+#include "baton/cuda_env.h"
+#include "baton/nccl_library.h"
 #include "nccl_comm_impl.h"
 
 namespace baton::runtime {
@@ -23,19 +26,32 @@ NcclComm::Impl::Impl(int rank, int world, int device, std::shared_ptr<Store> sto
       timeout_ms_(timeout.count()) {
   staging::check_arguments(rank, world, store_ != nullptr, links_in_);
   const std::vector<LinkKey> keys = staging::canonical_links(rank, world, links_in_);
+  if (const std::string p = cuda_env::max_connections_problem(
+          std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"));
+      !p.empty())
+    throw ConfigError("NcclRankComm: " + p);
   int count = 0;
   const cudaError_t ce = cudaGetDeviceCount(&count);
   if (ce != cudaSuccess || count == 0) {
     (void)cudaGetLastError();  // clear the error state
+    int driver = 0, runtime = 0;
+    (void)cudaDriverGetVersion(&driver);
+    (void)cudaRuntimeGetVersion(&runtime);
+    const std::string old = cuda_env::driver_problem(driver, runtime);
     throw ConfigError(fmt::format(
-        "NcclRankComm needs a CUDA device, and there is none{}",
-        ce != cudaSuccess ? fmt::format(" (cudaGetDeviceCount: {})", cudaGetErrorString(ce)) : ""));
+        "NcclRankComm needs a CUDA device, and there is none{}{}",
+        ce != cudaSuccess ? fmt::format(" (cudaGetDeviceCount: {})", cudaGetErrorString(ce)) : "",
+        old.empty() ? "" : ": " + old));
   }
   if (device < 0 || device >= count)
     throw ConfigError(
         fmt::format("NcclRankComm: CUDA device {} does not exist ({} visible)", device, count));
   const auto& api = nccl_api();
   if (!api.lib) throw ConfigError(fmt::format("NcclRankComm: cannot load NCCL: {}", api.error));
+  // Checked at every construction: JAX's CUDA plugin may have mapped its own copy since.
+  if (const std::string p = cuda_env::second_nccl_problem(nccl_library::mapped("libnccl"), api.path);
+      !p.empty())
+    throw ConfigError("NcclRankComm: " + p);
   set_device();
 
   pool_ = std::make_unique<staging::SlotPool>(
@@ -165,7 +181,8 @@ NcclComm::Impl::Impl(int rank, int world, int device, std::shared_ptr<Store> sto
   } catch (const std::exception& e) {
     // No lock is held here: ncclCommAbort ends the pending setup at once.
     abort_comms();
-    cudaDeviceSynchronize();  // the aborted kernels end (the 1-byte warm-up)
+    for (auto& [k, l] : links_)  // the aborted kernels end (the 1-byte warm-up)
+      if (l.stream) (void)cudaStreamSynchronize(l.stream);
     (void)cudaGetLastError();
     if (warm) cudaFree(warm);
     for (auto& [k, l] : links_)
@@ -209,14 +226,29 @@ void NcclComm::Impl::close() {
     if (!idle) break;
   }
   if (!idle) abort(fmt::format("rank {}: closed with transfers pending", rank_), rank_, false);
-  {
-    std::lock_guard<std::mutex> lock(nccl_mu_);
-    if (gone_.first())
-      for (auto& [k, l] : links_)
-        if (l.comm) nccl_api().CommDestroy(l.comm);
+  // Idle: ncclCommFinalize (flushes NCCL's pending work and its proxy, non-blocking:
+  // polled under the deadline), then ncclCommDestroy. A finalize that fails or does
+  // not end in time aborts instead.
+  if (gone_.first_under(nccl_mu_)) {
+    const auto& api = nccl_api();
+    std::vector<ncclComm_t> comms;
+    for (auto& [k, l] : links_)
+      if (l.comm) comms.push_back(l.comm);
+    bool finalized = true;
+    try {
+      for (ncclComm_t c : comms) accepted(api.CommFinalize(c), "ncclCommFinalize");
+      nccl_detail::wait_ready(
+          comms, Clock::now() + std::chrono::milliseconds(timeout_ms_.load()),
+          [](size_t i) { return fmt::format("communicator {}", i); },
+          fmt::format("rank {}: closing (ncclCommFinalize)", rank_));
+    } catch (const std::exception&) {
+      finalized = false;
+    }
+    for (ncclComm_t c : comms) finalized ? api.CommDestroy(c) : api.CommAbort(c);
   }
-  // Aborted NCCL kernels end, so nothing on the device waits forever now.
-  cudaDeviceSynchronize();
+  // Only this context's streams are waited for (aborted NCCL kernels end), never the
+  // whole device: other contexts and XLA keep running.
+  for (auto& [k, l] : links_) (void)cudaStreamSynchronize(l.stream);
   (void)cudaGetLastError();
   for (auto& [k, l] : links_) cudaStreamDestroy(l.stream);
   links_.clear();

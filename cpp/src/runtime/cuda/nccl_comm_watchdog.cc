@@ -12,8 +12,10 @@
 namespace baton::runtime {
 
 void NcclComm::Impl::abort_comms() {
-  std::lock_guard<std::mutex> lock(nccl_mu_);
-  if (!gone_.first()) return;
+  // gone_ is set under nccl_mu_ (after any NCCL call in flight), so no new call
+  // starts; ncclCommAbort then runs with the lock released: the XLA thread, which
+  // takes nccl_mu_ for its NCCL calls, never waits behind an abort.
+  if (!gone_.first_under(nccl_mu_)) return;
   for (auto& [k, l] : links_)
     if (l.comm) nccl_api().CommAbort(l.comm);
 }
