@@ -5,9 +5,20 @@
 Each process gets ``BATON_RANK``, ``BATON_WORLD_SIZE``, ``BATON_LOCAL_RANK`` and
 ``BATON_STORE=file:///<fresh temporary directory>`` (see :mod:`baton.runtime.rendezvous`)
 and ``BATON_JOB_TOKEN``, a fresh random job token (see :mod:`baton.runtime.admission`).
+On a host with GPUs each process sees one: ``CUDA_VISIBLE_DEVICES`` is set to the r-th GPU of
+the launcher's visible list (``CUDA_VISIBLE_DEVICES`` if set, else ``nvidia-smi -L``); with
+more processes than GPUs, process r gets GPU r mod n (ranks sharing a GPU). ``--no-pin``
+leaves every process every GPU.
 When a process exits with an error, the others are given ``--grace`` seconds to stop on
 their own (they learn of the failure through the transport), then are terminated. The
 launcher exits with the first failing process's code (0 when all succeed) and names it.
+
+Processes that share a GPU each get their share of its memory
+(``XLA_PYTHON_CLIENT_MEM_FRACTION``: the fraction the user set, else XLA's default 0.75,
+divided by the sharers). Every process starts with ``CUDA_MODULE_LOADING=EAGER`` unless the
+user chose a mode: with lazy loading, the first step's NCCL calls on several threads can race
+CUDA's loading of modules inside the driver and deadlock (docs/GPU.md). See
+:func:`gpu_share_env`.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import tempfile
 import time
 
 from .runtime.admission import new_token
+from .runtime.gpu_share import gpu_share_env
 
 
 def _parser():
@@ -31,10 +43,33 @@ def _parser():
                    help="stop everything after this many seconds (0: no limit)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds the other ranks get to stop after one fails")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="do not give each process one GPU (CUDA_VISIBLE_DEVICES)")
     p.add_argument("-m", dest="module", action="store_true", help="run script as a module")
     p.add_argument("script", help="script (or module with -m) to run")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return p
+
+
+def visible_gpus(env=None) -> list[str]:
+    """The GPUs this launcher may hand out: ``CUDA_VISIBLE_DEVICES``'s entries when it is
+    set, else the indices ``nvidia-smi -L`` lists (none without a driver)."""
+    env = os.environ if env is None else env
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def pinned_gpu(rank: int, gpus: list[str]) -> str | None:
+    """The GPU process ``rank`` sees (``CUDA_VISIBLE_DEVICES``), or None without GPUs."""
+    return gpus[rank % len(gpus)] if gpus else None
 
 
 def _stop(procs, sig):
@@ -54,11 +89,16 @@ def main(argv=None) -> int:
     store = tempfile.mkdtemp(prefix="baton-store-")
     token = new_token()  # this launch's job token (admission at rendezvous)
     procs = []
+    gpus = visible_gpus() if a.pin else []
     try:
         for r in range(a.nprocs):
             env = dict(os.environ)
             env.update(BATON_RANK=str(r), BATON_WORLD_SIZE=str(a.nprocs), BATON_LOCAL_RANK=str(r),
                        BATON_STORE="file://" + store, BATON_JOB_TOKEN=token)
+            gpu = pinned_gpu(r, gpus)
+            if gpu is not None:  # one GPU per process
+                env["CUDA_VISIBLE_DEVICES"] = gpu
+            env.update(gpu_share_env(r, a.nprocs, gpus, os.environ))
             cmd = [sys.executable] + (["-m"] if a.module else []) + [a.script] + a.args
             procs.append(subprocess.Popen(cmd, env=env))
 

@@ -68,6 +68,21 @@ def rank_info(env=None) -> RankInfo:
         "under SLURM or Open MPI, or after jax.distributed.initialize()")
 
 
+def local_gpu(local_rank: int, env=None) -> int:
+    """The CUDA device index (among the visible ones) of the process with ``local_rank`` on
+    its host: 0 when the launcher pinned one GPU to it (``CUDA_VISIBLE_DEVICES`` names one:
+    ``python -m baton.launch``, the sbatch recipe's one-process-per-GPU variant), else its
+    local rank (every process sees every GPU)."""
+    env = os.environ if env is None else env
+    visible = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    if len(visible) == 1:
+        return 0
+    if visible and local_rank >= len(visible):
+        raise ConfigError(f"local rank {local_rank} has no GPU: CUDA_VISIBLE_DEVICES="
+                          f"{env['CUDA_VISIBLE_DEVICES']!r} names {len(visible)}")
+    return local_rank
+
+
 def _jax_kv_client():
     # The key-value client of jax.distributed (private API: lives in baton._jax_compat).
     from .._jax_compat import distributed_client
@@ -140,7 +155,7 @@ def init_transport(kind: str = "gloo", *, info: RankInfo | None = None, hostname
                 raise
     elif kind == "nccl":
         t = nccl_transport(info.rank, info.world_size,
-                           info.local_rank if device is None else device, store)
+                           local_gpu(info.local_rank) if device is None else device, store)
     else:
         raise ConfigError(f"unknown transport {kind!r} (use 'gloo' or 'nccl')")
     atexit.register(t.close)
