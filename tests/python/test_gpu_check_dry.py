@@ -1,0 +1,65 @@
+"""The first-contact GPU check's plumbing on CPU (bench/gpu_check.py): its HLO host-sync
+finder on programs XLA compiled here, and both modes run as processes: the dry run reaches
+every row in order, in the ROW format, and exits 0; the real mode on a machine without a GPU
+fails every GPU row by name and exits 1. The last line lists what the check cannot test."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import gpu_check  # noqa: E402
+
+ROW = re.compile(r"^ROW (?P<name>[^|]+)\|(?P<status>PASS|FAIL|INFO)\|(?P<detail>[^|]*)$")
+
+
+def test_host_syncs_finds_conditionals_and_unknown_trip_counts():
+    fixed = jax.jit(lambda x: jax.lax.fori_loop(0, 8, lambda i, c: c * 2 + 1, x))
+    found = gpu_check.host_syncs(fixed.lower(jnp.ones(4)).compile().as_text())
+    assert found.loops == 1 and found.syncs == [], found
+    dyn = jax.jit(lambda x, n: jax.lax.while_loop(lambda c: c[1] < n,
+                                                  lambda c: (c[0] * 2, c[1] + 1), (x, 0))[0])
+    found = gpu_check.host_syncs(dyn.lower(jnp.ones(4), 3).compile().as_text())
+    assert found.loops == 1 and "while without a known trip count" in found.syncs[0], found
+    cond = jax.jit(lambda x, p: jax.lax.cond(p > 0, lambda y: y * 2, lambda y: y - 1, x))
+    found = gpu_check.host_syncs(cond.lower(jnp.ones(4), 1).compile().as_text())
+    assert found.syncs and found.syncs[0].startswith("conditional"), found
+
+
+def _run(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2", BATON_QUIET="1")
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), *args],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    rows = [ROW.match(ln) for ln in p.stdout.splitlines() if ln.startswith("ROW ")]
+    assert all(rows), p.stdout  # every ROW line in the format
+    return p, rows
+
+
+def test_dry_run_reaches_every_row_and_exits_0():
+    p, rows = _run("--dry-run")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert [m["name"] for m in rows] == [r.name for r in gpu_check.ROWS]
+    assert all(m["status"] == "INFO" for m in rows), p.stdout
+    scan = rows[[r.name for r in gpu_check.ROWS].index("scan loop: no host syncs in the HLO")]
+    assert "no conditional" in scan["detail"], scan["detail"]
+    assert p.stdout.splitlines()[-1].startswith("UNTESTED: two GPUs and more"), p.stdout
+
+
+def test_without_a_gpu_every_gpu_row_fails_and_the_exit_is_1():
+    p, rows = _run()
+    assert p.returncode == 1, p.stdout + p.stderr
+    by_name = {m["name"]: m for m in rows}
+    assert list(by_name) == [r.name for r in gpu_check.ROWS]
+    assert by_name["environment"]["status"] == "FAIL"
+    assert "no CUDA device" in by_name["environment"]["detail"]
+    for r in gpu_check.ROWS:
+        if r.gpu:
+            assert by_name[r.name]["status"] == "FAIL", by_name[r.name]
+            assert "did not run: no CUDA device" in by_name[r.name]["detail"]
+    assert p.stdout.splitlines()[-1].startswith("UNTESTED: "), p.stdout
