@@ -195,6 +195,21 @@ def _num_primal(out, args) -> int:
     return len(jax.tree.leaves(value))
 
 
+def _widened(shapes, reduce, dtype) -> list:
+    """Per output of the loop body: the type its sum over microbatches is kept in when that
+    differs from its own (a summed or averaged float narrower than ``dtype``), else None."""
+    if dtype is None:
+        return [None] * len(shapes)
+    dtype = jnp.dtype(dtype)
+    out = []
+    for s, r in zip(shapes, reduce):
+        d = jnp.dtype(s.dtype)
+        narrow = (r != "stack" and jnp.issubdtype(d, jnp.floating)
+                  and d.itemsize < dtype.itemsize)
+        out.append(dtype if narrow else None)
+    return out
+
+
 def _count_of_size(leaves, size: int) -> int:
     """The microbatch count of a batch cut into microbatches of ``size`` rows
     (``baton.jit(microbatch_size=...)``), or a ConfigError naming the batch size."""
@@ -212,6 +227,7 @@ def accumulate(
     batch: Any = None,
     microbatches: int | None = None,
     reduce: Any = "mean",
+    accumulate_dtype: Any = "float32",
 ) -> Any:
     """Runs ``fn(*args, microbatch)`` over the microbatches of ``batch`` and reduces.
 
@@ -221,6 +237,10 @@ def accumulate(
     subtree. Gradients of a mean loss: use ``'mean'`` and the result equals the
     full-batch gradient. Inside ``baton.jit`` the microbatch count comes from
     ``baton.jit(microbatches=...)``; outside it defaults to ``microbatches`` (or 1).
+    ``accumulate_dtype``: summed and averaged outputs in a narrower float type (bfloat16,
+    float16 gradients of bfloat16 parameters) are summed over the microbatches in this
+    type (default float32) and the result cast back to the output's own type; ``None``
+    sums them in their own type. Wider types (float32, float64) are summed as they are.
     """
     if batch is None:
         if not args:
@@ -265,15 +285,29 @@ def accumulate(
     shapes = jax.eval_shape(flat_fun, *inv_structs, *mb_structs)
     out_tree, out_example = out_tree_box
     red = _expand_reduce(reduce, out_example, len(shapes))
+    wide = _widened(shapes, red, accumulate_dtype)
+    fun = flat_fun
+    if any(w is not None for w in wide):
+        def fun(*flat):  # the narrow sums widened inside the body
+            return [o.astype(w) if w is not None else o for o, w in zip(flat_fun(*flat), wide)]
+
+        narrow = [s.dtype for s in shapes]
+        shapes = [jax.ShapeDtypeStruct(s.shape, w) if w is not None else s
+                  for s, w in zip(shapes, wide)]
+
+    def narrowed(res):
+        if not any(w is not None for w in wide):
+            return res
+        return [r.astype(d) if w is not None else r for r, w, d in zip(res, wide, narrow)]
 
     if _ctx.microbatches is None:
-        res = _scan_loop(flat_fun, list(inv_leaves), list(mb_leaves), red, m)
-        return jax.tree.unflatten(out_tree, res)
+        res = _scan_loop(fun, list(inv_leaves), list(mb_leaves), red, m)
+        return jax.tree.unflatten(out_tree, narrowed(res))
 
     # Inside baton.jit: trace the body once on one microbatch.
     if _ctx.loops:
         raise TraceError("baton.jit supports one baton.accumulate loop per step (found a second)")
-    closed = jax.make_jaxpr(flat_fun)(*inv_structs, *mb_structs)
+    closed = jax.make_jaxpr(fun)(*inv_structs, *mb_structs)
     constvars, consts, invars, outvars, eqns = jc.jaxpr_parts(closed)
     out_avals = [jc.shaped_array(s.shape, s.dtype) for s in shapes]
     body = LoopBody(closed, out_avals, None, _num_primal(out_example, args))
@@ -286,4 +320,4 @@ def accumulate(
         microbatches=m,
         n_invariant=len(consts) + n_inv,
     )
-    return jax.tree.unflatten(out_tree, outs)
+    return jax.tree.unflatten(out_tree, narrowed(list(outs)))
