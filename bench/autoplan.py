@@ -70,26 +70,32 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--budget", type=float, default=600, help="seconds for the grid")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=12,
+                    help="blocks, each a segment (a multiple of 4: the uniform plan)")
+    ap.add_argument("--runs", type=int, default=3, help="timed runs per segment measurement")
     args = ap.parse_args()
-    cfg = gpt.GPTConfig(vocab=args.vocab, dim=args.dim, seq=32, heads=4, layers=12, stages=12)
+    L = args.layers
+    if L < 4 or L % 4:
+        ap.error("--layers must be a positive multiple of 4")
+    cfg = gpt.GPTConfig(vocab=args.vocab, dim=args.dim, seq=32, heads=4, layers=L, stages=L)
     model, params, opt, st, train_step, _ = gpt.make(cfg)
     batch = gpt.synthetic_batch(cfg, args.batch)
     mesh = baton.PipelineMesh(jax.devices()[:RANKS], ranks=RANKS)
     xs = (params, st, batch)
 
     t0 = time.perf_counter()
-    rows = baton.autoplan(train_step, *xs, ranks=RANKS, runs=3, use_cache=False)
+    rows = baton.autoplan(train_step, *xs, ranks=RANKS, runs=args.runs, use_cache=False)
     t_plan = time.perf_counter() - t0
     costs = rows.segments
     t0 = time.perf_counter()
-    again = baton.autoplan(train_step, *xs, ranks=RANKS, runs=3)
+    again = baton.autoplan(train_step, *xs, ranks=RANKS, runs=args.runs)
     t_again = time.perf_counter() - t0
     best = rows.best
 
     print(f"# Automatic planning, measured ({time.strftime('%Y-%m-%d')}, 2 shared CPUs, "
           f"jax {jax.__version__})\n")
     print(f"`python bench/autoplan.py --budget {args.budget:g}`: GPT vocab {cfg.vocab}, dim "
-          f"{cfg.dim}, 12 blocks with a boundary after each (12 segments), {RANKS} ranks, "
+          f"{cfg.dim}, {L} blocks with a boundary after each ({L} segments), {RANKS} ranks, "
           f"batch {args.batch} x seq {cfg.seq}, AdamW. Step times: median of {args.steps} "
           f"calls after the first.\n")
     print(f"Planning: segment measurement {rows.stats['measure_seconds']:.1f} s, search "
@@ -101,16 +107,17 @@ def main() -> int:
     print(str(rows))
     print()
 
-    uniform = Candidate("1f1b", 1, 8, [0, 3, 6, 9], ["min"] * 4, 0, 0, [], True)
+    uniform = Candidate("1f1b", 1, 8, [0, L // 4, L // 2, 3 * L // 4], ["min"] * 4, 0, 0, [],
+                        True)
     table = []
     t_auto = measure(train_step, mesh, xs, best.jit_kwargs(), args.steps)
     table.append(("automatic: " + _name(best), best.step_time, t_auto))
     t_uni = measure(train_step, mesh, xs, uniform.jit_kwargs(), args.steps)
-    table.append(("uniform 3 blocks/stage, 1F1B, M=8, remat min", predicted(costs, uniform),
-                  t_uni))
+    table.append((f"uniform {L // 4} blocks/stage, 1F1B, M=8, remat min",
+                  predicted(costs, uniform), t_uni))
     # the grid: contiguous cuts x families x M x remat, in random order, until the budget
-    cuts4 = [[0, *c] for c in itertools.combinations(range(1, 12), 3)]
-    cuts8 = [[0, *c] for c in itertools.combinations(range(1, 12), 7)]
+    cuts4 = [[0, *c] for c in itertools.combinations(range(1, L), 3)]
+    cuts8 = [[0, *c] for c in itertools.combinations(range(1, L), 7)]
     grid = []
     for fam in ("gpipe", "1f1b", "eager1f1b", "zbh1", "zbh2"):
         for m in (4, 8, 16):
@@ -147,7 +154,8 @@ def main() -> int:
     uni_peak = max(_peak(costs, uniform))
     budget = int(uni_peak * 0.8)
     try:
-        tight = baton.autoplan(train_step, *xs, ranks=RANKS, memory_per_device=budget, runs=3)
+        tight = baton.autoplan(train_step, *xs, ranks=RANKS, memory_per_device=budget,
+                               runs=args.runs)
         tb = tight.best
         t_tight = measure(train_step, mesh, xs, tb.jit_kwargs(), args.steps)
         print(f"\nMemory budget {budget / 2**20:.2f} MiB per rank (0.8x the uniform plan's "

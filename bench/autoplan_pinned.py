@@ -56,7 +56,8 @@ MICROBATCHES = [1, 2, 4, 8, 16]
 def _model(args):
     import gpt
 
-    cfg = gpt.GPTConfig(vocab=args.vocab, dim=args.dim, seq=32, heads=4, layers=12, stages=12)
+    cfg = gpt.GPTConfig(vocab=args.vocab, dim=args.dim, seq=32, heads=4, layers=args.layers,
+                        stages=args.layers)
     _, params, _, opt_state, train_step, _ = gpt.make(cfg)
     return train_step, params, opt_state, gpt.synthetic_batch(cfg, args.batch)
 
@@ -67,8 +68,8 @@ def role_segments(args):
 
     train_step, p, s, b = _model(args)
     t = time.perf_counter()
-    costs = baton.measure_segments(train_step, p, s, b, microbatches=MICROBATCHES, runs=3,
-                                   use_cache=False)
+    costs = baton.measure_segments(train_step, p, s, b, microbatches=MICROBATCHES,
+                                   runs=args.runs, use_cache=False)
     costs["measured"]["wall"] = time.perf_counter() - t
     print("RESULT " + json.dumps(costs), flush=True)
 
@@ -161,7 +162,8 @@ def _run(cmd, timeout=3600):
 
 def _common(args):
     return ["--vocab", str(args.vocab), "--dim", str(args.dim), "--batch", str(args.batch),
-            "--steps", str(args.steps)]
+            "--steps", str(args.steps), "--layers", str(args.layers),
+            "--runs", str(args.runs)]
 
 
 def _measure(args, configs):
@@ -237,6 +239,11 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=1800, help="seconds for the grid")
     ap.add_argument("--batch-size", type=int, default=20, help="configurations per launch")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=12,
+                    help="blocks, each a segment (even: the uniform plan cuts in the middle)")
+    ap.add_argument("--runs", type=int, default=3, help="timed runs per segment measurement")
+    ap.add_argument("--top", type=int, default=None,
+                    help="measure only the search's best TOP candidates (default: all it ranks)")
     ap.add_argument("--md", help="also write the report here")
     ap.add_argument("--raw", default="/tmp/autoplan_pinned_raw.json",
                     help="every measurement so far (JSON), rewritten after each launch")
@@ -277,15 +284,16 @@ def main() -> int:
     if "costs" not in raw:
         raw["costs"] = _run([sys.executable, ME, "--role", "segments", *_common(args)])[0]
     costs = raw["costs"]
-    uniform = {"schedule": "1f1b", "v": 1, "M": 8, "cuts": [0, 6], "remat": "min",
+    L = args.layers
+    uniform = {"schedule": "1f1b", "v": 1, "M": 8, "cuts": [0, L // 2], "remat": "min",
                "profile": True}
     uni = measure([uniform])[0]
     costs["link"] = uni["link"]
     # the step's time outside the loop that the segments' updates do not account for (the
     # multi-process step's own dispatch and exchanges): the uniform run's step less its
     # traced loop and its slowest rank's updates
-    upd = max(sum(g["update"] for g in costs["segments"][:6]),
-              sum(g["update"] for g in costs["segments"][6:]))
+    upd = max(sum(g["update"] for g in costs["segments"][:L // 2]),
+              sum(g["update"] for g in costs["segments"][L // 2:]))
     costs["step_overhead"] = max(uni["step"] - uni["loop_measured"] - upd, 0.0)
     t0 = time.perf_counter()
     rows = baton.search_segments(costs, RANKS, microbatches=MICROBATCHES)
@@ -302,8 +310,8 @@ def main() -> int:
         return float(r["step_time"]), [int(x) for x in r["peak_memory"]]
 
     lines += [
-        f"Model: GPT vocab {args.vocab}, dim {args.dim}, 12 blocks with a candidate boundary "
-        f"after each (12 segments), batch {args.batch} x seq 32, AdamW; {RANKS} ranks as 2 "
+        f"Model: GPT vocab {args.vocab}, dim {args.dim}, {L} blocks with a candidate boundary "
+        f"after each ({L} segments), batch {args.batch} x seq 32, AdamW; {RANKS} ranks as 2 "
         "processes pinned to cores 0 and 1, one XLA thread each, Gloo between them. Step "
         f"times: median of {args.steps} calls after 4 warm-ups.\n",
         f"Planning: segment costs measured in {costs['measured']['wall']:.1f} s (one process "
@@ -321,10 +329,10 @@ def main() -> int:
         "Top candidates (predicted):\n", str(rows), ""]
 
     # the top candidates, then the grid in random order
-    first = [best] + [_cfg(c) for c in rows[1:]]
+    first = [best] + [_cfg(c) for c in rows[1:args.top]]
     seen = {_key(d) for d in first} | {_key(uniform)}
-    cuts2 = [[0, c] for c in range(1, 12)]
-    cuts4 = [[0, *c] for c in itertools.combinations(range(1, 12), 3)]
+    cuts2 = [[0, c] for c in range(1, L)]
+    cuts4 = [[0, *c] for c in itertools.combinations(range(1, L), 3)]
     grid = []
     for fam in ("gpipe", "1f1b", "eager1f1b", "zbh1", "zbh2"):
         for m, r, c in itertools.product(MICROBATCHES, ("keep", "min"), cuts2):

@@ -61,7 +61,7 @@ def tasks_only(p, args):
 
         whole = p._whole_mb(outer, {})
         env = {(k, s): [jnp.zeros(a.shape, a.dtype) for a in cs.buffers.layout(k, s)]
-               for st, _ in p.steps for op, k, s, _, _ in st if op == "wait"}
+               for st, _ in p.steps for op, k, s, _, _ in st if op == baton._core.ItemOp.WAIT}
         outs: list = []
         for k, s in p.units:
             _run_task(cs, k, s, 0, outer, lambda v, _m: whole(v)[0],

@@ -132,8 +132,10 @@ def part_baton(args) -> list[dict]:
         sim = step.simulate(p, o, batch)
         pred = _bubble(((r.rank, r.start, r.end) for r in sim.runs), RANKS)
         meas = _bubble(((r["rank"], r["start"], r["end"]) for r in tr.runs), RANKS)
-        progs = step.last.engine.local_progs or []
-        temps = [int(pr.compiled.memory_analysis().temp_size_in_bytes) for pr in progs]
+        # the compiled programs: a group of ranks that share one program compiles it once
+        # (its SharedProgram; the members' RankPrograms hold no executable of their own)
+        units = step.last.engine.local_units or []
+        temps = [int(u.compiled.memory_analysis().temp_size_in_bytes) for u in units]
         out.append(dict(name=f"Baton {sched}", stages=sched.stages(RANKS), step=t,
                         bubble_meas=meas, bubble_pred=pred, temp=max(temps) if temps else None,
                         live=_state_bytes(state), compile=compile_s))

@@ -86,15 +86,18 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "plan_search.md"))
     ap.add_argument("--no-exact", action="store_true", help="skip the runs without node budget")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one small case of each kind (8 segments, 4 ranks), for bench/smoke.py")
     args = ap.parse_args()
 
     cases = []
-    for n in (8, 16, 32, 64):
-        for ranks in (4, 8):
+    for n in (8,) if args.smoke else (8, 16, 32, 64):
+        for ranks in (4,) if args.smoke else (4, 8):
             cases.append((f"random-{n}", segments(n, seed=n * 10 + ranks), ranks, None))
-    cases.append(("unbalanced-64", segments(64, seed=7, unbalanced=True), 8, None))
-    cases.append(("unbalanced-64", segments(64, seed=7, unbalanced=True), 8, "6GiB"))
-    cases.append(("unbalanced-64", segments(64, seed=7, unbalanced=True), 8, "4GiB"))
+    big, wide = (8, 4) if args.smoke else (64, 8)
+    cases.append((f"unbalanced-{big}", segments(big, seed=7, unbalanced=True), wide, None))
+    for memory in () if args.smoke else ("6GiB", "4GiB"):
+        cases.append(("unbalanced-64", segments(64, seed=7, unbalanced=True), 8, memory))
 
     lines = [
         "| case | segments | ranks | families | memory/rank | mode | search s | configs "

@@ -63,9 +63,8 @@ def measure(args):
     step = baton.jit(train_step, schedule=baton.OneFOneB(), microbatches=M,
                      mesh=baton.PipelineMesh(jax.devices()[:2], ranks=2), single_program=False)
     cs = step.compile(params, opt_state, batch)
-    cs.capture = {}
-    step(params, opt_state, batch)
-    cap, cs.capture = cs.capture, None
+    # each task's first arguments, (kind, stage) -> (running sums or None, args)
+    cap = step.capture_task_args((params, opt_state, batch))
     dev = jax.devices()[0]
     vals = {}  # value id -> array, from every captured call
     for key, (_, targs) in cap.items():
