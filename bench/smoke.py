@@ -93,6 +93,7 @@ CASES = (
     Case("plan_search.py", ("--smoke", "--out", "{tmp}/plan_search.md"),
          report="plan_search.md"),
     Case("scale.py", ("--no-best",), table=r"(?m)^\|.*\|\s*$"),
+    Case("schedule_choice.py", ("--ranks", "2", "--microbatches", "4")),
     Case("soak.py", ("--steps", "4", "--every", "2", "--warmup", "2",
                      "--out", "{tmp}/soak.md")),
     Case("spmd.py", ("--dim", "32", "--seq", "8", "--batch", "8", "--microbatches", "2",
