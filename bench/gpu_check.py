@@ -269,6 +269,8 @@ ROWS: list[Row] = [
         not_written("the row is not written yet")),
     Row("failure: close with transfers pending", True, not_written("the row is not written yet")),
     Row("one libnccl mapped", True, row_single("one libnccl mapped")),
+    Row("implicit sync probe", True, row_single("implicit sync probe")),
+    Row("switch vs straight", True, row_single("switch vs straight")),
     Row("memory: staging reservation", True, row_reservation),
     Row("memory: XLA_PYTHON_CLIENT_MEM_FRACTION=.95", True,
         not_written("the row is not written yet")),
