@@ -42,9 +42,9 @@ from baton import metrics  # noqa: E402
 def start_distributed() -> bool:
     """Whether this process is one of several. Under SLURM or Open MPI with several tasks, or
     with ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set (the
-    Kubernetes JobSet recipe), ``jax.distributed.initialize()`` first (it reads the launcher's variables; Baton's
-    rendezvous then uses its key-value store); ``python -m baton.launch`` needs none (its
-    processes meet in a file store)."""
+    Kubernetes JobSet recipe), ``jax.distributed.initialize()`` first (it reads the
+    launcher's variables; Baton's rendezvous then uses its key-value store);
+    ``python -m baton.launch`` needs none (its processes meet in a file store)."""
     if "BATON_RANK" in os.environ:
         return True
     if "JAX_COORDINATOR_ADDRESS" in os.environ:  # e.g. examples/launch/jobset.yaml
