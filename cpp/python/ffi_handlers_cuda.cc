@@ -140,6 +140,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonDrainCuda, DrainImpl,
 void init_ffi_cuda(nb::module_& m) {
   m.def("has_cuda", [] { return true; }, "True: the CUDA handlers (handlers_cuda) were built.");
   m.def(
+      "close_all_cuda", [] { return rt::close_all_nccl_comms(); },
+      nb::call_guard<nb::gil_scoped_release>(),
+      "Closes every NcclRankComm still alive, all at once (registered with atexit by "
+      "baton.frontend.ffi.register); how many.");
+  m.def(
       "handlers_cuda",
       [] {
         nb::dict d;

@@ -4,10 +4,14 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <atomic>
+#include <functional>
 #include <future>
+#include <stdexcept>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "baton/cuda_env.h"
 #include "baton/nccl_comm.h"
@@ -99,6 +103,37 @@ TEST(CudaEnv, NcclCommRefusesOneConnection) {
   else
     unsetenv("CUDA_DEVICE_MAX_CONNECTIONS");
   EXPECT_TRUE(has(msg, "NcclRankComm: CUDA_DEVICE_MAX_CONNECTIONS=1 is set")) << msg;
+}
+
+}  // namespace
+}  // namespace baton::runtime
+
+namespace baton::runtime {
+namespace {
+
+// The contexts are closed at once: every job runs while the others do (each
+// waits until all have started, which one thread after another never reaches).
+TEST(CudaEnv, ContextsCloseConcurrentlyNotOneAfterAnother) {
+  constexpr int kJobs = 4;
+  std::atomic<int> started{0};
+  std::atomic<int> finished{0};
+  std::vector<std::function<void()>> jobs;
+  for (int i = 0; i < kJobs; ++i)
+    jobs.push_back([&, i] {
+      ++started;
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (started.load() < kJobs && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (started.load() == kJobs) ++finished;
+      if (i == 0) throw std::runtime_error("a close that fails does not stop the others");
+    });
+  staging::run_concurrently(jobs);
+  EXPECT_EQ(finished.load(), kJobs);
+}
+
+TEST(CudaEnv, CloseAllWithNoContexts) {
+  register_nccl_comm(nullptr);  // not a context: nothing to close
+  EXPECT_EQ(close_all_nccl_comms(), 0u);
 }
 
 }  // namespace

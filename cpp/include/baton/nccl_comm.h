@@ -229,6 +229,10 @@ class LinkFifo {
   std::map<std::pair<int, int>, std::deque<T>> q_;
 };
 
+// Runs every job on a thread of its own and joins them all (a job's exception is
+// dropped): close_all_nccl_comms closes contexts at once, not one after another.
+void run_concurrently(const std::vector<std::function<void()>>& jobs);
+
 // true for the first caller only (thread-safe): guards ncclCommAbort.
 class AbortOnce {
  public:
@@ -328,5 +332,11 @@ class NcclComm {
 int64_t register_nccl_comm(std::shared_ptr<NcclComm> comm);
 void unregister_nccl_comm(int64_t id);
 std::shared_ptr<NcclComm> find_nccl_comm(int64_t id);  // null when unknown
+
+// Closes every NcclComm still alive that was ever registered, all at once (one
+// thread each, staging::run_concurrently), each waiting only for its own streams:
+// called at interpreter exit (baton.frontend.ffi registers it with atexit), before
+// JAX's client and the CUDA runtime are torn down. How many it closed.
+size_t close_all_nccl_comms();
 
 }  // namespace baton::runtime

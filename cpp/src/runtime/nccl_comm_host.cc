@@ -5,7 +5,9 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <functional>
 #include <mutex>
+#include <thread>
 
 #include "baton/nccl_comm.h"
 
@@ -175,10 +177,55 @@ CommRegistry<NcclComm>& nccl_registry() {
   static auto* r = new CommRegistry<NcclComm>(int64_t{1} << 40);
   return *r;
 }
+
+// Every context ever registered (weakly: the registry and Python own them), for close_all.
+struct Made {
+  std::mutex mu;
+  std::vector<std::weak_ptr<NcclComm>> comms;
+};
+Made& made() {
+  static auto* m = new Made;  // never destroyed (used at exit)
+  return *m;
+}
 }  // namespace
 
+namespace staging {
+void run_concurrently(const std::vector<std::function<void()>>& jobs) {
+  std::vector<std::thread> threads;
+  threads.reserve(jobs.size());
+  for (const auto& job : jobs)
+    threads.emplace_back([&job] {
+      try {
+        job();
+      } catch (...) {  // a close never throws out of here (at exit, nothing could catch it)
+      }
+    });
+  for (std::thread& t : threads) t.join();
+}
+}  // namespace staging
+
 int64_t register_nccl_comm(std::shared_ptr<NcclComm> comm) {
+  if (comm) {
+    std::lock_guard<std::mutex> lock(made().mu);
+    auto& v = made().comms;
+    std::erase_if(v, [](const std::weak_ptr<NcclComm>& w) { return w.expired(); });
+    v.push_back(comm);
+  }
   return nccl_registry().add(std::move(comm));
+}
+
+size_t close_all_nccl_comms() {
+  std::vector<std::shared_ptr<NcclComm>> live;
+  {
+    std::lock_guard<std::mutex> lock(made().mu);
+    for (const auto& w : made().comms)
+      if (auto c = w.lock()) live.push_back(std::move(c));
+    made().comms.clear();
+  }
+  std::vector<std::function<void()>> jobs;
+  for (const auto& c : live) jobs.push_back([c] { c->close(); });
+  staging::run_concurrently(jobs);
+  return live.size();
 }
 
 void unregister_nccl_comm(int64_t id) { nccl_registry().remove(id); }

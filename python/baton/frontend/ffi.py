@@ -9,6 +9,7 @@ both are marked as having side effects, so XLA neither removes nor merges them.
 
 from __future__ import annotations
 
+import atexit
 import threading
 
 import jax
@@ -34,6 +35,9 @@ def register() -> None:
         if has_cuda():
             for name, capsule in _core.ffi.handlers_cuda().items():
                 jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+            # every NcclRankComm closed at exit, at once, before JAX's client goes away
+            # (atexit runs last-registered first; JAX registers its own at import)
+            atexit.register(_core.ffi.close_all_cuda)
         _registered = True
 
 
