@@ -133,8 +133,12 @@ void bind_cluster(nb::module_& m) {
          bool fp8, const std::vector<int>& pp, const std::vector<int>& tp,
          const std::vector<int>& ep, int fsdp_mode, const std::vector<std::string>& families,
          int top, int max_segments, int max_microbatch_choices, double gap, int64_t node_budget,
-         const std::vector<int>& interleaved_v) {
+         const std::vector<int>& interleaved_v, int tp_overlap, int dp_overlap,
+         double grad_reduce_bytes) {
         baton::ClusterOptions o;
+        o.tp_overlap = tp_overlap;
+        o.dp_overlap = dp_overlap;
+        o.grad_reduce_bytes = grad_reduce_bytes;
         o.gpus = gpus;
         o.global_batch = global_batch;
         o.fp8 = fp8;
@@ -158,27 +162,33 @@ void bind_cluster(nb::module_& m) {
       "pp"_a = std::vector<int>{}, "tp"_a = std::vector<int>{}, "ep"_a = std::vector<int>{},
       "fsdp_mode"_a = -1, "families"_a = std::vector<std::string>{}, "top"_a = 10,
       "max_segments"_a = 24, "max_microbatch_choices"_a = 1, "gap"_a = 0.02, "node_budget"_a = 500,
-      "interleaved_v"_a = std::vector<int>{},
+      "interleaved_v"_a = std::vector<int>{}, "tp_overlap"_a = -1, "dp_overlap"_a = -1,
+      "grad_reduce_bytes"_a = 4.0,
       "Searches degrees x cuts x schedule x microbatches x remat; returns the ranked result "
       "as JSON. Raises ConfigError when nothing fits.");
   m.def(
       "evaluate_cluster",
       [](const std::string& profile, const std::string& hardware, int pp, int tp, int dp, int ep,
          bool fsdp, int64_t global_batch, bool fp8, const std::string& schedule, int virtual_stages,
-         int microbatches, const std::string& remat) {
+         int microbatches, const std::string& remat, bool tp_overlap, bool dp_overlap,
+         double grad_reduce_bytes, bool flash_attention) {
         baton::ClusterOptions o;
+        o.flash_attention = flash_attention;
         o.gpus = pp * tp * dp;
         o.global_batch = global_batch;
         o.fp8 = fp8;
+        o.grad_reduce_bytes = grad_reduce_bytes;
         baton::ClusterResult r;
         r.plans.push_back(baton::evaluate_cluster(
             baton::ModelProfile::from_json(profile), baton::Hardware::from_json(hardware),
-            baton::ClusterDegrees{pp, tp, dp, ep, fsdp}, o, schedule, virtual_stages, microbatches,
-            baton::parse_remat(remat)));
+            baton::ClusterDegrees{pp, tp, dp, ep, fsdp, tp_overlap, dp_overlap}, o, schedule,
+            virtual_stages, microbatches, baton::parse_remat(remat)));
         return r.to_json();
       },
       "profile"_a, "hardware"_a, "pp"_a, "tp"_a, "dp"_a, "ep"_a, "fsdp"_a, "global_batch"_a,
       "fp8"_a, "schedule"_a, "virtual_stages"_a, "microbatches"_a, "remat"_a,
+      "tp_overlap"_a = false, "dp_overlap"_a = false, "grad_reduce_bytes"_a = 4.0,
+      "flash_attention"_a = true,
       "One given configuration (even layer cuts, one remat mode) simulated; JSON like "
       "plan_cluster's with one plan.");
   m.def(

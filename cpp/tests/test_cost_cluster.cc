@@ -96,9 +96,10 @@ TEST(ClusterCosts, MlpStackMatchesHandFormulas) {
     EXPECT_NEAR(params, kLayers * 2 * p_gpu, 1.0 * kLayers);
     const double opt_gpu = c.fsdp ? 14 * P / c.tp / c.dp : 12 * P / c.tp / c.dp + 2 * P / c.tp;
     EXPECT_NEAR(opt, kLayers * opt_gpu, 1.0 * kLayers);
-    // Per step: ZeRO-1 all-reduces 4-byte gradients over dp; plus the state
-    // (params, grads, optimizer) read and written once at HBM bandwidth.
-    const double dp_wire = c.fsdp || c.dp == 1 ? 0 : 2.0 * (c.dp - 1) / c.dp * 4 * P / c.tp;
+    // Per step: ZeRO-1 reduce-scatters 4-byte gradients and all-gathers bf16 parameters
+    // over dp; plus the state (params, grads, optimizer) read and written once at HBM
+    // bandwidth.
+    const double dp_wire = c.fsdp || c.dp == 1 ? 0 : (c.dp - 1.0) / c.dp * (4 + 2) * P / c.tp;
     const double state = 2 * (4 * p_gpu + opt_gpu);
     EXPECT_NEAR(update, kLayers * (dp_wire / dp_link.bandwidth + state / hw.hbm_bandwidth),
                 1e-9);

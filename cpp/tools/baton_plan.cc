@@ -333,7 +333,20 @@ int main(int argc, char** argv) {
   app.add_option("--cluster", o.cluster, "Hardware JSON file (--profile)");
   app.add_option("--gpus", o.gpus, "GPU count (--profile)");
   app.add_option("--global-batch", o.global_batch, "Sequences per step (--profile)");
-  app.add_flag("--fp8", o.fp8, "Matmuls at the fp8 peak (--profile)");
+  app.add_flag("--fp8", o.fp8,
+               "Linear layers in fp8 at the hardware file's fp8 GEMM rates, casts counted "
+               "(--profile, --model)");
+  // Never parsed here (main() hands a --model command line to baton-plan-model); listed so
+  // that --help shows it.
+  std::string model_help;
+  app.add_option("--model", model_help,
+                 "Model name (llama3-8b/70b/405b, gpt3-175b, deepseek-v3, mixtral-8x7b, ... ) "
+                 "or a 'gpt:layers=..,hidden=..,heads=..' / 'llama:...' spec: trace it "
+                 "abstractly and plan at cluster scale with --cluster (a100, h100, h100-500w, "
+                 "h200, h800, b200 or a JSON file), --gpus, --global-batch; also --seq, --fp8, "
+                 "--pp/--tp/--ep lists, --fsdp yes|no, --tp-overlap yes|no, --dp-overlap "
+                 "yes|no (default: both searched), --grad-reduce-bytes, --families, --top, "
+                 "--json, --profile-out (runs the baton-plan-model script; docs/SCALE.md)");
   app.add_option("--pp", o.pp, "Comma list of pipeline degrees to try (--profile)");
   app.add_option("--tp", o.tp, "Comma list of tensor degrees to try (--profile)");
   app.add_option("--fsdp", o.fsdp, "yes: FSDP only, no: ZeRO-1 only (--profile; default both)");

@@ -427,3 +427,10 @@ def from_wire(x, dtype) -> Any:
     if dtype == jax.dtypes.float0:
         return np.zeros(x.shape, dtype)
     return x if x.dtype == dtype else x.astype(dtype)
+
+
+def saved_residuals(f, *args) -> list:
+    """(aval, description) of every value ``jax.vjp(f, *args)`` keeps for the backward,
+    as ``jax.ad_checkpoint.print_saved_residuals`` lists them (arguments included)."""
+    from jax._src.ad_checkpoint import saved_residuals as _saved
+    return list(_saved(f, *args))

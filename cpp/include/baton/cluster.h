@@ -5,33 +5,23 @@
 // tuple, the SegmentCosts of one pipeline replica; the same autoplan search
 // that plans CPU runs then chooses cuts, schedule, microbatches and remat.
 //
-// Sharding model of one segment (per sample of `seq` tokens, counts from the
-// profile; t = TP, e = EP, d = data-parallel replicas, z = the degree the
-// optimizer state (ZeRO-1) or everything (FSDP) is sharded over):
-//   compute      (fwd_flops / t) / achieved_flops   (bwd likewise)
-//   TP           tp_collectives all-reduces of tp_bytes per sample in F and
-//                as many in B (Megatron: 2 + 2 per layer), ring/tree over the
-//                TP axis; not overlapped with compute.
-//   EP           a2a_collectives all-to-alls of a2a_bytes / t per sample in F
-//                and as many in B, over the EP axis; not overlapped.
-//   FSDP         per microbatch: all-gather of the segment's parameters in F,
-//                all-gather + reduce-scatter in B, over the data axis,
-//                overlapped with compute (a task lasts max(compute, FSDP)).
-//   params       dense / t + expert / (t e) parameters, 2 bytes each (bf16),
-//                / d under FSDP (experts / (d / e)).
-//   grads        as many bytes as params (autoplan's gradient accumulator).
-//   optimizer    opt_bytes_per_param (fp32 master + Adam m, v: 12) / z, plus
-//                grad_extra_bytes_per_param (fp32 main gradients: 2) unsharded.
-//   activations  stash_{keep,min,full} / t per sample (sequence parallel),
-//                wstash = stash_keep / t, temp = temp_bytes / t per sample
-//                (+ the gathered parameters and gradients under FSDP).
-//   update       once per step: the data-parallel gradient reduction of the
-//                segment's gradients (ZeRO-1: reduce-scatter + all-gather =
-//                one all-reduce's bytes; FSDP: none, its reduce-scatters run
-//                per microbatch) + reading and writing params, grads and
-//                optimizer state at HBM bandwidth.
-//   p2p          stage-to-stage activations act_bytes / t per sample over the
-//                pipeline axis link.
+// Cost of one segment (docs/SCALE.md, "Time from physical parts", "Communication as
+// runs overlap it", "Memory"; per microbatch of mb samples, t = TP, e = EP, d = data-
+// parallel replicas):
+//   compute      each forward matmul at the hardware file's GEMM rate for its size
+//                (max with its HBM bytes), attention at the fused-kernel rate (causal
+//                work halved), memory-bound bytes at HBM speed, kernel launches; the
+//                backward twice the matmuls, 2.5x the attention FLOPs, twice the bytes;
+//                fp8 only on linear layers, with their casts.
+//   TP           sequence-parallel all-gather + reduce-scatter per collective point,
+//                exposed, or hidden behind the pass's GEMMs with tp_overlap.
+//   EP           all-to-alls, exposed; DualPipeV's fused F&B hides them (fused_factor).
+//   FSDP         per microbatch gathers and scatters, prefetched under compute.
+//   ZeRO-1       per step: reduce-scatter of the gradients (grad_reduce_bytes) and
+//                all-gather of the parameters; with dp_overlap behind the last backward
+//                and the next forward, the last bucket exposed (step_overhead).
+//   memory       params 2 B, grads 2 B, optimizer 12 B / z + 2 B, stash per remat mode.
+//   p2p          activations over the pipeline link, asynchronous.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -41,6 +31,23 @@
 #include "baton/hardware.h"
 
 namespace baton {
+
+// One forward matmul of a segment, per sample: `count` calls of an
+// (m x k) @ (k x n) product; m is the rows per sample (tokens, or tokens per
+// expert for expert matmuls). `linear`: one operand is a parameter (a linear
+// layer: fp8 applies, its weight gradient is W work). `tp_dim`: the dimension
+// tensor parallelism shards (0 none, 1 n: column-parallel, 2 k: row-parallel).
+// `expert`: one of the experts' matmuls (count = experts; expert parallelism
+// puts count / ep of them on a GPU, each with ep times the rows).
+struct MatmulShape {
+  double m = 0;
+  int64_t n = 0, k = 0;
+  int count = 1;
+  bool linear = true;
+  int tp_dim = 0;
+  bool expert = false;
+  bool operator==(const MatmulShape&) const = default;
+};
 
 // One segment kind of the model, per sample (one sequence of `seq` tokens),
 // unsharded. Repeated `repeat` times in a row.
@@ -63,6 +70,14 @@ struct ProfileSegment {
   int64_t tp_bytes = 0;            // bytes of each
   int a2a_collectives = 0;         // expert all-to-alls in F (as many in B)
   int64_t a2a_bytes = 0;           // bytes of each (before TP sharding)
+  // Physical parts (docs/SCALE.md, "Time from physical parts"); a profile
+  // without `matmuls` is costed from fwd_flops at the largest GEMM rate.
+  std::vector<MatmulShape> matmuls;  // forward matmuls outside attention's core
+  double attn_flops = 0;             // attention core forward FLOPs (QK^T, PV; full square)
+  double attn_scores = 0;            // elements of its score matrices (heads x seq x seq)
+  bool attn_causal = true;           // causal masking: half of attn_flops is done
+  double mem_bytes = 0;              // HBM bytes of the forward's memory-bound work
+  int kernels = 0;                   // forward non-matmul kernels per instance
   bool operator==(const ProfileSegment&) const = default;
 };
 
@@ -88,13 +103,17 @@ struct ModelProfile {
 struct ClusterDegrees {
   int pp = 1, tp = 1, dp = 1, ep = 1;
   bool fsdp = false;  // false: ZeRO-1 (optimizer state sharded over dp)
+  // Overlap settings of the plan (searched like the degrees):
+  bool tp_overlap = false;  // sequence-parallel all-gather / reduce-scatter split against the GEMMs
+  bool dp_overlap = false;  // bucketed gradient reduce-scatter in the backward, parameter
+                            // all-gather in the next forward (ZeRO-1)
   bool operator==(const ClusterDegrees&) const = default;
 };
 
 struct ClusterOptions {
   int gpus = 8;
   int64_t global_batch = 1;  // sequences per step
-  bool fp8 = false;          // matmuls at peak_fp8
+  bool fp8 = false;          // linear layers at the fp8 GEMM rates, casts counted
   double opt_bytes_per_param = 12;
   double grad_extra_bytes_per_param = 2;
   // Pipeline segments: layers are grouped into about this many segments
@@ -111,6 +130,30 @@ struct ClusterOptions {
   double gap = 0.02;         // autoplan's relative gap per call
   int64_t node_budget = 500;  // autoplan's per-configuration budget
   std::vector<int> interleaved_v = {2, 4};  // virtual stages tried by the interleaved schedule
+  int tp_overlap = -1;  // -1 search both, 0 off, 1 on
+  int dp_overlap = -1;
+  double grad_reduce_bytes = 4;   // bytes per gradient element in the data-parallel reduction
+  double bucket_params = 40e6;    // gradient bucket (Megatron's default: 40M parameters)
+  // fp8 recipe: bytes moved per element cast to fp8 (read bf16 + write fp8),
+  // for inputs, weights and output gradients of every fp8 linear layer.
+  double fp8_cast_bytes = 3;
+  // Fused (flash) attention; false: the score matrices go through HBM (two batched GEMMs
+  // and a fused scale-mask-softmax + dropout moving 13 bytes per score in the forward,
+  // twice that in the backward), as Megatron-LM did before FlashAttention (2022).
+  bool flash_attention = true;
+};
+
+// Where the predicted time of one step goes, on the average pipeline rank
+// (seconds per step; sums over its microbatches), and the bubble.
+struct TimeBreakdown {
+  double gemm = 0, attention = 0, memory = 0, launch = 0;  // compute by kind, F + B
+  double recompute = 0;     // extra backward work the plan's remat adds
+  double tp_comm = 0;       // exposed TP collectives (incl. contention under overlap)
+  double ep_comm = 0;       // exposed expert all-to-alls
+  double fsdp_comm = 0;     // exposed FSDP gathers / scatters
+  double dp_comm = 0;       // exposed data-parallel reduction (+ its tail bucket)
+  double optimizer = 0;     // optimizer update at HBM speed
+  double bubble = 0;        // step time not covered by the above on that rank
 };
 
 // Per-GPU bytes of the rank holding the largest peak, by component.
@@ -128,6 +171,7 @@ struct ClusterPlan {
   double mfu = 0;  // model_flops_per_sample * global_batch / step_time / (gpus * peak_bf16)
   double tflops_per_gpu = 0;  // model FLOPs / step_time / gpus / 1e12
   MemoryBreakdown memory;
+  TimeBreakdown time;
 };
 
 struct ClusterSearchStats {
@@ -149,6 +193,8 @@ struct ClusterSegments {
   SegmentCosts costs;
   std::vector<std::string> names;
   std::vector<int> layers;
+  // Per microbatch over all segments (F + B) and per step, for the breakdown.
+  TimeBreakdown per_microbatch, per_step;
 };
 // SegmentCosts of one pipeline replica at `microbatches` microbatches
 // (batch = global_batch / dp, ref_microbatch = batch / microbatches).

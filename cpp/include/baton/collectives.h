@@ -1,5 +1,6 @@
 // Collective communication costs over one link class (docs/SCALE.md,
-// "Collectives"). `bytes` is always the size of the full buffer one rank
+// "Collectives"). Collectives run at the link's NCCL bus bandwidth
+// (LinkSpec::collective_bandwidth, bw below), point-to-point at its bandwidth. `bytes` is always the size of the full buffer one rank
 // holds: the all-reduced tensor, the gathered output of an all-gather, the
 // input of a reduce-scatter, everything one rank sends and keeps in an
 // all-to-all. n ranks take part; n == 1 costs 0.
@@ -31,6 +32,13 @@ double all_gather_time(double bytes, int n, const LinkSpec& link);
 double reduce_scatter_time(double bytes, int n, const LinkSpec& link);
 double all_to_all_time(double bytes, int n, const LinkSpec& link);
 double p2p_time(double bytes, const LinkSpec& link);
+
+// Seconds a collective of `comm` seconds adds when overlapped with `compute`
+// seconds of work: the part the compute cannot hide, max(0, comm - compute),
+// plus `contention` * min(comm, compute), the slowdown of the compute it hides
+// behind (NCCL's kernels occupy SMs). Throws ConfigError on negative inputs
+// or contention outside [0, 1).
+double overlap_exposed(double comm, double compute, double contention);
 
 // Bytes one rank sends in a ring all-reduce (2 (n-1)/n * bytes) and in a ring
 // all-gather / reduce-scatter / all-to-all ((n-1)/n * bytes).

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace baton {
 
@@ -16,7 +18,32 @@ namespace baton {
 struct LinkSpec {
   double bandwidth = 0;
   double latency = 0;
+  // What NCCL reaches on this link class (nccl-tests' "busbw" for large
+  // messages), bytes/s; 0 = the link's `bandwidth`. Collectives use it: for a
+  // ring, busbw is exactly the per-rank rate in (n-1)/n * bytes / B.
+  double bus_bandwidth = 0;
+  double collective_bandwidth() const { return bus_bandwidth > 0 ? bus_bandwidth : bandwidth; }
   bool operator==(const LinkSpec&) const = default;
+};
+
+// A measured table: points (x, y) with x increasing.
+//  - at(x): y interpolated linearly in log x, the first point's y below it and
+//    the last's above it, over the running maximum of the points (monotone).
+//  - rate_at(x): for a throughput table (x = work per call, y = work per
+//    second): x / time(x), where time is interpolated linearly in log-log
+//    between the points' times x / y (y its running maximum), is the first
+//    point's time below it (a call never takes less than the smallest measured
+//    one: launch and tail) and x / the largest y above the last. Both the rate
+//    and the time of a call are then non-decreasing in x (when no rate grows
+//    faster than the work between two points), and the rate never exceeds the
+//    largest measurement.
+struct RateTable {
+  std::vector<std::pair<double, double>> points;
+  bool empty() const { return points.empty(); }
+  double at(double x) const;
+  double rate_at(double x) const;
+  double max() const;
+  bool operator==(const RateTable&) const = default;
 };
 
 struct Hardware {
@@ -28,8 +55,29 @@ struct Hardware {
   int64_t hbm_bytes = 0;     // capacity per GPU
   LinkSpec intra;            // inside a node
   LinkSpec inter;            // across nodes
-  // The one fitted constant: achieved fraction of peak FLOP/s for the
-  // model's compute (matmuls and what XLA fuses into them). 1.0 = peak.
+  // Matmul rate by size (docs/SCALE.md, "Time from physical parts"): achieved
+  // FLOP/s of one GEMM call as a function of its FLOPs, from public
+  // measurements (cited in `sources`). fp8 empty: no fp8 table (fp8 runs use
+  // the bf16 one scaled by peak_fp8 / peak_bf16).
+  RateTable gemm_bf16, gemm_fp8;
+  // Fused attention kernel: forward achieved fraction of peak_bf16 by
+  // sequence length (head dim 128, causal work counted), and the backward's
+  // rate relative to the forward's.
+  RateTable attention_fwd;
+  double attention_bwd_ratio = 1.0;
+  // Fraction of hbm_bandwidth that memory-bound kernels reach.
+  double hbm_efficiency = 1.0;
+  // Seconds of launch and host work per non-matmul kernel.
+  double kernel_overhead = 0;
+  // Fraction of an overlapped collective's time that still slows the compute
+  // it hides behind (the SMs NCCL's kernels occupy).
+  double overlap_contention = 0;
+  // Optional link between GPU and host memory (PCIe / C2C); parsed and kept,
+  // not used by the cost model yet.
+  LinkSpec host_link;
+  // Multiplier of every modelled compute rate; 1.0 = the cited measurements.
+  // baton.scale.calibrate() fits it to a user's measured steps. Without a
+  // gemm_bf16 table it is the achieved fraction of peak for all compute.
   double efficiency = 1.0;
   // Bytes of HBM not available to the program (CUDA context, allocator
   // fragmentation, NCCL buffers): the plan's budget is hbm_bytes - reserved.
@@ -40,7 +88,16 @@ struct Hardware {
   // Usable bytes per GPU (hbm_bytes - reserved_bytes).
   int64_t memory_budget() const { return hbm_bytes - reserved_bytes; }
   // FLOP/s a matmul reaches: peak (fp8 when `fp8` and peak_fp8 > 0) * efficiency.
+  // With a gemm table: the table's largest measured rate * efficiency.
   double achieved_flops(bool fp8 = false) const;
+  // Seconds of one GEMM call of `flops` FLOPs moving `bytes` through HBM:
+  // max(flops / table rate, bytes / (hbm_bandwidth * hbm_efficiency)).
+  double gemm_seconds(double flops, double bytes, bool fp8) const;
+  // Seconds of `flops` fused-attention FLOPs (forward, or backward when `bwd`)
+  // at sequence length `seq`.
+  double attention_seconds(double flops, double seq, bool bwd) const;
+  // Seconds of memory-bound work moving `bytes`.
+  double memory_seconds(double bytes) const;
 
   // Throws ConfigError naming the field ("intra.bandwidth").
   void validate() const;

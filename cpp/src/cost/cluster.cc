@@ -20,9 +20,11 @@ namespace baton {
 namespace {
 
 struct Shard {
-  double flops;  // achieved FLOP/s
+  const Hardware* hw;
+  bool fp8;
   int t, e, d;
   const LinkSpec *tp_link, *ep_link, *dp_link;
+  int64_t seq;
 };
 
 int64_t round_bytes(double v) { return static_cast<int64_t>(std::llround(v)); }
@@ -38,26 +40,115 @@ double params_sharded(const ProfileSegment& s, const Shard& sh) {
          static_cast<double>(s.expert_params) / (sh.t * sh.e) / std::max(1, sh.d / sh.e);
 }
 
-SegmentCost instance_cost(const ProfileSegment& s, const Shard& sh, double mb,
-                          const ClusterOptions& o, const ClusterDegrees& d, const Hardware& hw) {
+// Compute of one segment instance at one microbatch of `mb` samples, by kind.
+struct Parts {
+  double gemm_f = 0, gemm_b = 0, gemm_w = 0;
+  double attn_f = 0, attn_b = 0;
+  double mem_f = 0, mem_b = 0;
+  double launch_f = 0, launch_b = 0;
+  double legacy_recompute = 0;
+  double f() const { return gemm_f + attn_f + mem_f + launch_f; }
+  double b() const { return gemm_b + attn_b + mem_b + launch_b; }
+};
+
+Parts compute_parts(const ProfileSegment& s, const Shard& sh, double mb, const ClusterOptions& o) {
+  const Hardware& hw = *sh.hw;
+  Parts p;
+  if (s.matmuls.empty()) {
+    // A profile without shapes: every FLOP at the largest GEMM rate.
+    const double rate = hw.achieved_flops(sh.fp8);
+    p.gemm_f = mb * s.fwd_flops / sh.t / rate;
+    p.gemm_b = mb * s.bwd_flops / sh.t / rate;
+    p.gemm_w = mb * s.wgrad_flops / sh.t / rate;
+    p.legacy_recompute = mb * s.min_recompute_flops / sh.t / rate;
+  } else {
+    double cast_f = 0, cast_b = 0;
+    for (const MatmulShape& m : s.matmuls) {
+      double rows = mb * m.m;
+      double n = static_cast<double>(m.n), k = static_cast<double>(m.k);
+      double count = m.count;
+      if (m.tp_dim == 1) n = std::max(1.0, n / sh.t);
+      if (m.tp_dim == 2) k = std::max(1.0, k / sh.t);
+      if (m.expert) {
+        count = std::max(1.0, count / sh.e);  // experts on this GPU ...
+        rows *= std::min<double>(sh.e, m.count);  // ... each with tokens from the EP group
+      }
+      const bool f8 = sh.fp8 && m.linear && hw.peak_fp8 > 0;
+      const double in_bytes = f8 ? 1.0 : 2.0;
+      const double flops = 2.0 * rows * n * k;
+      const double bytes = in_bytes * (rows * k + k * n) + 2.0 * rows * n;
+      const double one = hw.gemm_seconds(flops, bytes, f8);
+      p.gemm_f += count * one;
+      p.gemm_b += 2.0 * count * one;  // input gradient and weight (or second operand) gradient
+      if (m.linear) p.gemm_w += count * one;
+      if (f8) {
+        // fp8 recipe: the input and the weight are cast in the forward, the output
+        // gradient and the transposed weight in the backward.
+        cast_f += count * o.fp8_cast_bytes * (rows * k + k * n);
+        cast_b += count * o.fp8_cast_bytes * (rows * n + k * n);
+      }
+    }
+    if (o.flash_attention) {
+      const double attn = mb * s.attn_flops / sh.t * (s.attn_causal ? 0.5 : 1.0);
+      p.attn_f = hw.attention_seconds(attn, static_cast<double>(sh.seq), false);
+      // Fused backward: dQ, dK, dV and the recomputed scores, 2.5x the forward's FLOPs.
+      p.attn_b = hw.attention_seconds(2.5 * attn, static_cast<double>(sh.seq), true);
+    } else if (s.attn_flops > 0) {
+      // Unfused: QK^T and PV as two batched GEMMs over the full square, the scores
+      // through HBM (written, softmax read + write, dropout read + write + mask, read by
+      // PV: 13 bytes each); the backward runs four GEMMs and twice the traffic.
+      const double half = mb * s.attn_flops / sh.t / 2;
+      const double scores = mb * s.attn_scores / sh.t;
+      const double g = hw.gemm_seconds(half, 2.0 * scores, false);
+      p.attn_f = 2 * g + hw.memory_seconds(13.0 * scores);
+      p.attn_b = 4 * g + hw.memory_seconds(26.0 * scores);
+    }
+    const double mem = mb * s.mem_bytes / sh.t;
+    p.mem_f = hw.memory_seconds(mem + cast_f);
+    p.mem_b = hw.memory_seconds(2.0 * mem + cast_b);
+  }
+  p.launch_f = s.kernels * hw.kernel_overhead;
+  p.launch_b = 2.0 * p.launch_f;
+  return p;
+}
+
+double exposed(double comm, double compute, double contention) {
+  return overlap_exposed(comm, compute, contention);
+}
+
+struct InstanceCost {
   SegmentCost c;
+  TimeBreakdown per_mb;    // F + B of one microbatch
+  TimeBreakdown per_step;  // once per step
+};
+
+InstanceCost instance_cost(const ProfileSegment& s, const Shard& sh, double mb,
+                           const ClusterOptions& o, const ClusterDegrees& d, const Hardware& hw) {
+  InstanceCost out;
+  SegmentCost& c = out.c;
   c.name = s.name;
-  const double comp_f = mb * s.fwd_flops / sh.t / sh.flops;
-  const double comp_b = mb * s.bwd_flops / sh.t / sh.flops;
-  const double comp_w = mb * s.wgrad_flops / sh.t / sh.flops;
+  const Parts p = compute_parts(s, sh, mb, o);
+  const double comp_f = p.f(), comp_b = p.b(), comp_w = p.gemm_w;
   const double comp_i = comp_b - comp_w;
-  const double tp = s.tp_collectives * all_reduce_time(mb * s.tp_bytes, sh.t, *sh.tp_link);
+  // Sequence-parallel TP: all-gather + reduce-scatter per collective point.
+  const double tp_one = all_gather_time(mb * s.tp_bytes, sh.t, *sh.tp_link) +
+                        reduce_scatter_time(mb * s.tp_bytes, sh.t, *sh.tp_link);
+  const double tp_raw = s.tp_collectives * tp_one;
+  const double tp_f = d.tp_overlap ? exposed(tp_raw, p.gemm_f, hw.overlap_contention) : tp_raw;
+  const double tp_b = d.tp_overlap ? exposed(tp_raw, p.gemm_b, hw.overlap_contention) : tp_raw;
   const double a2a =
       s.a2a_collectives * all_to_all_time(mb * s.a2a_bytes / sh.t, sh.e, *sh.ep_link);
   const double p_loc = params_local(s, sh);
   const double p_store = d.fsdp ? params_sharded(s, sh) : p_loc;
   const double gather = d.fsdp ? all_gather_time(2.0 * p_loc, sh.d, *sh.dp_link) : 0.0;
-  const double scatter = d.fsdp ? reduce_scatter_time(2.0 * p_loc, sh.d, *sh.dp_link) : 0.0;
-  c.f = std::max(comp_f, gather) + tp + a2a;
-  c.b = std::max(comp_b, gather + scatter) + tp + a2a;
-  c.i = std::max(comp_i, gather) + tp + a2a;
+  const double scatter =
+      d.fsdp ? reduce_scatter_time(o.grad_reduce_bytes * p_loc, sh.d, *sh.dp_link) : 0.0;
+  c.f = std::max(comp_f, gather) + tp_f + a2a;
+  c.b = std::max(comp_b, gather + scatter) + tp_b + a2a;
+  c.i = std::max(comp_i, gather) + tp_b + a2a;
   c.w = std::max(comp_w, scatter);
-  c.min_recompute = mb * s.min_recompute_flops / sh.t / sh.flops;
+  // "min" remat keeps the matmul outputs and recomputes the memory-bound work.
+  c.min_recompute = p.mem_f + p.launch_f + p.legacy_recompute;
   c.act_bytes = round_bytes(mb * s.act_bytes / sh.t);
   c.stash_bytes = round_bytes(mb * s.stash_keep / sh.t);
   c.min_stash_bytes = round_bytes(mb * s.stash_min / sh.t);
@@ -67,12 +158,46 @@ SegmentCost instance_cost(const ProfileSegment& s, const Shard& sh, double mb,
   c.opt_bytes =
       round_bytes(o.opt_bytes_per_param * opt_params + o.grad_extra_bytes_per_param * p_store);
   c.temp_bytes = round_bytes(mb * s.temp_bytes / sh.t + (d.fsdp ? 4.0 * p_loc : 0.0));
-  const double reduce =
-      d.fsdp ? 0.0
-             : all_reduce_time((2.0 + o.grad_extra_bytes_per_param) * p_loc, sh.d, *sh.dp_link);
+  // ZeRO-1 / distributed optimizer: reduce-scatter of the gradients in their reduction
+  // precision, all-gather of the updated bf16 parameters. With overlap the reduce-scatter
+  // runs bucket by bucket during this segment's last backward and the all-gather during
+  // the next step's first forward.
+  double reduce = 0;
+  if (!d.fsdp) {
+    const double rs = reduce_scatter_time(o.grad_reduce_bytes * p_loc, sh.d, *sh.dp_link);
+    const double ag = all_gather_time(2.0 * p_loc, sh.d, *sh.dp_link);
+    reduce = d.dp_overlap ? exposed(rs, comp_b, hw.overlap_contention) +
+                                exposed(ag, comp_f, hw.overlap_contention)
+                          : rs + ag;
+  }
   const double state = 2.0 * static_cast<double>(2 * c.param_bytes + c.opt_bytes);
-  c.update = reduce + state / hw.hbm_bandwidth;
-  return c;
+  const double opt = hw.memory_seconds(state);
+  c.update = reduce + opt;
+  TimeBreakdown& m = out.per_mb;
+  m.gemm = p.gemm_f + p.gemm_b;
+  m.attention = p.attn_f + p.attn_b;
+  m.memory = p.mem_f + p.mem_b;
+  m.launch = p.launch_f + p.launch_b;
+  m.tp_comm = tp_f + tp_b;
+  m.ep_comm = 2 * a2a;
+  m.fsdp_comm = (c.f - comp_f - tp_f - a2a) + (c.b - comp_b - tp_b - a2a);
+  out.per_step.dp_comm = reduce;
+  out.per_step.optimizer = opt;
+  return out;
+}
+
+void add_breakdown(TimeBreakdown& a, const TimeBreakdown& b) {
+  a.gemm += b.gemm;
+  a.attention += b.attention;
+  a.memory += b.memory;
+  a.launch += b.launch;
+  a.recompute += b.recompute;
+  a.tp_comm += b.tp_comm;
+  a.ep_comm += b.ep_comm;
+  a.fsdp_comm += b.fsdp_comm;
+  a.dp_comm += b.dp_comm;
+  a.optimizer += b.optimizer;
+  a.bubble += b.bubble;
 }
 
 void add_into(SegmentCost& g, const SegmentCost& c) {
@@ -125,8 +250,13 @@ ClusterSegments build_segments(const ModelProfile& m, const Hardware& hw, const 
                                   "data-parallel replica",
                                   microbatches, batch));
   const double mb = static_cast<double>(batch / microbatches);
-  const Shard sh{hw.achieved_flops(o.fp8), d.tp, d.ep, d.dp, &axis_link(hw, 1, d.tp),
-                 &axis_link(hw, d.tp, d.ep), &axis_link(hw, d.tp, d.dp)};
+  if ((d.tp_overlap && d.tp == 1) || (d.dp_overlap && (d.dp == 1 || d.fsdp)))
+    throw ConfigError(fmt::format(
+        "cluster: tp_overlap needs tp > 1 and dp_overlap needs ZeRO-1 with dp > 1 (tp {} dp {} "
+        "fsdp {})",
+        d.tp, d.dp, d.fsdp));
+  const Shard sh{&hw, o.fp8, d.tp, d.ep, d.dp, &axis_link(hw, 1, d.tp),
+                 &axis_link(hw, d.tp, d.ep), &axis_link(hw, d.tp, d.dp), m.seq};
   std::vector<const ProfileSegment*> inst;
   for (const ProfileSegment& s : m.segments)
     for (int r = 0; r < s.repeat; ++r) inst.push_back(&s);
@@ -138,7 +268,7 @@ ClusterSegments build_segments(const ModelProfile& m, const Hardware& hw, const 
   out.costs.ref_microbatch = batch / microbatches;
   const LinkSpec& pl = axis_link(hw, d.tp * d.dp, d.pp);
   out.costs.link = LinkCost{pl.latency, pl.bandwidth};
-  std::vector<SegmentCost> cache(m.segments.size());
+  std::vector<InstanceCost> cache(m.segments.size());
   std::vector<bool> have(m.segments.size(), false);
   for (int g = 0; g < groups; ++g) {
     SegmentCost sum;
@@ -146,7 +276,9 @@ ClusterSegments build_segments(const ModelProfile& m, const Hardware& hw, const 
     for (int k = bounds[g]; k < bounds[g + 1]; ++k) {
       const size_t idx = static_cast<size_t>(inst[k] - m.segments.data());
       if (!have[idx]) cache[idx] = instance_cost(*inst[k], sh, mb, o, d, hw), have[idx] = true;
-      add_into(sum, cache[idx]);
+      add_into(sum, cache[idx].c);
+      add_breakdown(out.per_microbatch, cache[idx].per_mb);
+      add_breakdown(out.per_step, cache[idx].per_step);
       if (name.empty() || name.rfind(inst[k]->name, 0) != 0)
         name += (name.empty() ? "" : "+") + inst[k]->name;
     }
@@ -154,6 +286,23 @@ ClusterSegments build_segments(const ModelProfile& m, const Hardware& hw, const 
     out.costs.segments.push_back(sum);
     out.names.push_back(sum.name);
     out.layers.push_back(bounds[g + 1] - bounds[g]);
+  }
+  // DualPipeV's fused F&B pairs hide one microbatch's expert all-to-alls behind the other's
+  // compute: the fused action lasts (F + B - hidden) / (F + B) of the two tasks.
+  {
+    double fb = 0;
+    for (const SegmentCost& c : out.costs.segments) fb += c.f + c.b;
+    const double a2a = out.per_microbatch.ep_comm;
+    if (a2a > 0 && fb > a2a) out.costs.fused_factor = (fb - std::min(a2a, fb - a2a)) / fb;
+  }
+  // The last gradient bucket's reduce-scatter has no backward left to hide behind.
+  if (d.dp_overlap) {
+    double local = 0;
+    for (const ProfileSegment& s : m.segments) local += s.repeat * params_local(s, sh);
+    const double bucket = std::min(o.bucket_params, local / d.pp);
+    out.costs.step_overhead =
+        reduce_scatter_time(o.grad_reduce_bytes * bucket, d.dp, *sh.dp_link);
+    out.per_step.dp_comm += out.costs.step_overhead * d.pp;
   }
   out.costs.validate();
   return out;
@@ -167,7 +316,7 @@ int search_groups(const ModelProfile& m, const ClusterOptions& o, int pp) {
 
 int64_t static_lower_bound(const ModelProfile& m, const Hardware& hw, const ClusterDegrees& d,
                            const ClusterOptions& o) {
-  const Shard sh{1.0, d.tp, d.ep, d.dp, &hw.intra, &hw.intra, &hw.intra};
+  const Shard sh{&hw, false, d.tp, d.ep, d.dp, &hw.intra, &hw.intra, &hw.intra, m.seq};
   double total = 0;
   for (const ProfileSegment& s : m.segments) {
     const double p_loc = params_local(s, sh);
@@ -208,6 +357,43 @@ ClusterPlan finish(const ModelProfile& m, const Hardware& hw, const ClusterOptio
   mem.total = pc.max_memory();
   mem.activations = std::max<int64_t>(0, mem.total - mem.params - mem.grads - mem.optimizer);
   cp.memory = mem;
+  // Time breakdown of the average rank: the loop's work over M microbatches and the
+  // per-step work, each divided over the pp ranks; remat's extra work from the stages'
+  // modes; the bubble is what the step has beyond them.
+  const double per_rank = static_cast<double>(pc.microbatches) / d.pp;
+  TimeBreakdown t;
+  const TimeBreakdown& a = segs.per_microbatch;
+  t.gemm = a.gemm * per_rank;
+  t.attention = a.attention * per_rank;
+  t.memory = a.memory * per_rank;
+  t.launch = a.launch * per_rank;
+  t.tp_comm = a.tp_comm * per_rank;
+  t.ep_comm = a.ep_comm * per_rank;
+  if (pc.schedule == "dualpipev" && segs.costs.fused_factor < 1) {
+    // The fused F&B pairs hide all-to-alls: (1 - fused_factor) of their F + B.
+    double fb = 0;
+    for (const SegmentCost& c : segs.costs.segments) fb += c.f + c.b;
+    t.ep_comm = std::max(0.0, t.ep_comm - (1 - segs.costs.fused_factor) * fb * per_rank);
+  }
+  t.fsdp_comm = a.fsdp_comm * per_rank;
+  t.dp_comm = segs.per_step.dp_comm / d.pp;
+  t.optimizer = segs.per_step.optimizer / d.pp;
+  double rec = 0;
+  const int nseg = static_cast<int>(segs.costs.segments.size());
+  for (int st = 0; st < pc.num_stages(); ++st) {
+    const int begin = pc.cuts[st];
+    const int end = st + 1 < pc.num_stages() ? pc.cuts[st + 1] : nseg;
+    for (int k = begin; k < end; ++k) {
+      const SegmentCost& c = segs.costs.segments[k];
+      if (pc.remat[st] == Remat::Full) rec += c.f;
+      if (pc.remat[st] == Remat::Min) rec += c.min_recompute;
+    }
+  }
+  t.recompute = rec * per_rank;
+  t.bubble = std::max(0.0, pc.step_time - (t.gemm + t.attention + t.memory + t.launch +
+                                           t.recompute + t.tp_comm + t.ep_comm + t.fsdp_comm +
+                                           t.dp_comm + t.optimizer));
+  cp.time = t;
   cp.plan = std::move(pc);
   return cp;
 }
@@ -241,7 +427,8 @@ ClusterPlan evaluate_cluster(const ModelProfile& model, const Hardware& hw,
       build_segments(model, hw, d, o, microbatches, model.num_layers());
   const int n = static_cast<int>(segs.costs.segments.size());
   const std::string key = schedule;
-  const int v = (key == "zbv" || key == "dualpipev") ? 2 : (key == "interleaved" ? virtual_stages : 1);
+  const bool vshape = key == "zbv" || key == "vmin" || key == "vhalf" || key == "dualpipev";
+  const int v = vshape ? 2 : (key == "interleaved" ? virtual_stages : 1);
   const int stages = d.pp * v;
   // Layers spread evenly; a leading embedding joins the first stage and a trailing head
   // the last (as Megatron places them).
@@ -294,10 +481,15 @@ ClusterResult plan_cluster(const ModelProfile& model, const Hardware& hw,
       const int max_ep = model.num_experts > 0 ? model.num_experts : 1;
       for (int ep : divisors(dp, max_ep)) {
         if (!allowed(o.ep_choices, ep) || (ep > 1 && model.num_experts % ep != 0)) continue;
-        for (int fs = 0; fs < 2; ++fs) {
+        for (int combo = 0; combo < 8; ++combo) {
+          const int fs = combo & 1, tpo = (combo >> 1) & 1, dpo = (combo >> 2) & 1;
           if (o.fsdp_mode >= 0 && fs != o.fsdp_mode) continue;
           if (fs == 1 && dp == 1) continue;
-          const ClusterDegrees d{pp, tp, dp, ep, fs == 1};
+          if (o.tp_overlap >= 0 && tpo != o.tp_overlap && tp > 1) continue;
+          if (tpo == 1 && tp == 1) continue;
+          if (o.dp_overlap >= 0 && dpo != o.dp_overlap && dp > 1 && fs == 0) continue;
+          if (dpo == 1 && (dp == 1 || fs == 1)) continue;
+          const ClusterDegrees d{pp, tp, dp, ep, fs == 1, tpo == 1, dpo == 1};
           ++res.stats.degree_tuples;
           if (static_lower_bound(model, hw, d, o) > hw.memory_budget()) {
             ++res.stats.skipped_memory;
@@ -388,6 +580,8 @@ std::string ClusterResult::to_json() const {
                        {"dp", p.degrees.dp},
                        {"ep", p.degrees.ep},
                        {"fsdp", p.degrees.fsdp},
+                       {"tp_overlap", p.degrees.tp_overlap},
+                       {"dp_overlap", p.degrees.dp_overlap},
                        {"schedule", p.plan.schedule},
                        {"virtual_stages", p.plan.virtual_stages},
                        {"microbatches", p.plan.microbatches},
@@ -406,7 +600,19 @@ std::string ClusterResult::to_json() const {
                          {"grads", p.memory.grads},
                          {"optimizer", p.memory.optimizer},
                          {"activations", p.memory.activations},
-                         {"total", p.memory.total}}}});
+                         {"total", p.memory.total}}},
+                       {"time",
+                        {{"gemm", p.time.gemm},
+                         {"attention", p.time.attention},
+                         {"memory", p.time.memory},
+                         {"launch", p.time.launch},
+                         {"recompute", p.time.recompute},
+                         {"tp_comm", p.time.tp_comm},
+                         {"ep_comm", p.time.ep_comm},
+                         {"fsdp_comm", p.time.fsdp_comm},
+                         {"dp_comm", p.time.dp_comm},
+                         {"optimizer", p.time.optimizer},
+                         {"bubble", p.time.bubble}}}});
   }
   nlohmann::json j{{"plans", plans_j},
                    {"stats",
@@ -420,16 +626,20 @@ std::string ClusterResult::to_json() const {
 
 std::string cluster_table(const ClusterResult& r, const Hardware& hw) {
   std::string out = fmt::format(
-      "{:>3} {:>4} {:>3} {:>5} {:>3} {:>5} {:>11} {:>2} {:>4} {:>9} {:>11} {:>6} {:>7} "
+      "{:>3} {:>4} {:>3} {:>5} {:>3} {:>5} {:>7} {:>11} {:>2} {:>4} {:>9} {:>11} {:>6} {:>7} "
       "{:>9} {:>9} {:>9} {:>9} {:>9}\n",
-      "#", "pp", "tp", "dp", "ep", "fsdp", "schedule", "v", "M", "step(s)", "tokens/s", "MFU",
+      "#", "pp", "tp", "dp", "ep", "fsdp", "overlap", "schedule", "v", "M", "step(s)", "tokens/s",
+      "MFU",
       "bubble", "params", "grads", "optim", "activ", "total");
   int k = 0;
   for (const ClusterPlan& p : r.plans) {
     out += fmt::format(
-        "{:>3} {:>4} {:>3} {:>5} {:>3} {:>5} {:>11} {:>2} {:>4} {:>9.3f} {:>11.0f} {:>5.1f}% "
-        "{:>6.1f}% {:>9} {:>9} {:>9} {:>9} {:>9}\n",
+        "{:>3} {:>4} {:>3} {:>5} {:>3} {:>5} {:>7} {:>11} {:>2} {:>4} {:>9.3f} {:>11.0f} "
+        "{:>5.1f}% {:>6.1f}% {:>9} {:>9} {:>9} {:>9} {:>9}\n",
         ++k, p.degrees.pp, p.degrees.tp, p.degrees.dp, p.degrees.ep, p.degrees.fsdp ? "yes" : "no",
+        std::string(p.degrees.tp_overlap ? "tp" : "") +
+            (p.degrees.tp_overlap && p.degrees.dp_overlap ? "+" : "") +
+            (p.degrees.dp_overlap ? "dp" : (p.degrees.tp_overlap ? "" : "-")),
         p.plan.schedule, p.plan.virtual_stages, p.plan.microbatches, p.step_time,
         p.tokens_per_second, 100 * p.mfu, 100 * p.plan.bubble_fraction,
         format_bytes(p.memory.params), format_bytes(p.memory.grads),

@@ -18,8 +18,11 @@ void check(double bytes, int n) {
     throw ConfigError(fmt::format("collective: bytes must be finite and >= 0 (got {})", bytes));
 }
 
+// Collectives run at NCCL's bus bandwidth (nccl-tests busbw), point-to-point
+// sends at the link's bandwidth.
 double transfer(double bytes, const LinkSpec& link) {
-  return link.bandwidth > 0 ? bytes / link.bandwidth : 0.0;
+  const double bw = link.collective_bandwidth();
+  return bw > 0 ? bytes / bw : 0.0;
 }
 
 }  // namespace
@@ -69,9 +72,18 @@ double all_to_all_time(double bytes, int n, const LinkSpec& link) {
   return all_gather_time(bytes, n, link);
 }
 
+double overlap_exposed(double comm, double compute, double contention) {
+  if (!(comm >= 0) || !(compute >= 0) || !std::isfinite(comm) || !std::isfinite(compute))
+    throw ConfigError(fmt::format("overlap: times must be finite and >= 0 (got {} and {})", comm,
+                                  compute));
+  if (!(contention >= 0 && contention < 1))
+    throw ConfigError(fmt::format("overlap: contention must be in [0, 1) (got {})", contention));
+  return std::max(0.0, comm - compute) + contention * std::min(comm, compute);
+}
+
 double p2p_time(double bytes, const LinkSpec& link) {
   check(bytes, 1);
-  return transfer(bytes, link) + link.latency;
+  return (link.bandwidth > 0 ? bytes / link.bandwidth : 0.0) + link.latency;
 }
 
 }  // namespace baton

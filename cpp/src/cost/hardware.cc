@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -26,11 +27,53 @@ LinkSpec parse_link(const json& j, const std::string& path) {
       l.bandwidth = kFields.get_number(val, path + ".bandwidth");
     else if (key == "latency")
       l.latency = kFields.get_number(val, path + ".latency");
+    else if (key == "bus_bandwidth")
+      l.bus_bandwidth = kFields.get_number(val, path + ".bus_bandwidth");
     else
       throw FormatError(fmt::format(
-          "hardware JSON: unknown key '{}.{}' (link keys: bandwidth, latency)", path, key));
+          "hardware JSON: unknown key '{}.{}' (link keys: bandwidth, latency, bus_bandwidth)",
+          path, key));
   }
   return l;
+}
+
+// [[x, y], ...]
+RateTable parse_table(const json& j, const std::string& path) {
+  if (!j.is_array())
+    throw FormatError(fmt::format("hardware JSON: '{}' must be an array of [x, y] pairs (got {})",
+                                  path, j.type_name()));
+  RateTable t;
+  for (size_t k = 0; k < j.size(); ++k) {
+    const std::string p = fmt::format("{}[{}]", path, k);
+    if (!j[k].is_array() || j[k].size() != 2)
+      throw FormatError(fmt::format("hardware JSON: '{}' must be an [x, y] pair", p));
+    t.points.emplace_back(kFields.get_number(j[k][0], p + "[0]"),
+                          kFields.get_number(j[k][1], p + "[1]"));
+  }
+  return t;
+}
+
+json table_json(const RateTable& t) {
+  json a = json::array();
+  for (const auto& [x, y] : t.points) a.push_back({x, y});
+  return a;
+}
+
+void check_table(const RateTable& t, const std::string& field) {
+  for (size_t k = 0; k < t.points.size(); ++k) {
+    const auto& [x, y] = t.points[k];
+    if (!std::isfinite(x) || x <= 0 || !std::isfinite(y) || y <= 0)
+      throw ConfigError(fmt::format("hardware: {}[{}] must be finite and > 0 (got [{}, {}])",
+                                    field, k, x, y));
+    if (k > 0 && x <= t.points[k - 1].first)
+      throw ConfigError(fmt::format("hardware: {}[{}]: x must increase ({} after {})", field, k,
+                                    x, t.points[k - 1].first));
+  }
+}
+
+void check_fraction(double v, const std::string& field) {
+  if (!std::isfinite(v) || v <= 0 || v > 1)
+    throw ConfigError(fmt::format("hardware: {} must be in (0, 1] (got {})", field, v));
 }
 
 std::string get_string(const json& j, const std::string& path) {
@@ -47,8 +90,83 @@ void check_positive(double v, const std::string& field) {
 
 }  // namespace
 
+double RateTable::at(double x) const {
+  if (points.empty()) return 0;
+  double best = points.front().second;
+  if (x <= points.front().first) return best;
+  for (size_t k = 1; k < points.size(); ++k) {
+    const auto& [x0, y0] = points[k - 1];
+    const auto& [x1, y1] = points[k];
+    const double lo = best;
+    best = std::max(best, y1);
+    if (x <= x1) {
+      const double u = std::log(x / x0) / std::log(x1 / x0);
+      return std::max(lo, y0 + u * (y1 - y0));
+    }
+  }
+  return best;
+}
+
+double RateTable::rate_at(double x) const {
+  if (points.empty()) return 0;
+  double best = points.front().second;
+  const double t_first = points.front().first / best;
+  if (x <= points.front().first) return x / t_first;
+  for (size_t k = 1; k < points.size(); ++k) {
+    const double x0 = points[k - 1].first, x1 = points[k].first;
+    const double y0 = best;
+    best = std::max(best, points[k].second);
+    if (x <= x1) {
+      const double t0 = x0 / y0, t1 = x1 / best;
+      const double u = std::log(x / x0) / std::log(x1 / x0);
+      return x / std::exp(std::log(t0) + u * (std::log(t1) - std::log(t0)));
+    }
+  }
+  return best;
+}
+
+double RateTable::max() const {
+  double m = 0;
+  for (const auto& p : points) m = std::max(m, p.second);
+  return m;
+}
+
 double Hardware::achieved_flops(bool fp8) const {
-  return (fp8 && peak_fp8 > 0 ? peak_fp8 : peak_bf16) * efficiency;
+  const bool f8 = fp8 && peak_fp8 > 0;
+  if (!gemm_bf16.empty()) {
+    if (f8)
+      return (gemm_fp8.empty() ? gemm_bf16.max() * peak_fp8 / peak_bf16 : gemm_fp8.max()) *
+             efficiency;
+    return gemm_bf16.max() * efficiency;
+  }
+  return (f8 ? peak_fp8 : peak_bf16) * efficiency;
+}
+
+double Hardware::memory_seconds(double bytes) const {
+  return bytes / (hbm_bandwidth * hbm_efficiency);
+}
+
+double Hardware::gemm_seconds(double flops, double bytes, bool fp8) const {
+  if (flops <= 0) return 0;
+  const bool f8 = fp8 && peak_fp8 > 0;
+  double rate;
+  if (gemm_bf16.empty())
+    rate = (f8 ? peak_fp8 : peak_bf16) * efficiency;
+  else if (f8)
+    rate = (gemm_fp8.empty() ? gemm_bf16.rate_at(flops) * peak_fp8 / peak_bf16
+                             : gemm_fp8.rate_at(flops)) *
+           efficiency;
+  else
+    rate = gemm_bf16.rate_at(flops) * efficiency;
+  return std::max(flops / rate, memory_seconds(bytes));
+}
+
+double Hardware::attention_seconds(double flops, double seq, bool bwd) const {
+  if (flops <= 0) return 0;
+  if (attention_fwd.empty())
+    return flops / (peak_bf16 * efficiency * (bwd ? attention_bwd_ratio : 1.0));
+  const double frac = attention_fwd.at(seq) * (bwd ? attention_bwd_ratio : 1.0);
+  return flops / (peak_bf16 * frac * efficiency);
 }
 
 void Hardware::validate() const {
@@ -70,6 +188,34 @@ void Hardware::validate() const {
   if (!std::isfinite(efficiency) || efficiency <= 0 || efficiency > 1)
     throw ConfigError(
         fmt::format("hardware: efficiency must be in (0, 1] (got {})", efficiency));
+  kFields.check_time(intra.bus_bandwidth, "intra.bus_bandwidth");
+  kFields.check_time(inter.bus_bandwidth, "inter.bus_bandwidth");
+  if (intra.bus_bandwidth > intra.bandwidth)
+    throw ConfigError(fmt::format("hardware: intra.bus_bandwidth ({}) exceeds intra.bandwidth ({})",
+                                  intra.bus_bandwidth, intra.bandwidth));
+  if (inter.bus_bandwidth > inter.bandwidth)
+    throw ConfigError(fmt::format("hardware: inter.bus_bandwidth ({}) exceeds inter.bandwidth ({})",
+                                  inter.bus_bandwidth, inter.bandwidth));
+  kFields.check_time(host_link.bandwidth, "host_link.bandwidth");
+  kFields.check_time(host_link.latency, "host_link.latency");
+  check_table(gemm_bf16, "gemm.bf16");
+  check_table(gemm_fp8, "gemm.fp8");
+  check_table(attention_fwd, "attention.fwd");
+  // No measured rate above the datasheet peak.
+  if (gemm_bf16.max() > peak_bf16)
+    throw ConfigError(fmt::format("hardware: gemm.bf16 reaches {} FLOP/s, above peak_bf16 {}",
+                                  gemm_bf16.max(), peak_bf16));
+  if (gemm_fp8.max() > (peak_fp8 > 0 ? peak_fp8 : 0))
+    throw ConfigError(fmt::format("hardware: gemm.fp8 reaches {} FLOP/s, above peak_fp8 {}",
+                                  gemm_fp8.max(), peak_fp8));
+  if (attention_fwd.max() > 1)
+    throw ConfigError("hardware: attention.fwd fractions must be <= 1");
+  check_fraction(attention_bwd_ratio, "attention.bwd_ratio");
+  check_fraction(hbm_efficiency, "hbm_efficiency");
+  kFields.check_time(kernel_overhead, "kernel_overhead");
+  if (!std::isfinite(overlap_contention) || overlap_contention < 0 || overlap_contention >= 1)
+    throw ConfigError(fmt::format("hardware: overlap_contention must be in [0, 1) (got {})",
+                                  overlap_contention));
 }
 
 Hardware Hardware::from_json(const std::string& text) {
@@ -95,6 +241,36 @@ Hardware Hardware::from_json(const std::string& text) {
       h.reserved_bytes = kFields.get_int(val, key, "an integer byte count");
     } else if (key == "intra" || key == "inter") {
       (key == "intra" ? h.intra : h.inter) = parse_link(val, key);
+    } else if (key == "host_link") {
+      h.host_link = parse_link(val, key);
+    } else if (key == "gemm") {
+      kFields.require_object(val, "gemm");
+      for (const auto& [k, v] : val.items()) {
+        if (k == "bf16")
+          h.gemm_bf16 = parse_table(v, "gemm.bf16");
+        else if (k == "fp8")
+          h.gemm_fp8 = parse_table(v, "gemm.fp8");
+        else
+          throw FormatError(
+              fmt::format("hardware JSON: unknown key 'gemm.{}' (gemm keys: bf16, fp8)", k));
+      }
+    } else if (key == "attention") {
+      kFields.require_object(val, "attention");
+      for (const auto& [k, v] : val.items()) {
+        if (k == "fwd")
+          h.attention_fwd = parse_table(v, "attention.fwd");
+        else if (k == "bwd_ratio")
+          h.attention_bwd_ratio = kFields.get_number(v, "attention.bwd_ratio");
+        else
+          throw FormatError(fmt::format(
+              "hardware JSON: unknown key 'attention.{}' (attention keys: fwd, bwd_ratio)", k));
+      }
+    } else if (key == "hbm_efficiency") {
+      h.hbm_efficiency = kFields.get_number(val, key);
+    } else if (key == "kernel_overhead") {
+      h.kernel_overhead = kFields.get_number(val, key);
+    } else if (key == "overlap_contention") {
+      h.overlap_contention = kFields.get_number(val, key);
     } else if (key == "efficiency") {
       h.efficiency = kFields.get_number(val, key);
     } else if (key == "efficiency_note") {
@@ -105,8 +281,9 @@ Hardware Hardware::from_json(const std::string& text) {
     } else {
       throw FormatError(fmt::format(
           "hardware JSON: unknown key '{}' (keys: name, gpus_per_node, peak_bf16, peak_fp8, "
-          "hbm_bandwidth, hbm_bytes, reserved_bytes, intra, inter, efficiency, "
-          "efficiency_note, sources)",
+          "hbm_bandwidth, hbm_bytes, reserved_bytes, intra, inter, host_link, gemm, attention, "
+          "hbm_efficiency, kernel_overhead, overlap_contention, efficiency, efficiency_note, "
+          "sources)",
           key));
     }
   }
@@ -127,8 +304,18 @@ std::string Hardware::to_json() const {
   j["hbm_bandwidth"] = hbm_bandwidth;
   j["hbm_bytes"] = hbm_bytes;
   j["reserved_bytes"] = reserved_bytes;
-  j["intra"] = {{"bandwidth", intra.bandwidth}, {"latency", intra.latency}};
-  j["inter"] = {{"bandwidth", inter.bandwidth}, {"latency", inter.latency}};
+  auto link = [](const LinkSpec& l) {
+    return json{{"bandwidth", l.bandwidth}, {"latency", l.latency},
+                {"bus_bandwidth", l.bus_bandwidth}};
+  };
+  j["intra"] = link(intra);
+  j["inter"] = link(inter);
+  if (host_link.bandwidth > 0 || host_link.latency > 0) j["host_link"] = link(host_link);
+  j["gemm"] = {{"bf16", table_json(gemm_bf16)}, {"fp8", table_json(gemm_fp8)}};
+  j["attention"] = {{"fwd", table_json(attention_fwd)}, {"bwd_ratio", attention_bwd_ratio}};
+  j["hbm_efficiency"] = hbm_efficiency;
+  j["kernel_overhead"] = kernel_overhead;
+  j["overlap_contention"] = overlap_contention;
   j["efficiency"] = efficiency;
   j["efficiency_note"] = efficiency_note;
   j["sources"] = sources;

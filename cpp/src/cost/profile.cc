@@ -1,6 +1,7 @@
 // ModelProfile: JSON reading/writing and validation (cluster.h).
 #include <fmt/format.h>
 
+#include <cmath>
 #include <nlohmann/json.hpp>
 
 #include "../util/json_fields.h"
@@ -20,6 +21,36 @@ std::string get_string(const json& j, const std::string& path) {
     throw FormatError(
         fmt::format("model profile JSON: '{}' must be a string (got {})", path, j.type_name()));
   return j.get<std::string>();
+}
+
+bool get_bool(const json& j, const std::string& path) {
+  if (!j.is_boolean())
+    throw FormatError(
+        fmt::format("model profile JSON: '{}' must be true or false (got {})", path, j.type_name()));
+  return j.get<bool>();
+}
+
+MatmulShape parse_matmul(const json& j, const std::string& path) {
+  kFields.require_object(j, path);
+  MatmulShape m;
+  for (const auto& item : j.items()) {
+    const std::string& key = item.key();
+    const json& val = item.value();
+    const std::string p = path + "." + key;
+    if (key == "m") m.m = kFields.get_number(val, p);
+    else if (key == "n") m.n = kFields.get_int(val, p, "an integer");
+    else if (key == "k") m.k = kFields.get_int(val, p, "an integer");
+    else if (key == "count") m.count = static_cast<int>(kFields.get_int(val, p, "an integer"));
+    else if (key == "linear") m.linear = get_bool(val, p);
+    else if (key == "tp_dim") m.tp_dim = static_cast<int>(kFields.get_int(val, p, "an integer"));
+    else if (key == "expert") m.expert = get_bool(val, p);
+    else
+      throw FormatError(fmt::format(
+          "model profile JSON: unknown key '{}' (matmul keys: m, n, k, count, linear, tp_dim, "
+          "expert)",
+          p));
+  }
+  return m;
 }
 
 ProfileSegment parse_segment(const json& j, const std::string& path) {
@@ -49,19 +80,39 @@ ProfileSegment parse_segment(const json& j, const std::string& path) {
     else if (key == "tp_bytes") s.tp_bytes = bytes();
     else if (key == "a2a_collectives") s.a2a_collectives = static_cast<int>(bytes());
     else if (key == "a2a_bytes") s.a2a_bytes = bytes();
-    else
+    else if (key == "attn_flops") s.attn_flops = num();
+    else if (key == "attn_causal") s.attn_causal = get_bool(val, p);
+    else if (key == "attn_scores") s.attn_scores = num();
+    else if (key == "mem_bytes") s.mem_bytes = num();
+    else if (key == "kernels") s.kernels = static_cast<int>(bytes());
+    else if (key == "matmuls") {
+      if (!val.is_array())
+        throw FormatError(fmt::format("model profile JSON: '{}' must be an array", p));
+      for (size_t k = 0; k < val.size(); ++k)
+        s.matmuls.push_back(parse_matmul(val[k], fmt::format("{}[{}]", p, k)));
+    } else
       throw FormatError(fmt::format(
           "model profile JSON: unknown key '{}' (segment keys: name, repeat, fwd_flops, "
           "bwd_flops, wgrad_flops, hbm_bytes, params, expert_params, act_bytes, stash_keep, "
           "stash_min, min_recompute_flops, stash_full, temp_bytes, tp_collectives, tp_bytes, "
-          "a2a_collectives, a2a_bytes)",
+          "a2a_collectives, a2a_bytes, matmuls, attn_flops, attn_scores, attn_causal, mem_bytes, kernels)",
           p));
   }
   return s;
 }
 
 json segment_json(const ProfileSegment& s) {
+  json mm = json::array();
+  for (const MatmulShape& m : s.matmuls)
+    mm.push_back({{"m", m.m}, {"n", m.n}, {"k", m.k}, {"count", m.count}, {"linear", m.linear},
+                  {"tp_dim", m.tp_dim}, {"expert", m.expert}});
   return json{{"name", s.name},
+              {"matmuls", mm},
+              {"attn_flops", s.attn_flops},
+              {"attn_scores", s.attn_scores},
+              {"attn_causal", s.attn_causal},
+              {"mem_bytes", s.mem_bytes},
+              {"kernels", s.kernels},
               {"repeat", s.repeat},
               {"fwd_flops", s.fwd_flops},
               {"bwd_flops", s.bwd_flops},
@@ -131,6 +182,21 @@ void ModelProfile::validate() const {
     kFields.check_bytes(s.tp_bytes, w + ".tp_bytes");
     kFields.check_bytes(s.a2a_collectives, w + ".a2a_collectives");
     kFields.check_bytes(s.a2a_bytes, w + ".a2a_bytes");
+    kFields.check_time(s.attn_flops, w + ".attn_flops");
+    kFields.check_time(s.attn_scores, w + ".attn_scores");
+    kFields.check_time(s.mem_bytes, w + ".mem_bytes");
+    kFields.check_bytes(s.kernels, w + ".kernels");
+    for (size_t q = 0; q < s.matmuls.size(); ++q) {
+      const MatmulShape& m = s.matmuls[q];
+      const std::string mw = fmt::format("{}.matmuls[{}]", w, q);
+      if (!std::isfinite(m.m) || m.m <= 0 || m.n < 1 || m.k < 1 || m.count < 1)
+        throw ConfigError(fmt::format(
+            "model profile: {} needs m > 0 and n, k, count >= 1 (got m {} n {} k {} count {})",
+            mw, m.m, m.n, m.k, m.count));
+      if (m.tp_dim < 0 || m.tp_dim > 2)
+        throw ConfigError(
+            fmt::format("model profile: {}.tp_dim must be 0, 1 or 2 (got {})", mw, m.tp_dim));
+    }
   }
 }
 

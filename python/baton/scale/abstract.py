@@ -57,6 +57,27 @@ class JaxprCounts:
     param_flops: float = 0.0  # matmuls with a parameter operand
     dot_bytes: float = 0.0
     largest: int = 0  # largest value outside checkpoint regions
+    # Matmuls outside checkpoint regions, as the profile's "matmuls" entries (m, n, k,
+    # count, linear); the FLOPs of those inside (attention's core) in ``attn_flops``.
+    matmuls: list = dataclasses.field(default_factory=list)
+    attn_flops: float = 0.0
+
+
+def _dot_shape(eqn, param_operand: int | None) -> dict:
+    """(m, n, k, count) of a dot_general: m the lhs's free size (times the batch unless the
+    parameter operand is batched, as an expert's weights are: then count = batch)."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    batch = math.prod(lhs[d] for d in lb)
+    k = math.prod(lhs[d] for d in lc)
+    m = math.prod(lhs[d] for d in range(len(lhs)) if d not in lc and d not in lb)
+    n = math.prod(rhs[d] for d in range(len(rhs)) if d not in rc and d not in rb)
+    if param_operand == 0:  # parameter on the left: the activation's rows are n
+        m, n = n, m
+    if param_operand is not None and batch > 1:
+        return {"m": float(m), "n": int(n), "k": int(k), "count": int(batch), "linear": True}
+    return {"m": float(batch * m), "n": int(n), "k": int(k), "count": 1,
+            "linear": param_operand is not None}
 
 
 def count(closed, param_positions=()) -> JaxprCounts:
@@ -65,11 +86,13 @@ def count(closed, param_positions=()) -> JaxprCounts:
     out = JaxprCounts()
     _, _, invars, _, _ = jaxpr_parts(closed) if hasattr(closed, "jaxpr") else (
         None, None, closed.invars, None, None)
-    _count(open_jaxpr(closed), {id(invars[k]) for k in param_positions}, out, top=True)
+    _count(open_jaxpr(closed), {id(invars[k]): k for k in param_positions}, out, top=True)
     return out
 
 
-def _count(jaxpr, params: set, out: JaxprCounts, top: bool) -> None:
+def _count(jaxpr, params: dict, out: JaxprCounts, top: bool, in_ckpt: bool = False) -> None:
+    # params: id of a variable holding a parameter (or a cast / reshape of one) -> the
+    # parameter's leaf index
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         ins = [None if is_literal(v) else id(v) for v in eqn.invars]
@@ -79,15 +102,22 @@ def _count(jaxpr, params: set, out: JaxprCounts, top: bool) -> None:
             out.dot_bytes += sum(_nbytes(v.aval) for v in eqn.invars + eqn.outvars)
             if any(i in params for i in ins):
                 out.param_flops += f
+            if in_ckpt:
+                out.attn_flops += f
+            else:
+                po = next((j for j, i in enumerate(ins[:2]) if i in params), None)
+                out.matmuls.append(dict(_dot_shape(eqn, po),
+                                        param=None if po is None else params[ins[po]]))
         elif name in _SHAPE_OPS and ins and ins[0] in params:
-            params.add(id(eqn.outvars[0]))
+            params[id(eqn.outvars[0])] = params[ins[0]]
         subs = sub_jaxprs(eqn)
         for sub in subs:
             inner = open_jaxpr(sub)
-            mapped = set()
+            mapped = {}
             if len(inner.invars) == len(eqn.invars):
-                mapped = {id(iv) for iv, o in zip(inner.invars, ins) if o in params}
-            _count(inner, mapped, out, top=False)
+                mapped = {id(iv): params[o] for iv, o in zip(inner.invars, ins) if o in params}
+            _count(inner, mapped, out, top=False,
+                   in_ckpt=in_ckpt or name in ("checkpoint", "remat2"))
         if top and name not in ("checkpoint", "remat2"):
             for v in eqn.outvars:
                 out.largest = max(out.largest, _nbytes(v.aval))

@@ -23,11 +23,18 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus", type=int, required=True)
     ap.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's)")
-    ap.add_argument("--fp8", action="store_true", help="matmuls at the fp8 peak")
+    ap.add_argument("--fp8", action="store_true",
+                    help="linear layers in fp8 at the hardware file's fp8 GEMM rates (casts counted)")
     ap.add_argument("--pp", type=_ints, default=[])
     ap.add_argument("--tp", type=_ints, default=[])
     ap.add_argument("--ep", type=_ints, default=[])
     ap.add_argument("--fsdp", choices=["yes", "no"], default=None)
+    ap.add_argument("--tp-overlap", choices=["yes", "no"], default=None,
+                    help="TP communication overlapped with the GEMMs (default: both searched)")
+    ap.add_argument("--dp-overlap", choices=["yes", "no"], default=None,
+                    help="bucketed gradient reduction overlapped with the backward (default: both)")
+    ap.add_argument("--grad-reduce-bytes", type=float, default=4.0,
+                    help="bytes per gradient element in the data-parallel reduction (4: fp32)")
     ap.add_argument("--families", default="", help="comma list of schedules (default: all)")
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--json", default=None, help="write the ranked plans as JSON")
@@ -44,7 +51,10 @@ def main(argv=None) -> int:
                 json.dump(prof, f, indent=1)
         r = plan_cluster(prof, a.cluster, a.gpus, a.global_batch, fp8=a.fp8, pp=a.pp, tp=a.tp,
                          ep=a.ep, fsdp=None if a.fsdp is None else a.fsdp == "yes",
-                         families=[f for f in a.families.split(",") if f], top=a.top)
+                         families=[f for f in a.families.split(",") if f], top=a.top,
+                         tp_overlap=None if a.tp_overlap is None else a.tp_overlap == "yes",
+                         dp_overlap=None if a.dp_overlap is None else a.dp_overlap == "yes",
+                         grad_reduce_bytes=a.grad_reduce_bytes)
     except (BatonError, ValueError) as e:
         print(f"baton-plan: error: {e}", file=sys.stderr)
         return 1
@@ -52,6 +62,7 @@ def main(argv=None) -> int:
     print(f"{prof['name']}: {params / 1e9:.1f}B parameters, {a.gpus} GPUs ({r.hardware['name']}), "
           f"global batch {a.global_batch} x {prof['seq']} tokens")
     print(r.table())
+    print(r.breakdown())
     if a.json:
         import dataclasses
         with open(a.json, "w") as f:

@@ -76,6 +76,16 @@ MODELS: dict[str, TransformerConfig] = {m.name: m for m in [
     TransformerConfig("deepseek2-16b", 27, 2048, 10944, 16, 16, 102400, 4096, experts=64,
                       top_k=6, moe_ffn=1408, shared_experts=2, dense_layers=1, head_dim=128,
                       source=_MAXTEXT.format("deepseek2-16b")),
+    # DeepSeek-V3 (arXiv:2412.19437, sec. 4.2): 61 layers, width 7168, 128 heads of 128, the
+    # first 3 layers dense (width 18432), then 256 routed experts of width 2048, 8 per
+    # token, 1 shared; vocabulary 129,280; MLA modelled as plain attention (docs/SCALE.md).
+    TransformerConfig("deepseek-v3", 61, 7168, 18432, 128, 128, 129280, 4096, experts=256,
+                      top_k=8, moe_ffn=2048, shared_experts=1, dense_layers=3, head_dim=128,
+                      source="DeepSeek-V3 technical report (arXiv:2412.19437), sec. 4.2"),
+    # BLOOM-176B (arXiv:2211.05100, table 1): 70 layers, width 14336, 112 heads, GELU MLP of
+    # 4h, vocabulary 250,880, sequence 2,048 (ALiBi: no rotary, same FLOPs).
+    _gpt("bloom-176b", 112, 14336, 70, vocab=250880,
+         source="BLOOM (arXiv:2211.05100), table 1"),
     _gpt("gpt3-175b", 96, 12288, 96, source="Brown et al. 2020, table 2.1 (vocab 51,200 as Megatron)"),
     _gpt("gpt-1.7b", 24, 2304, 24),
     _gpt("gpt-3.6b", 32, 3072, 30),

@@ -49,6 +49,25 @@ class MemoryPerGPU:
 
 
 @dataclasses.dataclass
+class TimeBreakdown:
+    """Seconds per step on the average pipeline rank, by kind (cluster.h TimeBreakdown):
+    compute (GEMMs, fused attention, memory-bound work, kernel launches), the remat's extra
+    work, exposed communication (TP, expert all-to-all, FSDP, data-parallel reduction), the
+    optimizer update, and the bubble (the rest of the step)."""
+    gemm: float
+    attention: float
+    memory: float
+    launch: float
+    recompute: float
+    tp_comm: float
+    ep_comm: float
+    fsdp_comm: float
+    dp_comm: float
+    optimizer: float
+    bubble: float
+
+
+@dataclasses.dataclass
 class ClusterPlan:
     """One ranked plan: degrees, the pipeline plan over its segments, predictions."""
     pp: int
@@ -56,6 +75,8 @@ class ClusterPlan:
     dp: int
     ep: int
     fsdp: bool
+    tp_overlap: bool
+    dp_overlap: bool
     schedule: str
     virtual_stages: int
     microbatches: int
@@ -70,11 +91,13 @@ class ClusterPlan:
     bubble: float
     fits: bool
     memory: MemoryPerGPU
+    time: "TimeBreakdown"
 
     @classmethod
     def from_dict(cls, d: dict) -> "ClusterPlan":
         d = dict(d)
         d["memory"] = MemoryPerGPU(**d["memory"])
+        d["time"] = TimeBreakdown(**d["time"])
         return cls(**d)
 
     @property
@@ -121,6 +144,10 @@ class ClusterPlans:
     def table(self) -> str:
         return format_table(self)
 
+    def breakdown(self) -> str:
+        """Where each plan's step goes (seconds on the average pipeline rank)."""
+        return format_breakdown(self)
+
 
 def _model_profile(model, seq) -> dict:
     if isinstance(model, dict):
@@ -134,10 +161,14 @@ def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None =
                  fp8: bool = False, pp=(), tp=(), ep=(), fsdp: bool | None = None,
                  families=(), top: int = 10, max_segments: int = 24,
                  max_microbatch_choices: int = 1, gap: float = 0.02, node_budget: int = 500,
-                 interleaved_v=(2, 4), efficiency: float | None = None) -> ClusterPlans:
+                 interleaved_v=(2, 4), efficiency: float | None = None,
+                 tp_overlap: bool | None = None, dp_overlap: bool | None = None,
+                 grad_reduce_bytes: float = 4.0) -> ClusterPlans:
     """Fastest predicted plans for ``model`` on ``gpus`` GPUs of ``cluster``: degrees
-    (pipeline, tensor, data with ZeRO-1 or FSDP, expert), cuts, schedule, microbatches and
-    remat, ranked by step time. ``global_batch`` in sequences of ``seq`` tokens."""
+    (pipeline, tensor, data with ZeRO-1 or FSDP, expert), overlap settings, cuts, schedule,
+    microbatches and remat, ranked by step time. ``global_batch`` in sequences of ``seq``
+    tokens. ``tp_overlap`` / ``dp_overlap``: None searches both settings.
+    ``grad_reduce_bytes``: bytes per gradient element in the data-parallel reduction."""
     prof = _model_profile(model, seq)
     hw = load_cluster(cluster, efficiency)
     out = json.loads(_core.plan_cluster(
@@ -145,7 +176,10 @@ def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None =
         pp=list(pp), tp=list(tp), ep=list(ep), fsdp_mode=-1 if fsdp is None else int(fsdp),
         families=list(families), top=top, max_segments=max_segments,
         max_microbatch_choices=max_microbatch_choices, gap=gap, node_budget=node_budget,
-        interleaved_v=list(interleaved_v)))
+        interleaved_v=list(interleaved_v),
+        tp_overlap=-1 if tp_overlap is None else int(tp_overlap),
+        dp_overlap=-1 if dp_overlap is None else int(dp_overlap),
+        grad_reduce_bytes=float(grad_reduce_bytes)))
     return ClusterPlans([ClusterPlan.from_dict(p) for p in out["plans"]], out["stats"],
                         prof, hw)
 
@@ -153,14 +187,32 @@ def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None =
 def evaluate_cluster(model, cluster, *, pp: int, tp: int, dp: int, global_batch: int,
                      schedule: str, microbatches: int, ep: int = 1, fsdp: bool = False,
                      virtual_stages: int = 1, remat: str = "keep", seq: int | None = None,
-                     fp8: bool = False, efficiency: float | None = None) -> ClusterPlan:
+                     fp8: bool = False, efficiency: float | None = None,
+                     tp_overlap: bool = False, dp_overlap: bool = False,
+                     grad_reduce_bytes: float = 4.0, flash_attention: bool = True) -> ClusterPlan:
     """The prediction of one given configuration (layers spread evenly over the stages)."""
     prof = _model_profile(model, seq)
     hw = load_cluster(cluster, efficiency)
     out = json.loads(_core.evaluate_cluster(
         json.dumps(prof), json.dumps(hw), pp, tp, dp, ep, fsdp, int(global_batch), fp8,
-        schedule, virtual_stages, microbatches, remat))
+        schedule, virtual_stages, microbatches, remat, tp_overlap, dp_overlap,
+        float(grad_reduce_bytes), flash_attention))
     return ClusterPlan.from_dict(out["plans"][0])
+
+
+def format_breakdown(r: ClusterPlans) -> str:
+    keys = [f.name for f in dataclasses.fields(TimeBreakdown)]
+    rows = ["step time by part, % of the step (average pipeline rank): " + " ".join(
+        f"{k:>9}" for k in keys)]
+    for k, p in enumerate(r.plans, 1):
+        rows.append(f"{k:>2} {p.step_time:>8.2f} s " + " ".join(
+            f"{100 * getattr(p.time, key) / p.step_time:>8.1f}%" for key in keys))
+    return "\n".join(rows)
+
+
+def overlap_name(p: ClusterPlan) -> str:
+    """The plan's overlap settings: "tp", "dp", "tp+dp" or "-"."""
+    return "+".join(n for n, on in (("tp", p.tp_overlap), ("dp", p.dp_overlap)) if on) or "-"
 
 
 def _gib(b: int) -> str:
@@ -168,7 +220,8 @@ def _gib(b: int) -> str:
 
 
 def format_table(r: ClusterPlans) -> str:
-    head = (f"{'#':>2} {'pp':>3} {'tp':>2} {'dp':>5} {'ep':>2} {'fsdp':>4} {'schedule':>11} "
+    head = (f"{'#':>2} {'pp':>3} {'tp':>2} {'dp':>5} {'ep':>2} {'fsdp':>4} {'overlap':>7} "
+            f"{'schedule':>11} "
             f"{'v':>1} {'M':>4} {'step s':>7} {'tokens/s':>10} {'MFU':>6} {'bubble':>6} "
             f"{'param':>6} {'grad':>6} {'optim':>6} {'activ':>6} {'total':>6}")
     rows = [head]
@@ -176,6 +229,7 @@ def format_table(r: ClusterPlans) -> str:
         m = p.memory
         rows.append(
             f"{k:>2} {p.pp:>3} {p.tp:>2} {p.dp:>5} {p.ep:>2} {'yes' if p.fsdp else 'no':>4} "
+            f"{overlap_name(p):>7} "
             f"{p.schedule:>11} {p.virtual_stages:>1} {p.microbatches:>4} {p.step_time:>7.2f} "
             f"{p.tokens_per_second:>10.0f} {100 * p.mfu:>5.1f}% {100 * p.bubble:>5.1f}% "
             f"{_gib(m.params):>6} {_gib(m.grads):>6} {_gib(m.optimizer):>6} "

@@ -1,0 +1,117 @@
+"""The cluster cost model against published runs (bench/results/scale.md), its series
+checks, the remat policies' memory against the residuals JAX keeps, and the shipped
+hardware files' constants against their cited ranges."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from baton import scale
+from baton._jax_compat import saved_residuals
+from baton.scale import abstract as A
+from baton.scale import published as P
+from baton.scale.profile import profile_segment
+
+
+@pytest.fixture(scope="module")
+def comparisons():
+    profiles = {}
+    return P.compare_all(profiles), profiles
+
+
+def test_every_published_row_is_predicted_and_recorded(comparisons):
+    cs, _ = comparisons
+    assert len(cs) == len(P.RUNS) >= 15
+    assert len({r.source.split(",")[0].split(" (")[0] for r in P.RUNS}) >= 5
+    assert sum(r.fp8 for r in P.RUNS) >= 3
+    assert sum(r.gpus > 4000 for r in P.RUNS) >= 3
+    for c in cs:
+        assert c.predicted > 0 and math.isfinite(c.ratio), c.run.name
+        t = c.plan.time
+        parts = sum(getattr(t, f) for f in vars(t))
+        # The parts add up to the step; where hidden work leaves no bubble (DualPipeV's
+        # fused pairs outside its steady state) they may exceed it.
+        assert parts >= c.plan.step_time * (1 - 1e-9), c.run.name
+        if t.bubble > 0:
+            assert parts == pytest.approx(c.plan.step_time, rel=1e-9), c.run.name
+    # The state recorded in bench/results/scale.md: a regression guard, not the target.
+    s = P.summary(cs)
+    assert s["median_abs_error"] <= 0.35, s
+    assert all(0.4 < c.ratio < 2.5 for c in cs), [(c.run.name, c.ratio) for c in cs]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 47's target is not met yet: bench/results/"
+                   "scale.md lists each missed row with its breakdown")
+def test_published_rows_meet_the_target(comparisons):
+    cs, _ = comparisons
+    s = P.summary(cs)
+    assert s["median_abs_error"] <= 0.10 and s["max_abs_error"] <= 0.20, s
+
+
+@pytest.mark.xfail(strict=True, reason="the strong-scaling and 8 -> 128 GPU series miss by "
+                   "more than 5 points (bench/results/scale.md, 'Series')")
+def test_series_follow_the_published_trends(comparisons):
+    cs, profiles = comparisons
+    for s in P.series(cs, profiles):
+        assert abs(s["predicted_change"] - s["published_change"]) <= 5, s
+
+
+def test_series_direction_of_the_schedule_comparison(comparisons):
+    # Interleaving beats 1F1B on torchtitan's 405B run, as published.
+    cs, profiles = comparisons
+    s = next(x for x in P.series(cs, profiles) if "interleaved" in x["series"])
+    assert s["published_change"] > 0 and s["predicted_change"] > 0
+
+
+def _small_layer():
+    cfg = scale.get_model("llama:layers=1,hidden=64,ffn=128,heads=4,kv_heads=2,vocab=100,seq=32")
+    params = A._abstract(A._layer_params(cfg, False))
+    x = jax.ShapeDtypeStruct((1, cfg.seq, cfg.hidden), jnp.bfloat16)
+    return cfg, A._layer(cfg, False), params, x
+
+
+def _kept_bytes(f, params, x):
+    concrete = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (params, x))
+    total = 0
+    for aval, what in saved_residuals(f, *concrete):
+        if "from the argument" in what and "argument x" not in what and "argument 1" not in what:
+            continue  # parameters stay in place; they are not stash
+        total += math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize
+    return total
+
+
+def test_remat_policies_keep_what_jax_keeps():
+    _, f, params, x = _small_layer()
+    seg = profile_segment("layer", f, params, x)
+    # keep: every residual jax.vjp keeps; min: those of jax.checkpoint(dots_saveable);
+    # full: the layer's input alone (a checkpointed layer keeps only its argument).
+    assert seg["stash_keep"] == _kept_bytes(f, params, x)
+    dots = jax.checkpoint(f, policy=jax.checkpoint_policies.dots_saveable)
+    assert seg["stash_min"] == _kept_bytes(dots, params, x)
+    assert seg["stash_full"] == _kept_bytes(jax.checkpoint(f), params, x)
+    assert seg["stash_full"] < seg["stash_min"] < seg["stash_keep"]
+
+
+def test_hardware_constants_inside_their_cited_ranges():
+    for name in scale.cluster_names():
+        hw = scale.load_cluster(name)
+        assert 0 < hw["efficiency"] <= 1, name
+        if hw["gemm"]["bf16"]:
+            top = max(r for _, r in hw["gemm"]["bf16"])
+            # H100: 0.817 measured (OpenXLA's table); A100: 0.85, inside the cited 0.80-0.90
+            assert top <= 0.90 * hw["peak_bf16"], name
+            assert hw["sources"]["gemm.bf16"], name
+        if hw["gemm"]["fp8"]:
+            assert max(r for _, r in hw["gemm"]["fp8"]) <= 0.80 * hw["peak_fp8"], name
+        fwd = hw["attention"]["fwd"]
+        assert all(0.3 <= f <= 0.75 for _, f in fwd), name  # FlashAttention-2/3 range
+        if fwd:
+            assert 0.7 <= hw["attention"]["bwd_ratio"] <= 0.9, name
+            assert 0.7 <= hw["hbm_efficiency"] <= 0.95, name
+            assert 0 <= hw["overlap_contention"] <= 0.2, name
+            assert 1e-6 <= hw["kernel_overhead"] <= 1e-5, name
+        for link in ("intra", "inter"):
+            bus = hw[link]["bus_bandwidth"]
+            assert bus == 0 or 0.7 * hw[link]["bandwidth"] <= bus <= hw[link]["bandwidth"], name
