@@ -219,6 +219,55 @@ TEST(ScheduleFormulas, PeakActivation) {
     }
 }
 
+// Controllable memory (Qi et al., NeurIPS 2024) on unit costs: the model is
+// cut in 2p chunks for the V schedules and in p stages of two chunks for
+// 1F1B, so 1F1B's peak of p stages is 2p chunks. V-Min holds about a third of
+// it (at most ceil(2p/3) + 2 chunks), V-Half about a half (at most p + 2),
+// both for every m, and both finish no later than 1F1B.
+TEST(ScheduleFormulas, VMinAndVHalfMemoryRelativeTo1F1B) {
+  for (int p : {2, 3, 4, 5, 6, 8, 12})
+    for (int m : {p, 2 * p, 4 * p, 8 * p}) {
+      SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
+      const SimResult base = run(one_f_one_b(p, m), kUnit);
+      const int64_t base_chunks = 2 * *std::max_element(base.peak_activation.begin(),
+                                                        base.peak_activation.end());
+      ASSERT_EQ(base_chunks, 2 * p);
+      const SimResult vmin = run(v_min(p, m), kHalf);
+      const SimResult vhalf = run(v_half(p, m), kHalf);
+      const int64_t pmin = *std::max_element(vmin.peak_activation.begin(),
+                                             vmin.peak_activation.end());
+      const int64_t phalf = *std::max_element(vhalf.peak_activation.begin(),
+                                              vhalf.peak_activation.end());
+      EXPECT_LE(pmin, (2 * p + 2) / 3 + 2);
+      EXPECT_LE(phalf, p + 2);
+      EXPECT_LE(pmin, phalf);
+      if (p >= 8) {  // the ratios approach 1/3 and 1/2 as p grows
+        EXPECT_LE(double(pmin) / base_chunks, 0.43);
+        EXPECT_LE(double(phalf) / base_chunks, 0.63);
+      }
+      EXPECT_LE(vmin.step_time, base.step_time + kEps);
+      EXPECT_LE(vhalf.step_time, vmin.step_time + kEps);
+      // Same work as every V schedule: 3 per microbatch per rank.
+      for (int r = 0; r < p; ++r) EXPECT_NEAR(vmin.busy[r], 3.0 * m, kEps);
+    }
+  // The memory ZB-V spends instead: about 1F1B's (2p + 2 chunks).
+  EXPECT_EQ(peaks(zb_v(8, 32), kHalf).back(), 18);
+}
+
+// Step time (chunk f = 0.5): V-Min 3m + 2p - 2.5, i.e. a bubble of (4p-5)f,
+// about 2/3 of 1F1B's 3(p-1); V-Half saves 2 per burst forward after the
+// first (b = min(ceil(p/3), m)). Swept for p <= 16.
+TEST(ScheduleFormulas, VMinAndVHalfBubble) {
+  for (int p = 2; p <= 16; ++p)
+    for (int m : {1, 2, p, p + 1, 2 * p, 3 * p + 1, 8 * p}) {
+      SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
+      const int b = std::min((p + 2) / 3, m);
+      EXPECT_NEAR(run(v_min(p, m), kHalf).step_time, 3.0 * m + 2 * p - 2.5, kEps);
+      EXPECT_NEAR(run(v_half(p, m), kHalf).step_time, 3.0 * m + 2 * p - 2.5 - 2 * (b - 1), kEps);
+    }
+  for (int m : {1, 4}) EXPECT_NEAR(run(v_min(1, m), kHalf).step_time, 3.0 * m, kEps);
+}
+
 TEST(ScheduleFormulas, InterleavedPeakActivation) {
   for (int p : {1, 2, 3, 4})
     for (int v : {2, 3})

@@ -71,7 +71,8 @@ TEST(Generators, EveryOutputValidatesWithExpectedShape) {
     EXPECT_EQ(s.name, c.name);
     EXPECT_EQ(s.num_ranks, c.p);
     EXPECT_EQ(s.num_microbatches, c.m);
-    const bool vshape = c.name == "zbv" || c.name == "dualpipev";
+    const bool vshape = c.name == "zbv" || c.name == "vmin" || c.name == "vhalf" ||
+                        c.name == "dualpipev";
     const int stages = vshape ? 2 * c.p : c.p * c.v;
     ASSERT_EQ(s.num_stages, stages);
     if (vshape)
@@ -80,7 +81,8 @@ TEST(Generators, EveryOutputValidatesWithExpectedShape) {
       EXPECT_EQ(s.stage_rank, interleaved_placement(c.p, c.v));
     else
       EXPECT_EQ(s.stage_rank, contiguous_placement(c.p));
-    const bool split = c.name == "zbh1" || c.name == "zbh2" || c.name == "zbv";
+    const bool split = c.name == "zbh1" || c.name == "zbh2" || c.name == "zbv" ||
+                       c.name == "vmin" || c.name == "vhalf";
     if (c.name != "dualpipev") {
       EXPECT_EQ(s.split_backward(), split);
     }
@@ -247,6 +249,44 @@ TEST(Generators, ZBVBoundsWorkInFlight) {
     }
 }
 
+// V-Min starts a stage-0 forward every 6 ticks (three down slots of rank 0);
+// V-Half first runs ceil(p/3) of them back to back. Measured orders for p=2.
+TEST(Generators, VMinAndVHalfOrders) {
+  const Schedule vm = v_min(2, 4);
+  EXPECT_EQ(vm.stage_rank, (std::vector<int32_t>{0, 1, 1, 0}));
+  EXPECT_EQ(row(vm, 0),
+            "F0.0 F3.0 I3.0 W3.0 F0.1 I0.0 W0.0 F3.1 I3.1 W3.1 F0.2 I0.1 W0.1 F3.2 I3.2 W3.2 "
+            "F0.3 I0.2 W0.2 F3.3 I3.3 W3.3 I0.3 W0.3");
+  EXPECT_EQ(row(vm, 1),
+            "F1.0 F2.0 I2.0 I1.0 F1.1 F2.1 W1.0 W2.0 I2.1 I1.1 F1.2 F2.2 W1.1 W2.1 I2.2 I1.2 "
+            "F1.3 F2.3 W1.2 W2.2 I2.3 I1.3 W1.3 W2.3");
+  // For p <= 3 the burst is one forward: V-Half is V-Min.
+  EXPECT_EQ(v_half(3, 6).rank_actions, v_min(3, 6).rank_actions);
+  EXPECT_EQ(row(v_half(4, 4), 0), 
+            "F0.0 F0.1 F7.0 F0.2 F7.1 I7.0 W7.0 I7.1 W7.1 F0.3 F7.2 I7.2 I0.0 W0.0 I0.1 W0.1 "
+            "F7.3 I7.3 W7.2 W7.3 I0.2 W0.2 I0.3 W0.3");
+}
+
+// Between F and I of stage 0 a V-Min rank 0 holds at most ceil(2p/3) + 1
+// microbatches, a V-Half one ceil(p/3) more, whatever m is.
+TEST(Generators, VMinAndVHalfBoundWorkInFlight) {
+  for (int p : {1, 2, 3, 4, 7, 12})
+    for (int m : {p, 2 * p, 8 * p}) {
+      for (const bool half : {false, true}) {
+        const Schedule s = half ? v_half(p, m) : v_min(p, m);
+        int held = 0, max_held = 0;
+        for (const Action& a : s.rank_actions[0]) {
+          ASSERT_FALSE(a.is_fused());
+          if (a.first.stage != 0) continue;
+          held += a.first.kind == TaskKind::F ? 1 : a.first.kind == TaskKind::I ? -1 : 0;
+          max_held = std::max(max_held, held);
+        }
+        const int bound = (2 * p + 2) / 3 + 1 + (half ? (p + 2) / 3 : 0);
+        EXPECT_LE(max_held, bound) << s.name << " p=" << p << " m=" << m;
+      }
+    }
+}
+
 TEST(Generators, DualPipeVOrder) {
   const Schedule s = dualpipe_v(3, 6);
   EXPECT_EQ(row(s, 0),
@@ -271,7 +311,7 @@ TEST(Generators, SingleRank) {
     const int m = 3;
     const Schedule s = make_schedule(n, 1, m);
     EXPECT_NO_THROW(s.validate()) << n;
-    const bool vshape = n == "zbv" || n == "dualpipev";
+    const bool vshape = n == "zbv" || n == "vmin" || n == "vhalf" || n == "dualpipev";
     EXPECT_EQ(s.num_stages, vshape ? 2 : 1) << n;
   }
   EXPECT_EQ(row(dualpipe_v(1, 2), 0), "F0.0 F1.0 F0.1 B1.0 F1.1+B0.0 B1.1 I0.1 W0.1");
@@ -283,7 +323,9 @@ TEST(Generators, NameLookupIgnoresCaseAndSeparators) {
   EXPECT_EQ(make_schedule("Eager-1F1B", 3, 4), eager_one_f_one_b(3, 4));
   EXPECT_EQ(make_schedule("DualPipeV", 2, 4), dualpipe_v(2, 4));
   EXPECT_EQ(make_schedule("Interleaved_1F1B", 2, 4, 2), interleaved_one_f_one_b(2, 4, 2));
-  EXPECT_EQ(schedule_names().size(), 8u);
+  EXPECT_EQ(make_schedule("V-Min", 3, 6), v_min(3, 6));
+  EXPECT_EQ(make_schedule("v_half", 3, 6), v_half(3, 6));
+  EXPECT_EQ(schedule_names().size(), 10u);
 }
 
 TEST(Generators, Refusals) {
@@ -306,7 +348,10 @@ TEST(Generators, Refusals) {
   expect_schedule_error([] { interleaved_one_f_one_b(1024, 1024, 8); },
                         "stages*microbatches = 8388608");
   expect_schedule_error([] { zb_v(1024, 4096); }, "stages*microbatches = 8388608");
-  for (const char* n : {"gpipe", "1f1b", "eager1f1b", "zbh1", "zbh2", "zbv", "dualpipev"})
+  expect_schedule_error([] { v_min(0, 4); }, "vmin needs ranks >= 1 (got ranks=0)");
+  expect_schedule_error([] { v_half(2, 0); }, "vhalf needs microbatches >= 1 (got microbatches=0)");
+  for (const char* n :
+       {"gpipe", "1f1b", "eager1f1b", "zbh1", "zbh2", "zbv", "vmin", "vhalf", "dualpipev"})
     expect_schedule_error([n] { make_schedule(n, 2, 4, 2); },
                           std::string("schedule '") + n + "' takes no virtual stages (got v=2)");
 }

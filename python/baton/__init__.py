@@ -41,6 +41,8 @@ from .schedules import (  # noqa: F401,E402
     OneFOneB,
     ScheduleFile,
     ScheduleSpec,
+    VHalf,
+    VMin,
     load_schedule,
     save_schedule,
     schedule_aliases,

@@ -30,6 +30,8 @@ __all__ = [
     "ZBH1",
     "ZBH2",
     "ZBV",
+    "VMin",
+    "VHalf",
     "DualPipeV",
     "ScheduleFile",
     "schedule_from_name",
@@ -137,6 +139,24 @@ class ZBV(_VShape):
 
 
 @dataclasses.dataclass(frozen=True)
+class VMin(_VShape):
+    """V-Min (controllable-memory V schedule): about a third of 1F1B's activation memory.
+
+    Same V placement and I/W split as ZB-V; a microbatch enters every six chunk
+    tasks, so stashes live only along their own chain (docs/SCHEDULES.md).
+    """
+
+    generator: ClassVar[str] = "vmin"
+
+
+@dataclasses.dataclass(frozen=True)
+class VHalf(_VShape):
+    """V-Half: V-Min after a burst of ceil(ranks/3) forwards; about half of 1F1B's memory."""
+
+    generator: ClassVar[str] = "vhalf"
+
+
+@dataclasses.dataclass(frozen=True)
 class DualPipeV(_VShape):
     """DualPipeV: V placement with F of one microbatch fused with B of another."""
 
@@ -239,6 +259,8 @@ _SPECS: dict[str, type[ScheduleSpec]] = {
     "zbh1": ZBH1,
     "zbh2": ZBH2,
     "zbv": ZBV,
+    "vmin": VMin,
+    "vhalf": VHalf,
     "dualpipev": DualPipeV,
 }
 
@@ -290,7 +312,8 @@ _UNSUPPORTED: dict[str, str] = {
 
 def schedule_names() -> list[str]:
     """Names accepted by ``schedule_from_name`` (canonical generator names)."""
-    return ["gpipe", "1f1b", "eager1f1b", "interleaved", "zbh1", "zbh2", "zbv", "dualpipev"]
+    return ["gpipe", "1f1b", "eager1f1b", "interleaved", "zbh1", "zbh2", "zbv", "vmin", "vhalf",
+            "dualpipev"]
 
 
 def schedule_aliases() -> dict[str, str]:

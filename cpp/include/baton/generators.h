@@ -15,7 +15,7 @@
 namespace baton {
 
 // p ranks, m microbatches. Stage count is implied by the schedule:
-// p (contiguous), p*v (interleaved), 2p (ZB-V, DualPipeV).
+// p (contiguous), p*v (interleaved), 2p (ZB-V, V-Min, V-Half, DualPipeV).
 // Accepted (besides p >= 1, m >= 1):
 //   interleaved_one_f_one_b: v >= 1; for v >= 2, m % p == 0 or m <= p.
 //                            v == 1 gives the 1F1B order.
@@ -27,10 +27,12 @@ Schedule interleaved_one_f_one_b(int p, int m, int v);
 Schedule zb_h1(int p, int m);
 Schedule zb_h2(int p, int m);
 Schedule zb_v(int p, int m);
+Schedule v_min(int p, int m);
+Schedule v_half(int p, int m);
 Schedule dualpipe_v(int p, int m);
 
 // Generator by name: "gpipe", "1f1b", "eager1f1b", "interleaved", "zbh1",
-// "zbh2", "zbv", "dualpipev" (case-insensitive; '-' and '_' ignored;
+// "zbh2", "zbv", "vmin", "vhalf", "dualpipev" (case-insensitive; '-' and '_' ignored;
 // "interleaved1f1b" is accepted for "interleaved"). `v` is used by
 // "interleaved" only; every other schedule refuses v != 1.
 Schedule make_schedule(std::string_view name, int p, int m, int v = 1);

@@ -261,12 +261,19 @@ Schedule zb_h2(int p, int m) {
 // 0) over an input gradient. Every other free slot runs the rank's oldest W.
 // Measured with f = i = w (docs/SCHEDULES.md): bubble (p-1)f for m = p and
 // every m >= 2p; peak stash independent of m.
-Schedule zb_v(int p, int m) {
-  check_common("zbv", p, m, 2);
-  Schedule s = make_base("zbv", p, m, v_placement(p));
+namespace {
+// The lane machinery shared by the V-shape zero-bubble family. Only rank 0's
+// choice to start a forward chain (F of stage 0) is a policy knob; every
+// other slot follows the lanes, so every setting stays deadlock-free:
+//   cap_f: microbatches between F and I of stage 0 (hence in flight anywhere);
+//   cap_w: W passes a chain-starting rank may owe before it starts no chain;
+//   gap:   ticks between consecutive stage-0 forwards once `burst` have run
+//          (0: none; the down slots of rank 0 come every 2 ticks).
+Schedule v_lanes(const char* name, int p, int m, int cap_f, int cap_w, int gap = 0,
+                 int burst = 0) {
+  check_common(name, p, m, 2);
+  Schedule s = make_base(name, p, m, v_placement(p));
   const int S = 2 * p;
-  const int cap_w = p + 1;  // W passes a chain-starting rank may owe
-  const int cap_f = p + 1;  // microbatches between F and I of stage 0
   constexpr int64_t kNever = std::numeric_limits<int64_t>::max() / 4;
   std::vector<int64_t> f_end(static_cast<size_t>(S) * m, kNever), i_end(f_end.size(), kNever);
   auto fe = [&](int st, int mb) -> int64_t& { return f_end[static_cast<size_t>(st) * m + mb]; };
@@ -280,10 +287,11 @@ Schedule zb_v(int p, int m) {
   up_start.reserve(ticks);
   for (auto& row : s.rank_actions) row.reserve(static_cast<size_t>(6) * m);
   int64_t left = int64_t{6} * p * m;
+  int64_t last_f0 = -int64_t{gap};
   for (int64_t t = 0; left > 0; ++t) {
     if (t > static_cast<int64_t>(2 * ticks))  // every task runs within ~6m + 4p ticks
       throw ScheduleError(fmt::format(
-          "zbv generator did not finish (ranks={}, microbatches={}): internal error", p, m));
+          "{} generator did not finish (ranks={}, microbatches={}): internal error", name, p, m));
     down_start.push_back(none);
     up_start.push_back(none);
     for (int r = 0; r < p; ++r) {
@@ -302,8 +310,10 @@ Schedule zb_v(int p, int m) {
       const bool starts = down ? r == 0 : r == p - 1;
       if (task.stage < 0 && starts && (ni[c0] - nw[c0]) + (ni[c1] - nw[c1]) <= cap_w - 1) {
         if (down) {
-          if (nf[0] < m && nf[0] - ni[0] < cap_f)
+          if (nf[0] < m && nf[0] - ni[0] < cap_f && (nf[0] < burst || t >= last_f0 + gap)) {
             task = Task{TaskKind::F, 0, nf[0]};
+            last_f0 = t;
+          }
           else if (ni[S - 1] < nf[S - 1] && fe(S - 1, ni[S - 1]) <= t)
             task = Task{TaskKind::I, S - 1, ni[S - 1]};
           down_start.back() = task;
@@ -337,6 +347,23 @@ Schedule zb_v(int p, int m) {
   }
   return s;
 }
+}  // namespace
+
+Schedule zb_v(int p, int m) { return v_lanes("zbv", p, m, p + 1, p + 1); }
+
+// ------------------------------------------------------------ V-Min / V-Half
+
+// Controllable-memory V schedules (Qi et al., NeurIPS 2024). A rank does six
+// chunk tasks per microbatch (F, I, W of two stages), so in the steady state
+// a new microbatch can enter every 6 ticks. V-Min starts stage-0 forwards
+// exactly that far apart: a microbatch's stash then lives only along its own
+// chain (4p ticks on stage 0), and a rank holds about 4p/6 = 2p/3 chunks, a
+// third of 1F1B's 2p. V-Half first runs ceil(p/3) forwards back to back,
+// spending about p/3 more chunks (about p, half of 1F1B's) to fill the
+// pipeline sooner. Neither caps F-I any further than the spacing does.
+Schedule v_min(int p, int m) { return v_lanes("vmin", p, m, m, p + 1, 6, 0); }
+
+Schedule v_half(int p, int m) { return v_lanes("vhalf", p, m, m, p + 1, 6, (p + 2) / 3); }
 
 // ------------------------------------------------------------------ DualPipeV
 
@@ -424,7 +451,8 @@ Schedule dualpipe_v(int p, int m) {
 // ------------------------------------------------------------------- dispatch
 
 std::vector<std::string> schedule_names() {
-  return {"gpipe", "1f1b", "eager1f1b", "interleaved", "zbh1", "zbh2", "zbv", "dualpipev"};
+  return {"gpipe", "1f1b", "eager1f1b", "interleaved", "zbh1", "zbh2",
+          "zbv",   "vmin", "vhalf",     "dualpipev"};
 }
 
 Schedule make_schedule(std::string_view name, int p, int m, int v) {
@@ -437,7 +465,8 @@ Schedule make_schedule(std::string_view name, int p, int m, int v) {
   using Gen = Schedule (*)(int, int);
   static const std::pair<const char*, Gen> kGens[] = {
       {"gpipe", gpipe}, {"1f1b", one_f_one_b}, {"eager1f1b", eager_one_f_one_b}, {"zbh1", zb_h1},
-      {"zbh2", zb_h2},  {"zbv", zb_v},         {"dualpipev", dualpipe_v},
+      {"zbh2", zb_h2},  {"zbv", zb_v},         {"vmin", v_min},       {"vhalf", v_half},
+      {"dualpipev", dualpipe_v},
   };
   for (const auto& [n, gen] : kGens) {
     if (key != n) continue;
