@@ -76,3 +76,15 @@ def test_a_failing_script_fails_the_case(tmp_path, monkeypatch):
     quiet = smoke.run_case(smoke.Case("quiet.py"))
     assert not quiet.ok and "no table" in quiet.why
     assert smoke.run_case(smoke.Case("good.py")).ok
+
+
+def test_a_verdict_exit_code_passes_only_with_its_table(tmp_path, monkeypatch):
+    """A case may accept the exit code of a verdict on its numbers (bench/soak.py's 1), but
+    never without the report."""
+    (tmp_path / "verdict.py").write_text("import sys\nprint('| a |\\n|---|')\nsys.exit(1)\n")
+    (tmp_path / "crash.py").write_text("raise SystemExit(1)\n")
+    monkeypatch.setattr(smoke, "HERE", tmp_path)
+    assert smoke.run_case(smoke.Case("verdict.py", exit_ok=(0, 1))).ok
+    assert not smoke.run_case(smoke.Case("verdict.py")).ok
+    crash = smoke.run_case(smoke.Case("crash.py", exit_ok=(0, 1)))
+    assert not crash.ok and "no table" in crash.why
