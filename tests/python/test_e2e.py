@@ -188,6 +188,8 @@ SCHEDULES = [
     ("zbh1", baton.ZBH1(), [2, 4, 8]),
     ("zbh2", baton.ZBH2(), [2, 4, 8]),
     ("zbv", baton.ZBV(), [2, 4, 8]),
+    ("vmin", baton.VMin(), [2]),
+    ("vhalf", baton.VHalf(), [4]),  # on 2 or 3 ranks V-Half is V-Min's order
     ("dualpipev", baton.DualPipeV(), [2, 4, 8]),
 ]
 
