@@ -427,3 +427,33 @@ def test_readme_checkpoints_example(tmp_path):
     leaves_equal((ns["params"], ns["opt_state"]), ckpt.restore(tmp_path, 6, target=trained),
                  "readme")
     leaves_equal(ns["full"][0], ns["params"], "readme full")
+
+
+def test_retention_and_data_state(tmp_path):
+    """``max_to_keep`` / ``keep_period`` prune committed steps once a save commits (Orbax's
+    conventions); the data-iterator state comes back with the step; a checkpoint without one
+    is refused by name. ``CheckpointManager`` does both, saving every ``save_interval_steps``."""
+    ps = pipelined(2)
+    p = init_params()
+    state = (p, OPT.init(p))
+    for i in range(1, 6):
+        ckpt.save(tmp_path / "a", i, state, ps, data={"next_index": 10 * i}, max_to_keep=2,
+                  keep_period=2, wait=True)
+    assert ckpt.all_steps(tmp_path / "a") == [2, 4, 5]
+    assert ckpt.restore_data(tmp_path / "a", 4, fn=ps) == {"next_index": 40}
+    assert ckpt.metadata(tmp_path / "a")["data_processes"] == [0]
+    ckpt.save(tmp_path / "b", 1, state, ps, wait=True)
+    with pytest.raises(baton.ConfigError, match="step 1 .* has no data-iterator state"):
+        ckpt.restore_data(tmp_path / "b", fn=ps)
+    with pytest.raises(baton.ConfigError, match="max_to_keep must be a positive integer"):
+        ckpt.save(tmp_path / "b", 2, state, ps, max_to_keep=0)
+    with pytest.raises(baton.ConfigError, match="JSON-serializable"):
+        ckpt.save(tmp_path / "b", 3, state, ps, data=object())
+    mgr = ckpt.CheckpointManager(tmp_path / "c", ps, ckpt.CheckpointManagerOptions(
+        save_interval_steps=2, max_to_keep=2))
+    for i in range(1, 8):
+        mgr.save(i, state, data={"i": i})
+    assert mgr.all_steps() == [4, 6] and mgr.latest_step() == 6
+    got = mgr.restore()
+    assert got.step == 6 and got.data == {"i": 6}
+    leaves_equal(got.state, state, "manager restore")

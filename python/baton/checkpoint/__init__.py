@@ -9,6 +9,7 @@ On disk, under ``path``::
 
     <step>/                      one directory per checkpointed step (the integer)
         baton.json               Baton's metadata (process 0): plan, stage map, tree, leaves
+        data-process-<p>.json    process p's data-iterator state (``save(..., data=...)``)
         process-<p>/             an Orbax PyTree item: the arrays process p wrote,
                                  {"rank<r>": {"a<i>": leaf i}} for each rank r it runs
         COMMITTED                written last, by process 0, once every item is finalized
@@ -27,18 +28,26 @@ Orbax's own multi-host coordination has nothing to do: each process's item is a 
 one-process Orbax checkpoint (written to a temporary directory and renamed by Orbax), and
 Baton's commit marker makes the set of items one checkpoint.
 
-Modules: ``layout`` (the directory layout, committed steps), ``leaves`` (the state's leaves and
+Ranks spanning processes (``jax.distributed``): a leaf of such a rank is an array over its
+processes' devices; one of them writes it whole from host memory (a leaf split over them is
+gathered first, by all of them), and each process of a rank reading it places its own shards.
+``max_to_keep`` / ``keep_period`` (or :class:`CheckpointManager`) prune old steps once a save
+is committed.
+
+Modules: ``layout`` (the directory layout, committed steps, retention), ``leaves`` (the state's leaves and
 the step's stage map), ``store`` (Orbax's checkpointers), ``commit`` (saves in flight and the
 commit protocol; ``commit._test_hook``), ``saving`` (``save``) and ``restoring`` (``restore``,
-``metadata``).
+``metadata``, ``restore_data``), ``manager`` (``CheckpointManager``).
 """
 
 from .commit import SaveHandle, wait_until_finished
 from .layout import COMMIT, FORMAT, METADATA, all_steps, committed, latest_step
-from .restoring import metadata, restore
+from .manager import CheckpointManager, CheckpointManagerOptions, Restored
+from .restoring import metadata, restore, restore_data
 from .saving import save
 
 __all__ = [
-    "COMMIT", "FORMAT", "METADATA", "SaveHandle", "all_steps", "committed", "latest_step",
-    "metadata", "restore", "save", "wait_until_finished",
+    "COMMIT", "FORMAT", "METADATA", "CheckpointManager", "CheckpointManagerOptions", "Restored",
+    "SaveHandle", "all_steps", "committed", "latest_step", "metadata", "restore", "restore_data",
+    "save", "wait_until_finished",
 ]

@@ -8,11 +8,12 @@ import atexit
 import json
 import logging
 import os
+import shutil
 import time
 
 from ..errors import ExecutionError
 from ..frontend.distributed import Router
-from .layout import COMMIT, _step_dir
+from .layout import COMMIT, _step_dir, doomed_steps
 from .store import _saver
 
 _log = logging.getLogger("baton")
@@ -30,7 +31,7 @@ class SaveHandle:
     directory. ``done`` tells whether it was committed."""
 
     def __init__(self, path, step, group, timeout, process, expected_items, writing,
-                 failed=""):
+                 failed="", retain=None):
         self.path = os.fspath(path)
         self.step = int(step)
         self.dir = _step_dir(path, step)
@@ -40,6 +41,7 @@ class SaveHandle:
         self.expected_items = expected_items
         self.writing = writing
         self.failed = failed  # this process's Orbax save did not start: why
+        self.retain = retain  # (max_to_keep, keep_period): applied by process 0 once committed
         self.done = False
         self.error: BaseException | None = None
 
@@ -75,13 +77,18 @@ class SaveHandle:
                 + "; ".join(f"process {p}: {s}" for p, s in bad))
         if self.process == 0:
             missing = [n for n in self.expected_items
-                       if not os.path.isdir(os.path.join(self.dir, n))]
+                       if not os.path.exists(os.path.join(self.dir, n))]
             if missing:
                 raise ExecutionError(f"baton.checkpoint.save: step {self.step}: items {missing} "
                                      f"are missing under {self.dir}; not committed")
             _test_hook("commit", step=self.step, process=self.process)
             _write_atomic(os.path.join(self.dir, COMMIT),
                           json.dumps({"step": self.step, "time": time.time()}) + "\n")
+            if self.retain is not None:
+                for old in doomed_steps(self.path, *self.retain):
+                    gone = _step_dir(self.path, old)
+                    os.remove(os.path.join(gone, COMMIT))  # (uncommitted first: never half)
+                    shutil.rmtree(gone, ignore_errors=True)
         _exchange(self.group, "committed", self.timeout)  # every process sees the marker
         self.done = True
         return self.dir

@@ -37,3 +37,19 @@ def latest_step(path) -> int | None:
     did not finish (no ``COMMITTED`` marker) is skipped."""
     steps = all_steps(path)
     return steps[-1] if steps else None
+
+
+def _data_name(process: int) -> str:
+    """The file of process ``process``'s data-iterator state in a step directory."""
+    return f"data-process-{process}.json"
+
+
+def doomed_steps(path, max_to_keep: int | None, keep_period: int | None = None) -> list[int]:
+    """The committed steps a retention policy removes (Orbax ``CheckpointManager``'s
+    conventions): all but the newest ``max_to_keep`` (None: keep all), except those that are a
+    multiple of ``keep_period``, which are kept for good."""
+    if max_to_keep is None:
+        return []
+    steps = all_steps(path)
+    old = steps[:-max_to_keep] if max_to_keep > 0 else steps
+    return [s for s in old if not (keep_period and s % keep_period == 0)]

@@ -97,10 +97,6 @@ def _compiled(fn, what: str):
     if fn.last is None or fn._tree is None:
         raise ConfigError(f"baton.checkpoint.{what}: the step has not been compiled yet: call it "
                           f"once, or fn.compile(*example_args), first")
-    if fn.multi and getattr(fn.mesh, "spans", False):
-        raise ConfigError(f"baton.checkpoint.{what}: the step's ranks span processes; "
-                          f"checkpoints are written by one process per rank so far (gather "
-                          f"the state with fn.gather and save it from one process)")
     return fn.last
 
 

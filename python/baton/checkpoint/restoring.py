@@ -14,7 +14,8 @@ import numpy as np
 from ..errors import ConfigError
 from ..frontend.distributed import Remote
 from .commit import wait_until_finished
-from .layout import FORMAT, METADATA, _item_name, _step_dir, all_steps, committed, latest_step
+from .layout import (FORMAT, METADATA, _data_name, _item_name, _step_dir, all_steps, committed,
+                     latest_step)
 from .leaves import (FlatState, _as_args, _check_state_tree, _compiled, _dtype_str, _flatten,
                      _input_stages, _wrap)
 from .store import _ocp, _reader
@@ -207,11 +208,13 @@ def _read(d: str, ms: list[dict], shardings: list) -> list:
         for j in js:
             m = ms[j]
             r = f"rank{m['rank']}"
+            sh = shardings[j]
+            if not sh.is_fully_addressable:  # (read here, then placed by every process)
+                sh = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             item.setdefault(r, {})[m["key"]] = jax.ShapeDtypeStruct(
-                tuple(m["shape"]), np.dtype(m["dtype"]), sharding=shardings[j])
+                tuple(m["shape"]), np.dtype(m["dtype"]), sharding=sh)
             rargs.setdefault(r, {})[m["key"]] = ocp.ArrayRestoreArgs(
-                sharding=shardings[j], global_shape=tuple(m["shape"]),
-                dtype=np.dtype(m["dtype"]))
+                sharding=sh, global_shape=tuple(m["shape"]), dtype=np.dtype(m["dtype"]))
         where = os.path.join(d, name)
         if not os.path.isdir(where):
             raise ConfigError(f"baton.checkpoint.restore: {where} is missing (it holds "
@@ -220,5 +223,52 @@ def _read(d: str, ms: list[dict], shardings: list) -> list:
                                                              partial_restore=True))
         for j in js:
             m = ms[j]
-            out[j] = got[f"rank{m['rank']}"][m["key"]]
+            x = got[f"rank{m['rank']}"][m["key"]]
+            if not shardings[j].is_fully_addressable:
+                # a rank spanning processes: each of its processes gives the whole value and
+                # places its own shards
+                x = jax.device_put(np.asarray(x), shardings[j])
+            out[j] = x
     return out
+
+
+def _this_process(fn) -> tuple[int, int]:
+    """(this process, the number of processes) of ``fn``'s step (0 of 1 without one, or in
+    one process)."""
+    if fn is None or not getattr(fn, "multi", False):
+        return 0, 1
+    g = fn._connect()
+    return g.rank, g.world_size
+
+
+def restore_data(path, step: int | None = None, *, fn: Any = None) -> Any:
+    """This process's data-iterator state saved with ``save(..., data=...)`` at ``step``
+    (None: the latest committed), to pass to the iterator's ``set_state``; None where this
+    process saved none (it reads no data). ``fn``: the step, which tells this process's index
+    and the number of processes. Onto another number of processes, the state is taken when
+    every process that saved one saved the same (one shared pipeline); states that differ
+    raise ``ConfigError`` (they cannot be mapped onto other processes), as does a checkpoint
+    saved without data."""
+    step = _committed_step(path, step)
+    d = _step_dir(path, step)
+    meta = _read_metadata(d)
+    saved = meta.get("data_processes") or []
+    if not saved:
+        raise ConfigError(f"baton.checkpoint.restore_data: the checkpoint of step {step} under "
+                          f"{path} has no data-iterator state (saved without data=...)")
+    me, world = _this_process(fn)
+
+    def load(p):
+        with open(os.path.join(d, _data_name(p))) as f:
+            return json.load(f)["state"]
+
+    if world == meta["processes"]:
+        return load(me) if me in saved else None
+    states = {p: load(p) for p in saved}
+    if len({json.dumps(s, sort_keys=True) for s in states.values()}) == 1:
+        return next(iter(states.values()))
+    raise ConfigError(
+        f"baton.checkpoint.restore_data: the checkpoint of step {step} under {path} was saved "
+        f"by {meta['processes']} processes whose data states differ (processes {saved}); this "
+        f"run has {world} processes, onto which they cannot be mapped: resume on the layout it "
+        f"was saved from, or save one state that every reading process shares")

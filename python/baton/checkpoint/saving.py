@@ -13,10 +13,10 @@ import jax
 import numpy as np
 
 from ..errors import ConfigError
-from ..frontend.distributed import Remote
+from ..frontend.distributed import Remote, host_value
 from . import commit
 from .commit import _PENDING, SaveHandle, _exchange, _write_atomic, wait_until_finished
-from .layout import FORMAT, METADATA, _item_name, _step_dir, committed
+from .layout import FORMAT, METADATA, _data_name, _item_name, _step_dir, committed
 from .leaves import (FlatState, _as_args, _check_state_tree, _compiled, _dtype_str, _flatten,
                      _input_stages, _leaf_rank_of_devices)
 from .store import _ocp, _saver
@@ -110,10 +110,12 @@ def _clear_step_dir(path, step: int, procs: _Processes, overwrite: bool) -> None
         shutil.rmtree(d)
 
 
-def _agree(procs: _Processes, have: str, error: str) -> list[str]:
-    """Every process's ``have`` string; raises the first process's error, if any."""
-    blobs = _exchange(procs.group, json.dumps({"have": "" if error else have, "error": error}),
-                      procs.timeout)
+def _agree(procs: _Processes, have: str, error: str,
+           has_data: bool = False) -> tuple[list[str], list[int]]:
+    """Every process's ``have`` string and the processes that passed a data state; raises the
+    first process's error, if any."""
+    blobs = _exchange(procs.group, json.dumps({"have": "" if error else have, "error": error,
+                                               "data": has_data}), procs.timeout)
     errors = [(p, json.loads(b)["error"]) for p, b in enumerate(blobs) if json.loads(b)["error"]]
     if errors:
         p, msg = errors[0]
@@ -122,7 +124,7 @@ def _agree(procs: _Processes, have: str, error: str) -> list[str]:
     if len({len(h) for h in haves}) != 1:
         raise ConfigError(f"baton.checkpoint.save: the processes passed states of different "
                           f"sizes ({[len(h) for h in haves]} leaves)")
-    return haves
+    return haves, [p for p, b in enumerate(blobs) if json.loads(b)["data"]]
 
 
 def _writers(flat: FlatState, haves: list[str], found: _StepLeaves, procs: _Processes,
@@ -142,13 +144,14 @@ def _writers(flat: FlatState, haves: list[str], found: _StepLeaves, procs: _Proc
                 r = _leaf_rank_of_devices(flat.leaves[i], fn.mesh)
             out.append(_Writer(0, r if r is not None else 0))
         else:
-            p = own // k if own is not None and own // k in hold else hold[0]
-            out.append(_Writer(p, own if own is not None and own // k == p else p * k))
+            owners = [] if own is None else [q for q in fn.mesh.procs(own) if q in hold]
+            p = owners[0] if owners else hold[0]
+            out.append(_Writer(p, own if owners else fn.mesh.ranks_of(p)[0]))
     return out
 
 
 def _metadata(step: int, procs: _Processes, args, wrapped: bool, flat: FlatState,
-              found: _StepLeaves, writers: list[_Writer]) -> dict:
+              found: _StepLeaves, writers: list[_Writer], data_procs: list[int]) -> dict:
     """The content of ``baton.json``."""
     names = flat.names
     leaf_meta = []
@@ -161,8 +164,10 @@ def _metadata(step: int, procs: _Processes, args, wrapped: bool, flat: FlatState
     for m in leaf_meta:
         for s in m["stages"]:
             stage_map.setdefault(str(s), []).append(m["path"])
-    items = sorted({_item_name(w.process) for w in writers})
+    items = sorted({_item_name(w.process) for w in writers}) + [_data_name(p)
+                                                                 for p in data_procs]
     return dict(format=FORMAT, step=step, processes=procs.world, items=items,
+                data_processes=data_procs,
                 tree=dict(treedef=str(flat.treedef), parts=len(args), wrapped=wrapped),
                 leaves=leaf_meta, stage_map=stage_map,
                 **({} if found.plan is None else {"plan": found.plan}))
@@ -176,11 +181,16 @@ def _metadata_text(meta: dict) -> str:
 
 
 def _start_write(path, step: int, flat: FlatState, writers: list[_Writer], procs: _Processes,
-                 items: list[str]) -> SaveHandle:
+                 items: list[str], retain=None) -> SaveHandle:
     """Starts this process's Orbax write of the leaves it writes (none: nothing to write)."""
     item: dict[str, dict[str, Any]] = {}
     for i, x in enumerate(flat.leaves):
         w = writers[i]
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            # a rank spanning processes: its leaves are arrays over its processes' devices;
+            # the writer writes the whole value from host memory (a leaf split over the
+            # processes is gathered by all of them: collective, in the same leaf order)
+            x = host_value(x)
         if w.process == procs.me:
             if not isinstance(x, jax.Array):
                 x = np.asarray(x)
@@ -196,11 +206,29 @@ def _start_write(path, step: int, flat: FlatState, writers: list[_Writer], procs
             if procs.group is None:
                 raise
             failed, writing = f"{type(e).__name__}: {e}", False
-    return SaveHandle(path, step, procs.group, procs.timeout, procs.me, items, writing, failed)
+    return SaveHandle(path, step, procs.group, procs.timeout, procs.me, items, writing, failed,
+                      retain)
 
 
-def save(path, step: int, state: Any, fn: Any = None, *, overwrite: bool = False,
-         wait: bool = False) -> SaveHandle:
+def _retention(max_to_keep, keep_period):
+    for name, v in (("max_to_keep", max_to_keep), ("keep_period", keep_period)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"baton.checkpoint.save: {name} must be a positive integer or "
+                              f"None (got {v!r})")
+    return None if max_to_keep is None else (max_to_keep, keep_period)
+
+
+def _data_text(data) -> str:
+    try:
+        return json.dumps({"state": data}) + "\n"
+    except TypeError as e:
+        raise ConfigError(f"baton.checkpoint.save: data must be JSON-serializable (a data "
+                          f"iterator's get_state(), e.g. Grain's): {e}") from None
+
+
+def save(path, step: int, state: Any, fn: Any = None, *, data: Any = None,
+         max_to_keep: int | None = None, keep_period: int | None = None,
+         overwrite: bool = False, wait: bool = False) -> SaveHandle:
     """Saves ``state`` as step ``step`` under ``path``; returns a :class:`SaveHandle`.
 
     ``state``: the training state, the step's leading arguments: a tuple ``(params,
@@ -215,8 +243,15 @@ def save(path, step: int, state: Any, fn: Any = None, *, overwrite: bool = False
     ``wait`` are collective (call them in every process, in the same order). A committed
     ``step`` that exists raises ``ConfigError`` unless ``overwrite``; an uncommitted one (a
     save that was killed) is replaced.
+    ``data``: this process's data-iterator state (JSON: ``GrainFeed.get_state()``, a Grain
+    iterator's ``get_state()``), or None where this process reads no data; read back with
+    :func:`restore_data`. ``max_to_keep``: once this step is committed, process 0 removes the
+    oldest committed steps beyond that many, except those that are a multiple of
+    ``keep_period`` (Orbax ``CheckpointManager``'s retention options).
     """
     wait_until_finished()
+    retain = _retention(max_to_keep, keep_period)
+    data_text = None if data is None else _data_text(data)
     step = _step_number(step)
     args, wrapped = _as_args(state)
     flat = _flatten(args, wrapped)
@@ -232,15 +267,17 @@ def save(path, step: int, state: Any, fn: Any = None, *, overwrite: bool = False
         if procs.group is None:
             raise
         error = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
-    haves = _agree(procs, have, error)
+    haves, data_procs = _agree(procs, have, error, data_text is not None)
     writers = _writers(flat, haves, found, procs, fn)
-    meta = _metadata(step, procs, args, wrapped, flat, found, writers)
+    meta = _metadata(step, procs, args, wrapped, flat, found, writers, data_procs)
     d = _step_dir(path, step)
     if procs.me == 0:
         os.makedirs(d, exist_ok=True)
         _write_atomic(os.path.join(d, METADATA), _metadata_text(meta))
     _exchange(procs.group, "dir", procs.timeout)  # the directory exists before anyone writes
-    handle = _start_write(path, step, flat, writers, procs, meta["items"])
+    if data_text is not None:
+        _write_atomic(os.path.join(d, _data_name(procs.me)), data_text)
+    handle = _start_write(path, step, flat, writers, procs, meta["items"], retain)
     _PENDING.append(handle)
     commit._test_hook("writing", step=step, process=procs.me)
     if wait:
