@@ -72,7 +72,7 @@ VPY="$VENV/bin/python"
 PY_REQUIREMENTS=("jax>=0.11" "flax>=0.10" "optax>=0.2" "orbax-checkpoint>=0.12" "numpy>=1.26"
                  "pytest>=8" "pytest-xdist>=3.2" "pytest-timeout>=2.3" "hypothesis>=6" "filelock>=3" "nanobind>=2.4"
                  "scikit-build-core>=0.10" "tensorboardX>=2.6" "tensorboard>=2.15" "jsonschema>=4"
-                 "pyyaml>=6")
+                 "pyyaml>=6" "grain>=0.2")
 mapfile -t need < <("$VPY" - "${PY_REQUIREMENTS[@]}" <<'EOF'
 import re, sys
 from importlib.metadata import PackageNotFoundError, version
