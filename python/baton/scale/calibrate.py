@@ -1,5 +1,7 @@
-"""Fitting a hardware file's efficiency constant to measured steps (docs/SCALE.md,
-"Calibrating the hardware file from measured steps")."""
+"""Fitting a hardware file's efficiency multiplier to measured steps (docs/SCALE.md,
+"Calibrating the hardware file from measured steps"): one factor on every modelled
+compute rate (GEMM table, attention, memory-bound work); communication constants are
+measured separately (nccl-tests bus bandwidths)."""
 
 from __future__ import annotations
 
