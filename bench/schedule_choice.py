@@ -18,7 +18,8 @@ import baton
 
 SCHEDULES = [("GPipe", baton.GPipe()), ("1F1B", baton.OneFOneB()),
              ("Interleaved1F1B v=2", baton.Interleaved1F1B(2)), ("ZBH1", baton.ZBH1()),
-             ("ZBH2", baton.ZBH2()), ("ZBV", baton.ZBV()), ("DualPipeV", baton.DualPipeV())]
+             ("ZBH2", baton.ZBH2()), ("ZBV", baton.ZBV()), ("DualPipeV", baton.DualPipeV()),
+             ("VMin", baton.VMin()), ("VHalf", baton.VHalf())]
 UNIT = 1000  # bytes standing for one rank's stash of one microbatch
 
 
