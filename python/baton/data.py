@@ -75,3 +75,37 @@ def feed(fn, argnum: int, read: Callable[[], Any]) -> Any:
                               f"compiled for {a.dtype}{list(a.shape)}")
         out.append(x if h.local else Remote(tuple(a.shape), np.dtype(a.dtype), h.owner))
     return jax.tree.unflatten(tree, out)
+
+
+class GrainFeed:
+    """A Grain pipeline (``grain.MapDataset`` / ``grain.IterDataset`` yielding the step's
+    batch argument ``argnum``, or any iterable whose iterator has ``get_state`` /
+    ``set_state``) fed where it is consumed: ``next(feed)`` is :func:`feed` with the
+    pipeline's next batch, so the iterator advances only in processes whose ranks read the
+    batch. ``get_state()`` (None where nothing is read) goes into
+    ``baton.checkpoint.save(..., data=...)``; ``set_state(baton.checkpoint.restore_data(...))``
+    resumes at the same batch."""
+
+    def __init__(self, fn, argnum: int, dataset: Any):
+        self.fn = fn
+        self.argnum = argnum
+        self._it = iter(dataset)
+        if not (hasattr(self._it, "get_state") and hasattr(self._it, "set_state")):
+            raise ConfigError(f"baton.data.GrainFeed: the iterator of {type(dataset).__name__} "
+                              f"has no get_state / set_state (pass a grain dataset)")
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Any:
+        return feed(self.fn, self.argnum, lambda: next(self._it))
+
+    def get_state(self) -> Any:
+        """The iterator's state where this process reads the batch, else None."""
+        return self._it.get_state() if consumed_here(self.fn, self.argnum) else None
+
+    def set_state(self, state: Any) -> None:
+        """Restores the iterator's state (None: nothing to restore, e.g. a process that does
+        not read the batch)."""
+        if state is not None:
+            self._it.set_state(state)
