@@ -168,6 +168,17 @@ void init_ffi(nb::module_& root) {
       },
       "{target name: PyCapsule of its XLA FFI handler} (register with "
       "jax.ffi.register_ffi_target(name, capsule, platform='cpu')).");
+  m.def(
+      "build_info",
+      [] {
+        nb::dict d;
+        d["jaxlib_version"] = std::string(BATON_JAXLIB_VERSION);
+        d["ffi_api_major"] = static_cast<int>(XLA_FFI_API_MAJOR);
+        d["ffi_api_minor"] = static_cast<int>(XLA_FFI_API_MINOR);
+        return d;
+      },
+      "{jaxlib_version, ffi_api_major, ffi_api_minor} of the jaxlib FFI headers this module "
+      "was built against.");
 #if BATON_HAVE_NCCL
   init_ffi_cuda(m);
 #else

@@ -10,9 +10,13 @@ both are marked as having side effects, so XLA neither removes nor merges them.
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import os
+import re
 import threading
 
 import jax
+import jaxlib
 import jax.numpy as jnp
 import numpy as np
 
@@ -23,13 +27,69 @@ _registered = False
 _TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class FfiApi:
+    """A jaxlib and the XLA FFI API version (``XLA_FFI_API_MAJOR``/``MINOR``) of its headers."""
+
+    jaxlib_version: str
+    major: int
+    minor: int
+
+
+def ffi_api_mismatch(built: FfiApi, running: FfiApi) -> str | None:
+    """Why handlers compiled against ``built``'s FFI headers cannot be registered with the
+    ``running`` jaxlib, or None when they can. XLA accepts handlers of its own major API
+    version whose minor version is not newer than its own (xla/ffi/api/c_api.h)."""
+    if built.major == running.major and built.minor <= running.minor:
+        return None
+    return (
+        f"baton._core was built against jaxlib {built.jaxlib_version}'s XLA FFI headers "
+        f"(FFI API {built.major}.{built.minor}), but the installed jaxlib "
+        f"{running.jaxlib_version} has FFI API {running.major}.{running.minor}, which rejects "
+        "these handlers. Rebuild baton against the installed jaxlib: "
+        "pip install --no-build-isolation --force-reinstall --no-deps . "
+        "(from the source tree, in this environment)"
+    )
+
+
+def built_ffi_api() -> FfiApi:
+    """The jaxlib whose FFI headers ``_core`` was compiled against."""
+    info = _core.ffi.build_info()
+    return FfiApi(str(info["jaxlib_version"]), int(info["ffi_api_major"]),
+                  int(info["ffi_api_minor"]))
+
+
+def running_ffi_api() -> FfiApi:
+    """The installed jaxlib and the FFI API version of the headers it ships."""
+    header = os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")
+    with open(header, encoding="utf-8") as f:
+        text = f.read()
+    found = {}
+    for part in ("MAJOR", "MINOR"):
+        m = re.search(rf"^#define XLA_FFI_API_{part} (\d+)\s*$", text, re.MULTILINE)
+        if m is None:
+            raise RuntimeError(f"XLA_FFI_API_{part} not found in {header}")
+        found[part] = int(m.group(1))
+    return FfiApi(jaxlib.__version__, found["MAJOR"], found["MINOR"])
+
+
+def check_ffi_api() -> None:
+    """Raises RuntimeError naming both versions when the installed jaxlib's FFI API cannot
+    take the handlers ``_core`` was built with."""
+    why = ffi_api_mismatch(built_ffi_api(), running_ffi_api())
+    if why is not None:
+        raise RuntimeError(why)
+
+
 def register() -> None:
     """Registers the handlers with XLA (once per process): the CPU ones (``RankComm``), and
-    the CUDA ones (``NcclRankComm``) when ``_core`` was built with CUDA and NCCL."""
+    the CUDA ones (``NcclRankComm``) when ``_core`` was built with CUDA and NCCL. Refuses
+    first, by name, a jaxlib whose FFI API differs from the one ``_core`` was built with."""
     global _registered
     with _lock:
         if _registered:
             return
+        check_ffi_api()
         for name, capsule in _core.ffi.handlers().items():
             jax.ffi.register_ffi_target(name, capsule, platform="cpu")
         if has_cuda():
