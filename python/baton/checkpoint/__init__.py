@@ -28,10 +28,8 @@ Orbax's own multi-host coordination has nothing to do: each process's item is a 
 one-process Orbax checkpoint (written to a temporary directory and renamed by Orbax), and
 Baton's commit marker makes the set of items one checkpoint.
 
-Ranks spanning processes (``jax.distributed``): a leaf of such a rank is an array over its
-processes' devices; one of them writes it whole from host memory (a leaf split over them is
-gathered first, by all of them), and each process of a rank reading it places its own shards.
-``max_to_keep`` / ``keep_period`` (or :class:`CheckpointManager`) prune old steps once a save
+Ranks spanning processes (``jax.distributed``) are refused by name: Orbax writes a host
+leaf from JAX process 0 only. ``max_to_keep`` / ``keep_period`` (or :class:`CheckpointManager`) prune old steps once a save
 is committed.
 
 Modules: ``layout`` (the directory layout, committed steps, retention), ``leaves`` (the state's leaves and

@@ -1,0 +1,117 @@
+"""Ranks spanning processes: pipe 2 x data 2 over 4 processes of one CPU device joined by
+``jax.distributed`` (each rank's sub-mesh spans two processes; the weights split over them, the
+biases replicated). ``baton.init_stages`` makes only each rank's leaves, in the processes of
+that rank; two steps equal plain JAX's; ``baton.checkpoint.save`` refuses the layout by name
+(Orbax writes a host leaf from JAX process 0 only)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from launched import run_workers  # noqa: E402
+
+WORKER = '''
+import json, os, sys
+import numpy as np
+import jax, jax.numpy as jnp, optax
+import baton
+from baton import checkpoint as ckpt
+from baton.frontend.distributed import process_group
+from jax.sharding import Mesh, PartitionSpec as P
+
+out = sys.argv[1]
+me = process_group().rank
+jax.distributed.initialize(os.environ["BATON_TEST_COORD"], num_processes=4, process_id=me)
+W, OPT = 8, optax.sgd(0.1, momentum=0.9)
+
+def init(key):
+    ks = jax.random.split(key, 2)
+    p = {"layers": [{"w": jax.random.normal(k, (W, W)) / np.sqrt(W), "b": jnp.zeros(W)}
+                    for k in ks]}
+    return p, OPT.init(p)
+
+def loss(p, b):
+    x = jnp.tanh(b["x"] @ p["layers"][0]["w"] + p["layers"][0]["b"])
+    x = baton.stage_boundary(x)
+    x = jnp.tanh(x @ p["layers"][1]["w"] + p["layers"][1]["b"])
+    return jnp.mean((x - b["y"]) ** 2)
+
+def step(p, s, b):
+    v, g = baton.accumulate(jax.value_and_grad(loss), p, batch=b)
+    u, s = OPT.update(g, s, p)
+    return optax.apply_updates(p, u), s, v
+
+def batch(i):
+    k = jax.random.PRNGKey(i)
+    return {"x": np.asarray(jax.random.normal(k, (8, W))), "y": np.full((8, W), 0.1, np.float32)}
+
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("pipe", "data"))
+specs = {"layers": [{"w": P("data", None), "b": P()}] * 2}
+fn = baton.jit(step, mesh=baton.PipelineMesh(mesh, axis="pipe"), schedule="1f1b",
+               microbatches=2, param_shardings=specs)
+key = jax.random.PRNGKey(0)
+fn.compile(*baton.abstract_state(init, key),
+           {k: jax.ShapeDtypeStruct((8, W), jnp.float32) for k in ("x", "y")})
+state = baton.init_stages(fn, init, key)
+held = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
+        if not isinstance(x, baton.Remote)]
+losses = []
+for i in range(2):
+    *state, v = fn(*state, batch(i))
+    state = tuple(state)
+    losses.append(float(np.asarray(v)))
+full = fn.gather(state)
+try:
+    ckpt.save(os.path.join(out, "ckpt"), 2, state, fn, data={"next": 2}, wait=True)
+    refusal = ""
+except baton.ConfigError as e:
+    refusal = str(e)
+if me == 0:
+    np.savez(os.path.join(out, "state.npz"),
+             **{f"x{j}": np.asarray(x) for j, x in enumerate(jax.tree.leaves(full))})
+json.dump(dict(losses=losses, ranks=fn.ranks, held=held, refusal=refusal),
+          open(os.path.join(out, f"process{me}.json"), "w"))
+jax.distributed.shutdown()
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ranks_spanning_processes_init_and_checkpoint_refusal(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATON_TEST_COORD", f"127.0.0.1:{free_port()}")
+    got = run_workers(tmp_path, WORKER, nprocs=4)
+    assert [g["ranks"] for g in got] == [[0], [0], [1], [1]]
+    # each process made only its rank's leaves: layer 0 and its momentum on rank 0's two
+    # processes, layer 1 on rank 1's
+    for g in got:
+        layer = g["ranks"][0]
+        assert g["held"] and all(f"['layers'][{layer}]" in p for p in g["held"]), g["held"]
+        assert "ranks span processes" in g["refusal"], g["refusal"]
+    init, step, batch = _plain()
+    state = jax.jit(init)(jax.random.PRNGKey(0))
+    losses = []
+    for i in range(2):
+        *state, v = jax.jit(step)(*state, batch(i))
+        losses.append(float(v))
+    np.testing.assert_allclose(got[0]["losses"], losses, rtol=1e-6)
+    saved = np.load(tmp_path / "state.npz")
+    for j, x in enumerate(jax.tree.leaves(tuple(state))):
+        np.testing.assert_allclose(saved[f"x{j}"], np.asarray(x), rtol=1e-5, atol=1e-6)
+
+
+def _plain():
+    """The worker's init, step and batches, run as plain JAX here."""
+    ns: dict = {}
+    src = WORKER[WORKER.index("W, OPT ="):WORKER.index("mesh = Mesh(")]
+    exec("import numpy as np, jax, jax.numpy as jnp, optax, baton\n" + src, ns)
+    return ns["init"], ns["step"], ns["batch"]
