@@ -2,7 +2,7 @@
 each process making only the parameters and optimizer state of its own stages.
 
 In one process (4 CPU devices, one rank each): the leaves equal a full ``jax.jit(init)``, each
-on its rank's device; Flax linen's init works as is; an init whose leaves differ from what the
+on its rank's device; Flax linen's init and an NNX model's state work as is; an init whose leaves differ from what the
 step was compiled for is refused naming the leaf. Launched (4 processes, one rank each): the
 model's training state is 4 x a process's share and each process's measured peak resident
 memory stays within its own share plus a stated margin, and the trained parameters equal plain
@@ -143,6 +143,45 @@ def test_init_stages_flax_linen():
     assert devs["['params']['d0']['kernel']"] == {jax.devices()[0]}
     assert devs["['params']['d1']['kernel']"] == {jax.devices()[1]}
 
+
+
+def test_init_stages_flax_nnx():
+    """An NNX model's state (``nnx.state(Model(rngs=nnx.Rngs(key)), nnx.Param)``) from a typed
+    key, each layer made on its own rank."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(8, 8, rngs=rngs)
+            self.b = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return jnp.tanh(self.b(baton.stage_boundary(jnp.tanh(self.a(x)))))
+
+    graphdef = nnx.graphdef(Model(nnx.Rngs(0)))
+
+    def init(key):
+        return nnx.state(Model(nnx.Rngs(key)), nnx.Param)
+
+    def step(p, b):
+        def loss(p, b):
+            return jnp.mean((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2)
+
+        v, g = baton.accumulate(jax.value_and_grad(loss), p, batch=b)
+        return jax.tree.map(lambda a, d: a - 0.1 * d, p, g), v
+
+    fn = baton.jit(step, mesh=baton.PipelineMesh(jax.devices()[:2], ranks=2), microbatches=2)
+    key = jax.random.key(1)
+    fn.compile(baton.abstract_state(init, key),
+               {k: jax.ShapeDtypeStruct((4, 8), jnp.float32) for k in ("x", "y")})
+    state = baton.init_stages(fn, init, key)
+    devs = {}
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(state)[0],
+                            jax.tree.leaves(jax.jit(init)(key))):
+        assert np.array_equal(np.asarray(x), np.asarray(y)), path
+        devs[jax.tree_util.keystr(path)] = x.sharding.device_set
+    assert devs["['a']['kernel'].value"] == {jax.devices()[0]}
+    assert devs["['b']['kernel'].value"] == {jax.devices()[1]}
 
 WIDTH = 3072  # three 3072 x 3072 fp32 layers per stage: 108 MB of parameters, 216 MB with momentum
 STEPS = 3
