@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "baton/comm.h"
+#include "baton/host_staged.h"
 #include "baton/nccl_comm.h"
 #include "baton/roll.h"
 #include "bind_runtime.h"
@@ -32,6 +33,7 @@ struct PyComm {
       : comm(std::make_shared<rt::RankComm>(rank, ms(timeout))), id(rt::register_comm(comm)) {}
   ~PyComm() {
     nb::gil_scoped_release nogil;
+    rt::unregister_staged_comm(id);
     rt::unregister_comm(id);
     comm->detach();
   }
@@ -83,6 +85,24 @@ void bind_comm(nb::module_& m) {
                      "baton._core.ffi call it; `id` is their `comm` attribute).")
       .def(nb::init<int, double>(), "rank"_a, "timeout"_a = 60.0)
       .def_ro("id", &PyComm::id)
+#if BATON_HAVE_NCCL
+      .def(
+          "stage_on_cuda",
+          [](PyComm& c, int ordinal) {
+            rt::register_staged_comm(
+                c.id, std::make_shared<rt::HostStagedComm>(c.comm,
+                                                           rt::make_cuda_staging_device(ordinal)));
+          },
+          "ordinal"_a,
+          "Runs this context's programs on CUDA device `ordinal` through pinned host staging "
+          "(device -> host -> this transport -> host -> device), for ranks without NCCL.")
+      .def_prop_ro("staging_bytes",
+                   [](PyComm& c) -> size_t {
+                     auto s = rt::find_staged_comm(c.id);
+                     return s ? s->staging_bytes() : 0;
+                   },
+                   "Pinned bytes held by its host staging (0 when not staged).")
+#endif
       .def_prop_ro("rank", [](PyComm& c) { return c.comm->rank(); })
       .def_prop_ro("attached", [](PyComm& c) { return c.comm->attached(); })
       .def(

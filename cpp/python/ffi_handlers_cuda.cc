@@ -13,6 +13,11 @@
 // handlers are not
 // marked command-buffer compatible, so XLA never captures them into a CUDA
 // graph (they enqueue NCCL work and record events from the host).
+//
+// A program whose `comm` id has a host-staged context (find_staged_comm: a
+// RankComm staged through pinned host memory, for ranks without NCCL) runs its
+// groups through it on the same stream; its marks are not recorded (they
+// would be host enqueue times, not stream times).
 #include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
 
@@ -20,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "baton/host_staged.h"
 #include "baton/nccl_comm.h"
 #include "ffi_group.h"
 #include "xla/ffi/api/ffi.h"
@@ -71,6 +77,10 @@ ffi::Error CommImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer token,
     if (ffi::Error e = baton::python::read_group(args, rets, kinds, peers, channels, stages, g);
         e.failure())
       return e;
+    if (auto staged = rt::find_staged_comm(comm)) {
+      staged->run_group(g.ops, g.sends, g.outs, stream);
+      return pass_token(stream, token, token_out);
+    }
     std::shared_ptr<rt::NcclComm> hold;
     comm_of(comm, ordinal, hold).run_group(stream, g.ops, g.sends, g.outs);
   } catch (const std::exception& e) {
@@ -82,6 +92,10 @@ ffi::Error CommImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer token,
 ffi::Error DrainImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer token,
                      ffi::Result<ffi::AnyBuffer> token_out, int64_t comm) {
   try {
+    if (auto staged = rt::find_staged_comm(comm)) {
+      staged->comm().drain();  // sends were copied to the host before they were posted
+      return pass_token(stream, token, token_out);
+    }
     std::shared_ptr<rt::NcclComm> hold;
     comm_of(comm, ordinal, hold).drain(stream);
   } catch (const std::exception& e) {
@@ -94,6 +108,7 @@ ffi::Error MarkImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer token,
                     ffi::RemainingArgs /*after: ordering only*/,
                     ffi::Result<ffi::AnyBuffer> token_out, int64_t comm, int32_t phase) {
   try {
+    if (rt::find_staged_comm(comm)) return pass_token(stream, token, token_out);
     std::shared_ptr<rt::NcclComm> hold;
     rt::NcclComm& c = comm_of(comm, ordinal, hold);
     if (&c == hold.get()) c.mark(stream, phase);  // marks: the lead slot's only

@@ -210,6 +210,21 @@ TEST(RuntimeHostStaged, AFailedReceiveCopiesNothingToTheDevice) {
   for (const auto& l : log->lines) EXPECT_EQ(l.find("h2d"), std::string::npos) << l;
 }
 
+TEST(RuntimeHostStaged, RegistryFindsByTheRankCommId) {
+  auto c = std::make_shared<RankComm>(0, milliseconds(1000));
+  const int64_t id = register_comm(c);
+  EXPECT_EQ(find_staged_comm(id), nullptr);
+  auto staged = std::make_shared<HostStagedComm>(
+      c, std::make_unique<FakeDevice>(std::make_shared<Log>()));
+  register_staged_comm(id, staged);
+  EXPECT_EQ(find_staged_comm(id), staged);
+  EXPECT_EQ(&find_staged_comm(id)->comm(), c.get());
+  unregister_staged_comm(id);
+  EXPECT_EQ(find_staged_comm(id), nullptr);
+  unregister_staged_comm(id);  // unknown ids are ignored
+  unregister_comm(id);
+}
+
 TEST(RuntimeHostStaged, TransportChoice) {
   auto nccl = choose_cuda_transport({"a", "a"}, {0, 1}, true, "");
   EXPECT_EQ(nccl.transport, CudaTransport::Nccl);

@@ -15,6 +15,8 @@
 
 namespace baton::runtime {
 
+class HostStagedComm;
+
 // The CUDA calls of host staging. Streams and events are opaque handles.
 class StagingDevice {
  public:
@@ -36,6 +38,14 @@ class StagingDevice {
   // The host waits for `e`.
   virtual void sync(Event e) = 0;
 };
+
+// Host-staged contexts by the id of the RankComm they stage (the `comm`
+// attribute of the program's FFI calls): the CUDA handlers run a program
+// whose id has one here through it. Thread-safe; registering an id again
+// replaces its entry.
+void register_staged_comm(int64_t id, std::shared_ptr<HostStagedComm> comm);
+void unregister_staged_comm(int64_t id);
+std::shared_ptr<HostStagedComm> find_staged_comm(int64_t id);  // null when unknown
 
 // The CUDA device of host staging on device `ordinal` (a non-blocking copy
 // stream, pinned buffers, events without timing). Defined only in builds with

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <map>
+#include <mutex>
 #include <stdexcept>
 #include <utility>
 
@@ -37,6 +38,43 @@ CudaTransportChoice choose_cuda_transport(const std::vector<std::string>& hosts,
                         "memory over Gloo",
                         nccl_error.empty() ? std::string("no reason given") : nccl_error)};
   return {CudaTransport::Nccl, {}};
+}
+
+namespace {
+struct StagedRegistry {
+  std::mutex mu;
+  std::map<int64_t, std::shared_ptr<HostStagedComm>> map;
+};
+StagedRegistry& staged_registry() {
+  static StagedRegistry r;
+  return r;
+}
+}  // namespace
+
+void register_staged_comm(int64_t id, std::shared_ptr<HostStagedComm> comm) {
+  auto& r = staged_registry();
+  std::shared_ptr<HostStagedComm> gone;  // destroyed outside the lock
+  std::lock_guard<std::mutex> g(r.mu);
+  auto& slot = r.map[id];
+  gone = std::move(slot);
+  slot = std::move(comm);
+}
+
+void unregister_staged_comm(int64_t id) {
+  auto& r = staged_registry();
+  std::shared_ptr<HostStagedComm> gone;
+  std::lock_guard<std::mutex> g(r.mu);
+  auto it = r.map.find(id);
+  if (it == r.map.end()) return;
+  gone = std::move(it->second);
+  r.map.erase(it);
+}
+
+std::shared_ptr<HostStagedComm> find_staged_comm(int64_t id) {
+  auto& r = staged_registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  auto it = r.map.find(id);
+  return it == r.map.end() ? nullptr : it->second;
 }
 
 HostStagedComm::HostStagedComm(std::shared_ptr<RankComm> comm,
