@@ -1,5 +1,5 @@
 """Pipelines run as processes pinned to separate cores, against the non-pipelined baseline
-pinned to one core (issue 5's measurements), with the simulator's prediction for every run.
+pinned to one core (bench/results/pinned.md), with the simulator's prediction for every run.
 
     python bench/pinned.py [--schedules gpipe,1f1b,...] [--one-rank gpipe,1f1b,zbh1]
                            [--microbatches 8] [--steps 5] [--dim 256] [--malloc retain|default]

@@ -42,8 +42,9 @@ def test_every_published_row_is_predicted_and_recorded(comparisons):
     assert all(0.4 < c.ratio < 2.5 for c in cs), [(c.run.name, c.ratio) for c in cs]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 47's target is not met yet: bench/results/"
-                   "scale.md lists each missed row with its breakdown")
+@pytest.mark.xfail(strict=True, reason="the target (median error <= 10%, every run within "
+                   "20%) is not met yet: bench/results/scale.md lists each missed row with "
+                   "its breakdown")
 def test_published_rows_meet_the_target(comparisons):
     cs, _ = comparisons
     s = P.summary(cs)
