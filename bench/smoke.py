@@ -129,9 +129,7 @@ def environment() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
     env.setdefault("JAX_OPTIMIZATION_LEVEL", "O0")
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT / "python"), env.get("PYTHONPATH", "")) if p)
-    return env
+    return env  # baton as installed in the interpreter's environment (scripts/setup.sh)
 
 
 def run_case(case: Case) -> Outcome:
