@@ -273,7 +273,29 @@ def eqn_ctx_mesh(ctx: Any) -> Any:
     """The abstract mesh an equation was traced under (``JaxprEqnContext.cur_abstract_mesh``:
     the mesh of ``jax.set_mesh`` / ``shard_map``; an empty mesh outside them), or None when
     this JAX's equation context has none."""
-    return getattr(ctx, "cur_abstract_mesh", None) if ctx is not None else None
+    if ctx is None:
+        return None
+    if hasattr(ctx, "cur_abstract_mesh"):
+        return ctx.cur_abstract_mesh
+    i = _ctx_config_index(ctx, _MESH_CONFIG)
+    return ctx.configs[i] if i is not None else None
+
+
+# the name of the mesh among a JAX >= 0.12.1 equation context's configuration values
+_MESH_CONFIG = "abstract_mesh_context_manager"
+
+
+def _ctx_config_index(ctx: Any, name: str) -> int | None:
+    """The position of configuration ``name`` in ``ctx.configs`` (JAX >= 0.12.1 keeps an
+    equation's context as the tuple of the values of the configurations named by
+    ``jax._src.config.jaxpr_eqn_ctx_names()``), or None on a JAX whose context has fields."""
+    if not isinstance(getattr(ctx, "configs", None), tuple):
+        return None
+    from jax._src import config as jconfig
+
+    names = getattr(jconfig, "jaxpr_eqn_ctx_names", None)
+    names = names() if names is not None else ()
+    return names.index(name) if name in names else None
 
 
 def eqn_ctx_with_mesh(ctx: Any, mesh: Any) -> Any:
@@ -284,9 +306,15 @@ def eqn_ctx_with_mesh(ctx: Any, mesh: Any) -> Any:
     the fields by parameter name), else copied field by field."""
     import inspect
 
-    if eqn_ctx_mesh(ctx) is None or ctx.cur_abstract_mesh == mesh:
+    cur = eqn_ctx_mesh(ctx)
+    if cur is None or cur == mesh:
         return ctx
     cls = type(ctx)
+    i = _ctx_config_index(ctx, _MESH_CONFIG)
+    if i is not None:  # JAX >= 0.12.1: _create(xla_metadata as sorted items, configs)
+        configs = ctx.configs[:i] + (mesh,) + ctx.configs[i + 1:]
+        xm = ctx.xla_metadata
+        return cls._create(None if xm is None else tuple(sorted(xm.items())), configs)
     create = getattr(cls, "_create", None)
     if create is not None:
         try:
