@@ -355,6 +355,13 @@ def value_with_sharding(x: Any, fix) -> Any:
     return type(x)(np.asarray(x), aval.update(sharding=new))
 
 
+def one_device_sharding(device) -> Any:
+    """The sharding of a value on ``device`` alone (``jax.sharding.make_single_device_sharding``
+    on JAX >= 0.12.1, which deprecates constructing ``SingleDeviceSharding``)."""
+    make = getattr(jax.sharding, "make_single_device_sharding", None)
+    return make(device) if make is not None else jax.sharding.SingleDeviceSharding(device)
+
+
 def context_mesh() -> Any:
     """The abstract mesh of the caller's mesh context (``jax.set_mesh``), or None."""
     get = getattr(jax.sharding, "get_abstract_mesh", None)

@@ -1,8 +1,10 @@
 """Ranks spanning processes: pipe 2 x data 2 over 4 processes of one CPU device joined by
 ``jax.distributed`` (each rank's sub-mesh spans two processes; the weights split over them, the
 biases replicated). ``baton.init_stages`` makes only each rank's leaves, in the processes of
-that rank; two steps equal plain JAX's; ``baton.checkpoint.save`` refuses the layout by name
-(Orbax writes a host leaf from JAX process 0 only)."""
+that rank; two steps equal plain JAX's; the state and each process's data position are saved
+with ``baton.checkpoint.save``, restored in every process onto the step, and a third step from
+the restored state equals the third step of the live one and plain JAX's; the checkpoint read
+back by one plain process holds the state plain JAX has after two steps."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from baton import checkpoint as ckpt  # noqa: E402
 from launched import run_workers  # noqa: E402
 
 WORKER = '''
@@ -67,15 +70,19 @@ for i in range(2):
     state = tuple(state)
     losses.append(float(np.asarray(v)))
 full = fn.gather(state)
-try:
-    ckpt.save(os.path.join(out, "ckpt"), 2, state, fn, data={"next": 2}, wait=True)
-    refusal = ""
-except baton.ConfigError as e:
-    refusal = str(e)
+path = os.path.join(out, "ckpt")
+ckpt.save(path, 2, state, fn, data={"next": 2, "process": me}, wait=True)
+back = ckpt.restore(path, fn=fn)
+data = ckpt.restore_data(path, fn=fn)
+same = [bool(np.array_equal(np.asarray(a), np.asarray(b)))
+        for a, b in zip(jax.tree.leaves(fn.gather(back)), jax.tree.leaves(full))]
+*_, live = fn(*state, batch(2))
+*_, resumed = fn(*back, batch(2))
 if me == 0:
     np.savez(os.path.join(out, "state.npz"),
              **{f"x{j}": np.asarray(x) for j, x in enumerate(jax.tree.leaves(full))})
-json.dump(dict(losses=losses, ranks=fn.ranks, held=held, refusal=refusal),
+json.dump(dict(losses=losses, ranks=fn.ranks, held=held, same=same, data=data,
+               third=[float(np.asarray(live)), float(np.asarray(resumed))]),
           open(os.path.join(out, f"process{me}.json"), "w"))
 jax.distributed.shutdown()
 '''
@@ -87,7 +94,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ranks_spanning_processes_init_and_checkpoint_refusal(tmp_path, monkeypatch):
+def test_ranks_spanning_processes_init_checkpoint_and_restore(tmp_path, monkeypatch):
     monkeypatch.setenv("BATON_TEST_COORD", f"127.0.0.1:{free_port()}")
     got = run_workers(tmp_path, WORKER, nprocs=4)
     assert [g["ranks"] for g in got] == [[0], [0], [1], [1]]
@@ -96,17 +103,26 @@ def test_ranks_spanning_processes_init_and_checkpoint_refusal(tmp_path, monkeypa
     for g in got:
         layer = g["ranks"][0]
         assert g["held"] and all(f"['layers'][{layer}]" in p for p in g["held"]), g["held"]
-        assert "ranks span processes" in g["refusal"], g["refusal"]
+    for p, g in enumerate(got):
+        # every leaf restored bit for bit; this process's own data position back
+        assert g["same"] and all(g["same"]), (p, g["same"])
+        assert g["data"] == {"next": 2, "process": p}, (p, g["data"])
+        live, resumed = g["third"]
+        assert live == resumed, (p, live, resumed)
     init, step, batch = _plain()
     state = jax.jit(init)(jax.random.PRNGKey(0))
     losses = []
-    for i in range(2):
+    for i in range(3):
         *state, v = jax.jit(step)(*state, batch(i))
         losses.append(float(v))
-    np.testing.assert_allclose(got[0]["losses"], losses, rtol=1e-6)
+        if i == 1:
+            two = tuple(state)
+    np.testing.assert_allclose(got[0]["losses"] + [got[0]["third"][1]], losses, rtol=1e-6)
     saved = np.load(tmp_path / "state.npz")
-    for j, x in enumerate(jax.tree.leaves(tuple(state))):
+    plain = ckpt.restore(tmp_path / "ckpt", 2)  # every process's item, read by one process
+    for j, (x, y) in enumerate(zip(jax.tree.leaves(two), jax.tree.leaves(plain))):
         np.testing.assert_allclose(saved[f"x{j}"], np.asarray(x), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(y), saved[f"x{j}"])
 
 
 def _plain():

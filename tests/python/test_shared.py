@@ -238,8 +238,9 @@ def test_constraints_removed_only_on_one_device_ranks():
     """``OnRank.drop``: a constraint onto a ``NamedSharding`` in the device's own memory on a
     rank of one device is removed; on a rank of two devices, into host memory, or with
     another kind of sharding it stays (and a task holding it does not share)."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+    from baton._jax_compat import one_device_sharding
     from baton.frontend.retarget import on_rank
 
     P = PartitionSpec
@@ -256,7 +257,7 @@ def test_constraints_removed_only_on_one_device_ranks():
     assert not one.drop("sharding_constraint",
                         params(NamedSharding(sub1, P(), memory_kind="pinned_host")))
     assert not one.drop("sharding_constraint",
-                        params(SingleDeviceSharding(sub1.devices.flat[0])))
+                        params(one_device_sharding(sub1.devices.flat[0])))
     assert not one.drop("sharding_constraint",
                         dict(params(NamedSharding(sub1, P())), layout=object()))
     assert not one.drop("copy_p", {})

@@ -28,9 +28,12 @@ Orbax's own multi-host coordination has nothing to do: each process's item is a 
 one-process Orbax checkpoint (written to a temporary directory and renamed by Orbax), and
 Baton's commit marker makes the set of items one checkpoint.
 
-Ranks spanning processes (``jax.distributed``) are refused by name: Orbax writes a host
-leaf from JAX process 0 only. ``max_to_keep`` / ``keep_period`` (or :class:`CheckpointManager`) prune old steps once a save
-is committed.
+Ranks spanning processes (``jax.distributed``, each process its own Orbax primary host): a
+leaf split over a rank's processes is gathered by all of them (collective, in leaf order) and
+written by one, its owner rank's first process, as an array on that process's device (Orbax
+writes host leaves from JAX process 0 only); on restore every process of the rank reads the
+whole value and places its own shards. ``max_to_keep`` / ``keep_period`` (or
+:class:`CheckpointManager`) prune old steps once a save is committed.
 
 Modules: ``layout`` (the directory layout, committed steps, retention), ``leaves`` (the state's leaves and
 the step's stage map), ``store`` (Orbax's checkpointers), ``commit`` (saves in flight and the

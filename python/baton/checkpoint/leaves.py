@@ -97,12 +97,6 @@ def _compiled(fn, what: str):
     if fn.last is None or fn._tree is None:
         raise ConfigError(f"baton.checkpoint.{what}: the step has not been compiled yet: call it "
                           f"once, or fn.compile(*example_args), first")
-    if fn.multi and getattr(fn.mesh, "spans", False):
-        # Orbax writes a host (numpy) leaf from JAX process 0 only, and a rank spanning
-        # processes runs under jax.distributed, where the other processes' items would lack it
-        raise ConfigError(f"baton.checkpoint.{what}: the step's ranks span processes, whose "
-                          f"leaves Orbax cannot write from every process yet (gather the state "
-                          f"with fn.gather and save it from one process)")
     return fn.last
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import _jax_compat as jc
 from ..errors import ConfigError
 from ..frontend.distributed import Remote
 from .commit import wait_until_finished
@@ -119,7 +120,7 @@ def _check_target(saved: dict, flat: FlatState, cs, step: int, path) -> None:
 def _restore_plain(d: str, ms: list[dict], flat: FlatState, wrapped: bool):
     """Plain JAX: each array with the sharding of its target leaf, else on the default
     device."""
-    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    dev = jc.one_device_sharding(jax.devices()[0])
     shardings = []
     for t in flat.leaves:
         sh = getattr(t, "sharding", None)
@@ -178,7 +179,7 @@ def restore(path, step: int | None = None, *, target: Any = None, fn: Any = None
     meta = _read_metadata(d)
     saved = {m["path"]: m for m in meta["leaves"]}
     if target is None and fn is None:
-        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        dev = jc.one_device_sharding(jax.devices()[0])
         ms = meta["leaves"]
         vals = _read(d, ms, [dev] * len(ms))
         return _unflatten_keys([m["keys"] for m in ms], vals)
@@ -210,7 +211,7 @@ def _read(d: str, ms: list[dict], shardings: list) -> list:
             r = f"rank{m['rank']}"
             sh = shardings[j]
             if not sh.is_fully_addressable:  # (read here, then placed by every process)
-                sh = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+                sh = jc.one_device_sharding(jax.local_devices()[0])
             item.setdefault(r, {})[m["key"]] = jax.ShapeDtypeStruct(
                 tuple(m["shape"]), np.dtype(m["dtype"]), sharding=sh)
             rargs.setdefault(r, {})[m["key"]] = ocp.ArrayRestoreArgs(

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..errors import ConfigError
 from ..frontend.distributed import Remote, host_value
@@ -180,6 +181,29 @@ def _metadata_text(meta: dict) -> str:
     return head[:-2] + ',\n "leaves": [\n  ' + leaves + "\n ]\n}\n"
 
 
+def _writable(x, name: str):
+    """A leaf as this process's Orbax item holds it. Under ``jax.distributed`` (ranks spanning
+    processes) Orbax writes a host (numpy) leaf from JAX process 0 only and refuses an array
+    on one process's devices alone; it writes the replica-0 shards of a global array from the
+    process that holds them. So the value becomes a replicated global array over this
+    process's first device (replica 0, the only shard built here) and one device of another
+    process (a replica this process neither holds nor writes): made from the local buffer
+    alone, without communication."""
+    if jax.process_count() <= 1:
+        return x if isinstance(x, jax.Array) else np.asarray(x)
+    x = np.asarray(x)
+    if np.dtype(jax.dtypes.canonicalize_dtype(x.dtype)) != x.dtype:
+        raise ConfigError(f"baton.checkpoint.save: leaf {name} is a host {x.dtype} value, which "
+                          f"this JAX (jax_enable_x64 off) would store as "
+                          f"{jax.dtypes.canonicalize_dtype(x.dtype)} on a device; pass it as a "
+                          f"jax.Array of the dtype to keep")
+    mine = jax.local_devices()[0]
+    other = next(d for d in jax.devices() if d.process_index != mine.process_index)
+    sharding = NamedSharding(Mesh(np.array([mine, other]), ("replica",)), PartitionSpec())
+    return jax.make_array_from_single_device_arrays(x.shape, sharding,
+                                                    [jax.device_put(x, mine)])
+
+
 def _start_write(path, step: int, flat: FlatState, writers: list[_Writer], procs: _Processes,
                  items: list[str], retain=None) -> SaveHandle:
     """Starts this process's Orbax write of the leaves it writes (none: nothing to write)."""
@@ -192,9 +216,7 @@ def _start_write(path, step: int, flat: FlatState, writers: list[_Writer], procs
             # processes is gathered by all of them: collective, in the same leaf order)
             x = host_value(x)
         if w.process == procs.me:
-            if not isinstance(x, jax.Array):
-                x = np.asarray(x)
-            item.setdefault(f"rank{w.rank}", {})[f"a{i}"] = x
+            item.setdefault(f"rank{w.rank}", {})[f"a{i}"] = _writable(x, flat.names[i])
     writing = bool(item)
     failed = ""
     if writing:

@@ -29,6 +29,23 @@ def _mp_options(ocp) -> dict:
         primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"baton{me}"))
 
 
+def _handler_options(ocp) -> dict:
+    """The PyTree handler's options: under ``jax.distributed``, its array handler writes the
+    arrays' metadata from this process (its own primary host) and keeps no per-process array
+    metadata store (whose check expects every JAX process in one checkpoint), and it writes
+    each array whole from its replica 0 (not split over replicas: the other replicas of a
+    leaf's array are in processes that do not write this item); the leaves are arrays
+    (``saving._writable``)."""
+    opts = _mp_options(ocp)
+    if opts:
+        arrays = ocp.type_handlers.ArrayHandler(primary_host=jax.process_index(),
+                                                array_metadata_store=None,
+                                                use_replica_parallel=False)
+        opts["type_handler_registry"] = ocp.type_handlers.create_type_handler_registry(
+            (jax.Array, arrays))
+    return opts
+
+
 _SAVER = None
 
 
@@ -38,11 +55,12 @@ def _saver():
     if _SAVER is None:
         ocp = _ocp()
         mp = _mp_options(ocp)
-        _SAVER = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(**mp), **mp)
+        _SAVER = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(**_handler_options(ocp)),
+                                       **mp)
     return _SAVER
 
 
 def _reader():
     ocp = _ocp()
     mp = _mp_options(ocp)
-    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**mp), **mp)
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**_handler_options(ocp)), **mp)

@@ -69,6 +69,7 @@ import jax
 import numpy as np
 
 from .. import _core
+from .. import _jax_compat as jc
 from ..errors import ConfigError
 from .memory_live import LivePeak, measure_live, per_device, program_bytes
 from .memory_rings import buffer_outputs, table_loop
@@ -169,7 +170,7 @@ def _static_and_copies(step, flat_args) -> tuple[dict, dict]:
                 per_device([x], static)
                 per_device([x], copies)
             else:
-                sd = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                sd = jc.one_device_sharding(jax.devices()[0])
                 per_device([(sd, np.shape(x), np.result_type(x))], copies)
             continue
         r = step.stage_rank[s]
