@@ -67,8 +67,11 @@ def _check_trains_like_jax(ps):
         p1, s1, l1 = ps(p1, s1, batch)
         p2, s2, l2 = ref(p2, s2, batch)
         np.testing.assert_allclose(l1, l2, rtol=1e-5)
+    # AdamW divides by the gradient's running scale, so a near-zero gradient's float32 rounding
+    # from another summation order (microbatches, schedule) moves a parameter by up to a few
+    # 1e-6 after two steps of lr 1e-2; a wrong gradient moves it by about the learning rate
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.heavy  # test_jit_with_auto_schedule plans and trains through the same search
