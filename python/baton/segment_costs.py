@@ -19,6 +19,7 @@ from .errors import ConfigError
 from .frontend.api import PipelinedFunction
 from .frontend.mesh import PipelineMesh
 from .frontend.profile import profile
+from .frontend.tasks import kind_name
 from .frontend.trace import trace_step
 from .schedules import Interleaved1F1B
 
@@ -146,8 +147,9 @@ def _profile_at(fn, args, device, stages: int, microbatches: int, runs: int,
     out = []
     for s in range(stages):
         sc = prof.cost_model.stages[s]
-        temp = max([int(prof.xla_memory.get(f"{k}{s}", {}).get("temp_size_in_bytes", 0))
-                    for k in ("F", "B")] + [0])
+        temp = max([int(prof.xla_memory.get(f"{kind_name(k)}{s}", {})
+                        .get("temp_size_in_bytes", 0))
+                    for k in (_core.TaskKind.F, _core.TaskKind.B)] + [0])
         out.append(_StageTimes(float(sc.f), float(sc.b), temp))
     return _Profiled(out, float(prof.predicted["step_time"]), wall,
                      float(prof.measured["step_time"]), probe.last)

@@ -18,6 +18,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import baton  # noqa: E402
+from baton.frontend.tasks import FUSED_FB  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import mlp  # noqa: E402
@@ -71,7 +72,7 @@ def test_task_exception_in_one_rank_stops_all(schedule, program):
     rank = step.stage_rank[last]
     # 1F1B fuses the last stage's F and B of a microbatch into one task ("FB")
     fused = any(a.is_fused for a in step.rank_actions[rank])
-    exe = step.tasks[("FB" if fused else "F", last)]
+    exe = step.tasks[(FUSED_FB if fused else baton.TaskKind.F, last)]
     good = exe.fn, exe.plain
 
     def raise_at_run(x):

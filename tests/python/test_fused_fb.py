@@ -13,6 +13,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import baton  # noqa: E402
+from baton.frontend.tasks import FUSED_FB  # noqa: E402
 
 from mlp_step import make  # noqa: E402
 
@@ -48,10 +49,11 @@ def test_fused_equals_unfused_and_keeps_no_stash(ranks):
     assert not any(a.is_fused for r in range(last) for a in acts[r])
     assert not any(a.is_fused for a in plain.last.rank_actions[last])
     # one program per pair: the stage's "FB" task ran once per microbatch, its F and B never
-    assert fused.calls[("FB", last)] == 4
-    assert ("F", last) not in fused.calls and ("B", last) not in fused.calls
-    assert plain.calls[("F", last)] == plain.calls[("B", last)] == 4
-    assert ("FB", last) not in plain.calls
+    F, B = baton.TaskKind.F, baton.TaskKind.B
+    assert fused.calls[(FUSED_FB, last)] == 4
+    assert (F, last) not in fused.calls and (B, last) not in fused.calls
+    assert plain.calls[(F, last)] == plain.calls[(B, last)] == 4
+    assert (FUSED_FB, last) not in plain.calls
     # the plan and the executor keep no stash on the fused rank
     assert fused.simulate().peak_activation[last] == 0
     assert plain.simulate().peak_activation[last] > 0

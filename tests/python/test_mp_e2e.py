@@ -29,6 +29,7 @@ import optax  # noqa: E402
 import pytest  # noqa: E402
 
 import baton  # noqa: E402
+from baton.frontend.tasks import FUSED_FB  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent / "examples"))
@@ -102,7 +103,7 @@ def worker_main(mode: str, outdir: str) -> None:
         step = ps.compile(params, st, batch)
         if rank == world - 1:
             # 1F1B fuses the last stage's F and B of a microbatch: that task runs first
-            exe = step.tasks[("FB", stages - 1)]
+            exe = step.tasks[(FUSED_FB, stages - 1)]
             if program:  # the rank's program fails while it runs (a host callback raises)
                 def raise_at_run():
                     raise RuntimeError("injected failure in the last stage's forward")

@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import baton  # noqa: E402
+from baton.frontend.tasks import FUSED_FB  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -124,7 +125,7 @@ def fault_main(p, world, out, mode):
     ps = baton.jit(T.train_step, mesh=local_mesh(), schedule=sched, microbatches=m,
                    timeout=60)
     step = ps.compile(params, st, batch)
-    task = ("FB", stages - 1) if mode == "kill" else ("F", 1)
+    task = (FUSED_FB, stages - 1) if mode == "kill" else (baton.TaskKind.F, 1)
     if step.stage_rank[task[1]] // K == p:
         calls = [0]
 

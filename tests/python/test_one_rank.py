@@ -86,7 +86,7 @@ def test_one_program_rolls_the_schedule_into_scans(schedule, runs):
     # plan, each its own span, in the schedule's order
     tr = baton.trace(ps, params, batch)
     assert ps.last.last_stats["single_program"] == runs
-    plan_runs = [i for i in ps.last.programs[0] if i[0] == "RUN"]
+    plan_runs = [i for i in ps.last.programs[0] if i[0] == baton.OpCode.RUN]
     assert len(tr.runs) == len(plan_runs) > 0
     starts = [r["start"] for r in tr.runs]
     assert starts == sorted(starts)

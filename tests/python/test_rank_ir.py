@@ -118,11 +118,12 @@ def test_one_rank_loop_items_are_its_tasks(fused):
 
     from baton.frontend.loop_program import _LoopProgram
     from baton.frontend.rolling import task_list
+    from baton.frontend.tasks import FUSED_FB
 
     ps, params, batch = make(baton.OneFOneB(), 1, 4, fuse_forward_backward=fused)
     cs = ps.compile(params, batch)
     prog = _LoopProgram(cs, 0, stacked=False)
     assert [it[1:4] for it in prog.items] == task_list(cs)
     assert {it.op for it in prog.items} == {_core.ItemOp.RUN}
-    assert any(it.kind == "FB" for it in prog.items) == fused
+    assert any(it.kind == FUSED_FB for it in prog.items) == fused
     assert prog.describe() == ("scan 4 x [FB0]" if fused else "scan 4 x [F0 B0]")

@@ -75,7 +75,7 @@ def test_failure_on_a_shared_rank_names_it():
     naming the shared program's ranks (XLA does not say which device's part failed)."""
     ps, params, batch, want = _run(baton.OneFOneB(), 4, True, timeout=5.0)
     step = ps.last
-    exes = [step.tasks[("F", 1)], step.tasks[("F", 2)]]
+    exes = [step.tasks[(baton.TaskKind.F, 1)], step.tasks[(baton.TaskKind.F, 2)]]
     o = step.loop_src[exes[1].in_groups[0][0]][0]
     assert o in step.traced.step_inputs
     leaf = jax.tree.leaves((params, batch))[step.traced.step_inputs.index(o)]

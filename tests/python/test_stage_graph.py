@@ -219,7 +219,7 @@ def test_encoder_decoder_every_placement(name, schedule, ranks):
     assert sum(prog.value_bytes(v) for v in f2.act_out) == 4 * 2 * LT * D
     ((e, (enc,)),) = f1.skip_out
     assert f3.skip_in == [(e, [enc])] and prog.value_bytes(enc) == 4 * 2 * LS * D
-    back = _task(step, "B", 3) if ("B", 3) in step.tasks else _task(step, "I", 3)
+    back = _task(step, "B", 3) if (baton.TaskKind.B, 3) in step.tasks else _task(step, "I", 3)
     assert back.skip_grad_out == []
 
 

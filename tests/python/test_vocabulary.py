@@ -15,6 +15,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 ITEM_OPS = "run|send|post|wait|recv|free|accumulate"
+# task kinds (``_core.TaskKind``, the fused ``tasks.FUSED_FB``) and plan opcodes
+# (``_core.OpCode``) as their names
+KIND_NAMES = "F|B|W|I|FB|RUN|SEND|RECV|FREE|POST|WAIT|ACCUMULATE"
 # (what must not be there, the extended regular expression that finds it)
 PATTERNS = {
     "an item op compared as a string":
@@ -24,6 +27,9 @@ PATTERNS = {
         r'\{\s*"(send|post|wait|run|SEND|POST|WAIT|RUN)"\s*:\s*[0-9]',
     "buffer-id arithmetic (dense id = row * M + microbatch)":
         r'(num_buffer_ids\(\)|\bid\b|\.id\([^)]*\))\s*//\s*(M|cs\.M)\b|\brow\s*\*\s*(M|cs\.M)\b',
+    "a task kind or event opcode compared as a string":
+        rf"""\b(kind|op|opcode|k)\s*(==|!=|(not\s+)?in)\s*\(?\s*["']({KIND_NAMES})["']"""
+        rf"""|\bfor\s+(kind|op|opcode|k)\s+in\s+\(\s*["']({KIND_NAMES})["']""",
 }
 
 
@@ -53,6 +59,16 @@ def test_python_baton_has_none(what):
     ("a copy of a C++ enum (op name -> value)", '_K = {"send": 0, "post": 1}'),
     ("buffer-id arithmetic (dense id = row * M + microbatch)", "r = bufs.id(k, s, 0) // M"),
     ("buffer-id arithmetic (dense id = row * M + microbatch)", "b = key(row * M)"),
+    ("a task kind or event opcode compared as a string", 'if t.kind == "F":'),
+    ("a task kind or event opcode compared as a string", 'elif kind in ("B", "I"):'),
+    ("a task kind or event opcode compared as a string", 'if kind == "FB":'),
+    ("a task kind or event opcode compared as a string", 'if op == "RUN":'),
+    ("a task kind or event opcode compared as a string", 'if op != "SEND":'),
+    ("a task kind or event opcode compared as a string", "e.op == 'RECV'"),
+    ("a task kind or event opcode compared as a string",
+     'recvs = [e for e in evs if e.op == "RECV"]'),
+    ("a task kind or event opcode compared as a string", 'if op in ("SEND", "RECV"):'),
+    ("a task kind or event opcode compared as a string", 'for k in ("F", "B"):'),
 ])
 def test_the_patterns_find_what_they_forbid(what, line):
     import re

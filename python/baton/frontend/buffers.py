@@ -4,6 +4,7 @@ writes, the tasks of a rank's action, transfer channels, and the layout a receiv
 from __future__ import annotations
 
 from .. import _core
+from .tasks import FUSED_FB, TaskKind, task_kind
 from .trace import Traced
 
 # the output group that holds each buffer kind a task writes (a skip edge's buffers:
@@ -18,8 +19,8 @@ def _group_of(key: tuple):
 
 class Buffers:
     """The plan's facts about buffers, asked of the C++ plan once and cached: ids and keys
-    ``(kind name, stage, microbatch)``, which buffers a task (``F``, ``B``, ``I``, ``W``,
-    or ``FB``: F and B fused) reads and writes (``Plan.action_inputs`` /
+    ``(kind name, stage, microbatch)``, which buffers a task (a ``TaskKind``, or
+    ``FUSED_FB``: F and B fused) reads and writes (``Plan.action_inputs`` /
     ``action_outputs``), the tasks of a rank's action, and the layout (avals) a receiver
     expects."""
 
@@ -30,17 +31,18 @@ class Buffers:
         self._tasks = tasks
         self._key: dict[int, tuple] = {}
         self._id: dict[tuple, int] = {}
-        self._io: dict[tuple[str, int], tuple[list, list]] = {}
+        self._io: dict[tuple, tuple[list, list]] = {}
         self._actions: dict[tuple, list] = {}
         # What crosses ranks: Act(s, m) holds F(s)'s act outputs, Grad(s, m) B(s)'s (or
         # I(s)'s) input gradients; their avals are the layouts receivers expect.
         self._avals: dict[tuple[str, int], list] = {}
         for t in partition.tasks:
-            if t.kind == "F":
+            kind = task_kind(t.kind)
+            if kind == TaskKind.F:
                 self._avals[("Act", t.stage)] = [traced.avals[v] for v in t.act_out]
                 for e, vs in t.skip_out:
                     self._avals[("Skip", e)] = [traced.avals[v] for v in vs]
-            elif t.kind in ("B", "I"):
+            elif kind in (TaskKind.B, TaskKind.I):
                 self._avals[("Grad", t.stage)] = [traced.avals[v] for v in t.grad_out]
                 for e, vs in t.skip_grad_out:
                     self._avals[("SkipGrad", e)] = [traced.avals[v] for v in vs]
@@ -59,51 +61,51 @@ class Buffers:
             b = self._id[key] = self.plan.buffer_id(getattr(_core.BufKind, kind), stage, m)
         return b
 
-    def _task_io(self, kind: str, s: int) -> tuple[list, list]:
+    def _task_io(self, kind, s: int) -> tuple[list, list]:
         """(reads, writes) of a task at microbatch 0 as (kind, stage) pairs."""
         io = self._io.get((kind, s))
         if io is None:
-            TK = _core.TaskKind
-            if kind == "FB":
-                act = _core.Action(_core.Task(TK.F, s, 0), _core.Task(TK.B, s, 0))
+            if kind == FUSED_FB:
+                act = _core.Action(*(_core.Task(k, s, 0) for k in FUSED_FB))
             else:
-                act = _core.Action(_core.Task(getattr(TK, kind), s, 0), None)
+                act = _core.Action(_core.Task(kind, s, 0), None)
             io = self._io[(kind, s)] = (
                 [self.key(b)[:2] for b in self.plan.action_inputs(act)],
                 [self.key(b)[:2] for b in self.plan.action_outputs(act)])
         return io
 
-    def reads(self, kind: str, s: int, m: int) -> list[tuple[str, int, int]]:
+    def reads(self, kind, s: int, m: int) -> list[tuple[str, int, int]]:
         """The buffers a task reads (an ``FB`` reads none of the stash it makes). Its
         function takes the ones of them it has groups for (``buffer_reads``)."""
         return [(k, bs, m) for k, bs in self._task_io(kind, s)[0]]
 
-    def writes(self, kind: str, s: int, m: int) -> list[tuple[str, int, int]]:
+    def writes(self, kind, s: int, m: int) -> list[tuple[str, int, int]]:
         """The buffers a task makes: ``Act``, ``Grad``, ``Stash``, ``WStash``, ``WGrad``
         (an ``FB``'s stash is empty: it never leaves the task)."""
         return [(k, bs, m) for k, bs in self._task_io(kind, s)[1]]
 
-    def outputs(self, kind: str, s: int, m: int, got: dict) -> list[tuple[tuple, list]]:
+    def outputs(self, kind, s: int, m: int, got: dict) -> list[tuple[tuple, list]]:
         """``(buffer, value)`` for each buffer the task writes, from its outputs by group
         (``TaskExe.split``; the FB stash: empty)."""
         out = []
         for key in self.writes(kind, s, m):
-            out.append((key, [] if kind == "FB" and key[0] == "Stash"
+            out.append((key, [] if kind == FUSED_FB and key[0] == "Stash"
                         else got[_group_of(key)]))
         return out
 
-    def tasks_of(self, rank: int, a: int) -> list[tuple[str, int, int]]:
-        """The tasks of action ``a`` of ``rank``: (kind, stage, microbatch); F+B of one
-        microbatch fused as ``FB`` where the step has that task."""
+    def tasks_of(self, rank: int, a: int) -> list[tuple]:
+        """The tasks of action ``a`` of ``rank``: (``TaskKind``, stage, microbatch); F+B of
+        one microbatch fused as one ``(FUSED_FB, stage, microbatch)`` where the step has that
+        task."""
         key = (rank, a)
         ts = self._actions.get(key)
         if ts is None:
             act = self.rank_actions[rank][a]
             raw = [act.first] + ([act.second] if act.is_fused else [])
-            ts = [(t.kind.name, t.stage, t.microbatch) for t in raw]
-            if (len(ts) == 2 and (ts[0][0], ts[1][0]) == ("F", "B") and ts[0][1:] == ts[1][1:]
-                    and ("FB", ts[0][1]) in self._tasks):
-                ts = [("FB", ts[0][1], ts[0][2])]
+            ts = [(t.kind, t.stage, t.microbatch) for t in raw]
+            if (len(ts) == 2 and (ts[0][0], ts[1][0]) == FUSED_FB and ts[0][1:] == ts[1][1:]
+                    and (FUSED_FB, ts[0][1]) in self._tasks):
+                ts = [(FUSED_FB, ts[0][1], ts[0][2])]
             self._actions[key] = ts
         return ts
 

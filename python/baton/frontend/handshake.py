@@ -23,7 +23,9 @@ import json
 import re
 from typing import Any
 
+from .. import _core
 from ..errors import ConfigError
+from .tasks import task_kind
 
 _ADDR = re.compile(r" at 0x[0-9a-fA-F]+")
 _SET = re.compile(r"frozenset\(\{([^{}]*)\}\)")
@@ -50,7 +52,8 @@ def _aval(a) -> str:
 
 # parameters that differ between processes tracing the same code (a per-process counter)
 _VOLATILE = {"uid"}
-_KINDS = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
+_TK = _core.TaskKind
+_KINDS = {_TK.F: "forward", _TK.B: "backward", _TK.I: "input gradient", _TK.W: "weight gradient"}
 
 
 def _op_line(op, avals) -> str:
@@ -77,10 +80,9 @@ def _stage_components(step) -> list[tuple[str, list[str]]]:
     traced = step.traced
     groups: dict[tuple[int, int], tuple[str, list[int]]] = {}
     for t in step.partition.tasks:
-        kind = str(t.kind).rsplit(".", 1)[-1]
-        order = list(_KINDS).index(kind) if kind in _KINDS else len(_KINDS)
-        groups[(int(t.stage), order)] = (f"stage {t.stage} {_KINDS.get(kind, kind)}",
-                                         sorted(int(i) for i in t.ops))
+        kind = task_kind(t.kind)
+        groups[(int(t.stage), list(_KINDS).index(kind))] = (
+            f"stage {t.stage} {_KINDS[kind]}", sorted(int(i) for i in t.ops))
     outside: dict[int, list[int]] = {}
     for i, s in enumerate(step.op_stage):
         if s >= 0 and traced.ops[i].region != "loop":

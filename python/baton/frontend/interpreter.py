@@ -246,7 +246,8 @@ class Interpreter:
     def _cb_accumulate(self, rank, b, value):
         try:
             _, s, m = self.step.buffers.key(b)
-            exe = self.step.tasks[("W" if self.step.partition.split_backward else "B", s)]
+            TK = _core.TaskKind
+            exe = self.step.tasks[(TK.W if self.step.partition.split_backward else TK.B, s)]
             self._add_parts(exe.body[0], value, m)
         except BaseException as e:
             self._state.errors.setdefault(rank, e)

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec
 from .. import _core
 from .rolling import Item, ItemOp, _exes, as_item, roll_options
 from .task_env import _parts_of, _run_task, _Token
-from .tasks import final_part
+from .tasks import final_part, kind_name
 
 G = _core.graph
 
@@ -65,7 +65,9 @@ class _LoopProgram:
         sym = {ItemOp.SEND: ">", ItemOp.POST: "+", ItemOp.WAIT: "<"}
 
         def name(it):
-            return f"{it.kind}{it.stage}" if it.op == ItemOp.RUN else f"{sym[it.op]}{it.kind}{it.stage}"
+            if it.op == ItemOp.RUN:
+                return f"{kind_name(it.kind)}{it.stage}"
+            return f"{sym[it.op]}{it.kind}{it.stage}"
 
         out = []
         for pat, r, d in self.runs:

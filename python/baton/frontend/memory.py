@@ -75,7 +75,7 @@ from .memory_live import LivePeak, measure_live, per_device, program_bytes
 from .memory_rings import buffer_outputs, table_loop
 from .profile import xla_memory
 from .step_costs import cost_model_of
-from .tasks import task_exes
+from .tasks import kind_name, task_exes, unit_order
 
 G = _core.graph
 # the model's components per device; predicted = max(static + copies + loop, update)
@@ -187,7 +187,7 @@ def _compiled_tasks(step, captured) -> dict:
     """(kind, stage) -> (task outputs by group as (sharding, shape, dtype), temp bytes,
     the new running sums' per-device bytes)."""
     out = {}
-    for (kind, s), (acc, args) in sorted(captured.items()):
+    for (kind, s), (acc, args) in sorted(captured.items(), key=lambda kv: unit_order(kv[0])):
         exe = step.tasks[(kind, s)]
         fn = exe.fn
         if acc is not None:
@@ -197,7 +197,7 @@ def _compiled_tasks(step, captured) -> dict:
         mem = xla_memory(comp)
         if mem is None:
             raise ConfigError(f"memory model: the backend gives no memory analysis for task "
-                              f"{kind}{s} (its XLA temporaries are unknown)")
+                              f"{kind_name(kind)}{s} (its XLA temporaries are unknown)")
         outs = [(sh, tuple(a.shape), a.dtype)
                 for sh, a in zip(comp.output_shardings, jax.tree.leaves(lowered.out_info))]
         sums = per_device([outs[j] for j in exe.acc_pos]) if acc is not None else {}

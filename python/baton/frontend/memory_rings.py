@@ -19,7 +19,7 @@ import numpy as np
 from .rank_program import RankProgram, loop_form
 from .rings import _ring_aval, ring_layout
 from .share_match import share_groups
-from .tasks import task_exes
+from .tasks import FUSED_FB, task_exes
 
 _BUF_GROUP = {"act": "Act", "grad": "Grad", "stash": "Stash", "wstash": "WStash"}
 
@@ -39,7 +39,7 @@ def buffer_outputs(compiled):
     FB's internal stash left out)."""
     for (kind, s), (groups, _, _) in compiled.items():
         for g, items in groups.items():
-            if g in ("wgrad", "mb") or (kind == "FB" and g == "stash") or not items:
+            if g in ("wgrad", "mb") or (kind == FUSED_FB and g == "stash") or not items:
                 continue
             yield ((_BUF_GROUP[g], s) if g in _BUF_GROUP else g), items  # ("Skip", e) ...
 

@@ -41,6 +41,7 @@ import numpy as np
 from .. import _core
 from ..errors import ConfigError
 from .step_costs import cost_model_of
+from .tasks import kind_name, unit_order
 from .tracing import Trace, span_bubbles
 
 __all__ = ["Profile", "profile"]
@@ -251,9 +252,10 @@ def _isolated(fn, args, step, runs: int, warmup: int) -> tuple[dict, dict]:
     processes each times its own ranks' tasks and every process gets all of them."""
     samples: dict[str, list[float]] = {}
     xla: dict[str, dict] = {}
-    for (kind, s), (acc, a) in sorted(fn.capture_task_args(args).items()):
+    captured = fn.capture_task_args(args)
+    for (kind, s), (acc, a) in sorted(captured.items(), key=lambda kv: unit_order(kv[0])):
         exe = step.tasks[(kind, s)]
-        name = f"{kind}{s}"
+        name = f"{kind_name(kind)}{s}"
         task = exe.fn
         if acc is not None:  # as it runs in the loop: adding to the running sums
             task, a = exe.fn_acc, [acc, *a]

@@ -23,6 +23,7 @@ from .. import _jax_compat as jc
 from .rings import _ring_aval, _ring_in, _symbolic, table_steps
 from .rolling import Item, ItemOp, _exes, item_reads, item_writes
 from .task_env import _parts_of, _run_task, _Token
+from .tasks import kind_name
 
 G = _core.graph
 _SYM = {ItemOp.SEND: ">", ItemOp.POST: "+", ItemOp.WAIT: "<"}
@@ -37,7 +38,7 @@ class Table:
 
     steps: list
     stretches: list[tuple]
-    units: list[tuple[str, int]]
+    units: list[tuple]  # (task kind, stage)
     rows: np.ndarray
 
 
@@ -45,7 +46,7 @@ def build_table(items) -> Table:
     """The table of a rank's ``items``: its steps, units and rows."""
     steps = table_steps(items)
     stretches: list[tuple] = []  # symbolic transfer stretches
-    units: list[tuple[str, int]] = []  # (kind, stage) of each task unit
+    units: list[tuple] = []  # (kind, stage) of each task unit
     rows = []
     for st, task in steps:
         row = [-1, -1, 0]
@@ -71,7 +72,7 @@ def describe_table(units, stretches, n_rows, pools, rings) -> str:
     microbatches: ``>Act0`` send, ``+Grad1`` receive posted, ``<Grad1`` received) and the
     slots of each ring, e.g. ``table 16 steps; tasks F0 B0; transfers [>Act0.a] [+Grad1.a];
     rings Stash0:2``."""
-    tasks = " ".join(f"{k}{s}" for k, s in units)
+    tasks = " ".join(f"{kind_name(k)}{s}" for k, s in units)
     tr = " ".join("[" + " ".join(f"{_SYM[op]}{k}{s}.{chr(97 + m)}"
                                  for op, k, s, m, _ in pat) + "]"
                   for pat in stretches)
@@ -87,7 +88,7 @@ def unit_sequence(steps) -> list[str]:
         if st:
             out.append(" ".join(f"{_SYM[op]}{k}{s}" for op, k, s, _, _ in st))
         if task is not None:
-            out.append(f"{task[1]}{task[2]}")
+            out.append(f"{kind_name(task.kind)}{task.stage}")
     return out
 
 

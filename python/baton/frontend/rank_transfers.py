@@ -23,9 +23,10 @@ from .. import _core
 from .. import _jax_compat as jc
 from . import ffi
 from .rolling import ItemOp
-from .tracing import Event
 
 comm_op_kind = _core.runtime.comm_op_kind
+CommOpKind = _core.runtime.CommOpKind
+OpCode = _core.OpCode
 
 
 def _nbytes(aval) -> int:
@@ -155,9 +156,10 @@ class RankTransfers:
                 pos += len(avals)
 
 
-def recorded_events(cs, rank, comm, order) -> list[Event]:
+def recorded_events(cs, rank, comm, order) -> list[tuple]:
     """The last step's recorded events of rank ``rank``'s program in the interpreter's format
-    (``Executor.events``: instr, op, buffer, peer, posted, started, completed in ns) for its
+    (``Executor.events``: instr, opcode name, buffer, peer, posted, started, completed in ns,
+    the name ``_core.opcode_name`` gives) for its
     instruction stream: a RUN spans its tasks' begin and end markers, a SEND or RECV is its
     transfer (matched by order per peer and channel, as the handlers match them; ``order``:
     ``RankTransfers.configure``), a FREE happens when the RUN before it ended (where the
@@ -165,9 +167,9 @@ def recorded_events(cs, rank, comm, order) -> list[Event]:
     marks = comm.take_marks()
     comm_events = comm.take_events()
     prog = cs.programs[rank]
-    ops = [op for op, _, _, _ in prog]
+    ops = [op for op, _, _, _ in prog]  # _core.OpCode
     tasks_per_run = [len(cs.buffers.tasks_of(rank, a)) for (_, a, _, _), op in zip(prog, ops)
-                     if op == "RUN"]
+                     if op == OpCode.RUN]
     if not marks or len(marks) != 2 * sum(tasks_per_run):
         return []
     spans, pos = [], 0
@@ -175,23 +177,25 @@ def recorded_events(cs, rank, comm, order) -> list[Event]:
         spans.append((marks[pos][1], marks[pos + 2 * n - 1][1]))
         pos += 2 * n
     instr_of = {(op, b): i for i, ((_, _, b, _), op) in enumerate(zip(prog, ops))
-                if op in ("SEND", "RECV")}
+                if op in (OpCode.SEND, OpCode.RECV)}
     out, run_i = [], 0
     last_end = spans[0][0]
     for i, ((_, a, b, peer), op) in enumerate(zip(prog, ops)):
-        if op == "RUN":
+        if op == OpCode.RUN:
             t0, t1 = spans[run_i]
-            out.append(Event(i, "RUN", -1, -1, t0, t0, t1))
+            out.append((i, _core.opcode_name(op), -1, -1, t0, t0, t1))
             last_end = t1
             run_i += 1
-        elif op == "FREE":
-            out.append(Event(i, "FREE", b, -1, last_end, last_end, last_end))
+        elif op == OpCode.FREE:
+            out.append((i, _core.opcode_name(op), b, -1, last_end, last_end, last_end))
     for kind, peer, chan, _, seq, po, st, co in comm_events:
-        ids = order.get((peer, chan, kind == 0))
+        send = CommOpKind(kind) == CommOpKind.SEND
+        ids = order.get((peer, chan, send))
         if not ids:
             continue
         b = ids[seq % len(ids)]
-        op = "SEND" if kind == 0 else "RECV"
-        out.append(Event(instr_of[(op, b)], op, b, peer, po, st or po, co or st or po))
+        op = OpCode.SEND if send else OpCode.RECV
+        out.append((instr_of[(op, b)], _core.opcode_name(op), b, peer, po, st or po,
+                    co or st or po))
     out.sort()
     return out

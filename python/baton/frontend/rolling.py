@@ -10,10 +10,10 @@ which buffers an item passes to its function and makes.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .. import _core
-from .tasks import buffer_reads, task_exes
+from .tasks import FUSED_FB, buffer_reads, task_exes
 
 
 ItemOp = _core.ItemOp  # the item level's vocabulary (roll.h; docs/RANK_IR.md, "Vocabularies")
@@ -21,19 +21,20 @@ ItemOp = _core.ItemOp  # the item level's vocabulary (roll.h; docs/RANK_IR.md, "
 
 class Item(NamedTuple):
     """One step of a rank's program as the emitter lowers it. ``op`` ``ItemOp.RUN``:
-    ``kind`` a task kind (F, B, I, W, FB), ``peer`` -1; ``SEND`` / ``POST`` (a receive
-    posted) / ``WAIT`` (a receive waited on): ``kind`` a buffer kind, ``peer`` the other
-    rank."""
+    ``kind`` a task kind (a ``_core.TaskKind``, or ``FUSED_FB`` for F+B fused), ``peer``
+    -1; ``SEND`` / ``POST`` (a receive posted) / ``WAIT`` (a receive waited on): ``kind`` a
+    buffer kind, ``peer`` the other rank."""
 
     op: "_core.ItemOp"
-    kind: str
+    kind: Any  # RUN: a _core.TaskKind or FUSED_FB; otherwise a buffer kind name
     stage: int
     mb: int
     peer: int
 
 
-def task_list(cs, rank: int = 0) -> list[tuple[str, int, int]]:
-    """A rank's tasks in program order: (kind, stage, microbatch); fused F+B as ``FB``."""
+def task_list(cs, rank: int = 0) -> list[tuple]:
+    """A rank's tasks in program order: (kind, stage, microbatch); fused F+B as
+    ``FUSED_FB``."""
     b = cs.buffers
     return [t for a in range(len(b.rank_actions[rank])) for t in b.tasks_of(rank, a)]
 
@@ -77,14 +78,14 @@ def roll_options(cs, max_period=None, stacked=True) -> "_core.RollOptions":
     opts = _core.RollOptions()
     opts.max_period = int(max_period or 0)
     opts.stacked = bool(stacked)
-    opts.fuse_fb = any(kind == "FB" for kind, _ in cs.tasks)
+    opts.fuse_fb = any(kind == FUSED_FB for kind, _ in cs.tasks)
     return opts
 
 
 def as_item(x) -> Item:
     """A ``_core.RollItem`` as an ``Item``."""
     if x.op == ItemOp.RUN:
-        return Item(x.op, "FB" if x.fused else x.task.name, x.stage, x.microbatch, -1)
+        return Item(x.op, FUSED_FB if x.fused else x.task, x.stage, x.microbatch, -1)
     return Item(x.op, x.buffer.name, x.stage, x.microbatch, x.peer)
 
 

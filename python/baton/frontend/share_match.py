@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import _core
 from .rolling import _exes
+from .tasks import unit_order
 
 _PLACED = ("sharding_constraint", "shard_map", "device_put")  # primitives that name devices
 
@@ -193,7 +194,7 @@ def match(lead, prog, jaxprs: _Jaxprs) -> Share | None:
         return None
     if sorted(parts.get(i, -1) for i in lead.mine) != sorted(prog.mine):
         return None
-    for kind, s in sorted(set(lead.units) | set(units)):
+    for kind, s in sorted(set(lead.units) | set(units), key=unit_order):
         a, b = _exes(cs, kind, s), _exes(cs, kind, stage[s])
         if len(a) != len(b) or not all(jaxprs.same(_task(x), _task(y)) for x, y in zip(a, b)):
             return None

@@ -93,8 +93,9 @@ class CompiledStep:
         self.num_ranks = sched.num_ranks
         self.M = sched.num_microbatches
         self.stage_rank = list(sched.stage_rank)
-        # A readable, immutable copy of the per-rank programs the executor runs.
-        self.programs = tuple(tuple((i.opcode, i.action, i.buffer, i.peer) for i in prog)
+        # A readable, immutable copy of the per-rank programs the executor runs: (opcode as
+        # _core.OpCode, action, buffer, peer) per instruction.
+        self.programs = tuple(tuple((i.op, i.action, i.buffer, i.peer) for i in prog)
                               for prog in core.programs)
         self.parts = list(self.partition.parts)
         fixes = {r: on_rank(mesh, r) for r in set(self.stage_rank)}

@@ -55,7 +55,7 @@ from .. import _core
 from .. import _jax_compat as jc
 from ..errors import ConfigError
 from .distributed import Remote
-from .tasks import buffer_reads, task_exes
+from .tasks import buffer_reads, kind_name, task_exes
 
 __all__ = ["task_args"]
 
@@ -89,11 +89,11 @@ def _zeros(sds):
 
 
 def _order(step) -> tuple[list, dict]:
-    """The tasks the plan runs, (kind, stage) as ``Buffers.tasks_of`` names them (F, B, I,
-    W, FB), in first-run order; and, per task function (``task_exes``: a B may run as I then
-    W), whether it is ever handed running sums: some task of its stage added into the same
-    sums before one of its calls (each rank's actions run in order, and a stage's tasks all
-    run on its rank)."""
+    """The tasks the plan runs, (kind, stage) as ``Buffers.tasks_of`` names them (a
+    ``TaskKind``, or ``FUSED_FB``), in first-run order; and, per task function
+    (``task_exes``: a B may run as I then W), whether it is ever handed running sums: some
+    task of its stage added into the same sums before one of its calls (each rank's actions
+    run in order, and a stage's tasks all run on its rank)."""
     units: list = []
     sums: dict = {}
     added: set = set()
@@ -247,7 +247,8 @@ class _Derive:
             left = [u for u in todo if not self.task(*u, producer, sums)]
             if len(left) == len(todo):
                 raise ConfigError(
-                    "internal: the buffers tasks " + ", ".join(f"{k}{s}" for k, s in left)
+                    "internal: the buffers tasks "
+                    + ", ".join(f"{kind_name(k)}{s}" for k, s in left)
                     + " read are made by no task the plan runs")
             todo = left
 

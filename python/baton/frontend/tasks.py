@@ -24,6 +24,31 @@ from .trace import Traced
 
 G = _core.graph
 OUT_GROUPS = ("act", "grad", "stash", "wstash", "wgrad", "mb")
+TaskKind = _core.TaskKind
+# a fused action's task kinds, as the plan's unit lists them (F then B of one microbatch):
+# the kind of the fused forward+backward function (``build_tasks``)
+FUSED_FB = (TaskKind.F, TaskKind.B)
+# the C++ graph bindings' task kind characters (``TaskBody.kind``), read as the enum
+_KIND_OF_CHAR = {_core.task_kind_char(k): k for k in TaskKind.__members__.values()}
+
+
+def task_kind(char: str) -> "_core.TaskKind":
+    """The ``TaskKind`` of a task of the partition (``TaskBody.kind``, a kind character)."""
+    return _KIND_OF_CHAR[char]
+
+
+def kind_name(kind) -> str:
+    """A task kind as messages, traces and pictures name it: ``F``, ``B``, ``I``, ``W``, or
+    ``FB`` for the fused kind (``FUSED_FB``)."""
+    if isinstance(kind, tuple):
+        return "".join(_core.task_kind_char(k) for k in kind)
+    return _core.task_kind_char(kind)
+
+
+def unit_order(unit: tuple) -> tuple:
+    """A sort key of ``(kind, stage, ...)`` tuples: by kind name, then the rest (the enum
+    has no order)."""
+    return (kind_name(unit[0]), *unit[1:])
 
 
 def make_fn(traced: Traced, op_ids: list[int], in_ids: list[int], out_ids: list[int],
@@ -118,7 +143,7 @@ def _with_acc_mean(g, pos: list[int], mean: list[bool]):
 
 @dataclasses.dataclass
 class TaskExe:
-    kind: str
+    kind: Any  # a _core.TaskKind, or FUSED_FB
     stage: int
     fn: Any
     in_groups: tuple  # (invariant, microbatch, act, grad, stash, wstash) value ids
@@ -163,8 +188,8 @@ def buffer_reads(exe: TaskExe, plan_reads: list[tuple[str, int, int]]
                                  (wstash, "WStash")) if present] + [ke for ke, _ in exe.skip_in]
     missing = [k for k in want if k not in first]
     if missing:
-        raise ValueError(f"task {exe.kind}{exe.stage} takes buffers {missing} that the plan "
-                         f"does not give it (the plan's reads: {plan_reads})")
+        raise ValueError(f"task {kind_name(exe.kind)}{exe.stage} takes buffers {missing} that "
+                         f"the plan does not give it (the plan's reads: {plan_reads})")
     return [first[k] for k in want]
 
 
@@ -198,22 +223,24 @@ def _task_exe(traced, parts, kind, stage, ops, groups, outs, wgrad_parts, mb_par
 
 
 def build_tasks(traced: Traced, partition, parts, num_stages: int,
-                fix_of=lambda stage: None) -> dict[tuple[str, int], TaskExe]:
-    """Every task of the partition, plus ``("FB", s)``: F and B of one microbatch as one
-    function (the fused actions of fuse_forward_backward), no stash leaving it. ``fix_of``:
+                fix_of=lambda stage: None) -> dict[tuple[Any, int], TaskExe]:
+    """Every task of the partition by ``(TaskKind, stage)``, plus ``(FUSED_FB, s)``: F and B
+    of one microbatch as one function (the fused actions of fuse_forward_backward), no stash
+    leaving it. ``fix_of``:
     stage -> the equation fix of its rank (``on_rank``)."""
-    tasks: dict[tuple[str, int], TaskExe] = {}
-    by_kind = {(t.kind, t.stage): t for t in partition.tasks}
+    tasks: dict[tuple[Any, int], TaskExe] = {}
+    by_kind = {(task_kind(t.kind), t.stage): t for t in partition.tasks}
     for t in partition.tasks:
+        kind = task_kind(t.kind)
         groups = (list(t.invariant_in), list(t.microbatch_in), list(t.act_in),
                   list(t.grad_in), list(t.stash_in), list(t.wstash_in))
         outs = {"act": list(t.act_out), "grad": list(t.grad_out),
                 "stash": list(t.stash_out), "wstash": list(t.wstash_out)}
-        tasks[(t.kind, t.stage)] = _task_exe(traced, parts, t.kind, t.stage, list(t.ops),
-                                             groups, outs, list(t.wgrad_out), list(t.mb_out),
-                                             fix_of(t.stage), *_skips(t))
+        tasks[(kind, t.stage)] = _task_exe(traced, parts, kind, t.stage, list(t.ops),
+                                           groups, outs, list(t.wgrad_out), list(t.mb_out),
+                                           fix_of(t.stage), *_skips(t))
     for s in range(num_stages):
-        f, b = by_kind.get(("F", s)), by_kind.get(("B", s))
+        f, b = by_kind.get((TaskKind.F, s)), by_kind.get((TaskKind.B, s))
         if f is None or b is None:
             continue
         groups = (sorted(set(f.invariant_in) | set(b.invariant_in)),
@@ -222,9 +249,10 @@ def build_tasks(traced: Traced, partition, parts, num_stages: int,
         outs = {"act": list(f.act_out), "grad": list(b.grad_out), "stash": [], "wstash": []}
         fi, fo = _skips(f)
         bi, bo = _skips(b)
-        tasks[("FB", s)] = _task_exe(traced, parts, "FB", s, sorted(set(f.ops) | set(b.ops)),
-                                     groups, outs, list(b.wgrad_out), list(f.mb_out), fix_of(s),
-                                     fi + bi, fo + bo)
+        tasks[(FUSED_FB, s)] = _task_exe(traced, parts, FUSED_FB, s,
+                                         sorted(set(f.ops) | set(b.ops)), groups, outs,
+                                         list(b.wgrad_out), list(f.mb_out), fix_of(s),
+                                         fi + bi, fo + bo)
     return tasks
 
 
@@ -239,8 +267,8 @@ def _skips(t) -> tuple[list, list]:
 
 def task_exes(tasks, kind, s) -> list[TaskExe]:
     """The task functions a task runs: one, or I then W for a B the partition split."""
-    if kind == "B" and ("B", s) not in tasks:
-        return [tasks[("I", s)], tasks[("W", s)]]
+    if kind == TaskKind.B and (TaskKind.B, s) not in tasks:
+        return [tasks[(TaskKind.I, s)], tasks[(TaskKind.W, s)]]
     return [tasks[(kind, s)]]
 
 

@@ -30,6 +30,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import _core
+
 __all__ = ["Event", "Trace", "build_trace", "buffer_bytes", "trace", "clock_offsets", "gather_events"]
 
 _TAG_CLOCK = 1 << 45  # above the Router's tags; slots are tag << 16, below 1 << 62 (control)
@@ -200,13 +202,18 @@ def span_bubbles(runs, num_ranks: int) -> list[float]:
     return out
 
 
+OpCode = _core.OpCode
+# the engines' opcode names (``Executor.events()``: ``_core.opcode_name``) read as the enum
+_OPCODE_OF_NAME = {_core.opcode_name(op): op for op in OpCode.__members__.values()}
+
+
 class Event(NamedTuple):
     """One instruction's recorded times (ns; 0: did not happen) as the engines report them
-    (``Executor.events()``, ``RankProgram.events()``): its index in the rank's stream, opcode
-    name, buffer id and peer (-1: none)."""
+    (``Executor.events()``, ``RankProgram.events()``): its index in the rank's stream,
+    opcode (``_core.OpCode``; the engines report its name), buffer id and peer (-1: none)."""
 
     instr: int
-    op: str
+    op: "_core.OpCode"
     buffer: int
     peer: int
     posted: int
@@ -226,8 +233,9 @@ def build_trace(core_plan: Any, events: list, sizes: list[int] | None = None,
     evs = []
     for r in range(P):
         off = offsets_ns[r]
-        evs.append([Event(i, op, b, p, po - off if po else 0, st - off if st else 0,
-                           co - off if co else 0) for i, op, b, p, po, st, co in events[r]])
+        evs.append([Event(i, _OPCODE_OF_NAME[op], b, p, po - off if po else 0,
+                           st - off if st else 0, co - off if co else 0)
+                     for i, op, b, p, po, st, co in events[r]])
     t0 = min((e.posted for rank in evs for e in rank if e.posted), default=0)
 
     def sec(t_ns):
@@ -238,7 +246,7 @@ def build_trace(core_plan: Any, events: list, sizes: list[int] | None = None,
         prog = core_plan.programs[r]
         acts = sched.rank_actions[r]
         for i, op, b, p, po, st, co in evs[r]:
-            if op != "RUN":
+            if op != OpCode.RUN:
                 continue
             a = prog[i].action
             act = acts[a]
@@ -250,11 +258,11 @@ def build_trace(core_plan: Any, events: list, sizes: list[int] | None = None,
                 d["second_microbatch"] = act.second.microbatch
             runs.append(d)
     runs.sort(key=lambda d: (d["rank"], d["start"]))
-    recvs = {(r, e.buffer, e.peer): e for r in range(P) for e in evs[r] if e.op == "RECV"}
+    recvs = {(r, e.buffer, e.peer): e for r in range(P) for e in evs[r] if e.op == OpCode.RECV}
     transfers = []
     for src in range(P):
         for i, op, b, dst, po, st, co in evs[src]:
-            if op != "SEND":
+            if op != OpCode.SEND:
                 continue
             rv = recvs.get((dst, b, src))
             start = st or po
@@ -278,13 +286,13 @@ def _replay_memory(core_plan, evs, sizes, sec):
     for r, rank_evs in enumerate(evs):
         send_done = {}
         for i, op, b, p, po, st, co in rank_evs:
-            if op == "SEND":
+            if op == OpCode.SEND:
                 send_done[b] = max(send_done.get(b, 0), co)
         changes = []  # (time_ns, order, buffer, +1/-1); releases first at equal times
         acts = core_plan.schedule.rank_actions[r]
         internal = set()  # made and used inside a fused action: no buffer memory
         for i, op, b, p, po, st, co in rank_evs:
-            if op == "RUN":
+            if op == OpCode.RUN:
                 act = acts[core_plan.programs[r][i].action]
                 outs = set(core_plan.task_outputs(act.first))
                 if act.is_fused:
@@ -294,9 +302,9 @@ def _replay_memory(core_plan, evs, sizes, sec):
                     outs.update(core_plan.task_outputs(act.second))
                 for ob in sorted(outs):
                     changes.append((st or po, 1, ob, 1))
-            elif op == "RECV":
+            elif op == OpCode.RECV:
                 changes.append((po, 1, b, 1))
-            elif op == "FREE" and b not in internal:
+            elif op == OpCode.FREE and b not in internal:
                 changes.append((max(co, send_done.get(b, 0)), 0, b, -1))
         changes.sort()
         act = tot = 0
