@@ -59,6 +59,10 @@ struct CostModel {
   std::vector<StageCost> stages;  // per stage overrides (may be empty)
   std::vector<SkipCost> skips;    // per skip edge (an edge not listed: 0 bytes)
   LinkCost link;                  // every rank pair
+  // Each rank's device <-> host copies (a rank program's OFFLOAD / FETCH,
+  // rank_program.h): bytes per time unit in each direction (one copy engine
+  // per direction); 0 (the default) means instant.
+  double host_link_bandwidth = 0.0;
   // Fused actions (DualPipe F&B) take fused_factor * (sum of both tasks);
   // 1.0 means no compute overlap inside the fused pair.
   double fused_factor = 1.0;
@@ -71,7 +75,7 @@ struct CostModel {
   // throws ConfigError naming the field, e.g. "stages[3].f".
   void validate() const;
   // JSON: {"default": {...}, "stages": [{...}, ...], "link": {"latency": x,
-  // "bandwidth": y}, "fused_factor": z, "skips": [{"from": i, "to": j,
+  // "bandwidth": y}, "host_link_bandwidth": h, "fused_factor": z, "skips": [{"from": i, "to": j,
   // "act_bytes": a, "grad_bytes": g}, ...]}; every field optional. A stage entry
   // starts from "default" and overrides only the keys it names. Throws
   // FormatError on malformed JSON ("line L, column C: ..."), unknown keys and

@@ -16,6 +16,17 @@
 //               until its send has completed (the peer posted the matching
 //               receive).
 //   ACCUMULATE b   add weight gradient b into its stage's accumulator.
+//   OFFLOAD b   start copying buffer b from its device slot to its host slot
+//               (RankBuffer::host_slot). Never blocks. From here b is held in
+//               the host slot and its device slot is released: the copy is
+//               ordered before any later write of that device slot (one XLA
+//               program, or a copy stream followed by an event).
+//   FETCH b     start copying offloaded buffer b back into a device slot
+//               (RankBuffer::fetch_slot, maybe another than `slot`). Never
+//               blocks. From here b is held on the device again and its host
+//               slot is released; a RUN (or a SEND's POST) that reads b waits
+//               for the copy. Reading b between its OFFLOAD and its FETCH is
+//               an error.
 // Transfers travel in order per (sender, receiver, channel): the k-th SEND of
 // rank a to rank b on channel c pairs with the k-th RECV of rank b from a on
 // c (the FIFO model of verify.h; channels are Plan::channel, the one tag
@@ -37,6 +48,14 @@
 // freed) have none. A transport's own copies of sent and received data are
 // the transport's: the plan's lifetimes (live_from / live_to, to the FREE)
 // describe them and the simulator's memory.
+//
+// Offload (RankIROptions::offload; placed by offload.cc): an offloaded
+// buffer is held on the device over [held_from, offload] in slot `slot` and
+// over [fetch, held_to] in slot `fetch_slot` (both of pool `pool`), and in
+// host memory over [offload, fetch] in slot `host_slot` of host pool
+// `host_pool`. Host pools are to host memory what pools are to the device:
+// one per device pool label that has offloaded buffers, as many slots as the
+// most of its buffers held in host memory at once.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -47,8 +66,17 @@
 
 namespace baton {
 
-enum class RankOp : uint8_t { Post = 0, Wait = 1, Run = 2, Free = 3, Accumulate = 4 };
-const char* rank_op_name(RankOp op);  // "POST", "WAIT", "RUN", "FREE", "ACCUMULATE"
+enum class RankOp : uint8_t {
+  Post = 0,
+  Wait = 1,
+  Run = 2,
+  Free = 3,
+  Accumulate = 4,
+  Offload = 5,
+  Fetch = 6
+};
+// "POST", "WAIT", "RUN", "FREE", "ACCUMULATE", "OFFLOAD", "FETCH"
+const char* rank_op_name(RankOp op);
 
 enum class TransferDir : uint8_t { Send = 0, Recv = 1 };
 
@@ -58,7 +86,7 @@ struct RankInstr {
   int32_t unit = -1;      // RUN
   int32_t group = -1;     // POST
   int32_t transfer = -1;  // WAIT (a receive)
-  int32_t buffer = -1;    // FREE, ACCUMULATE
+  int32_t buffer = -1;    // FREE, ACCUMULATE, OFFLOAD, FETCH
   bool operator==(const RankInstr&) const = default;
 };
 
@@ -73,6 +101,14 @@ struct RankBuffer {
   int32_t live_to = -1;  // its FREE (the plan's lifetime)
   int32_t held_from = -1;  // the RUN writing it, or the WAIT of its receive
   int32_t held_to = -1;    // the last RUN or POST on the rank reading it (>= held_from)
+  // Offload (rank_program.h, top): its OFFLOAD and FETCH instructions (-1:
+  // not offloaded), the device slot it is fetched into (in `pool`), and its
+  // host slot (host_pool: index into RankProgram::host_pools; -1: none).
+  int32_t offload = -1;
+  int32_t fetch = -1;
+  int32_t fetch_slot = -1;
+  int32_t host_pool = -1;
+  int32_t host_slot = -1;
   bool operator==(const RankBuffer&) const = default;
 };
 
@@ -120,7 +156,8 @@ struct RankProgram {
   std::vector<TransferGroup> groups;
   std::vector<RankBuffer> buffers;
   std::vector<Pool> pools;
-  int32_t share_class = -1;  // index into RankIR::share_classes
+  std::vector<Pool> host_pools;  // host memory of offloaded buffers (empty: none offloaded)
+  int32_t share_class = -1;      // index into RankIR::share_classes
   bool operator==(const RankProgram&) const = default;
 };
 
@@ -138,20 +175,41 @@ struct RankIR {
   std::string to_text() const;
 };
 
+// What a stage offloads to host memory between a microbatch's forward and
+// its backward.
+enum class Offload : uint8_t {
+  None = 0,
+  Stash = 1,  // its Stash buffers (F's residuals read by the B/I of the same microbatch)
+};
+
 struct RankIROptions {
   // Pool label of each plan row (buffer id / microbatches; Plan::num_buffer_ids
   // / microbatches entries): rows with equal labels share slots (e.g. kinds
   // whose buffers have equal shapes). Empty: one pool per row.
   std::vector<int32_t> pool_of;
+  // Per stage (num_stages entries; empty: nothing offloaded). For a stage
+  // with Offload::Stash, each of its Stash buffers with at least one other
+  // RUN of its rank between the RUN writing it and the first RUN reading it
+  // is offloaded: OFFLOAD just after the writer, FETCH just before the RUN
+  // `fetch_lookahead` RUNs before that reader, but never before the first
+  // RUN after the writer (offload.cc).
+  std::vector<Offload> offload;
+  int32_t fetch_lookahead = 1;  // >= 1
 };
 
 // The pass pipeline (one pass per file): verify the plan (VerifyError when it
-// fails), build the instruction lists (build.cc), assign slots (slots.cc),
-// find the share classes (share.cc), then verify the result.
+// fails), build the instruction lists (build.cc), place offloads
+// (offload.cc), assign slots (slots.cc), find the share classes (share.cc),
+// then verify the result. Throws ConfigError naming the field for invalid
+// options.
 RankIR build_rank_ir(const Plan& plan, const RankIROptions& opts = {});
 
 // Passes.
 RankProgram lower_rank_program(const Plan& plan, int rank);  // build.cc (slots unset)
+// Inserts the OFFLOAD / FETCH instructions opts.offload asks for (see
+// RankIROptions) and renumbers every back-reference; sets RankBuffer::offload
+// / fetch. Nothing changes when opts.offload is empty. (offload.cc)
+void place_offloads(const Plan& plan, RankProgram& prog, const RankIROptions& opts);
 void assign_slots(const Plan& plan, RankProgram& prog,
                   const RankIROptions& opts);  // slots.cc
 // Two ranks share a class when they run the same units and the same
@@ -171,10 +229,15 @@ std::vector<std::vector<int32_t>> share_classes(const Plan& plan,
 //   data: every buffer a RUN reads is present (written by an earlier RUN or
 //     received and waited on) and not yet freed; every sent buffer is present
 //     when posted;
+//   offload: an OFFLOAD of a present buffer that is not offloaded, a FETCH
+//     of an offloaded one, every offloaded buffer fetched, nothing read
+//     (RUN, SEND) between OFFLOAD and FETCH; buffer.offload / fetch agree
+//     with the instructions (under structure and data);
 //   slots: held_from / held_to are where the instructions put the buffer
 //     into its slot and last read it; every buffer a later instruction reads
 //     has a slot, in its pool's range, that holds no other buffer while it
-//     is held (verify_slots.cc);
+//     is held, over both device intervals of an offloaded buffer; host slots
+//     likewise in their host pools over [offload, fetch] (verify_slots.cc);
 //   channels: every SEND pairs with the peer's RECV of the same buffer at the
 //     same FIFO position on the same channel, and the channel is the plan's;
 //   deadlock: the programs run to their ends under the semantics above with

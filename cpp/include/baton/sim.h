@@ -54,6 +54,7 @@ struct MemorySample {
   double time = 0;
   int64_t activation = 0;  // live Stash + WStash bytes
   int64_t total = 0;       // all live buffers on the rank
+  int64_t host = 0;        // buffers held in host memory (rank programs' OFFLOAD)
 };
 
 struct CriticalStep {
@@ -73,7 +74,8 @@ struct SimResult {
   std::vector<double> span_start;                 // per rank: first RUN start (0 if none)
   std::vector<double> span_end;                   // per rank: last RUN end (0 if none)
   std::vector<int64_t> peak_activation;           // per rank, bytes
-  std::vector<int64_t> peak_total;                // per rank, bytes
+  std::vector<int64_t> peak_total;                // per rank, bytes (device)
+  std::vector<int64_t> peak_host_bytes;           // per rank, bytes in host memory (offload)
   std::vector<std::vector<MemorySample>> memory;  // per rank timeline
   // Backtracked from the event that ends last, through whichever dependency
   // set each start: the rank's previous RUN, the latest input's arrival, a
@@ -111,6 +113,16 @@ SimResult simulate(const Plan& plan, const CostModel& costs, SimOptions opts = {
 // program's instructions (recv_instr: the POST of the receive); the critical
 // path is not computed (empty). For a plan with early receives the result
 // equals simulate(ir.plan, costs) in step time, runs, transfers and memory.
+// Offload: each rank has two copy engines, device->host and host->device,
+// each FIFO in program order; a copy takes bytes / host_link_bandwidth
+// (CostModel; 0: instant). An OFFLOAD does not block the rank; its copy
+// starts when the engine is free and the buffer's device bytes are released
+// when it completes (its host bytes are held from the OFFLOAD). A FETCH does
+// not block either: it reserves the device bytes at once, its copy starts
+// when the engine is free and the OFFLOAD's copy has completed, and the host
+// bytes are released when it completes; a RUN (or a send) reading the buffer
+// waits for that (idle time, as at a WAIT). peak_host_bytes is the most host
+// memory held at once.
 struct RankIR;
 SimResult simulate(const RankIR& ir, const CostModel& costs);
 

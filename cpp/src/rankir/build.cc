@@ -196,6 +196,10 @@ const char* rank_op_name(RankOp op) {
       return "FREE";
     case RankOp::Accumulate:
       return "ACCUMULATE";
+    case RankOp::Offload:
+      return "OFFLOAD";
+    case RankOp::Fetch:
+      return "FETCH";
   }
   return "?";
 }
@@ -215,10 +219,22 @@ RankIR build_rank_ir(const Plan& plan, const RankIROptions& opts) {
         fmt::format("pool_of has {} entries; the plan has {} buffer rows "
                     "(5 kinds x {} stages + 2 x {} skip edges)",
                     opts.pool_of.size(), rows, plan.schedule.num_stages, plan.skips.size()));
+  if (!opts.offload.empty() &&
+      static_cast<int32_t>(opts.offload.size()) != plan.schedule.num_stages)
+    throw ConfigError(fmt::format("offload has {} entries; the plan has {} stages",
+                                  opts.offload.size(), plan.schedule.num_stages));
+  for (size_t s = 0; s < opts.offload.size(); ++s)
+    if (opts.offload[s] != Offload::None && opts.offload[s] != Offload::Stash)
+      throw ConfigError(fmt::format("offload[{}] is {}, not an Offload value (0 None, 1 Stash)", s,
+                                    static_cast<int>(opts.offload[s])));
+  if (opts.fetch_lookahead < 1)
+    throw ConfigError(fmt::format("fetch_lookahead must be >= 1 (RUNs ahead of the read; got {})",
+                                  opts.fetch_lookahead));
   RankIR ir;
   ir.plan = plan;
   for (int r = 0; r < plan.schedule.num_ranks; ++r) {
     ir.programs.push_back(lower_rank_program(ir.plan, r));
+    place_offloads(ir.plan, ir.programs.back(), opts);
     assign_slots(ir.plan, ir.programs.back(), opts);
   }
   ir.share_classes = share_classes(ir.plan, ir.programs);

@@ -189,6 +189,8 @@ std::vector<RollItem> rank_items(const Plan& plan, const RankProgram& prog,
       }
       case RankOp::Free:
       case RankOp::Accumulate:
+      case RankOp::Offload:
+      case RankOp::Fetch:
         break;
     }
   }

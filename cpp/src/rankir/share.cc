@@ -4,7 +4,7 @@
 //   unit: per task its kind and the index of its stage among the rank's
 //     stages; per buffer read or written its kind, its stage relative to the
 //     unit's first task (skip buffers: the edge's ends relative to it) and its
-//     microbatch relative to the first task's;
+//     microbatch relative to the first task's; whether it is offloaded;
 //   transfer: direction, peer - rank, buffer kind, the index of the rank's
 //     own stage that makes or reads the buffer and the buffer's stage
 //     relative to it.
@@ -53,6 +53,7 @@ std::set<Shape> rank_shape(const Plan& plan, const RankProgram& p) {
         const BufferKey& k = p.buffers[b].key;
         buffer_shape(plan, k, t0.stage, s);
         s.push_back(k.microbatch - t0.microbatch);
+        if (p.buffers[b].offload >= 0) s.push_back(-2);  // offloaded (offload.cc)
       }
     }
     shape.insert(std::move(s));

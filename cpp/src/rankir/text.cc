@@ -12,7 +12,12 @@
 // A transfer reads "SEND buffer->peer" or "RECV buffer<-peer", then its
 // channel and FIFO position ("ch0.1": the second on channel 0 with that
 // peer), and for a receive its slot. A buffer's slot reads "@p<pool>.<slot>";
-// a buffer that holds none (rank_program.h) shows none.
+// a buffer that holds none (rank_program.h) shows none. With offload, the
+// host pools follow the pools ("host pools: h0 stash(s0) x2", only when
+// there are any), a host slot reads "@h<pool>.<slot>", and
+//     #5 OFFLOAD stash(s0,m1) @p2.1->@h0.0
+//     #9 FETCH stash(s0,m1) @h0.0->@p2.0
+// an offloaded buffer read after its FETCH shows its fetch slot.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -54,17 +59,37 @@ std::string transfer_name(const RankIR& ir, const RankProgram& p, int32_t t) {
                      buf_name(ir, p, x.buffer), x.dir == TransferDir::Send ? "->" : "<-", x.peer);
 }
 
-// "@p<pool>.<slot>", or nothing for a buffer that holds no slot.
-std::string slot_of(const RankProgram& p, int32_t b) {
+// "@p<pool>.<slot>" of buffer b at instruction `at` (its fetch slot from its
+// FETCH on), or nothing for a buffer that holds no slot.
+std::string slot_of(const RankProgram& p, int32_t b, int at = -1) {
   if (!in_range(p.buffers, b) || p.buffers[b].pool < 0) return "";
-  return fmt::format("@p{}.{}", p.buffers[b].pool, p.buffers[b].slot);
+  const RankBuffer& rb = p.buffers[b];
+  const bool fetched = rb.fetch >= 0 && at >= rb.fetch;
+  return fmt::format("@p{}.{}", rb.pool, fetched ? rb.fetch_slot : rb.slot);
 }
 
-std::string with_slot(const RankIR& ir, const RankProgram& p, int32_t b) {
-  return fmt::format("{}{}", buf_name(ir, p, b), slot_of(p, b));
+std::string host_slot_of(const RankProgram& p, int32_t b) {
+  if (!in_range(p.buffers, b)) return "";
+  return fmt::format("@h{}.{}", p.buffers[b].host_pool, p.buffers[b].host_slot);
 }
 
-std::string instr_text(const RankIR& ir, const RankProgram& p, const RankInstr& in, bool full) {
+std::string with_slot(const RankIR& ir, const RankProgram& p, int32_t b, int at = -1) {
+  return fmt::format("{}{}", buf_name(ir, p, b), slot_of(p, b, at));
+}
+
+std::string pool_list(const Plan& plan, const std::vector<Pool>& pools, char prefix) {
+  std::string out;
+  for (size_t k = 0; k < pools.size(); ++k) {
+    out += fmt::format("{} {}{} ", k ? "," : "", prefix, k);
+    for (size_t j = 0; j < pools[k].rows.size(); ++j)
+      out += fmt::format("{}{}", j ? "+" : "", row_name(plan, pools[k].rows[j]));
+    out += fmt::format(" x{}", pools[k].slots);
+  }
+  return out;
+}
+
+std::string instr_text(const RankIR& ir, const RankProgram& p, const RankInstr& in, bool full,
+                       int at) {
   switch (in.op) {
     case RankOp::Post: {
       if (!in_range(p.groups, in.group)) return fmt::format("POST group#{}?", in.group);
@@ -76,7 +101,7 @@ std::string instr_text(const RankIR& ir, const RankProgram& p, const RankInstr& 
         if (full && in_range(p.transfers, ts[k])) {
           const Transfer& t = p.transfers[ts[k]];
           out += fmt::format(" ch{}.{}", t.channel, t.seq);
-          if (t.dir == TransferDir::Recv) out += fmt::format(" {}", slot_of(p, t.buffer));
+          if (t.dir == TransferDir::Recv) out += fmt::format(" {}", slot_of(p, t.buffer, at));
         }
       }
       return out;
@@ -93,7 +118,7 @@ std::string instr_text(const RankIR& ir, const RankProgram& p, const RankInstr& 
       if (!full) return out;
       out += " reads";
       if (u.reads.empty()) out += " -";
-      for (int32_t b : u.reads) out += fmt::format(" {}", with_slot(ir, p, b));
+      for (int32_t b : u.reads) out += fmt::format(" {}", with_slot(ir, p, b, at));
       out += " writes";
       if (u.writes.empty()) out += " -";
       for (int32_t b : u.writes) out += fmt::format(" {}", with_slot(ir, p, b));
@@ -103,6 +128,17 @@ std::string instr_text(const RankIR& ir, const RankProgram& p, const RankInstr& 
       return fmt::format("FREE {}", buf_name(ir, p, in.buffer));
     case RankOp::Accumulate:
       return fmt::format("ACCUMULATE {}", buf_name(ir, p, in.buffer));
+    case RankOp::Offload: {
+      std::string out = fmt::format("OFFLOAD {}", buf_name(ir, p, in.buffer));
+      if (full) out += fmt::format(" {}->{}", slot_of(p, in.buffer), host_slot_of(p, in.buffer));
+      return out;
+    }
+    case RankOp::Fetch: {
+      std::string out = fmt::format("FETCH {}", buf_name(ir, p, in.buffer));
+      if (full)
+        out += fmt::format(" {}->{}", host_slot_of(p, in.buffer), slot_of(p, in.buffer, at));
+      return out;
+    }
   }
   return fmt::format("op#{}?", static_cast<int>(in.op));
 }
@@ -113,7 +149,8 @@ std::string RankIR::describe(int rank, int instr) const {
   if (!valid(*this, rank, instr))
     return fmt::format("rank {} #{} (no such instruction)", rank, instr);
   const RankProgram& p = programs[rank];
-  return fmt::format("rank {} #{} {}", rank, instr, instr_text(*this, p, p.instrs[instr], false));
+  return fmt::format("rank {} #{} {}", rank, instr,
+                     instr_text(*this, p, p.instrs[instr], false, instr));
 }
 
 std::string RankIR::to_text() const {
@@ -132,16 +169,11 @@ std::string RankIR::to_text() const {
     out += fmt::format("rank {}: stages [{}], class {}, {} units, {} transfers, {} instructions\n",
                        p.rank, fmt::join(p.stages, ","), p.share_class, p.units.size(),
                        p.transfers.size(), p.instrs.size());
-    out += "  pools:";
-    for (size_t k = 0; k < p.pools.size(); ++k) {
-      out += fmt::format("{} p{} ", k ? "," : "", k);
-      for (size_t j = 0; j < p.pools[k].rows.size(); ++j)
-        out += fmt::format("{}{}", j ? "+" : "", row_name(plan, p.pools[k].rows[j]));
-      out += fmt::format(" x{}", p.pools[k].slots);
-    }
-    out += "\n";
+    out += "  pools:" + pool_list(plan, p.pools, 'p') + "\n";
+    if (!p.host_pools.empty()) out += "  host pools:" + pool_list(plan, p.host_pools, 'h') + "\n";
     for (size_t i = 0; i < p.instrs.size(); ++i)
-      out += fmt::format("  #{} {}\n", i, instr_text(*this, p, p.instrs[i], true));
+      out += fmt::format("  #{} {}\n", i,
+                         instr_text(*this, p, p.instrs[i], true, static_cast<int>(i)));
   }
   return out;
 }

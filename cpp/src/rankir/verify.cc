@@ -66,6 +66,27 @@ bool IRVerifier::structure() {
           if (!in_range(p.buffers, in.buffer))
             bad(fmt::format("{} of buffer {}, out of range", rank_op_name(in.op), in.buffer));
           break;
+        case RankOp::Offload:
+        case RankOp::Fetch: {
+          if (!in_range(p.buffers, in.buffer)) {
+            bad(fmt::format("{} of buffer {}, out of range", rank_op_name(in.op), in.buffer));
+            break;
+          }
+          // A back-reference that disagrees is reported, but the checks
+          // below read the instructions, not these fields: they go on.
+          const RankBuffer& rb = p.buffers[in.buffer];
+          const int32_t said = in.op == RankOp::Offload ? rb.offload : rb.fetch;
+          if (said != i)
+            add("structure",
+                fmt::format("rank {} #{}: {} is {} here but records its {} at #{}", r, i,
+                            rb.id >= 0 && rb.id < plan_.num_buffer_ids()
+                                ? buf(r, in.buffer)
+                                : fmt::format("buffer {}", in.buffer),
+                            in.op == RankOp::Offload ? "offloaded" : "fetched", rank_op_name(in.op),
+                            said),
+                {r}, {i}, rb.key);
+          break;
+        }
         default:
           bad(fmt::format("unknown opcode {}", static_cast<int>(in.op)));
       }
@@ -91,6 +112,20 @@ bool IRVerifier::structure() {
         ok = false;
         add("structure", fmt::format("rank {}: buffer id {} out of range", r, b.id), {r}, {});
       }
+    for (int32_t b = 0; b < static_cast<int32_t>(p.buffers.size()); ++b) {
+      const RankBuffer& rb = p.buffers[b];
+      if (rb.id < 0 || rb.id >= plan_.num_buffer_ids()) continue;
+      for (const auto& [at, op] :
+           {std::pair{rb.offload, RankOp::Offload}, {rb.fetch, RankOp::Fetch}})
+        if (at >= 0 &&
+            (!in_range(p.instrs, at) || p.instrs[at].op != op || p.instrs[at].buffer != b))
+          add("structure",
+              fmt::format("rank {}: {} records its {} at #{}, but {}", r, buf(r, b),
+                          rank_op_name(op), at,
+                          in_range(p.instrs, at) ? d(r, at) + " is not one"
+                                                 : std::string("there is no such instruction")),
+              {r}, {at}, rb.key);
+    }
     for (size_t g = 0; g < p.groups.size(); ++g)
       for (int32_t t : p.groups[g].transfers)
         if (!in_range(p.transfers, t)) {
@@ -113,6 +148,20 @@ void IRVerifier::scan(int r) {
   std::vector<int32_t> created(p.buffers.size(), -1), present(p.buffers.size(), 0);
   std::vector<int32_t> waited(p.transfers.size(), -1), send_of(p.buffers.size(), -1);
   std::vector<int32_t> recv_of(p.buffers.size(), -1);
+  // Offload: per buffer the OFFLOAD it is offloaded by (-1: on the device),
+  // and where its FETCHes are.
+  std::vector<int32_t> offloaded(p.buffers.size(), -1);
+  std::vector<std::vector<int32_t>> fetches(p.buffers.size());
+  for (int i = 0; i < n; ++i)
+    if (p.instrs[i].op == RankOp::Fetch) fetches[p.instrs[i].buffer].push_back(i);
+  // "(OFFLOAD at #3, FETCH at #9)": the buffer's OFFLOAD and its next FETCH.
+  auto offload_span = [&](int32_t b, int i) {
+    const auto& f = fetches[b];
+    const auto it = std::upper_bound(f.begin(), f.end(), i);
+    return fmt::format(
+        "(OFFLOAD at #{}, {})", offloaded[b],
+        it == f.end() ? std::string("never fetched") : fmt::format("FETCH at #{}", *it));
+  };
   for (int32_t t = 0; t < static_cast<int32_t>(p.transfers.size()); ++t)
     (p.transfers[t].dir == TransferDir::Send ? send_of : recv_of)[p.transfers[t].buffer] = t;
   std::map<std::tuple<int, int, int>, int32_t> count;  // (dir, peer, channel) -> next seq
@@ -161,6 +210,11 @@ void IRVerifier::scan(int r) {
                 fmt::format("{} sends a buffer that is {}", at(r, t),
                             sc.freed[x.buffer] >= 0 ? "already freed" : "not present"),
                 {r}, {i}, key(r, x.buffer));
+          } else if (offloaded[x.buffer] >= 0) {
+            add("data",
+                fmt::format("{} sends {} while it is offloaded {}", at(r, t), buf(r, x.buffer),
+                            offload_span(x.buffer, i)),
+                {r, r}, {offloaded[x.buffer], i}, key(r, x.buffer));
           }
         }
         break;
@@ -200,7 +254,14 @@ void IRVerifier::scan(int r) {
       case RankOp::Run: {
         const Unit& u = p.units[in.unit];
         for (int32_t b : u.reads) {
-          if (present[b] && sc.freed[b] < 0) continue;
+          if (present[b] && sc.freed[b] < 0) {
+            if (offloaded[b] >= 0)
+              add("data",
+                  fmt::format("{} reads {} while it is offloaded {}", d(r, i), buf(r, b),
+                              offload_span(b, i)),
+                  {r, r}, {offloaded[b], i}, key(r, b));
+            continue;
+          }
           std::string why;
           if (sc.freed[b] >= 0)
             why = fmt::format("it was freed at #{}", sc.freed[b]);
@@ -241,13 +302,47 @@ void IRVerifier::scan(int r) {
         break;
       }
       case RankOp::Accumulate:
-        if (!present[in.buffer] || sc.freed[in.buffer] >= 0 ||
+        if (!present[in.buffer] || sc.freed[in.buffer] >= 0 || offloaded[in.buffer] >= 0 ||
             p.buffers[in.buffer].key.kind != BufKind::WGrad)
           add("data", fmt::format("{}: not a present weight gradient", d(r, i)), {r}, {i},
               key(r, in.buffer));
         break;
+      case RankOp::Offload: {
+        const int32_t b = in.buffer;
+        if (!present[b] || sc.freed[b] >= 0) {
+          add("data",
+              fmt::format("{} offloads a buffer that is not present: {}", d(r, i),
+                          sc.freed[b] >= 0  ? fmt::format("it was freed at #{}", sc.freed[b])
+                          : created[b] >= 0 ? std::string("its receive is not waited on before")
+                                            : std::string("no earlier instruction writes it")),
+              {r}, {i}, key(r, b));
+        } else if (offloaded[b] >= 0) {
+          add("data",
+              fmt::format("{} offloads {} again: it is offloaded since #{}", d(r, i), buf(r, b),
+                          offloaded[b]),
+              {r, r}, {offloaded[b], i}, key(r, b));
+        } else {
+          offloaded[b] = i;
+        }
+        break;
+      }
+      case RankOp::Fetch: {
+        const int32_t b = in.buffer;
+        if (offloaded[b] < 0) {
+          add("data", fmt::format("{} fetches {}, which is not offloaded", d(r, i), buf(r, b)), {r},
+              {i}, key(r, b));
+          break;
+        }
+        offloaded[b] = -1;
+        break;
+      }
     }
   }
+  for (int32_t b = 0; b < static_cast<int32_t>(p.buffers.size()); ++b)
+    if (offloaded[b] >= 0)
+      add("data",
+          fmt::format("{} offloads {}, which is never fetched", d(r, offloaded[b]), buf(r, b)), {r},
+          {offloaded[b]}, key(r, b));
   for (int32_t t = 0; t < static_cast<int32_t>(p.transfers.size()); ++t) {
     const Transfer& x = p.transfers[t];
     if (sc.posted[t] < 0 && (x.dir == TransferDir::Send || x.wait < 0))

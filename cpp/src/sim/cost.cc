@@ -100,6 +100,7 @@ void CostModel::validate() const {
   }
   kFields.check_time(link.latency, "link.latency");
   kFields.check_time(link.bandwidth, "link.bandwidth");
+  kFields.check_time(host_link_bandwidth, "host_link_bandwidth");
   if (!std::isfinite(fused_factor) || fused_factor <= 0)
     throw ConfigError(
         fmt::format("cost model: fused_factor must be finite and > 0 (got {})", fused_factor));
@@ -150,13 +151,15 @@ CostModel CostModel::from_json(const std::string& text) {
       }
     } else if (key == "link") {
       kFields.apply_link(val, c.link);
+    } else if (key == "host_link_bandwidth") {
+      c.host_link_bandwidth = kFields.get_number(val, "host_link_bandwidth");
     } else if (key == "fused_factor") {
       c.fused_factor = kFields.get_number(val, "fused_factor");
     } else {
-      throw FormatError(fmt::format(
-          "cost JSON: unknown key '{}' (top-level keys: default, stages, skips, link, "
-          "fused_factor)",
-          key));
+      throw FormatError(
+          fmt::format("cost JSON: unknown key '{}' (top-level keys: default, stages, skips, link, "
+                      "host_link_bandwidth, fused_factor)",
+                      key));
     }
   }
   c.validate();
@@ -179,6 +182,7 @@ std::string CostModel::to_json() const {
     j["skips"] = std::move(sk);
   }
   j["link"] = json{{"latency", link.latency}, {"bandwidth", link.bandwidth}};
+  j["host_link_bandwidth"] = host_link_bandwidth;
   j["fused_factor"] = fused_factor;
   return j.dump(2);
 }

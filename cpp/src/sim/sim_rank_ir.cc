@@ -3,7 +3,9 @@
 // starts each of its sends on the link (FIFO per ordered rank pair, in post
 // order) and reserves each receive's buffer; a WAIT advances the rank to the
 // arrival (no earlier than the receive's post); a RUN lasts its task cost; a
-// FREE releases its buffer then, or when its send completes.
+// FREE releases its buffer then, or when its send completes. OFFLOAD and
+// FETCH start copies on the rank's copy engines (one per direction, FIFO;
+// sim.h) and never block; what reads a fetched buffer waits for its copy.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -21,7 +23,7 @@ namespace {
 
 struct MemEv {
   double time;
-  int64_t act, total;
+  int64_t act, total, host;
 };
 
 struct SendInfo {
@@ -62,7 +64,20 @@ class IRSim {
   void mem(int r, double t, int32_t id, int sign) {
     bool act = false;
     const int64_t b = bytes_of(id, &act) * sign;
-    mem_[r].push_back({t, act ? b : 0, b});
+    mem_[r].push_back({t, act ? b : 0, b, 0});
+  }
+  void host_mem(int r, double t, int32_t id, int sign) {
+    bool act = false;
+    mem_[r].push_back({t, 0, 0, bytes_of(id, &act) * sign});
+  }
+  // A device <-> host copy of buffer `id` on an engine free from `free`, not
+  // before `ready`: its end (the engine's next free time).
+  double copy(double& free, double ready, int32_t id) const {
+    bool act = false;
+    const double bytes = static_cast<double>(bytes_of(id, &act));
+    const double bw = costs_.host_link_bandwidth;
+    free = std::max(free, ready) + (bw > 0 ? bytes / bw : 0.0);
+    return free;
   }
   double unit_time(const Unit& u) const {
     const Task& a = u.tasks.front();
@@ -97,6 +112,11 @@ class IRSim {
   std::vector<std::tuple<int, Key, double, int32_t>> pending_release_;
   std::vector<std::vector<uint8_t>> internal_;  // per rank, per buffer: inside a fused action
   std::vector<std::vector<int32_t>> send_of_;   // per rank, per buffer: its SEND transfer or -1
+  // Offload: per rank the free time of its copy engines (device->host,
+  // host->device), per rank and buffer when its OFFLOAD's copy and its
+  // FETCH's copy complete (-1: none).
+  std::vector<double> d2h_free_, h2d_free_;
+  std::vector<std::vector<double>> offload_end_, fetch_end_;
 };
 
 bool IRSim::step(int r) {
@@ -125,7 +145,7 @@ bool IRSim::step(int r) {
                                              : 0.0);
           double& lf = link_free_[static_cast<size_t>(r) * plan_.schedule.num_ranks + t.peer];
           s.posted = now;
-          s.start = std::max(now, lf);
+          s.start = std::max({now, lf, fetch_end_[r][t.buffer]});
           lf = s.start + s.dur;
           s.src = r;
           s.instr = i;
@@ -143,6 +163,7 @@ bool IRSim::step(int r) {
       }
       case RankOp::Run: {
         const Unit& u = p.units[in.unit];
+        for (int32_t b : u.reads) now = std::max(now, fetch_end_[r][b]);  // fetched: arrived
         const double dur = unit_time(u);
         res_.runs.push_back(RunEvent{r, i, u.action, now, now + dur});
         for (int32_t b : u.writes)
@@ -163,6 +184,22 @@ bool IRSim::step(int r) {
       }
       case RankOp::Accumulate:
         break;
+      case RankOp::Offload: {
+        const int32_t id = p.buffers[in.buffer].id;
+        const double end = copy(d2h_free_[r], now, id);
+        offload_end_[r][in.buffer] = end;
+        host_mem(r, now, id, +1);
+        if (!internal_[r][in.buffer]) mem(r, end, id, -1);
+        break;
+      }
+      case RankOp::Fetch: {
+        const int32_t id = p.buffers[in.buffer].id;
+        if (!internal_[r][in.buffer]) mem(r, now, id, +1);
+        const double end = copy(h2d_free_[r], std::max(now, offload_end_[r][in.buffer]), id);
+        fetch_end_[r][in.buffer] = end;
+        host_mem(r, end, id, -1);
+        break;
+      }
     }
     ++pc_[r];
     moved = true;
@@ -180,9 +217,15 @@ SimResult IRSim::run() {
   res_.busy.assign(R, 0.0);
   internal_.assign(R, {});
   send_of_.assign(R, {});
+  d2h_free_.assign(R, 0.0);
+  h2d_free_.assign(R, 0.0);
+  offload_end_.assign(R, {});
+  fetch_end_.assign(R, {});
   for (int r = 0; r < R; ++r) {
     const RankProgram& p = ir_.programs[r];
     internal_[r].assign(p.buffers.size(), 0);
+    offload_end_[r].assign(p.buffers.size(), -1.0);
+    fetch_end_[r].assign(p.buffers.size(), -1.0);
     send_of_[r].assign(p.buffers.size(), -1);
     for (int32_t t = 0; t < static_cast<int32_t>(p.transfers.size()); ++t)
       if (p.transfers[t].dir == TransferDir::Send) send_of_[r][p.transfers[t].buffer] = t;
@@ -210,6 +253,8 @@ SimResult IRSim::run() {
     const double end = std::max(s.start + s.dur, rp == recv_post_.end() ? 0.0 : rp->second.first);
     mem(r, std::max(t, end), id, -1);
   }
+  for (int r = 0; r < R; ++r)  // the copies may end after the rank's last RUN
+    res_.step_time = std::max({res_.step_time, d2h_free_[r], h2d_free_[r]});
   for (const auto& [k, s] : sends_) {
     const auto& [post, wait_instr] = recv_post_.at(k);
     TransferEvent e;
@@ -248,24 +293,27 @@ SimResult IRSim::run() {
   res_.memory.assign(R, {});
   res_.peak_activation.assign(R, 0);
   res_.peak_total.assign(R, 0);
+  res_.peak_host_bytes.assign(R, 0);
   for (int r = 0; r < R; ++r) {
     auto& ev = mem_[r];
     std::stable_sort(ev.begin(), ev.end(),
                      [](const MemEv& a, const MemEv& b) { return a.time < b.time; });
     auto& out = res_.memory[r];
-    out.push_back({0.0, 0, 0});
-    int64_t act = 0, total = 0;
+    out.push_back({0.0, 0, 0, 0});
+    int64_t act = 0, total = 0, host = 0;
     for (const MemEv& e : ev) {
       act += e.act;
       total += e.total;
+      host += e.host;
       if (out.back().time == e.time)
-        out.back() = {e.time, act, total};
+        out.back() = {e.time, act, total, host};
       else
-        out.push_back({e.time, act, total});
+        out.push_back({e.time, act, total, host});
     }
     for (const MemorySample& m : out) {
       res_.peak_activation[r] = std::max(res_.peak_activation[r], m.activation);
       res_.peak_total[r] = std::max(res_.peak_total[r], m.total);
+      res_.peak_host_bytes[r] = std::max(res_.peak_host_bytes[r], m.host);
     }
   }
   return std::move(res_);

@@ -33,6 +33,7 @@ void append_task(std::string& out, const Task& t) {
 void Simulator::finish_memory() {
   res_.peak_activation.assign(P_, 0);
   res_.peak_total.assign(P_, 0);
+  res_.peak_host_bytes.assign(P_, 0);
   std::vector<MemorySample> merged;
   for (int32_t r = 0; r < P_; ++r) {
     auto& late = late_[r];
