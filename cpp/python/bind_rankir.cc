@@ -19,7 +19,13 @@ void init_rankir(nb::module_& m) {
       .value("WAIT", baton::RankOp::Wait)
       .value("RUN", baton::RankOp::Run)
       .value("FREE", baton::RankOp::Free)
-      .value("ACCUMULATE", baton::RankOp::Accumulate);
+      .value("ACCUMULATE", baton::RankOp::Accumulate)
+      .value("OFFLOAD", baton::RankOp::Offload)
+      .value("FETCH", baton::RankOp::Fetch);
+  // NONE, not None: `None` cannot be an attribute name in Python.
+  nb::enum_<baton::Offload>(m, "Offload", "What a stage offloads to host memory (rank_program.h).")
+      .value("NONE", baton::Offload::None)
+      .value("STASH", baton::Offload::Stash);
   nb::enum_<baton::TransferDir>(m, "TransferDir")
       .value("SEND", baton::TransferDir::Send)
       .value("RECV", baton::TransferDir::Recv);
@@ -39,7 +45,12 @@ void init_rankir(nb::module_& m) {
       .def_ro("live_from", &baton::RankBuffer::live_from)
       .def_ro("live_to", &baton::RankBuffer::live_to)
       .def_ro("held_from", &baton::RankBuffer::held_from)
-      .def_ro("held_to", &baton::RankBuffer::held_to);
+      .def_ro("held_to", &baton::RankBuffer::held_to)
+      .def_ro("offload", &baton::RankBuffer::offload)
+      .def_ro("fetch", &baton::RankBuffer::fetch)
+      .def_ro("fetch_slot", &baton::RankBuffer::fetch_slot)
+      .def_ro("host_pool", &baton::RankBuffer::host_pool)
+      .def_ro("host_slot", &baton::RankBuffer::host_slot);
   nb::class_<baton::Pool>(m, "Pool", "Plan rows that share slots, and the number of slots.")
       .def_ro("rows", &baton::Pool::rows)
       .def_ro("slots", &baton::Pool::slots);
@@ -69,6 +80,7 @@ void init_rankir(nb::module_& m) {
       .def_ro("groups", &baton::RankProgram::groups)
       .def_ro("buffers", &baton::RankProgram::buffers)
       .def_ro("pools", &baton::RankProgram::pools)
+      .def_ro("host_pools", &baton::RankProgram::host_pools)
       .def_ro("share_class", &baton::RankProgram::share_class)
       .def("__repr__", [](const baton::RankProgram& p) {
         return fmt::format("RankProgram(rank={}, units={}, transfers={}, instrs={})", p.rank,
@@ -82,16 +94,33 @@ void init_rankir(nb::module_& m) {
       .def("to_text", &baton::RankIR::to_text)
       .def("__str__", &baton::RankIR::to_text);
 
+  nb::class_<baton::RankIROptions>(m, "RankIROptions", "Options of build_rank_ir.")
+      .def(nb::init<>())
+      .def_rw("pool_of", &baton::RankIROptions::pool_of)
+      .def_rw("offload", &baton::RankIROptions::offload)
+      .def_rw("fetch_lookahead", &baton::RankIROptions::fetch_lookahead);
   m.def(
       "build_rank_ir",
-      [](const baton::Plan& plan, const std::vector<int32_t>& pool_of) {
+      [](const baton::Plan& plan, const std::vector<int32_t>& pool_of,
+         const std::vector<baton::Offload>& offload, int32_t fetch_lookahead) {
         baton::RankIROptions o;
         o.pool_of = pool_of;
+        o.offload = offload;
+        o.fetch_lookahead = fetch_lookahead;
         return baton::build_rank_ir(plan, o);
       },
-      "plan"_a, "pool_of"_a = std::vector<int32_t>{},
+      "plan"_a, "pool_of"_a = std::vector<int32_t>{}, "offload"_a = std::vector<baton::Offload>{},
+      "fetch_lookahead"_a = 1,
       "Rank programs of a plan (verifies the plan and the result). pool_of: per plan row "
-      "(buffer id // microbatches), a label; rows of one label share slots.");
+      "(buffer id // microbatches), a label; rows of one label share slots. offload: per "
+      "stage an Offload (empty: none); Offload.STASH moves the stage's stashes to host memory "
+      "between their forward and backward, fetched fetch_lookahead RUNs ahead of their read.");
+  m.def(
+      "build_rank_ir",
+      [](const baton::Plan& plan, const baton::RankIROptions& options) {
+        return baton::build_rank_ir(plan, options);
+      },
+      "plan"_a, "options"_a, "Rank programs of a plan with the given options.");
   m.def("verify_rank_ir", &baton::verify_rank_ir, "ir"_a);
   m.def("rank_op_name", [](baton::RankOp op) { return std::string(baton::rank_op_name(op)); });
   m.def(
@@ -134,8 +163,8 @@ void init_rankir(nb::module_& m) {
       .def_ro("items", &baton::RolledRank::items)
       .def_ro("runs", &baton::RolledRank::runs)
       .def("to_text", &baton::RolledRank::to_text, "plan"_a);
-  m.def("rank_items", &baton::rank_items, "plan"_a, "program"_a,
-        "options"_a = baton::RollOptions(), "A rank program's items, in order (roll.h).");
+  m.def("rank_items", &baton::rank_items, "plan"_a, "program"_a, "options"_a = baton::RollOptions(),
+        "A rank program's items, in order (roll.h).");
   m.def("roll_rank", &baton::roll_rank, "plan"_a, "program"_a, "options"_a = baton::RollOptions(),
         "A rank program's items and their runs of a repeating pattern (roll.h).");
 }

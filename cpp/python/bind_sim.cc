@@ -95,6 +95,7 @@ void bind_cost(nb::module_& m) {
       .def_rw("stages", &baton::CostModel::stages)
       .def_rw("skips", &baton::CostModel::skips)
       .def_rw("link", &baton::CostModel::link)
+      .def_rw("host_link_bandwidth", &baton::CostModel::host_link_bandwidth)
       .def_rw("fused_factor", &baton::CostModel::fused_factor)
       .def(
           "stage", [](const baton::CostModel& c, int s) { return c.stage(s); }, "stage"_a)
@@ -147,7 +148,8 @@ void bind_sim(nb::module_& m) {
   nb::class_<baton::MemorySample>(m, "MemorySample")
       .def_ro("time", &baton::MemorySample::time)
       .def_ro("activation", &baton::MemorySample::activation)
-      .def_ro("total", &baton::MemorySample::total);
+      .def_ro("total", &baton::MemorySample::total)
+      .def_ro("host", &baton::MemorySample::host);
 
   nb::class_<baton::CriticalStep>(m, "CriticalStep")
       .def_ro("rank", &baton::CriticalStep::rank)
@@ -168,6 +170,7 @@ void bind_sim(nb::module_& m) {
                  .def_ro("transfers", &baton::SimResult::transfers)
                  .def_ro("peak_activation", &baton::SimResult::peak_activation)
                  .def_ro("peak_total", &baton::SimResult::peak_total)
+                 .def_ro("peak_host_bytes", &baton::SimResult::peak_host_bytes)
                  .def_ro("memory", &baton::SimResult::memory)
                  .def_ro("critical_path", &baton::SimResult::critical_path);
   bind_spans(sim);
