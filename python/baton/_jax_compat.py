@@ -469,3 +469,18 @@ def saved_residuals(f, *args) -> list:
     as ``jax.ad_checkpoint.print_saved_residuals`` lists them (arguments included)."""
     from jax._src.ad_checkpoint import saved_residuals as _saved
     return list(_saved(f, *args))
+
+
+# JAX releases whose CPU client hangs running a collective across processes from an executable
+# it loaded from the persistent compilation cache: the processes' Gloo all-reduces never meet.
+# Found with two processes of two CPU devices each running one jitted all-reduce twice over one
+# cache directory: JAX 0.11.0 and 0.12.0 finish the second run, 0.12.1 hangs in it.
+_CACHED_CROSS_PROCESS_HANG = frozenset({"0.12.1"})
+
+
+def cached_cross_process_collectives_hang(platform: str) -> bool:
+    """Whether this JAX hangs, on ``platform``, running a cross-process collective loaded
+    from the persistent compilation cache, with that cache turned on."""
+    return (platform == "cpu" and jax.__version__ in _CACHED_CROSS_PROCESS_HANG
+            and bool(jax.config.jax_enable_compilation_cache)
+            and bool(jax.config.jax_compilation_cache_dir))

@@ -9,7 +9,6 @@ back by one plain process holds the state plain JAX has after two steps."""
 from __future__ import annotations
 
 import os
-import socket
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
 
@@ -17,7 +16,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from baton import checkpoint as ckpt  # noqa: E402
-from launched import run_workers  # noqa: E402
+from launched import distributed_env, run_workers  # noqa: E402
 
 WORKER = '''
 import json, os, sys
@@ -88,14 +87,10 @@ jax.distributed.shutdown()
 '''
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_ranks_spanning_processes_init_checkpoint_and_restore(tmp_path, monkeypatch):
-    monkeypatch.setenv("BATON_TEST_COORD", f"127.0.0.1:{free_port()}")
+    for name, value in distributed_env().items():
+        monkeypatch.setenv(name, value)
     got = run_workers(tmp_path, WORKER, nprocs=4)
     assert [g["ranks"] for g in got] == [[0], [0], [1], [1]]
     # each process made only its rank's leaves: layer 0 and its momentum on rank 0's two

@@ -30,6 +30,7 @@ import pytest  # noqa: E402
 
 import baton  # noqa: E402
 from baton.frontend.tasks import FUSED_FB  # noqa: E402
+from launched import distributed_env  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent / "examples"))
@@ -436,13 +437,6 @@ def assert_matches_plain_gpt(npz, stages):
         np.testing.assert_allclose(got[f"x{j}"], np.asarray(w), rtol=1e-5, atol=3e-5)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("schedule", ["1f1b", pytest.param("fsdp", marks=pytest.mark.heavy)])
 def test_ranks_spanning_processes(tmp_path, schedule):
@@ -455,7 +449,7 @@ def test_ranks_spanning_processes(tmp_path, schedule):
     ``test_moe_experts_across_processes``.)"""
     name = f"gpt-span-{schedule}"
     p, _ = launch(tmp_path, 4, name, devices=2, timeout=300,
-                  env={"BATON_TEST_COORD": f"127.0.0.1:{free_port()}"})
+                  env=distributed_env())
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
     assert_matches_plain_gpt(tmp_path / f"{name}.npz", 4 if schedule == "fsdp" else 2)
     # 1F1B: stage 0's F and B, stage 1's fused FB, per microbatch
@@ -481,7 +475,7 @@ def test_dead_process_stops_spanning_ranks(tmp_path):
     ``heavy`` (four processes of two devices; a dead process of one-device ranks is
     test_multi_rank_process.py's ``kill`` case)."""
     p, elapsed = launch(tmp_path, 4, "gpt-span-die", devices=2, timeout=240,
-                        env={"BATON_TEST_COORD": f"127.0.0.1:{free_port()}"})
+                        env=distributed_env())
     out = p.stdout + p.stderr
     assert p.returncode == 9, out[-6000:]
     assert "baton.launch: failed: rank 3 exited with code 9" in out, out[-6000:]

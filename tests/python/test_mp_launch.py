@@ -241,3 +241,32 @@ def test_spanning_layout(layout, me, error):
     else:
         with pytest.raises(baton.ConfigError, match=error):
             spanning_layout(mesh, me)
+
+
+def test_spanning_ranks_refused_where_cached_collectives_hang(monkeypatch):
+    """A JAX release that hangs running cross-process collectives loaded from its persistent
+    compilation cache: with the cache on, a mesh whose ranks span processes is refused on the
+    CPU by name, before anything compiles; with the cache off, or on another platform, not."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from baton import _jax_compat
+    from baton.frontend import distributed
+
+    monkeypatch.setattr(_jax_compat, "_CACHED_CROSS_PROCESS_HANG", frozenset({jax.__version__}))
+    mesh = SimpleNamespace(rank_devices=[[SimpleNamespace(platform="cpu")]],
+                           rank_procs=[[0], [1, 2]])
+    was = (jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir)
+    try:
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_compilation_cache_dir", "/tmp/baton-test-cache")
+        assert not _jax_compat.cached_cross_process_collectives_hang("gpu")
+        with pytest.raises(baton.ConfigError, match=r"rank 1 spans processes \[1, 2\].*"
+                           r"JAX_ENABLE_COMPILATION_CACHE=false"):
+            distributed._check_cache_for_spanning(mesh)
+        jax.config.update("jax_enable_compilation_cache", False)
+        distributed._check_cache_for_spanning(mesh)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was[0])
+        jax.config.update("jax_compilation_cache_dir", was[1])

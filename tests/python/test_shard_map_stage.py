@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import baton  # noqa: E402
+from launched import distributed_env  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 D, H, BATCH, MICRO, STEPS = 8, 16, 16, 4, 3
@@ -268,13 +269,6 @@ T.worker_main(sys.argv[1], sys.argv[2])
 """
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -283,7 +277,7 @@ def test_shard_map_in_stages_across_processes(tmp_path, layout):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu",
-               BATON_TEST_COORD=f"127.0.0.1:{free_port()}")
+               **distributed_env())
     p = subprocess.run([sys.executable, "-m", "baton.launch", "--nprocs", str(procs),
                         "--grace", "20", "--timeout", "285", str(script), layout,
                         str(tmp_path)],

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from .._jax_compat import cached_cross_process_collectives_hang
 from ..errors import ConfigError
 from ..runtime import rendezvous
 from .mesh import BATCH_AXES, DATA_AXIS, PipelineMesh
@@ -309,6 +310,7 @@ def process_mesh(local: Any, world_size: int):
                     f"processes {missing} (of {world_size}): every process must hold a slot "
                     f"of one rank")
             m.ranks_per_process = 1
+            _check_cache_for_spanning(m)
             return m
     else:
         m = PipelineMesh.__new__(PipelineMesh)
@@ -320,6 +322,25 @@ def process_mesh(local: Any, world_size: int):
     m.meshes = list(m.meshes) * world_size
     m.rank_procs = [[r // k] for r in range(len(m.rank_devices))]
     return m
+
+
+def _check_cache_for_spanning(mesh: PipelineMesh) -> None:
+    """Refuses, before anything is compiled, a mesh whose ranks span processes on a JAX that
+    hangs running cross-process collectives loaded from its persistent compilation cache
+    (:func:`baton._jax_compat.cached_cross_process_collectives_hang`): every process takes
+    the same decision from the same mesh and configuration, so all of them raise."""
+    platform = mesh.rank_devices[0][0].platform
+    if not cached_cross_process_collectives_hang(platform):
+        return
+    r, procs = next((r, ps) for r, ps in enumerate(mesh.rank_procs) if len(ps) > 1)
+    raise ConfigError(
+        f"baton.jit: rank {r} spans processes {procs}, so its programs run collectives across "
+        f"processes, and JAX {jax.__version__} on {platform} hangs running such a collective "
+        f"from an executable it loaded from the persistent compilation cache "
+        f"({jax.config.jax_compilation_cache_dir}): turn the cache off for this run "
+        f"(JAX_ENABLE_COMPILATION_CACHE=false, or jax.config.update("
+        f"'jax_enable_compilation_cache', False) before the first compile), or use another "
+        f"JAX release")
 
 
 def _host(x) -> np.ndarray:
