@@ -85,6 +85,7 @@ CASES = (
     Case("memory.py", ("--dim", "16", "--seq", "8", "--batch", "4", "--microbatches", "2",
                        "--schedules", "1f1b",
                        "--configs", "gpt pipe 2 x data 2 x tensor 2,gpt pipe 4 compiled")),
+    Case("offload.py", ("--smoke",)),
     Case("one_rank.py", ("--schedules", "1f1b", "--dims", "32", "--rounds", "1",
                          "--microbatches", "2", "--mb-size", "1", "--seq", "8")),
     Case("pinned.py", ("--schedules", "1f1b", "--one-rank", "1f1b", "--microbatches", "2",

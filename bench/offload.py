@@ -1,0 +1,143 @@
+"""Activation offload in the simulator: each schedule's rank programs with every stage's stash
+offloaded to host memory between its forward and its backward (OFFLOAD after the forward,
+FETCH one RUN ahead of the backward; docs/RANK_IR.md "Offload"), simulated against the same
+programs without offload. Prints two tables:
+
+1. unit costs (a 1F1B stage's F = 1, B = 2, I = W = 1; a chunk of a V or interleaved schedule
+   costs its share), one stash of a 1F1B stage = 1 unit of bytes, at several values of k, the
+   time to move one stash over the host link divided by that stage's forward time: step time
+   and the largest rank's device-memory peak relative to the same schedule without offload,
+   and the largest rank's host-memory peak;
+2. k of one transformer layer on real hardware, from cited constants (below), and what full
+   offload does to 1F1B, interleaved and V-Half there.
+
+Nothing is measured: this is the planner's simulator over the verified rank programs.
+
+    .venv/bin/python bench/offload.py [--ranks 4] [--microbatches 16] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import baton
+from baton import _core
+
+SCHEDULES = ["1f1b", "interleaved", "zbh1", "zbv", "vhalf", "vmin"]
+KS = [0.25, 1.0, 1.5, 2.0, 4.0]
+STASH = 1000  # bytes of one 1F1B stage's stash per microbatch (the unit of the tables)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    step: float
+    device_peak: int  # the largest rank's activation peak, bytes
+    host_peak: int  # the largest rank's host peak, bytes
+
+
+def simulate(name: str, ranks: int, m: int, k: float | None, only_rank0: bool = False) -> Outcome:
+    """``name``'s plan simulated over its rank programs; ``k`` None: no offload; otherwise
+    every stage (or, ``only_rank0``, rank 0's stages) offloads its stash over a host link on
+    which one 1F1B stage's stash takes ``k`` forward times."""
+    p = baton.plan(name, ranks=ranks, microbatches=m)
+    stages = p.num_stages
+    share = ranks / stages  # a chunk of a V or interleaved schedule is this much of a stage
+    costs = _core.CostModel.uniform(1.0 * share, 2.0 * share, 1.0 * share, 1.0 * share)
+    per_stage = []
+    for s in range(stages):
+        c = costs.stage(s)
+        c.stash_bytes = int(STASH * share)
+        per_stage.append(c)
+    costs.stages = per_stage
+    offload = [_core.Offload.NONE] * stages
+    if k is not None:
+        costs.host_link_bandwidth = STASH / k
+        rank_of = list(p.schedule.stage_rank)
+        offload = [_core.Offload.STASH if (not only_rank0 or rank_of[s] == 0)
+                   else _core.Offload.NONE for s in range(stages)]
+    ir = _core.build_rank_ir(p.core, offload=offload, fetch_lookahead=1)
+    r = _core.simulate_rank_ir(ir, costs)
+    return Outcome(r.step_time, max(r.peak_activation), max(r.peak_host_bytes))
+
+
+def unit_table(ranks: int, m: int, ks: list[float]) -> list[str]:
+    head = ("| schedule | without offload: step, device peak | " +
+            " | ".join(f"k = {k:g}: step, device peak, host peak" for k in ks) + " |")
+    rows = [head, "|" + "---|" * (2 + len(ks))]
+    for name in SCHEDULES:
+        base = simulate(name, ranks, m, None)
+        cells = [name, f"{base.step:g}, {base.device_peak / STASH:g}"]
+        for k in ks:
+            o = simulate(name, ranks, m, k)
+            cells.append(f"{o.step / base.step:.2f}x, {o.device_peak / base.device_peak:.2f}x, "
+                         f"{o.host_peak / STASH:g}")
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+# Constants of table 2, each with its source.
+PEAK_BF16 = 989e12  # H100 SXM dense bf16 (NVIDIA H100 datasheet; clusters/h100.json)
+MFU = 0.45  # assumption: inside the 0.38-0.55 of published dense bf16 H100 runs (scale.md)
+HOST_LINKS = {
+    # PCI Express 5.0 x16: 32 GT/s x 16 lanes, 128b/130b -> about 63 GB/s per direction
+    "H100 SXM, PCIe Gen5 x16": 63e9,
+    # NVIDIA GH200 datasheet: NVLink-C2C 900 GB/s total -> 450 GB/s per direction
+    "GH200, NVLink-C2C": 450e9,
+}
+
+
+def layer_k(hidden: int, seq: int, host_bandwidth: float) -> float:
+    """k of one transformer layer: its stash over the host link / its forward time. Stash
+    bytes per token 34 * hidden in bf16 with a fused attention kernel (Korthikanti et al.
+    2022, arXiv:2205.05198, sec. 4.1, the 5*a*s/h attention term dropped); forward FLOPs per
+    token 24 * hidden^2 * (1 + seq / (6 * hidden)) (Narayanan et al. 2021, arXiv:2104.04473,
+    eq. 3 without the vocabulary term, divided by 3 for the forward alone). Both scale with
+    tokens, so k does not depend on the microbatch or on tensor parallelism with sequence
+    parallelism."""
+    move = 34 * hidden / host_bandwidth
+    compute = 24 * hidden**2 * (1 + seq / (6 * hidden)) / (PEAK_BF16 * MFU)
+    return move / compute
+
+
+def hardware_table(ranks: int, m: int) -> list[str]:
+    rows = ["| model layer | host link | k | 1F1B: step, device peak | interleaved: step, "
+            "device peak | V-Half: step, device peak |", "|---|---|---|---|---|---|"]
+    for label, hidden, seq in [("hidden 4096, seq 4096 (Llama 3 8B)", 4096, 4096),
+                               ("hidden 8192, seq 8192 (Llama 3 70B)", 8192, 8192),
+                               ("hidden 16384, seq 8192 (Llama 3 405B)", 16384, 8192)]:
+        for link, bw in HOST_LINKS.items():
+            k = layer_k(hidden, seq, bw)
+            cells = [label, link, f"{k:.2f}"]
+            for name in ["1f1b", "interleaved", "vhalf"]:
+                base, o = simulate(name, ranks, m, None), simulate(name, ranks, m, k)
+                cells.append(f"{o.step / base.step:.2f}x, {o.device_peak / base.device_peak:.2f}x")
+            rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=16)
+    ap.add_argument("--smoke", action="store_true", help="2 ranks, 4 microbatches, two k")
+    a = ap.parse_args()
+    ranks, m, ks = (2, 4, [1.0, 4.0]) if a.smoke else (a.ranks, a.microbatches, KS)
+    print(f"## Full offload on unit costs ({ranks} ranks, {m} microbatches; step and device "
+          f"peak relative to the same schedule without offload, host peak in 1F1B-stage "
+          f"stashes)\n")
+    print("\n".join(unit_table(ranks, m, ks)))
+    print("\n## Offloading rank 0's stages only, k = 2\n")
+    print("| schedule | step | device peak (largest rank) | host peak |")
+    print("|---|---|---|---|")
+    for name in SCHEDULES:
+        base, o = simulate(name, ranks, m, None), simulate(name, ranks, m, 2.0, only_rank0=True)
+        print(f"| {name} | {o.step / base.step:.2f}x | {o.device_peak / base.device_peak:.2f}x "
+              f"| {o.host_peak / STASH:g} |")
+    print(f"\n## One transformer layer's k on real hardware, full offload ({ranks} ranks, {m} "
+          f"microbatches, bf16, MFU {MFU})\n")
+    print("\n".join(hardware_table(ranks, m)))
+
+
+if __name__ == "__main__":
+    main()
