@@ -75,9 +75,11 @@ void bind_comm(nb::module_& m) {
           case baton::ItemOp::Wait:
             return runtime::CommOpKind::Wait;
           case baton::ItemOp::Run:
+          case baton::ItemOp::Offload:
+          case baton::ItemOp::Fetch:
             break;
         }
-        throw nb::value_error("comm_op_kind: a RUN item is no transfer");
+        throw nb::value_error("comm_op_kind: a RUN, OFFLOAD or FETCH item is no transfer");
       },
       "op"_a, "The baton_comm operation of a transfer item (ItemOp SEND, POST or WAIT).");
   nb::class_<PyComm>(m, "RankComm",
@@ -89,19 +91,19 @@ void bind_comm(nb::module_& m) {
       .def(
           "stage_on_cuda",
           [](PyComm& c, int ordinal) {
-            rt::register_staged_comm(
-                c.id, std::make_shared<rt::HostStagedComm>(c.comm,
-                                                           rt::make_cuda_staging_device(ordinal)));
+            rt::register_staged_comm(c.id, std::make_shared<rt::HostStagedComm>(
+                                               c.comm, rt::make_cuda_staging_device(ordinal)));
           },
           "ordinal"_a,
           "Runs this context's programs on CUDA device `ordinal` through pinned host staging "
           "(device -> host -> this transport -> host -> device), for ranks without NCCL.")
-      .def_prop_ro("staging_bytes",
-                   [](PyComm& c) -> size_t {
-                     auto s = rt::find_staged_comm(c.id);
-                     return s ? s->staging_bytes() : 0;
-                   },
-                   "Pinned bytes held by its host staging (0 when not staged).")
+      .def_prop_ro(
+          "staging_bytes",
+          [](PyComm& c) -> size_t {
+            auto s = rt::find_staged_comm(c.id);
+            return s ? s->staging_bytes() : 0;
+          },
+          "Pinned bytes held by its host staging (0 when not staged).")
 #endif
       .def_prop_ro("rank", [](PyComm& c) { return c.comm->rank(); })
       .def_prop_ro("attached", [](PyComm& c) { return c.comm->attached(); })
@@ -178,6 +180,17 @@ void bind_comm(nb::module_& m) {
       .def(
           "counts", [](PyComm& c) { return c.comm->counts(); },
           "(sends, receives) posted since attach.")
+      .def(
+          "host_bytes",
+          [](PyComm& c) {
+            auto& h = c.comm->host_slots();
+            return nb::make_tuple(h.held_bytes(), h.peak_bytes());
+          },
+          "(held, peak) bytes of offloaded buffers in host memory (OFFLOAD / FETCH), the "
+          "peak since the last reset_host_peak.")
+      .def(
+          "reset_host_peak", [](PyComm& c) { c.comm->host_slots().reset_peak(); },
+          "Starts a new host-memory peak from what is held now.")
       .def(
           "take_marks",
           [](PyComm& c) {

@@ -134,7 +134,9 @@ void init_rankir(nb::module_& m) {
       .value("RUN", baton::ItemOp::Run)
       .value("SEND", baton::ItemOp::Send)
       .value("POST", baton::ItemOp::Post)
-      .value("WAIT", baton::ItemOp::Wait);
+      .value("WAIT", baton::ItemOp::Wait)
+      .value("OFFLOAD", baton::ItemOp::Offload)
+      .value("FETCH", baton::ItemOp::Fetch);
   nb::class_<baton::RollItem>(m, "RollItem", "One item of a rank's program (roll.h).")
       .def_ro("op", &baton::RollItem::op)
       .def_ro("task", &baton::RollItem::task)

@@ -25,6 +25,14 @@
 // (RankComm::set_route), which runs the first rank's operations as its own
 // (RankComm::set_alias).
 //
+//   baton_offload  token, slot, xs... -> token: OFFLOAD of one buffer, array j's
+//                bytes into host slot slot + j (`slot` an int32 scalar operand:
+//                inside a scan it depends on the repetition) of the context's host
+//                memory (RankComm::host_slots)
+//   baton_fetch  token, slot -> token, xs...: FETCH, those slots' bytes into the
+//                arrays (the slots released). Both per shard: each device keeps its
+//                own slots.
+//
 //   baton_device_ordinal  token -> int32 (one element): the calling device's
 //                ordinal (a debugging aid: checks what the handlers see)
 #include <nanobind/nanobind.h>
@@ -107,6 +115,51 @@ ffi::Error MarkImpl(ffi::AnyBuffer token, ffi::RemainingArgs /*after: ordering o
   return pass_token(token, token_out);
 }
 
+// The host slot an OFFLOAD / FETCH names: its int32 scalar operand.
+int32_t slot_of(const ffi::Buffer<ffi::S32>& slot) {
+  if (slot.element_count() != 1)
+    throw std::runtime_error("the host slot operand must be one int32");
+  return slot.typed_data()[0];
+}
+
+ffi::Error OffloadImpl(ffi::AnyBuffer token, ffi::Buffer<ffi::S32> slot, ffi::RemainingArgs xs,
+                       ffi::Result<ffi::AnyBuffer> token_out, int32_t device_ordinal,
+                       int64_t comm) {
+  try {
+    auto c = comm_of(comm, device_ordinal);
+    const int shard = c->shard_of(device_ordinal);
+    const int32_t first = slot_of(slot);
+    for (size_t j = 0; j < xs.size(); ++j) {
+      auto x = xs.get<ffi::AnyBuffer>(j);
+      if (x.has_error()) return x.error();
+      c->host_slots().put(shard, first + static_cast<int32_t>(j), x->untyped_data(),
+                          x->size_bytes());
+    }
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("baton_offload: ") + e.what());
+  }
+  return pass_token(token, token_out);
+}
+
+ffi::Error FetchImpl(ffi::AnyBuffer token, ffi::Buffer<ffi::S32> slot,
+                     ffi::Result<ffi::AnyBuffer> token_out, ffi::RemainingRets xs,
+                     int32_t device_ordinal, int64_t comm) {
+  try {
+    auto c = comm_of(comm, device_ordinal);
+    const int shard = c->shard_of(device_ordinal);
+    const int32_t first = slot_of(slot);
+    for (size_t j = 0; j < xs.size(); ++j) {
+      auto x = xs.get<ffi::AnyBuffer>(j);
+      if (x.has_error()) return x.error();
+      c->host_slots().take(shard, first + static_cast<int32_t>(j), (*x)->untyped_data(),
+                           (*x)->size_bytes());
+    }
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("baton_fetch: ") + e.what());
+  }
+  return pass_token(token, token_out);
+}
+
 ffi::Error DeviceOrdinalImpl(ffi::AnyBuffer /*token*/, ffi::Result<ffi::Buffer<ffi::S32>> out,
                              int32_t device_ordinal) {
   if (out->element_count() != 1)
@@ -146,6 +199,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonDrain, DrainImpl,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("comm"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonOffload, OffloadImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("comm"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatonFetch, FetchImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingRets()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("comm"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     BatonDeviceOrdinal, DeviceOrdinalImpl,
     ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::S32>>().Ctx<ffi::DeviceOrdinal>());
@@ -163,6 +234,8 @@ void init_ffi(nb::module_& root) {
         d["baton_comm"] = nb::capsule(reinterpret_cast<void*>(&BatonComm));
         d["baton_drain"] = nb::capsule(reinterpret_cast<void*>(&BatonDrain));
         d["baton_mark"] = nb::capsule(reinterpret_cast<void*>(&BatonMark));
+        d["baton_offload"] = nb::capsule(reinterpret_cast<void*>(&BatonOffload));
+        d["baton_fetch"] = nb::capsule(reinterpret_cast<void*>(&BatonFetch));
         d["baton_device_ordinal"] = nb::capsule(reinterpret_cast<void*>(&BatonDeviceOrdinal));
         return d;
       },

@@ -68,6 +68,7 @@
 #include <utility>
 #include <vector>
 
+#include "baton/host_slots.h"
 #include "baton/runtime.h"
 #include "baton/slots.h"
 
@@ -76,7 +77,7 @@ namespace baton::runtime {
 // Tags of program transfers: [kCommTagBase, kCommTagBase + 2^42), above the
 // executor's (step * buffers + buffer) and below the frontend Router's (2^44).
 inline constexpr uint64_t kCommTagBase = uint64_t{1} << 42;
-inline constexpr int kCommChannels = 64;  // channels 0..63 (Plan::channel)
+inline constexpr int kCommChannels = 64;       // channels 0..63 (Plan::channel)
 inline constexpr int kCommShards = kMaxSlots;  // shards 0..255 (slots.h)
 // The tag of the seq-th transfer (per peer, channel, shard and direction):
 // kCommTagBase + ((seq mod 2^28) * 64 + channel) * 256 + shard. Distinct for
@@ -210,6 +211,8 @@ class RankComm {
   int rank() const { return rank_; }
   // Transfers posted since attach (sends, receives), all shards together.
   std::pair<uint64_t, uint64_t> counts() const;
+  // The host memory of the program's offloaded buffers (OFFLOAD / FETCH; host_slots.h).
+  HostSlots& host_slots() { return host_slots_; }
 
  private:
   struct Pending {
@@ -253,10 +256,11 @@ class RankComm {
   std::unique_ptr<Tasks> host_;  // host-tensor conversions for byte transports
   CommLayouts layouts_;
   std::map<std::tuple<int, int, bool>, std::vector<std::string>> names_;
-  DeviceSlots slots_;                           // set_shards (slots.h); empty: one shard
-  SlotRoutes<RankComm> routes_;                 // set_route (slots.h)
+  DeviceSlots slots_;            // set_shards (slots.h); empty: one shard
+  SlotRoutes<RankComm> routes_;  // set_route (slots.h)
   std::map<std::array<int, 3>, std::array<int, 3>> alias_;  // set_alias
-  std::vector<std::unique_ptr<Shard>> shards_;  // at least one
+  std::vector<std::unique_ptr<Shard>> shards_;              // at least one
+  HostSlots host_slots_;
   std::optional<std::pair<int, std::string>> failure_;
   bool record_ = false;
   std::vector<CommEvent> events_;

@@ -36,17 +36,20 @@
 
 namespace baton {
 
-enum class ItemOp : uint8_t { Run = 0, Send = 1, Post = 2, Wait = 3 };
-const char* item_op_name(ItemOp op);  // "run", "send", "post", "wait"
+// OFFLOAD / FETCH: the rank program's instructions of an offloaded buffer (rank_program.h):
+// its copy to host memory (reads the buffer), its copy back to the device (makes it again).
+enum class ItemOp : uint8_t { Run = 0, Send = 1, Post = 2, Wait = 3, Offload = 4, Fetch = 5 };
+// "run", "send", "post", "wait", "offload", "fetch"
+const char* item_op_name(ItemOp op);
 
 struct RollItem {
   ItemOp op = ItemOp::Run;
   TaskKind task = TaskKind::F;    // RUN: the task's kind
   bool fused = false;             // RUN: F and B of the microbatch as one FB function
-  BufKind buffer = BufKind::Act;  // SEND / POST / WAIT: the buffer's kind
+  BufKind buffer = BufKind::Act;  // SEND / POST / WAIT / OFFLOAD / FETCH: the buffer's kind
   int32_t stage = -1;  // the task's stage, or the buffer's (its skip edge for Skip, SkipGrad)
   int32_t microbatch = -1;
-  int32_t peer = -1;              // transfers: the other rank; RUN: -1
+  int32_t peer = -1;              // transfers: the other rank; RUN, OFFLOAD, FETCH: -1
   std::vector<BufferKey> reads;   // what it reads (a task: the plan's inputs, in order)
   std::vector<BufferKey> writes;  // what it makes (a task: its outputs but weight gradients)
   // Equal up to the microbatch shifted by `d` (what a repetition repeats).

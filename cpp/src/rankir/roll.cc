@@ -28,6 +28,12 @@ struct KeyLess {
   bool operator()(const BufferKey& a, const BufferKey& b) const { return order(a) < order(b); }
 };
 
+struct PairKeyLess {
+  bool operator()(const std::pair<BufferKey, int>& a, const std::pair<BufferKey, int>& b) const {
+    return std::pair(order(a.first), a.second) < std::pair(order(b.first), b.second);
+  }
+};
+
 BufferKey shifted(BufferKey k, int32_t d) {
   k.microbatch += d;
   return k;
@@ -88,28 +94,36 @@ std::optional<Slots> analyze(const std::vector<RollItem>& items, int first, int 
   return slots;
 }
 
-// The last item reading each buffer.
-using LastRead = std::map<BufferKey, int, KeyLess>;
+// The last item reading each value of a buffer: (key, the item that made that
+// value) -> position. A buffer is made twice when it is offloaded: by its task,
+// then by its FETCH, and the reads after the FETCH read the second value.
+using LastRead = std::map<std::pair<BufferKey, int>, int, PairKeyLess>;
 
 LastRead last_reads(const std::vector<RollItem>& items) {
   LastRead last;
-  for (int pos = 0; pos < static_cast<int>(items.size()); ++pos)
-    for (const BufferKey& k : items[pos].reads) last[k] = pos;
+  std::map<BufferKey, int, KeyLess> maker;
+  for (int pos = 0; pos < static_cast<int>(items.size()); ++pos) {
+    for (const BufferKey& k : items[pos].reads) {
+      auto m = maker.find(k);
+      last[{k, m == maker.end() ? -1 : m->second}] = pos;
+    }
+    for (const BufferKey& k : items[pos].writes) maker[k] = pos;
+  }
   return last;
 }
 
 std::vector<BufferKey> stacked_out(const std::vector<RollItem>& items, const LastRead& last,
                                    int first, int period, int reps, int32_t delta,
                                    const std::set<BufferKey, KeyLess>& slots) {
-  std::set<BufferKey, KeyLess> made;
+  std::map<BufferKey, int, KeyLess> made;  // key -> its position in the pattern
   for (int j = 0; j < period; ++j)
-    for (const BufferKey& k : items[first + j].writes) made.insert(k);
+    for (const BufferKey& k : items[first + j].writes) made[k] = j;
   const int end = first + period * reps;
   std::vector<BufferKey> out;
-  for (const BufferKey& k : made) {
+  for (const auto& [k, j] : made) {
     std::vector<int> later;
     for (int t = 0; t < reps; ++t) {
-      auto it = last.find(shifted(k, t * delta));
+      auto it = last.find({shifted(k, t * delta), first + t * period + j});
       if (it != last.end() && it->second >= end) later.push_back(t);
     }
     if (!later.empty() && !(slots.count(k) && later == std::vector<int>{reps - 1}))
@@ -138,6 +152,10 @@ const char* item_op_name(ItemOp op) {
       return "post";
     case ItemOp::Wait:
       return "wait";
+    case ItemOp::Offload:
+      return "offload";
+    case ItemOp::Fetch:
+      return "fetch";
   }
   return "?";
 }
@@ -187,10 +205,27 @@ std::vector<RollItem> rank_items(const Plan& plan, const RankProgram& prog,
         }
         break;
       }
+      case RankOp::Offload:
+      case RankOp::Fetch: {
+        // OFFLOAD reads the buffer (its device copy is dead after it); FETCH makes it
+        // again on the device, so the backward reading it reads the FETCH's value and no
+        // carry slot holds it on the device from its forward to its backward
+        RollItem it;
+        it.op = ins.op == RankOp::Offload ? ItemOp::Offload : ItemOp::Fetch;
+        const BufferKey k = prog.buffers.at(ins.buffer).key;
+        it.buffer = k.kind;
+        it.stage = k.stage;
+        it.microbatch = k.microbatch;
+        if (ins.op == RankOp::Offload) {
+          it.reads = {k};
+        } else {
+          it.writes = {k};
+        }
+        items.push_back(std::move(it));
+        break;
+      }
       case RankOp::Free:
       case RankOp::Accumulate:
-      case RankOp::Offload:
-      case RankOp::Fetch:
         break;
     }
   }
@@ -299,9 +334,11 @@ std::string item_name(const Plan& plan, const RollItem& it) {
     return it.fused ? fmt::format("FB{}.{}", it.stage, it.microbatch)
                     : fmt::format("{}{}.{}", task_kind_char(it.task), it.stage, it.microbatch);
   }
-  const char* sym = it.op == ItemOp::Send ? ">" : it.op == ItemOp::Post ? "+" : "<";
   const std::string buf =
       plan.describe_buffer(plan.buffer_id(BufferKey{it.buffer, it.stage, it.microbatch}));
+  if (it.op == ItemOp::Offload || it.op == ItemOp::Fetch)
+    return fmt::format("{}{}", it.op == ItemOp::Offload ? "^" : "v", buf);
+  const char* sym = it.op == ItemOp::Send ? ">" : it.op == ItemOp::Post ? "+" : "<";
   return fmt::format("{}{}{}{}", sym, buf, it.op == ItemOp::Send ? "->" : "<-", it.peer);
 }
 
