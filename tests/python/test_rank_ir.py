@@ -107,7 +107,8 @@ def test_rolled_text_is_the_golden_text(name, ranks, mbs, rank, golden):
     rolled = _core.roll_rank(plan.core, plan.rank_ir().programs[rank], _core.RollOptions())
     assert rolled.to_text(plan.core) == (GOLDEN / golden).read_text()
     assert sum(r.period * r.repetitions for r in rolled.runs) == len(rolled.items)
-    assert {it.op for it in rolled.items} == set(_core.ItemOp.__members__.values())
+    I = _core.ItemOp  # every item kind but offload's, which this plan has none of
+    assert {it.op for it in rolled.items} == {I.RUN, I.SEND, I.POST, I.WAIT}
 
 
 @pytest.mark.parametrize("fused", [True, False])

@@ -19,6 +19,7 @@ from .distributed import launched_world_size
 from .distributed import local_devices, process_group, process_mesh, ranks_per_process
 from .checks import check_backward, check_leaves, stages_hint
 from .gc_hold import held
+from .offload import offload_option, stage_offloads
 from .step import CompiledStep
 from .handshake import agree_program, describe, error_text
 from .mesh import PipelineMesh
@@ -77,8 +78,10 @@ class PipelinedFunction(StepInspection):
                  retain_host_memory: bool = True, single_program: bool = True,
                  param_shardings: Any = None, boundaries: Any = None,
                  donate_argnums: Any = (), share_programs: bool = True, hold_gc: bool = True,
-                 layout: Any = None, microbatch_size: int | None = None):
+                 layout: Any = None, microbatch_size: int | None = None,
+                 offload: Any = None):
         self.param_shardings = param_shardings
+        self.offload = offload_option(offload)
         self.layout, self.microbatch_size = _layout_options(layout, boundaries, microbatch_size,
                                                             schedule)
         self.hold_gc = bool(hold_gc)
@@ -293,6 +296,7 @@ class PipelinedFunction(StepInspection):
         return CompiledStep(traced, plan, self.mesh, bool(sched.split_backward()),
                             remat=self.remat, single_program=self.single_program,
                             share_programs=self.share_programs,
+                            offload=stage_offloads(self.offload, sched.num_stages),
                             transport=self.loop_transport(),
                             in_specs=in_specs,
                             donated=donated_inputs(args, traced, self.donate_argnums))
@@ -393,6 +397,7 @@ def jit(
     hold_gc: bool = True,
     layout: Any = None,
     microbatch_size: int | None = None,
+    offload: Any = None,
 ):
     """Pipelines ``fn`` (a training step containing one ``baton.accumulate``); usable as
     ``baton.jit(step, mesh=..., ...)`` or as a decorator ``@baton.jit(mesh=..., ...)``.
@@ -439,6 +444,11 @@ def jit(
     and the layout chooses which marks end the schedule's stages (layers per stage, first
     and last stage counts, split points; ``baton/layout.py``), so the schedule changes
     without editing the model.
+    ``offload``: activations offloaded to host memory between a microbatch's forward and its
+    backward: ``"stash"`` (every stage's stash), ``{stage: "stash"}`` (those stages), None
+    (nothing). Each offloaded stash buffer is copied out after its forward and back one task
+    ahead of its backward (the rank IR's OFFLOAD and FETCH; ``frontend/offload.py``); lowered
+    on CPU ranks of one device.
     """
     if microbatches is not None and microbatch_size is not None:
         raise ConfigError(f"baton.jit: give microbatches={microbatches} or microbatch_size="
@@ -452,6 +462,6 @@ def jit(
         return PipelinedFunction(f, mesh, schedule, microbatches, transport, timeout, trace,
                                  remat, fuse_forward_backward, retain_host_memory,
                                  single_program, param_shardings, boundaries, donate_argnums,
-                                 share_programs, hold_gc, layout, microbatch_size)
+                                 share_programs, hold_gc, layout, microbatch_size, offload)
 
     return wrap if fn is None else wrap(fn)

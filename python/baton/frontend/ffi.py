@@ -2,9 +2,11 @@
 
 ``comm`` binds one ``baton_comm`` call: a group of sends, receive posts and receive waits
 run in order by the C++ ``RankComm`` whose id is the call's ``comm`` attribute; ``drain``
-binds ``baton_drain`` (wait for every posted send). Both take and return the program's
-token (an int32 scalar), which orders them against each other and against the tasks, and
-both are marked as having side effects, so XLA neither removes nor merges them.
+binds ``baton_drain`` (wait for every posted send); ``offload`` / ``fetch`` bind
+``baton_offload`` / ``baton_fetch`` (an offloaded buffer into and out of the context's host
+slots). All take and return the program's token (an int32 scalar), which orders them against
+each other and against the tasks, and all are marked as having side effects, so XLA neither
+removes nor merges them.
 """
 
 from __future__ import annotations
@@ -145,3 +147,19 @@ def mark(comm_id: int, phase: int, token, after=()):
     once the arrays ``after`` (read by nothing: a run-time dependency) are computed."""
     call = jax.ffi.ffi_call("baton_mark", _TOKEN, has_side_effect=True)
     return call(token, *after, comm=np.int64(comm_id), phase=np.int32(phase))
+
+
+def offload(comm_id: int, slot, token, xs: list):
+    """OFFLOAD of one buffer: array j of ``xs`` into host slot ``slot + j`` (``slot`` an
+    int32 scalar, traced inside a scan) of the context's host memory, after ``token``;
+    returns the token."""
+    call = jax.ffi.ffi_call("baton_offload", _TOKEN, has_side_effect=True)
+    return call(token, jnp.asarray(slot, jnp.int32), *xs, comm=np.int64(comm_id))
+
+
+def fetch(comm_id: int, slot, token, avals: list):
+    """FETCH of one buffer: host slots ``slot + j`` as new arrays of ``avals`` (after
+    ``token``; the slots are released); returns (token, the arrays)."""
+    call = jax.ffi.ffi_call("baton_fetch", (_TOKEN, *avals), has_side_effect=True)
+    t, *xs = call(token, jnp.asarray(slot, jnp.int32), comm=np.int64(comm_id))
+    return t, xs

@@ -25,6 +25,8 @@ from .task_env import _parts_of, _run_task, _Token
 from .tasks import final_part, kind_name
 
 G = _core.graph
+_TRANSFERS = (ItemOp.SEND, ItemOp.POST, ItemOp.WAIT)
+_MOVES = (ItemOp.OFFLOAD, ItemOp.FETCH)
 
 
 def _key(k) -> tuple[str, int, int]:
@@ -62,7 +64,8 @@ class _LoopProgram:
     def describe(self) -> str:
         """The runs, e.g. ``scan 8 x [FB0]`` or ``scan 8 x [F0]; [B0]; ...``; transfers
         as ``>Act0`` (send), ``+Grad1`` (receive posted), ``<Grad1`` (received)."""
-        sym = {ItemOp.SEND: ">", ItemOp.POST: "+", ItemOp.WAIT: "<"}
+        sym = {ItemOp.SEND: ">", ItemOp.POST: "+", ItemOp.WAIT: "<", ItemOp.OFFLOAD: "^",
+               ItemOp.FETCH: "v"}
 
         def name(it):
             if it.op == ItemOp.RUN:
@@ -76,7 +79,11 @@ class _LoopProgram:
             out.append(head + "[" + " ".join(name(it) for it in pat) + "]" + step)
         return "; ".join(out)
 
-    # -- transfers (RankProgram) --------------------------------------------------------
+    # -- transfers and offload (RankProgram) ----------------------------------------------
+    def _move(self, it, base, get, put, token):
+        """An OFFLOAD or FETCH item (``RankProgram``: into and out of host slots)."""
+        raise NotImplementedError(f"rank {self.rank}: this program does not offload")
+
     def _comm(self, group, base, get, put, token):
         raise ValueError("internal: this program has no transfers")
 
@@ -139,9 +146,12 @@ class _LoopProgram:
                     # run time: a token through one alone would not wait for the compute)
                     token.dep = self._mark(1, token.dep, jax.tree.leaves(tied))
                 i += 1
+            elif it.op in _MOVES:
+                self._move(it, base, get, put, token)
+                i += 1
             else:
                 j = i
-                while j < len(items) and items[j][0] != ItemOp.RUN:
+                while j < len(items) and items[j][0] in _TRANSFERS:
                     j += 1
                 self._comm(items[i:j], base, get, put, token)
                 i = j

@@ -27,13 +27,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..errors import ExecutionError
+from .. import _core
+from ..errors import ConfigError, ExecutionError
 from . import ffi
 from .loop_program import _LoopProgram
 from .rank_table import build_table, describe_table, lower_table, unit_sequence
 from .rank_transfers import RankTransfers, recorded_events
 from .rings import ring_layout
-from .rolling import rank_items
+from .rolling import ItemOp, rank_items
 from .task_env import _Env, _Token
 
 _MAX_ITEMS_PER_STAGE = 16  # a rank's pattern (rolled lowering): its tasks and transfers
@@ -52,6 +53,12 @@ def loop_form(cs, rank: int) -> str:
     posted ahead of the compute they overlap. ``cs.loop_form`` or ``$BATON_LOOP_FORM``
     forces one (tests compare the two on CPU)."""
     forced = getattr(cs, "loop_form", None) or os.environ.get("BATON_LOOP_FORM") or None
+    if cs.offload and any(o == _core.Offload.STASH for o in cs.offload):
+        # the table's rings hold device buffers only: an offloading rank is lowered straight
+        if forced == "table":
+            raise ConfigError(f"rank {rank}: the table loop form does not offload; offload "
+                              f"lowers the loop straight")
+        return "straight"
     if forced is not None:
         if forced not in LOOP_FORMS:
             raise ValueError(f"rank {rank}: loop form {forced!r} is not one of {LOOP_FORMS}")
@@ -82,7 +89,7 @@ class RankProgram(_LoopProgram):
         # with device i of the other (the same block of the same spec: shard to shard).
         self.sub = cs.mesh.meshes[rank]
         self.D = int(self.sub.devices.size)
-        self.transfers = RankTransfers(cs, comm, self.sub)
+        self.transfers = RankTransfers(cs, comm, self.sub, rank)
         # One device: the table (each task compiled once), but on GPUs (loop_form). Several:
         # the items rolled into scans, since JAX's Shardy partitioner does not apply the
         # model's sharding constraints inside a conditional's branches as it does in
@@ -168,6 +175,13 @@ class RankProgram(_LoopProgram):
 
     def _comm(self, group, base, get, put, token):
         self.transfers.call(group, get, put, token)
+
+    def _move(self, it, base, get, put, token):
+        key = (it.kind, it.stage, it.mb)
+        if it.op == ItemOp.OFFLOAD:
+            self.transfers.offload(key, base, get(key), token)
+        else:
+            put(key, self.transfers.fetch(key, base, token))
 
     def events(self) -> list[tuple]:
         """The last step's recorded events in the interpreter's format (``Executor.events``,

@@ -27,6 +27,10 @@ from .rolling import ItemOp
 comm_op_kind = _core.runtime.comm_op_kind
 CommOpKind = _core.runtime.CommOpKind
 OpCode = _core.OpCode
+TRANSFERS = (ItemOp.SEND, ItemOp.POST, ItemOp.WAIT)  # the items a baton_comm call runs
+
+
+_MAX_ARRAYS = 16  # host slot ids per offloaded buffer (one per array)
 
 
 def _nbytes(aval) -> int:
@@ -37,11 +41,14 @@ class RankTransfers:
     """The FFI calls of one rank's program: ``comm`` (the rank's
     ``baton._core.runtime.RankComm``) on the rank's sub-mesh ``sub``."""
 
-    def __init__(self, cs, comm, sub):
+    def __init__(self, cs, comm, sub, rank):
         self.cs = cs
         self.comm = comm
         self.sub = sub
+        self.rank = rank
         self.D = int(sub.devices.size)
+        self.slots = self.host_slots() if cs.offload else {}
+        self._offloaded: dict[tuple, list] = {}  # (kind, stage) -> its arrays' shapes, dtypes
 
     def configure(self, items) -> dict[tuple, list[int]]:
         """Tells the comm the rank's transfers (``items``): its shards, each channel's
@@ -55,7 +62,7 @@ class RankTransfers:
             comm.set_shards([int(d.id) for d in self.sub.devices.flat])
         chan = cs.buffers.channel
         for op, k, s, m, peer in items:
-            if op != ItemOp.RUN:
+            if op in TRANSFERS:
                 comm.set_layout(chan(k, s), s, [_nbytes(a) for a in self.local(k, s)])
             if op in (ItemOp.SEND, ItemOp.POST):
                 b = cs.buffers.id(k, s, m)
@@ -91,6 +98,50 @@ class RankTransfers:
                         shape[dim] //= int(self.sub.shape[n])
             out.append(jax.ShapeDtypeStruct(tuple(shape), a.dtype))
         return out
+
+    def host_slots(self) -> dict[tuple, np.ndarray]:
+        """(kind, stage) -> per microbatch, the first host slot id of that row's offloaded
+        buffer (its host pool and slot in the rank IR; one id per array of the buffer; -1:
+        not offloaded). Indexed by the microbatch, traced inside a scan."""
+        prog = self.cs.rank_ir().programs[self.rank]
+        base, n = [], 0
+        for pool in prog.host_pools:
+            base.append(n)
+            n += int(pool.slots) * _MAX_ARRAYS
+        rows: dict[tuple, np.ndarray] = {}
+        for b in prog.buffers:
+            if b.host_pool >= 0:
+                row = rows.setdefault((b.key.kind.name, b.key.stage),
+                                      np.full(self.cs.M, -1, np.int32))
+                row[b.key.microbatch] = base[b.host_pool] + b.host_slot * _MAX_ARRAYS
+        return rows
+
+    def _slot(self, key, base):
+        """The first host slot id of buffer ``key`` whose microbatch is ``key[2] + base``
+        (``base``: the repetition's offset inside a scan, else 0)."""
+        k, s, m = key
+        return jax.numpy.asarray(self.slots[(k, s)])[m + base]
+
+    def offload(self, key, base, arrays, token) -> None:
+        """OFFLOAD of buffer ``key`` (its ``arrays``): each into its host slot."""
+        first = self._slot(key, base)
+        if len(arrays) > _MAX_ARRAYS:
+            raise ValueError(f"rank {self.rank}: buffer {key} has {len(arrays)} arrays; an "
+                             f"offloaded buffer has at most {_MAX_ARRAYS}")
+        k, s, _ = key
+        self._offloaded[(k, s)] = [(x.shape, x.dtype) for x in arrays]
+        token.dep = ffi.offload(self.comm.id, first, token.dep, [jc.to_wire(x) for x in arrays])
+
+    def fetch(self, key, base, token) -> list:
+        """FETCH of buffer ``key``: its arrays back from their host slots (with the shapes
+        and dtypes its row's OFFLOAD had: an OFFLOAD of the row comes first in the
+        program)."""
+        k, s, _ = key
+        arrays = self._offloaded[(k, s)]
+        wire = [jc.wire_aval(jax.ShapeDtypeStruct(shape, dtype)) for shape, dtype in arrays]
+        token.dep, got = ffi.fetch(self.comm.id, self._slot(key, base), token.dep,
+                                   [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in wire])
+        return [jc.from_wire(x, dtype) for x, (_, dtype) in zip(got, arrays)]
 
     def per_device(self, fn, args, in_specs, out_specs):
         """``fn`` called on every device of the rank with its shards (``shard_map`` over the

@@ -46,7 +46,7 @@ class SingleProgram(_LoopProgram):
             sub = cs.mesh.meshes[0]
             if sub.devices.size > 1:
                 comm.set_shards([int(d.id) for d in sub.devices.flat])
-            self.transfers = RankTransfers(cs, comm, sub)
+            self.transfers = RankTransfers(cs, comm, sub, 0)
         # no stacked buffers between loops (XLA would zero-fill them, see stacked_buffers):
         # runs that would need them stay unrolled (GPipe's forwards)
         super().__init__(cs, 0, stacked=False)

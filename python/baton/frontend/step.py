@@ -37,6 +37,7 @@ from . import step_costs, step_group
 from .engine import ProgramEngine
 from .interpreter import Interpreter
 from .mesh import PipelineMesh
+from .offload import check_lowered
 from .retarget import on_rank
 from .run_options import PLAIN, RunOptions
 from .task_args import task_args
@@ -72,7 +73,7 @@ class CompiledStep:
     def __init__(self, traced: Traced, plan: Any, mesh: PipelineMesh, split_backward: bool,
                  remat: bool = True, single_program: bool = True, transport: str = "local",
                  in_specs: list | None = None, donated: frozenset = frozenset(),
-                 share_programs: bool = True):
+                 share_programs: bool = True, offload: list | None = None):
         self.traced = traced
         self.runs = 0  # calls completed (the first one builds the programs: gc_hold.py)
         # step inputs the caller gives up (baton.jit(donate_argnums=...)): the optimizer
@@ -132,6 +133,9 @@ class CompiledStep:
         self.last_events: list | None = None
         self.last_offsets: list | None = None
         self.single_program = bool(single_program)
+        # per stage, what it offloads to host memory (_core.Offload; empty: nothing)
+        self.offload = list(offload or [])
+        check_lowered(self)
         # the loop's transport: "local" (one process), "gloo" (CPU processes), "nccl" (GPUs)
         self.transport = transport
         self.engine = ProgramEngine(self)
@@ -146,7 +150,7 @@ class CompiledStep:
         key = tuple(pool_of or ())
         irs = self.__dict__.setdefault("_rank_irs", {})
         if key not in irs:
-            irs[key] = _core.build_rank_ir(self.core_plan, list(key))
+            irs[key] = _core.build_rank_ir(self.core_plan, list(key), self.offload)
         return irs[key]
 
     def rank_programs(self) -> list:
