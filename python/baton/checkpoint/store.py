@@ -50,11 +50,19 @@ _SAVER = None
 
 
 def _saver():
-    """This process's Orbax ``AsyncCheckpointer`` (one save in flight at a time)."""
+    """This process's Orbax ``AsyncCheckpointer`` (one save in flight at a time). Under
+    ``jax.distributed`` it creates its directories before writing, not asynchronously:
+    Orbax's asynchronous creation signals through keys of the shared ``jax.distributed``
+    key-value store named by an operation id that counts saves per process, so processes
+    saving on their own (each its own primary host) share those keys, and one process's
+    cleanup of them can leave another waiting for a signal that is gone (a rare hang)."""
     global _SAVER
     if _SAVER is None:
         ocp = _ocp()
         mp = _mp_options(ocp)
+        if mp:
+            mp["async_options"] = ocp.options.AsyncOptions(
+                create_directories_asynchronously=False)
         _SAVER = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(**_handler_options(ocp)),
                                        **mp)
     return _SAVER
