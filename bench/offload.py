@@ -30,7 +30,7 @@ import sys
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "2")  # (before JAX starts: table 3's 2 ranks)
 
 import baton  # noqa: E402
-from baton import _core  # noqa: E402
+from baton import _core, scale  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
@@ -87,11 +87,11 @@ def unit_table(ranks: int, m: int, ks: list[float]) -> list[str]:
 
 
 # Constants of table 2, each with its source.
-PEAK_BF16 = 989e12  # H100 SXM dense bf16 (NVIDIA H100 datasheet; clusters/h100.json)
+PEAK_BF16 = scale.load_cluster("h100")["peak_bf16"]  # H100 SXM dense bf16 (its datasheet)
 MFU = 0.45  # assumption: inside the 0.38-0.55 of published dense bf16 H100 runs (scale.md)
 HOST_LINKS = {
-    # PCI Express 5.0 x16: 32 GT/s x 16 lanes, 128b/130b -> about 63 GB/s per direction
-    "H100 SXM, PCIe Gen5 x16": 63e9,
+    # the H100 hardware file's host link (python/baton/scale/clusters/h100.json, its source)
+    "H100 SXM, PCIe Gen5 x16": scale.load_cluster("h100")["host_link"]["bandwidth"],
     # NVIDIA GH200 datasheet: NVLink-C2C 900 GB/s total -> 450 GB/s per direction
     "GH200, NVLink-C2C": 450e9,
 }

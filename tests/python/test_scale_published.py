@@ -116,3 +116,6 @@ def test_hardware_constants_inside_their_cited_ranges():
         for link in ("intra", "inter"):
             bus = hw[link]["bus_bandwidth"]
             assert bus == 0 or 0.7 * hw[link]["bandwidth"] <= bus <= hw[link]["bandwidth"], name
+        # host link per direction: between PCIe Gen4 x16 (31.5 GB/s) and NVLink-C2C (450 GB/s)
+        assert 31e9 <= hw["host_link"]["bandwidth"] <= 450e9, name
+        assert hw["sources"]["host_link.bandwidth"], name

@@ -9,6 +9,10 @@ several devices every call runs per device (``shard_map`` over the rank's sub-me
 local shard, and device i of one rank exchanges with device i of the other (the same block of
 the same spec: shard to shard).
 
+An offloaded buffer's OFFLOAD and FETCH (``baton.jit(offload=...)``) are one
+``baton_offload`` / ``baton_fetch`` call each, on the same token, into and out of the host
+slots the rank's ``RankComm`` holds.
+
 ``RankTransfers`` builds the calls of one rank (and tells its ``RankComm`` the layouts and
 names of its transfers); ``recorded_events`` reads back what a traced program recorded.
 """
@@ -28,8 +32,6 @@ comm_op_kind = _core.runtime.comm_op_kind
 CommOpKind = _core.runtime.CommOpKind
 OpCode = _core.OpCode
 TRANSFERS = (ItemOp.SEND, ItemOp.POST, ItemOp.WAIT)  # the items a baton_comm call runs
-
-
 _MAX_ARRAYS = 16  # host slot ids per offloaded buffer (one per array)
 
 
