@@ -27,7 +27,8 @@ def _fake_step(platform, ranks=2, per_rank=2, transport="nccl"):
              for j in range(per_rank)] for r in range(ranks)]
     meshes = [SimpleNamespace(shape={"tensor": per_rank}) for _ in range(ranks)]
     mesh = SimpleNamespace(rank_devices=devs, meshes=meshes, ranks_per_process=None)
-    return SimpleNamespace(mesh=mesh, num_ranks=ranks, transport=transport, loop_form=None)
+    return SimpleNamespace(mesh=mesh, num_ranks=ranks, transport=transport, loop_form=None,
+                           offload=[])
 
 
 def test_loop_form_is_chosen_per_platform_and_can_be_forced(monkeypatch):
