@@ -116,12 +116,16 @@ def measure(args):
 
         return loop, (finv, binv, stacked(frest), stacked(bmb), stash0)
 
+    from baton import _core
+    from baton.frontend.tasks import FUSED_FB
+
+    F, B = _core.TaskKind.F, _core.TaskKind.B  # the step's task keys: (kind, stage)
     loops = {}
-    if ("FB", 1) in cs.tasks:
-        loops["FB1 (rank 1's task)"] = one(cs.tasks[("FB", 1)])
-    loops["F0 + B0 (rank 0's 1F1B order)"] = pair(cs.tasks[("F", 0)], cs.tasks[("B", 0)])
-    if ("FB", 0) in cs.tasks:
-        loops["FB0 (stage 0 fused)"] = one(cs.tasks[("FB", 0)])
+    if (FUSED_FB, 1) in cs.tasks:
+        loops["FB1 (rank 1's task)"] = one(cs.tasks[(FUSED_FB, 1)])
+    loops["F0 + B0 (rank 0's 1F1B order)"] = pair(cs.tasks[(F, 0)], cs.tasks[(B, 0)])
+    if (FUSED_FB, 0) in cs.tasks:
+        loops["FB0 (stage 0 fused)"] = one(cs.tasks[(FUSED_FB, 0)])
 
     whole = gpt_config(args, 1)
     model, wp, _, _, _, _ = gpt.make(whole)
