@@ -19,7 +19,6 @@ from .errors import ConfigError
 from .frontend.api import PipelinedFunction
 from .frontend.mesh import PipelineMesh
 from .frontend.profile import profile
-from .frontend.tasks import kind_name
 from .frontend.trace import trace_step
 from .schedules import Interleaved1F1B
 
@@ -147,7 +146,7 @@ def _profile_at(fn, args, device, stages: int, microbatches: int, runs: int,
     out = []
     for s in range(stages):
         sc = prof.cost_model.stages[s]
-        temp = max([int(prof.xla_memory.get(f"{kind_name(k)}{s}", {})
+        temp = max([int(prof.xla_memory.get((k, s), {})
                         .get("temp_size_in_bytes", 0))
                     for k in (_core.TaskKind.F, _core.TaskKind.B)] + [0])
         out.append(_StageTimes(float(sc.f), float(sc.b), temp))

@@ -60,5 +60,5 @@ def test_fused_equals_unfused_and_keeps_no_stash(ranks):
     assert fused.last.last_stats["peak_bytes"][last] < plain.last.last_stats["peak_bytes"][last]
     # profiling times the fused pair and the simulator uses it
     prof = baton.profile(fused, *args, runs=2)
-    assert f"FB{last}" in prof.task_times
-    assert prof.cost_model.stages[last].fb == pytest.approx(prof.task_times[f"FB{last}"])
+    assert (FUSED_FB, last) in prof.task_times
+    assert prof.cost_model.stages[last].fb == pytest.approx(prof.task_times[(FUSED_FB, last)])

@@ -13,8 +13,12 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 import baton  # noqa: E402
+from baton.frontend.profile import _step_task_times, _task_key  # noqa: E402
+from baton.frontend.tasks import FUSED_FB  # noqa: E402
 
 from mlp_step import make  # noqa: E402
+
+F, B, I, W = baton.TaskKind.F, baton.TaskKind.B, baton.TaskKind.I, baton.TaskKind.W
 
 
 @pytest.mark.parametrize("schedule,ranks", [(baton.ZBH1(), 2), (baton.OneFOneB(), 4)],
@@ -32,16 +36,16 @@ def test_profile_gives_a_cost_model_the_simulator_runs(schedule, ranks):
         assert c.f > 0 and c.b > 0 and c.i > 0 and c.w > 0
         if split:
             assert c.b == pytest.approx(c.i + c.w)
-            assert {f"I{s}", f"W{s}"} <= set(prof.task_times)
-        elif f"FB{s}" in prof.task_times:  # last stage: F and B fused, split by flops
-            assert c.fb == pytest.approx(prof.task_times[f"FB{s}"])
+            assert {(I, s), (W, s)} <= set(prof.task_times)
+        elif (FUSED_FB, s) in prof.task_times:  # last stage: F and B fused, split by flops
+            assert c.fb == pytest.approx(prof.task_times[(FUSED_FB, s)])
             assert c.f + c.b == pytest.approx(c.fb)
         else:
-            assert f"B{s}" in prof.task_times
+            assert (B, s) in prof.task_times
         # bytes are the traced buffer sizes
         for k in ("act_bytes", "stash_bytes", "grad_bytes", "wstash_bytes", "wgrad_bytes"):
             assert getattr(c, k) == getattr(f, k)
-        assert len(prof.task_samples.get(f"F{s}", prof.task_samples.get(f"FB{s}"))) == 2
+        assert len(prof.task_samples.get((F, s), prof.task_samples.get((FUSED_FB, s)))) == 2
     assert prof.link["latency"] >= 0 and prof.link["bandwidth"] >= 0
     assert cm.link.latency == prof.link["latency"]
     sim = ps.last.plan.simulate(cm)
@@ -61,7 +65,8 @@ def test_profile_gives_a_cost_model_the_simulator_runs(schedule, ranks):
                       (m["peak_activation"], p["peak_activation"])):
         assert len(got) == len(want) == ranks
         assert all(0.6 * b <= a <= b for a, b in zip(got, want)), (got, want)
-    json.loads(prof.to_json())
+    named = json.loads(prof.to_json())["task_times"]  # JSON names the tasks: "F0", "FB3"
+    assert len(named) == len(prof.task_times) and "F0" in named
 
 
 def test_profile_keeps_xla_memory_analysis_where_available():
@@ -88,11 +93,34 @@ def test_profile_costs_inside_steps_or_alone():
     assert inside.costs == "step"
     assert set(inside.task_times_isolated) == set(inside.task_samples)
     assert set(inside.task_times) == set(inside.task_times_isolated)  # F0, B0, FB1
-    assert "FB1" in inside.task_times
+    assert set(inside.task_times) == {(F, 0), (B, 0), (FUSED_FB, 1)}
     # the in-step medians are RUN spans of traced steps, not the isolated timings
     assert inside.task_times != inside.task_times_isolated
-    assert inside.cost_model.stages[0].f == pytest.approx(inside.task_times["F0"])
+    assert inside.cost_model.stages[0].f == pytest.approx(inside.task_times[(F, 0)])
     assert inside.link["latency"] >= 0 and "transfers" in inside.link
     assert "mean inside steps" in inside.summary() and "median alone" in inside.summary()
     with pytest.raises(baton.ConfigError, match="costs must be"):
         baton.profile(ps, params, batch, costs="guess")
+
+
+def test_traced_runs_credit_their_task_by_kind():
+    """A traced RUN is credited to its task from its typed kinds: a plain action to
+    (kind, stage), F(s,m)+B(s,m) to (FUSED_FB, s), any other fused pair to none."""
+    def run(kind, s, m, second=None, t=1.0):
+        r = {"kind": kind, "stage": s, "microbatch": m, "start": 0.0, "end": t}
+        if second is not None:
+            r["second_kind"], r["second_stage"], r["second_microbatch"] = second
+        return r
+
+    assert _task_key(run(W, 2, 0)) == (W, 2)
+    assert _task_key(run(F, 3, 1, (B, 3, 1))) == (FUSED_FB, 3)
+    assert _task_key(run(F, 3, 1, (B, 3, 2))) is None  # another microbatch's B
+    assert _task_key(run(F, 0, 1, (B, 7, 1))) is None  # DualPipe's F&B of two stages
+    assert _task_key(run(B, 3, 1, (F, 3, 1))) is None
+
+    class Tr:
+        runs = [run(F, 0, 0, t=1.0), run(F, 0, 1, t=3.0), run(F, 1, 0, (B, 1, 0), t=5.0),
+                run(F, 0, 0, (B, 1, 0), t=9.0)]
+
+    got = _step_task_times([Tr()], {(F, 0): 7.0, (B, 0): 4.0})
+    assert got == {(F, 0): 2.0, (B, 0): 4.0, (FUSED_FB, 1): 5.0}

@@ -9,7 +9,8 @@ How: every task's arguments are derived from the plan in the layouts the loop ha
 (on its rank's devices; ``CompiledStep.capture_task_args``, ``task_args.py``: nothing runs
 to get them; the step's own arguments where they are the task's inputs, zeros for the
 buffers and running sums); then each task's jit is timed alone, blocking on its outputs,
-``runs`` times after ``warmup`` calls, and the median kept (per kind and stage: F, B or I and W, FB for a fused F+B). A
+``runs`` times after ``warmup`` calls, and the median kept (per task: the step's
+``(kind, stage)`` keys, ``kind`` a ``TaskKind`` or ``FUSED_FB`` for a fused F+B). A
 transfer is timed on a small and on the largest activation/gradient buffer (in one process:
 ``jax.device_put`` to the next rank's devices; over Gloo: half a ping-pong round trip);
 latency = small time, bandwidth from the difference. With ``costs="step"`` (the default) the
@@ -41,7 +42,7 @@ import numpy as np
 from .. import _core
 from ..errors import ConfigError
 from .step_costs import cost_model_of
-from .tasks import kind_name, unit_order
+from .tasks import FUSED_FB, TaskKind, task_name, unit_order
 from .tracing import Trace, span_bubbles
 
 __all__ = ["Profile", "profile"]
@@ -53,10 +54,12 @@ _TAG_PROFILE = (1 << 45) + (1 << 20)  # see tracing._TAG_CLOCK
 @dataclasses.dataclass
 class Profile:
     cost_model: Any  # baton.CostModel, times in seconds
-    task_times: dict  # "F0", "B1", "I2", "W2", "FB3" -> seconds (the cost model's)
+    # (kind, stage) -> seconds (the cost model's); kind a TaskKind, or FUSED_FB (F+B fused),
+    # the keys of the step's tasks (CompiledStep.tasks)
+    task_times: dict
     task_samples: dict  # same keys -> list of seconds
     link: dict  # latency (s), bandwidth (bytes/s; 0 = infinite), sizes measured
-    xla_memory: dict  # task name -> memory analysis fields (bytes), where JAX exposes it
+    xla_memory: dict  # same keys -> memory analysis fields (bytes), where JAX exposes it
     measured: dict  # step_time (median s), step_times, bubble, peak_bytes, peak_activation
     predicted: dict  # step_time, bubble, peak_total, peak_activation (simulator)
     trace: Trace | None = None  # the median measured step
@@ -79,12 +82,12 @@ class Profile:
                 f"{r:4d} {p['bubble'][r] * 100:11.1f}% {m['bubble'][r] * 100:11.1f}% "
                 f"{p['peak_total'][r]:16d} {m['peak_bytes'][r]:16d} "
                 f"{p['peak_activation'][r]:14d} {m['peak_activation'][r]:14d}")
-        tasks = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in sorted(self.task_times.items()))
+        tasks = ", ".join(f"{task_name(k)} {v * 1e3:.3f}" for k, v in _ordered(self.task_times))
         how = "mean inside steps" if self.costs == "step" else "median alone"
         lines.append(f"task times (ms, {how}): {tasks}")
         if self.costs == "step":
-            alone = ", ".join(f"{k} {v * 1e3:.3f}"
-                              for k, v in sorted(self.task_times_isolated.items()))
+            alone = ", ".join(f"{task_name(k)} {v * 1e3:.3f}"
+                              for k, v in _ordered(self.task_times_isolated))
             lines.append(f"task times (ms, median alone): {alone}")
         lat, bw = self.link["latency"], self.link["bandwidth"]
         lines.append(f"link: latency {lat * 1e6:.1f} us, bandwidth "
@@ -92,11 +95,19 @@ class Profile:
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        d = {k: getattr(self, k) for k in ("task_times", "task_samples", "link", "xla_memory",
-                                           "measured", "predicted", "costs",
-                                           "task_times_isolated", "link_isolated")}
+        """The profile as JSON; per-task dicts keyed by the tasks' names (``tasks.task_name``:
+        "F0", "FB3")."""
+        d = {k: getattr(self, k) for k in ("link", "measured", "predicted", "costs",
+                                           "link_isolated")}
+        for k in ("task_times", "task_samples", "xla_memory", "task_times_isolated"):
+            d[k] = {task_name(t): v for t, v in _ordered(getattr(self, k))}
         d["cost_model"] = json.loads(self.cost_model.to_json())
         return json.dumps(d)
+
+
+def _ordered(by_task: dict) -> list:
+    """The items of a dict keyed by task (kind, stage), by kind name then stage."""
+    return sorted(by_task.items(), key=lambda kv: unit_order(kv[0]))
 
 
 def _median_time(fn, args, runs: int, warmup: int) -> list[float]:
@@ -181,28 +192,30 @@ def _traced(fn, args) -> Trace:
     return fn.last_trace
 
 
-def _task_key(run: dict) -> list[tuple[str, float]]:
-    """(task name, share of the RUN) for one traced RUN: "F0", "B1", "I2", "W2", or "FB3"
-    for a fused F(s,m)+B(s,m); other fused pairs are skipped (no single task to credit)."""
-    cat, s = run["cat"], run["stage"]
-    if cat != "fused":
-        return [(f"{cat}{s}", 1.0)]
-    if run["name"].startswith("F") and "+B" in run["name"] and \
-            run.get("second_stage") == s and run.get("second_microbatch") == run["microbatch"]:
-        return [(f"FB{s}", 1.0)]
-    return []
+def _task_key(run: dict) -> tuple | None:
+    """The task (kind, stage) one traced RUN ran, from its typed fields (``kind``: a
+    ``TaskKind``): ``(FUSED_FB, s)`` for a fused F(s,m)+B(s,m); None for other fused pairs
+    (no single task to credit)."""
+    s = run["stage"]
+    if "second_kind" not in run:
+        return (run["kind"], s)
+    if ((run["kind"], run["second_kind"]) == FUSED_FB and run["second_stage"] == s
+            and run["second_microbatch"] == run["microbatch"]):
+        return (FUSED_FB, s)
+    return None
 
 
 def _step_task_times(traces: list, fallback: dict) -> dict:
-    """Mean span per task name over the RUNs of ``traces`` (every rank, every step): a step
-    is a sum of task times, and inside steps their spread is skewed (a task that shares its
-    core with transfer threads runs long), so the mean predicts the sum where the median
-    would not; names that never ran keep ``fallback`` (isolated) times."""
-    spans: dict[str, list[float]] = {}
+    """Mean span per task (kind, stage) over the RUNs of ``traces`` (every rank, every
+    step): a step is a sum of task times, and inside steps their spread is skewed (a task
+    that shares its core with transfer threads runs long), so the mean predicts the sum
+    where the median would not; tasks that never ran keep ``fallback`` (isolated) times."""
+    spans: dict[tuple, list[float]] = {}
     for tr in traces:
         for r in tr.runs:
-            for k, share in _task_key(r):
-                spans.setdefault(k, []).append(share * (r["end"] - r["start"]))
+            k = _task_key(r)
+            if k is not None:
+                spans.setdefault(k, []).append(r["end"] - r["start"])
     out = dict(fallback)
     out.update({k: statistics.fmean(v) for k, v in spans.items()})
     return out
@@ -228,46 +241,50 @@ def _stage_cost(s: int, fc: Any, times: dict, split: bool):
     sc = _core.StageCost()
     for f in ("act_bytes", "stash_bytes", "grad_bytes", "wstash_bytes", "wgrad_bytes"):
         setattr(sc, f, getattr(fc, f))
-    t = dict(times)
-    if f"FB{s}" in t and f"F{s}" not in t and f"B{s}" not in t:
+    t = {kind: v for (kind, stage), v in times.items() if stage == s}
+    F, B, I, W = TaskKind.F, TaskKind.B, TaskKind.I, TaskKind.W
+    if FUSED_FB in t and F not in t and B not in t:
         # only fused (F+B of a microbatch as one program): split by the flop estimate
         share = fc.f / (fc.f + fc.b) if fc.f + fc.b > 0 else 1 / 3
-        t[f"F{s}"], t[f"B{s}"] = t[f"FB{s}"] * share, t[f"FB{s}"] * (1 - share)
-    sc.f = max(t.get(f"F{s}", 0.0), _TINY)
+        t[F], t[B] = t[FUSED_FB] * share, t[FUSED_FB] * (1 - share)
+    sc.f = max(t.get(F, 0.0), _TINY)
     if split:
-        sc.i = max(t.get(f"I{s}", 0.0), _TINY)
-        sc.w = max(t.get(f"W{s}", 0.0), _TINY)
-        sc.b = max(t.get(f"B{s}", sc.i + sc.w), _TINY)
+        sc.i = max(t.get(I, 0.0), _TINY)
+        sc.w = max(t.get(W, 0.0), _TINY)
+        sc.b = max(t.get(B, sc.i + sc.w), _TINY)
     else:
-        sc.b = max(t.get(f"B{s}", 0.0), _TINY)
+        sc.b = max(t.get(B, 0.0), _TINY)
         sc.i = sc.w = sc.b / 2
-    if f"FB{s}" in t:  # F and B of one microbatch run as one program
-        sc.fb = max(t[f"FB{s}"], _TINY)
+    if FUSED_FB in t:  # F and B of one microbatch run as one program
+        sc.fb = max(t[FUSED_FB], _TINY)
     return sc
 
 
 def _isolated(fn, args, step, runs: int, warmup: int) -> tuple[dict, dict]:
-    """Each task's run times alone (name -> seconds per run) and XLA memory analysis, on the
-    arguments in the loop's layouts (``CompiledStep.capture_task_args``); with several
-    processes each times its own ranks' tasks and every process gets all of them."""
-    samples: dict[str, list[float]] = {}
-    xla: dict[str, dict] = {}
+    """Each task's run times alone ((kind, stage) -> seconds per run) and XLA memory
+    analysis, on the arguments in the loop's layouts (``CompiledStep.capture_task_args``);
+    with several processes each times its own ranks' tasks and every process gets all of
+    them (exchanged by the task's position in the step's tasks, which every process has)."""
+    samples: dict[tuple, list[float]] = {}
+    xla: dict[tuple, dict] = {}
     captured = fn.capture_task_args(args)
-    for (kind, s), (acc, a) in sorted(captured.items(), key=lambda kv: unit_order(kv[0])):
-        exe = step.tasks[(kind, s)]
-        name = f"{kind_name(kind)}{s}"
+    for key, (acc, a) in _ordered(captured):
+        exe = step.tasks[key]
         task = exe.fn
         if acc is not None:  # as it runs in the loop: adding to the running sums
             task, a = exe.fn_acc, [acc, *a]
-        samples[name] = _median_time(task, a, runs, warmup)
+        samples[key] = _median_time(task, a, runs, warmup)
         mem = _xla_memory(task, a)
         if mem is not None:
-            xla[name] = mem
+            xla[key] = mem
     if fn.group is not None:
-        for b in fn.group.transport.exchange(json.dumps([samples, xla]), fn.timeout):
+        keys = sorted(step.tasks, key=unit_order)
+        pos = {k: i for i, k in enumerate(keys)}
+        mine = [[[pos[k], v] for k, v in samples.items()], [[pos[k], v] for k, v in xla.items()]]
+        for b in fn.group.transport.exchange(json.dumps(mine), fn.timeout):
             smp, xm = json.loads(b)
-            samples.update(smp)
-            xla.update(xm)
+            samples.update((keys[i], v) for i, v in smp)
+            xla.update((keys[i], v) for i, v in xm)
     return samples, xla
 
 

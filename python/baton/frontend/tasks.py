@@ -45,6 +45,11 @@ def kind_name(kind) -> str:
     return _core.task_kind_char(kind)
 
 
+def task_name(task: tuple) -> str:
+    """A task ``(kind, stage)`` as messages and tables name it: ``F0``, ``B1``, ``FB3``."""
+    return f"{kind_name(task[0])}{task[1]}"
+
+
 def unit_order(unit: tuple) -> tuple:
     """A sort key of ``(kind, stage, ...)`` tuples: by kind name, then the rest (the enum
     has no order)."""

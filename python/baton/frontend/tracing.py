@@ -73,7 +73,9 @@ class Trace:
     num_ranks: int
     num_stages: int
     num_microbatches: int
-    runs: list  # dicts: rank, instr, action, name, cat, stage, microbatch, start, end
+    # dicts: rank, instr, action, name, cat, kind (a _core.TaskKind), stage, microbatch,
+    # start, end; a fused action's also second_kind, second_stage, second_microbatch
+    runs: list
     # dicts: src, dst, buffer, name, send_instr, recv_instr, posted, start, recv_posted, end,
     # bytes
     transfers: list
@@ -251,9 +253,11 @@ def build_trace(core_plan: Any, events: list, sizes: list[int] | None = None,
             a = prog[i].action
             act = acts[a]
             d = {"rank": r, "instr": i, "action": a, "name": str(act), "cat": _category(act),
-                 "stage": act.first.stage, "microbatch": act.first.microbatch,
+                 "kind": act.first.kind, "stage": act.first.stage,
+                 "microbatch": act.first.microbatch,
                  "start": sec(st or po), "end": sec(max(co, st or po))}
             if act.is_fused:
+                d["second_kind"] = act.second.kind
                 d["second_stage"] = act.second.stage
                 d["second_microbatch"] = act.second.microbatch
             runs.append(d)
