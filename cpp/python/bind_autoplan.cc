@@ -40,6 +40,10 @@ nb::dict candidate_dict(const baton::PlanCandidate& p) {
   d["step_time"] = p.step_time;
   d["bubble_fraction"] = p.bubble_fraction;
   d["peak_memory"] = p.peak_memory;
+  std::vector<std::string> off;
+  for (baton::Offload x : p.offload) off.emplace_back(x == baton::Offload::Stash ? "stash" : "none");
+  d["offload"] = off;
+  d["peak_host"] = p.peak_host;
   d["fits"] = p.fits;
   return d;
 }
@@ -54,9 +58,11 @@ void bind_autoplan(nb::module_& m) {
          std::optional<std::vector<int>> microbatches,
          std::optional<std::vector<std::string>> remat,
          std::optional<std::vector<int>> interleaved_v, int max_microbatches, double gap,
-         int64_t node_budget, bool update_in_place) {
+         int64_t node_budget, bool update_in_place, bool offload, int32_t fetch_lookahead) {
         baton::SegmentCosts costs = baton::SegmentCosts::from_json(segments_json);
         baton::AutoplanOptions o;
+        o.offload = offload;
+        o.fetch_lookahead = fetch_lookahead;
         o.ranks = ranks;
         o.memory = memory;
         o.top = top;
@@ -91,9 +97,13 @@ void bind_autoplan(nb::module_& m) {
       "segments_json"_a, "ranks"_a, "memory"_a = 0, "top"_a = 10, "families"_a = nb::none(),
       "microbatches"_a = nb::none(), "remat"_a = nb::none(), "interleaved_v"_a = nb::none(),
       "max_microbatches"_a = 0, "gap"_a = 0.0, "node_budget"_a = 20000, "update_in_place"_a = false,
+      "offload"_a = false, "fetch_lookahead"_a = 1,
       "Searches stage cuts x schedule x microbatches x per-stage remat for the segment costs "
       "(JSON, autoplan.h). Returns (plans, stats): plans best first, each a dict with schedule, "
-      "virtual_stages, microbatches, cuts, remat, step_time, bubble_fraction, peak_memory, fits. "
+      "virtual_stages, microbatches, cuts, remat, step_time, bubble_fraction, peak_memory, "
+      "offload (per stage 'none' or 'stash'), peak_host (per rank; empty: nothing offloaded), "
+      "fits. offload: a candidate over the budget may offload its ranks' stashes to host memory "
+      "(needs the costs' host_link_bandwidth). "
       "memory: bytes per rank (0: unlimited). node_budget: DFS nodes per configuration (0: no "
       "limit, exact); stats says whether the result is exact, else its certified gap. "
       "update_in_place: the update after the loop writes the new parameters and optimizer "
@@ -103,16 +113,25 @@ void bind_autoplan(nb::module_& m) {
       "autoplan_evaluate",
       [](const std::string& segments_json, const std::string& schedule, int ranks,
          int virtual_stages, int microbatches, const std::vector<int>& cuts,
-         const std::vector<std::string>& remat, int64_t memory, bool update_in_place) {
+         const std::vector<std::string>& remat, int64_t memory, bool update_in_place,
+         const std::vector<std::string>& offload, int32_t fetch_lookahead) {
         baton::SegmentCosts costs = baton::SegmentCosts::from_json(segments_json);
         std::vector<baton::Remat> rm;
         for (const auto& r : remat) rm.push_back(baton::parse_remat(r));
+        std::vector<baton::Offload> off;
+        for (size_t s = 0; s < offload.size(); ++s) {
+          if (offload[s] != "none" && offload[s] != "stash")
+            throw baton::ConfigError(fmt::format(
+                "offload[{}] is '{}'; a stage offloads 'none' or 'stash'", s, offload[s]));
+          off.push_back(offload[s] == "stash" ? baton::Offload::Stash : baton::Offload::None);
+        }
         return candidate_dict(baton::evaluate_candidate(costs, schedule, ranks, virtual_stages,
                                                         microbatches, cuts, rm, memory,
-                                                        update_in_place));
+                                                        update_in_place, off, fetch_lookahead));
       },
       "segments_json"_a, "schedule"_a, "ranks"_a, "virtual_stages"_a, "microbatches"_a, "cuts"_a,
       "remat"_a, "memory"_a = 0, "update_in_place"_a = false,
+      "offload"_a = std::vector<std::string>{}, "fetch_lookahead"_a = 1,
       "One candidate (given cuts and remat per stage) simulated: the dict autoplan returns.");
   m.def("parse_bytes", &baton::parse_bytes, "text"_a);
 }

@@ -28,6 +28,7 @@ SegmentCosts sample_costs() {
   c.fused_factor = 0.9;
   c.task_overhead = 0.5;
   c.step_overhead = 0.125;
+  c.host_link_bandwidth = 250.0;
   for (int k = 0; k < 4; ++k) {
     SegmentCost s;
     s.name = "layer" + std::to_string(k);
@@ -66,6 +67,7 @@ TEST(AutoplanJson, RoundTrip) {
   EXPECT_EQ(d.batch, c.batch);
   EXPECT_EQ(d.ref_microbatch, c.ref_microbatch);
   EXPECT_EQ(d.link, c.link);
+  EXPECT_EQ(d.host_link_bandwidth, c.host_link_bandwidth);
   EXPECT_EQ(d.fused_factor, c.fused_factor);
   EXPECT_EQ(d.segments, c.segments);
 }
@@ -389,6 +391,149 @@ TEST(AutoplanSearch, MatchesBruteForce) {
   }
   EXPECT_GT(tight, 20);
   EXPECT_GT(none_fit, 10);
+}
+
+// The offload rule of AutoplanOptions::offload, applied to one evaluated
+// candidate: while some rank is over the budget, offload the stashes of its
+// stages (all ranks over it at once), re-evaluated as the rank IR.
+PlanCandidate with_offload(const SegmentCosts& c, int P, const PlanCandidate& p, int64_t budget,
+                           bool in_place) {
+  const Schedule s = make_schedule(p.schedule, P, p.microbatches,
+                                   p.schedule == "interleaved" ? p.virtual_stages : 1);
+  std::vector<Offload> off(s.num_stages, Offload::None);
+  PlanCandidate q = p;
+  while (!q.fits) {
+    bool added = false;
+    for (int st = 0; st < s.num_stages; ++st)
+      if (q.peak_memory[s.stage_rank[st]] > budget && off[st] == Offload::None) {
+        off[st] = Offload::Stash;
+        added = true;
+      }
+    if (!added) break;
+    q = evaluate_candidate(c, p.schedule, P, p.virtual_stages, p.microbatches, p.cuts, p.remat,
+                           budget, in_place, off);
+  }
+  return q;
+}
+
+TEST(AutoplanSearch, OffloadMatchesBruteForce) {
+  std::mt19937 rng(20261206);
+  int offloaded = 0, rows = 0;
+  for (int inst = 0; inst < 80; ++inst) {
+    const int P = 2 + static_cast<int>(rng() % 2);
+    const int n = P + static_cast<int>(rng() % 3);
+    SegmentCosts c = random_costs(rng, n);
+    // A host link from much faster than the compute to much slower.
+    c.host_link_bandwidth = std::pow(10.0, 1.0 + 3.0 * std::uniform_real_distribution<>(0, 1)(rng));
+    Space sp;
+    sp.families = {"gpipe", "1f1b", "zbh1", "zbv", "vhalf", "interleaved"};
+    for (int m = P; m <= c.batch && m <= 2 * P + 2; ++m)
+      if (c.batch % m == 0) sp.microbatches.push_back(m);
+    if (sp.microbatches.empty()) continue;
+    sp.modes = {Remat::Keep, Remat::Full};
+    const bool in_place = rng() % 2 == 0;
+    const std::vector<PlanCandidate> cands = enumerate_all(c, P, sp, in_place);
+    if (cands.empty()) continue;
+    // Budget: between the smallest and the largest peak, so that some fit only offloaded.
+    int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+    for (const auto& p : cands) {
+      lo = std::min(lo, p.max_memory());
+      hi = std::max(hi, p.max_memory());
+    }
+    const int64_t budget = lo + static_cast<int64_t>((hi - lo) * 0.3);
+    double best = std::numeric_limits<double>::infinity();
+    for (const auto& p0 : cands) {
+      PlanCandidate p = p0;
+      p.fits = p.max_memory() <= budget;
+      const PlanCandidate q = with_offload(c, P, p, budget, in_place);
+      if (q.fits) best = std::min(best, q.step_time);
+    }
+    AutoplanOptions o;
+    o.ranks = P;
+    o.memory = budget;
+    o.top = 3;
+    o.families = sp.families;
+    o.microbatches = sp.microbatches;
+    o.remat_modes = sp.modes;
+    o.update_in_place = in_place;
+    o.offload = true;
+    SCOPED_TRACE(::testing::Message() << "instance " << inst << " P=" << P << " n=" << n
+                                      << " budget=" << budget << " costs=" << c.to_json());
+    if (best == std::numeric_limits<double>::infinity()) {
+      EXPECT_THROW(autoplan(c, o), ConfigError);
+      continue;
+    }
+    const AutoplanResult r = autoplan(c, o);
+    ASSERT_FALSE(r.plans.empty());
+    EXPECT_NEAR(r.plans[0].step_time, best, 1e-9 * std::max(1.0, best));
+    for (const PlanCandidate& p : r.plans) {
+      ++rows;
+      EXPECT_TRUE(p.fits);
+      const bool off = !p.offload.empty();
+      offloaded += off;
+      EXPECT_EQ(off, !p.peak_host.empty());
+      // The row is what evaluate_candidate says of the same choice.
+      const PlanCandidate q = evaluate_candidate(c, p.schedule, P, p.virtual_stages,
+                                                 p.microbatches, p.cuts, p.remat, budget,
+                                                 in_place, p.offload);
+      EXPECT_DOUBLE_EQ(q.step_time, p.step_time);
+      EXPECT_EQ(q.peak_memory, p.peak_memory);
+      EXPECT_EQ(q.peak_host, p.peak_host);
+      EXPECT_TRUE(q.fits);
+    }
+  }
+  EXPECT_GT(offloaded, 10) << "of " << rows << " rows";
+}
+
+TEST(AutoplanSearch, OffloadTradesHostLinkForRecompute) {
+  // Two equal segments on two ranks under GPipe with 8 microbatches: keeping
+  // every stash (8 x 1000 bytes per rank) does not fit; recomputing does, as
+  // does offloading. A fast host link hides the copies (offload wins), a
+  // slow one does not (recompute wins).
+  SegmentCosts c;
+  c.batch = 8;
+  c.ref_microbatch = 1;
+  for (int k = 0; k < 2; ++k) {
+    SegmentCost s;
+    s.f = 1.0;
+    s.b = 2.0;
+    s.i = 2.0;
+    s.stash_bytes = 1000;
+    s.min_stash_bytes = 1000;
+    s.act_bytes = 10;
+    c.segments.push_back(s);
+  }
+  AutoplanOptions o;
+  o.ranks = 2;
+  o.families = {"gpipe"};
+  o.microbatches = {8};
+  o.remat_modes = {Remat::Keep, Remat::Full};
+  o.memory = 3500;  // offloaded, a rank holds about three stashes at once
+  const std::string refused = error_of<ConfigError>([&] {
+    AutoplanOptions x = o;
+    x.offload = true;
+    autoplan(c, x);
+  });
+  EXPECT_NE(refused.find("host_link_bandwidth"), std::string::npos) << refused;
+  const AutoplanResult plain = autoplan(c, o);
+  ASSERT_FALSE(plain.plans.empty());
+  EXPECT_TRUE(plain.plans[0].offload.empty());
+  EXPECT_EQ(plain.plans[0].remat, (std::vector<Remat>{Remat::Full, Remat::Full}));
+  o.offload = true;
+  c.host_link_bandwidth = 1e6;  // a 1000-byte stash copies in 0.001
+  const AutoplanResult fast = autoplan(c, o);
+  ASSERT_FALSE(fast.plans[0].offload.empty());
+  EXPECT_LT(fast.plans[0].step_time, plain.plans[0].step_time);
+  EXPECT_EQ(fast.plans[0].remat, (std::vector<Remat>{Remat::Keep, Remat::Keep}));
+  EXPECT_EQ(fast.plans[0].offload, (std::vector<Offload>{Offload::Stash, Offload::Stash}));
+  EXPECT_GE(fast.plans[0].peak_host[0], 5000);  // most of rank 0's eight stashes
+  EXPECT_LE(fast.plans[0].max_memory(), o.memory);
+  EXPECT_NE(autoplan_table(fast, o.memory).find("keep+offload"), std::string::npos);
+  EXPECT_NE(fast.to_json().find("\"peak_host\""), std::string::npos);
+  c.host_link_bandwidth = 10;  // 100 time units per copy
+  const AutoplanResult slow = autoplan(c, o);
+  EXPECT_TRUE(slow.plans[0].offload.empty());
+  EXPECT_DOUBLE_EQ(slow.plans[0].step_time, plain.plans[0].step_time);
 }
 
 TEST(AutoplanSearch, NothingFitsNamesPeakAndRank) {

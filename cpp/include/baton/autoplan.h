@@ -94,6 +94,7 @@
 #include <vector>
 
 #include "baton/cost.h"
+#include "baton/rank_program.h"
 #include "baton/schedule.h"
 
 namespace baton {
@@ -142,6 +143,10 @@ struct SegmentCosts {
   // (the step's own dispatch, exchanges between processes): added to every
   // candidate's step time, so it changes predictions, never the ranking.
   double step_overhead = 0;
+  // Each rank's copies between device and host memory (activation offload):
+  // bytes per time unit in each direction, one copy engine per direction;
+  // 0: unknown (autoplan with offload refuses it).
+  double host_link_bandwidth = 0;
   std::vector<SegmentCost> segments;
 
   // task_overhead clamped per kind (f, b, i, w) to the smallest segment time
@@ -155,7 +160,7 @@ struct SegmentCosts {
   // ..., "b": ..., "i": ..., "w": ..., "overhead": ..., "act_bytes": ...,
   // "stash_bytes": ..., "min_stash_bytes": ..., "min_recompute": ...,
   // "wstash_bytes": ..., "param_bytes": ..., "opt_bytes": ..., "temp_bytes":
-  // ...}, ...]}. "segments" is required; every other key is optional (i
+  // ...}, ...], "host_link_bandwidth": h}. "segments" is required; every other key is optional (i
   // defaults to b; everything else to 0, batch and ref_microbatch to 1,
   // fused_factor to 1). Throws FormatError on malformed JSON ("line L,
   // column C: ..."), unknown keys and wrong types (naming the key path, e.g.
@@ -237,6 +242,19 @@ struct AutoplanOptions {
   // a rank's peak is static + max(loop, its stages' stage_update_bytes): the
   // new copies exist beside the old after the loop's buffers are gone.
   bool update_in_place = false;
+  // Activation offload (rank_program.h, Offload): a candidate that does not
+  // fit may offload the stashes of the stages of every rank over the budget
+  // to host memory between forward and backward (ranks added until every
+  // rank fits or none is left to add). Such a candidate is built as its rank
+  // IR with those OFFLOAD / FETCH instructions (build_rank_ir, verified) and
+  // simulated as that program (simulate(RankIR), the copies on the host link
+  // of SegmentCosts::host_link_bandwidth, which must be > 0): its step time
+  // includes every fetch the compute does not hide, its peaks are the
+  // device bytes the program holds. Offload only adds waiting, so the
+  // bounds on time stay valid; the memory bounds count, for every stage, a
+  // stash only during the actions that write or read it.
+  bool offload = false;
+  int32_t fetch_lookahead = 1;  // RankIROptions::fetch_lookahead of offloaded candidates
 };
 
 // One evaluated candidate.
@@ -248,7 +266,11 @@ struct PlanCandidate {
   std::vector<Remat> remat;
   double step_time = 0;
   double bubble_fraction = 0;
-  std::vector<int64_t> peak_memory;  // per rank, bytes
+  std::vector<int64_t> peak_memory;  // per rank, bytes (device)
+  // Per stage what it offloads to host memory (empty: nothing), and per rank
+  // the most host bytes it holds at once (empty when nothing is offloaded).
+  std::vector<Offload> offload;
+  std::vector<int64_t> peak_host;
   bool fits = true;
   int num_stages() const { return static_cast<int>(cuts.size()); }
   // The rank with the largest peak, and that peak.
@@ -283,11 +305,15 @@ struct AutoplanResult {
 AutoplanResult autoplan(const SegmentCosts& costs, const AutoplanOptions& opts);
 
 // Evaluates one candidate by simulation (unscaled costs; M must divide
-// batch). fits is computed against `memory` (0: unlimited).
+// batch). fits is computed against `memory` (0: unlimited). With `offload`
+// (one entry per stage; empty: none) the candidate is simulated as its rank
+// IR with those offloads (host_link_bandwidth of the costs, > 0).
 PlanCandidate evaluate_candidate(const SegmentCosts& costs, std::string_view schedule, int ranks,
                                  int virtual_stages, int microbatches, const std::vector<int>& cuts,
                                  const std::vector<Remat>& remat, int64_t memory = 0,
-                                 bool update_in_place = false);
+                                 bool update_in_place = false,
+                                 const std::vector<Offload>& offload = {},
+                                 int32_t fetch_lookahead = 1);
 
 // The ranked table (one row per plan), for the CLI.
 std::string autoplan_table(const AutoplanResult& r, int64_t memory);

@@ -95,6 +95,13 @@ AutoplanResult Searcher::run() {
   if (o_.memory < 0)
     throw ConfigError(fmt::format("autoplan: memory must be >= 0 (got {})", o_.memory));
   if (o_.top < 1) throw ConfigError(fmt::format("autoplan: top must be >= 1 (got {})", o_.top));
+  if (o_.offload && !(in_.host_link_bandwidth > 0))
+    throw ConfigError(
+        "autoplan: offload needs the host link's bandwidth (segment costs' "
+        "host_link_bandwidth, bytes per time unit in each direction; got 0)");
+  if (o_.fetch_lookahead < 1)
+    throw ConfigError(fmt::format("autoplan: fetch_lookahead must be >= 1 (got {})",
+                                  o_.fetch_lookahead));
   // Families.
   std::vector<std::string> fams;
   const std::vector<std::string> all = schedule_names();
@@ -235,7 +242,8 @@ AutoplanResult autoplan(const SegmentCosts& costs, const AutoplanOptions& opts) 
 PlanCandidate evaluate_candidate(const SegmentCosts& costs, std::string_view schedule, int ranks,
                                  int virtual_stages, int microbatches, const std::vector<int>& cuts,
                                  const std::vector<Remat>& remat, int64_t memory,
-                                 bool update_in_place) {
+                                 bool update_in_place, const std::vector<Offload>& offload,
+                                 int32_t fetch_lookahead) {
   const SegmentCosts sc = costs.scaled(microbatches);
   const Schedule s =
       make_schedule(schedule, ranks, microbatches,
@@ -250,13 +258,26 @@ PlanCandidate evaluate_candidate(const SegmentCosts& costs, std::string_view sch
           fmt::format("cuts must increase and stay below {} (cuts[{}] = {})", n, k, cuts[k]));
   const CostModel cm = stage_cost_model(sc, cuts, remat);
   const Plan plan = lower(s);
-  const SimResult res = simulate(plan, cm);
+  const bool offloads =
+      std::any_of(offload.begin(), offload.end(), [](Offload x) { return x != Offload::None; });
+  if (offloads && !(sc.host_link_bandwidth > 0))
+    throw ConfigError(
+        "evaluate_candidate: offload needs the host link's bandwidth (segment costs' "
+        "host_link_bandwidth; got 0)");
+  RankIROptions ro;
+  ro.offload = offload;
+  ro.fetch_lookahead = fetch_lookahead;
+  const SimResult res = offloads ? simulate(build_rank_ir(plan, ro), cm) : simulate(plan, cm);
   PlanCandidate pc;
   pc.schedule = s.name;
   pc.virtual_stages = s.num_stages / s.num_ranks;
   pc.microbatches = microbatches;
   pc.cuts = cuts;
   pc.remat = remat;
+  if (offloads) {
+    pc.offload = offload;
+    pc.peak_host = res.peak_host_bytes;
+  }
   pc.step_time = res.step_time + update_time(sc, cuts, s.stage_rank, ranks);
   pc.bubble_fraction = res.bubble_fraction;
   pc.peak_memory.assign(ranks, 0);

@@ -83,6 +83,7 @@ class Searcher {
     budget_ = o.memory > 0 ? o.memory : std::numeric_limits<int64_t>::max();
     gap_ = o.gap;
     node_budget_ = o.node_budget;
+    offload_ = o.offload;
   }
   AutoplanResult run();
 
@@ -138,6 +139,13 @@ class Searcher {
   void remat_leaf(Config& c);
   // Simulates c.plan at the current stage costs stc_ (counted in st_.simulated).
   SimResult simulate_stc(const Config& c);
+  // The cost model of the current stage costs stc_.
+  CostModel cost_model_stc() const;
+  // For a candidate pc that does not fit (o_.offload): offloads the stashes of
+  // the stages of every rank over the budget, as its rank IR, until every
+  // rank fits (pc updated: offload, step_time, peaks; true) or no rank over
+  // the budget has a stage left to offload (false).
+  bool offload_fit(const Config& c, PlanCandidate& pc, double upd);
   double relax(const Config& c) const;
   int64_t rank_stash_lb(const Config& c, int r) const;
   void note_peak(int64_t peak, int rank, const std::string& what, bool exact);
@@ -149,6 +157,7 @@ class Searcher {
   int64_t budget_ = 0;
   double gap_ = 0;
   int64_t node_budget_ = 0;  // DFS nodes per configuration; 0: unlimited
+  bool offload_ = false;     // candidates may offload stashes (AutoplanOptions::offload)
   int64_t nodes_ = 0;
   double abandoned_lb_ = kInf;  // smallest bound of a subtree left unexplored
   double leaf_lb_ = 0;          // (B3) of the current partition at its fastest remat

@@ -91,8 +91,17 @@ int64_t Searcher::rank_stash_lb(const Config& c, int r) const {
       }
     }
     const int32_t* cnt = &c.row_cnt[r][k * 2 * nloc];
-    for (int l = 0; l < nloc; ++l)
-      v += cnt[2 * l] * stc_[st[l]].stash_bytes + cnt[2 * l + 1] * stc_[st[l]].wstash_bytes;
+    if (offload_) {
+      // A stash may be on the host between its writer and its reader: count
+      // it only during those (a fused F&B of one microbatch holds none).
+      const bool internal = a.n == 2 && a.t[0].stage == a.t[1].stage && a.t[0].mb == a.t[1].mb;
+      for (int j = 0; j < a.n && !internal; ++j)
+        if (a.t[j].kind != TaskKind::W) v += stc_[a.t[j].stage].stash_bytes;
+      for (int l = 0; l < nloc; ++l) v += cnt[2 * l + 1] * stc_[st[l]].wstash_bytes;
+    } else {
+      for (int l = 0; l < nloc; ++l)
+        v += cnt[2 * l] * stc_[st[l]].stash_bytes + cnt[2 * l + 1] * stc_[st[l]].wstash_bytes;
+    }
     best = std::max(best, v);
   }
   return best;
@@ -234,14 +243,54 @@ void Searcher::remat_dfs(Config& c, size_t k) {
   stc_[s] = opts_[s][0].cost;
 }
 
-SimResult Searcher::simulate_stc(const Config& c) {
+CostModel Searcher::cost_model_stc() const {
   CostModel cm;
   cm.link = in_.link;
+  cm.host_link_bandwidth = in_.host_link_bandwidth;
   cm.fused_factor = in_.fused_factor;
   cm.stages = stc_;
-  SimResult res = simulate(c.plan, cm);
+  return cm;
+}
+
+SimResult Searcher::simulate_stc(const Config& c) {
+  SimResult res = simulate(c.plan, cost_model_stc());
   ++st_.simulated;
   return res;
+}
+
+bool Searcher::offload_fit(const Config& c, PlanCandidate& pc, double upd) {
+  RankIROptions ro;
+  ro.offload.assign(c.S, Offload::None);
+  ro.fetch_lookahead = o_.fetch_lookahead;
+  std::vector<int64_t> peaks = pc.peak_memory;
+  const CostModel cm = cost_model_stc();
+  for (;;) {
+    bool added = false;
+    for (int r = 0; r < c.P; ++r) {
+      if (peaks[r] <= budget_) continue;
+      for (int s : c.rank_stages[r])
+        if (ro.offload[s] == Offload::None) {
+          ro.offload[s] = Offload::Stash;
+          added = true;
+        }
+    }
+    if (!added) return false;
+    const SimResult res = simulate(build_rank_ir(c.plan, ro), cm);
+    ++st_.simulated;
+    bool fits = true;
+    for (int r = 0; r < c.P; ++r) {
+      peaks[r] = rank_peak(r, res.peak_total[r]);
+      fits = fits && peaks[r] <= budget_;
+    }
+    if (!fits) continue;
+    pc.step_time = res.step_time + upd;
+    pc.bubble_fraction = res.bubble_fraction;
+    pc.peak_memory = peaks;
+    pc.offload = ro.offload;
+    pc.peak_host = res.peak_host_bytes;
+    pc.fits = true;
+    return true;
+  }
 }
 
 void Searcher::remat_leaf(Config& c) {
@@ -281,9 +330,13 @@ void Searcher::remat_leaf(Config& c) {
   }
   if (!pc.fits) {
     note_peak(pc.max_memory(), pc.max_memory_rank(), describe(c, pc.cuts), true);
-    return;
+    // Offloading only adds waiting: a candidate already too slow stays so.
+    if (!offload_ || cut(pc.step_time, T_, gap_) || !offload_fit(c, pc, upd)) return;
+  } else {
+    // (B5) holds for vectors that fit without offload: their time is the
+    // plan's simulated time, which slower vectors cannot beat.
+    feasible_.push_back(choice_);
   }
-  feasible_.push_back(choice_);
   if (pc.step_time < c.best) {
     c.best = pc.step_time;
     c.best_cand = std::move(pc);

@@ -15,6 +15,8 @@ std::string AutoplanResult::to_json() const {
   for (const PlanCandidate& p : plans) {
     json remat = json::array();
     for (Remat r : p.remat) remat.push_back(remat_name(r));
+    json offload = json::array();
+    for (Offload o : p.offload) offload.push_back(o == Offload::Stash ? "stash" : "none");
     rows.push_back(json{{"schedule", p.schedule},
                         {"virtual_stages", p.virtual_stages},
                         {"microbatches", p.microbatches},
@@ -23,6 +25,8 @@ std::string AutoplanResult::to_json() const {
                         {"step_time", p.step_time},
                         {"bubble_fraction", p.bubble_fraction},
                         {"peak_memory", p.peak_memory},
+                        {"offload", offload},
+                        {"peak_host", p.peak_host},
                         {"fits", p.fits}});
   }
   json s{{"configurations", stats.configurations},
@@ -45,10 +49,18 @@ std::string autoplan_table(const AutoplanResult& r, int64_t memory) {
   for (const PlanCandidate& p : r.plans) {
     std::string cuts, remat, peaks;
     for (size_t s = 0; s < p.cuts.size(); ++s) cuts += fmt::format("{}{}", s ? "," : "", p.cuts[s]);
-    for (size_t s = 0; s < p.remat.size(); ++s)
-      remat += fmt::format("{}{}", s ? "," : "", remat_name(p.remat[s]));
+    for (size_t s = 0; s < p.remat.size(); ++s) {
+      const bool off = s < p.offload.size() && p.offload[s] == Offload::Stash;
+      remat += fmt::format("{}{}{}", s ? "," : "", remat_name(p.remat[s]), off ? "+offload" : "");
+    }
     for (size_t q = 0; q < p.peak_memory.size(); ++q)
       peaks += fmt::format("{}{}", q ? "," : "", format_bytes(p.peak_memory[q]));
+    if (!p.peak_host.empty()) {
+      peaks += " (host ";
+      for (size_t q = 0; q < p.peak_host.size(); ++q)
+        peaks += fmt::format("{}{}", q ? "," : "", format_bytes(p.peak_host[q]));
+      peaks += ")";
+    }
     out += fmt::format("{:>3}  {:<11} {:>2} {:>4} {:>12.6g} {:>6.1f}% {:>11} {:>4}  {}  {} / {}\n",
                        ++k, p.schedule, p.virtual_stages, p.microbatches, p.step_time,
                        100.0 * p.bubble_fraction, format_bytes(p.max_memory()),

@@ -89,6 +89,7 @@ void SegmentCosts::validate() const {
         fmt::format("segment costs: fused_factor must be finite and > 0 (got {})", fused_factor));
   kFields.check_time(task_overhead, "task_overhead");
   kFields.check_time(step_overhead, "step_overhead");
+  kFields.check_time(host_link_bandwidth, "host_link_bandwidth");
   if (segments.empty()) throw ConfigError("segment costs: 'segments' is empty");
   for (size_t k = 0; k < segments.size(); ++k) {
     const SegmentCost& s = segments[k];
@@ -128,6 +129,8 @@ SegmentCosts SegmentCosts::from_json(const std::string& text) {
       c.step_overhead = kFields.get_number(val, "step_overhead");
     } else if (key == "link") {
       kFields.apply_link(val, c.link);
+    } else if (key == "host_link_bandwidth") {
+      c.host_link_bandwidth = kFields.get_number(val, "host_link_bandwidth");
     } else if (key == "segments") {
       if (!val.is_array())
         throw FormatError(fmt::format("segment costs JSON: 'segments' must be an array (got {})",
@@ -139,7 +142,7 @@ SegmentCosts SegmentCosts::from_json(const std::string& text) {
     } else {
       throw FormatError(fmt::format(
           "segment costs JSON: unknown key '{}' (top-level keys: batch, ref_microbatch, link, "
-          "fused_factor, task_overhead, step_overhead, segments)",
+          "host_link_bandwidth, fused_factor, task_overhead, step_overhead, segments)",
           key));
     }
   }
@@ -186,6 +189,7 @@ std::string SegmentCosts::to_json() const {
          {"fused_factor", fused_factor},
          {"task_overhead", task_overhead},
          {"step_overhead", step_overhead},
+         {"host_link_bandwidth", host_link_bandwidth},
          {"segments", std::move(segs)}};
   return j.dump(2);
 }
@@ -338,6 +342,7 @@ CostModel stage_cost_model(const SegmentCosts& c, const std::vector<int>& cuts,
     throw ConfigError(fmt::format("{} remat modes for {} stages", remat.size(), cuts.size()));
   CostModel m;
   m.link = c.link;
+  m.host_link_bandwidth = c.host_link_bandwidth;
   m.fused_factor = c.fused_factor;
   m.stages.reserve(cuts.size());
   for (size_t s = 0; s < cuts.size(); ++s) {
