@@ -58,10 +58,12 @@ void bind_autoplan(nb::module_& m) {
          std::optional<std::vector<int>> microbatches,
          std::optional<std::vector<std::string>> remat,
          std::optional<std::vector<int>> interleaved_v, int max_microbatches, double gap,
-         int64_t node_budget, bool update_in_place, bool offload, int32_t fetch_lookahead) {
+         int64_t node_budget, bool update_in_place, bool offload, int64_t host_memory,
+         int32_t fetch_lookahead) {
         baton::SegmentCosts costs = baton::SegmentCosts::from_json(segments_json);
         baton::AutoplanOptions o;
         o.offload = offload;
+        o.host_memory = host_memory;
         o.fetch_lookahead = fetch_lookahead;
         o.ranks = ranks;
         o.memory = memory;
@@ -88,6 +90,7 @@ void bind_autoplan(nb::module_& m) {
         stats["partitions"] = r.stats.partitions;
         stats["candidates"] = r.stats.candidates;
         stats["simulated"] = r.stats.simulated;
+        stats["offloaded"] = r.stats.offloaded;
         stats["pruned"] = r.stats.pruned;
         stats["seconds"] = r.stats.seconds;
         stats["exact"] = r.stats.exact;
@@ -97,13 +100,14 @@ void bind_autoplan(nb::module_& m) {
       "segments_json"_a, "ranks"_a, "memory"_a = 0, "top"_a = 10, "families"_a = nb::none(),
       "microbatches"_a = nb::none(), "remat"_a = nb::none(), "interleaved_v"_a = nb::none(),
       "max_microbatches"_a = 0, "gap"_a = 0.0, "node_budget"_a = 20000, "update_in_place"_a = false,
-      "offload"_a = false, "fetch_lookahead"_a = 1,
+      "offload"_a = false, "host_memory"_a = 0, "fetch_lookahead"_a = 1,
       "Searches stage cuts x schedule x microbatches x per-stage remat for the segment costs "
       "(JSON, autoplan.h). Returns (plans, stats): plans best first, each a dict with schedule, "
       "virtual_stages, microbatches, cuts, remat, step_time, bubble_fraction, peak_memory, "
       "offload (per stage 'none' or 'stash'), peak_host (per rank; empty: nothing offloaded), "
       "fits. offload: a candidate over the budget may offload its ranks' stashes to host memory "
-      "(needs the costs' host_link_bandwidth). "
+      "(needs the costs' host_link_bandwidth) while its host bytes stay within host_memory per "
+      "rank (0: unlimited). "
       "memory: bytes per rank (0: unlimited). node_budget: DFS nodes per configuration (0: no "
       "limit, exact); stats says whether the result is exact, else its certified gap. "
       "update_in_place: the update after the loop writes the new parameters and optimizer "
@@ -153,8 +157,10 @@ void bind_cluster(nb::module_& m) {
          const std::vector<int>& ep, int fsdp_mode, const std::vector<std::string>& families,
          int top, int max_segments, int max_microbatch_choices, double gap, int64_t node_budget,
          const std::vector<int>& interleaved_v, int tp_overlap, int dp_overlap,
-         double grad_reduce_bytes) {
+         double grad_reduce_bytes, int offload, int32_t fetch_lookahead) {
         baton::ClusterOptions o;
+        o.offload = offload;
+        o.fetch_lookahead = fetch_lookahead;
         o.tp_overlap = tp_overlap;
         o.dp_overlap = dp_overlap;
         o.grad_reduce_bytes = grad_reduce_bytes;
@@ -182,9 +188,10 @@ void bind_cluster(nb::module_& m) {
       "fsdp_mode"_a = -1, "families"_a = std::vector<std::string>{}, "top"_a = 10,
       "max_segments"_a = 24, "max_microbatch_choices"_a = 1, "gap"_a = 0.02, "node_budget"_a = 500,
       "interleaved_v"_a = std::vector<int>{}, "tp_overlap"_a = -1, "dp_overlap"_a = -1,
-      "grad_reduce_bytes"_a = 4.0,
-      "Searches degrees x cuts x schedule x microbatches x remat; returns the ranked result "
-      "as JSON. Raises ConfigError when nothing fits.");
+      "grad_reduce_bytes"_a = 4.0, "offload"_a = -1, "fetch_lookahead"_a = 1,
+      "Searches degrees x cuts x schedule x microbatches x remat x offload; returns the ranked "
+      "result as JSON. offload: -1 searched when the hardware has a host_link, 0 never, 1 "
+      "searched (refused without one). Raises ConfigError when nothing fits.");
   m.def(
       "evaluate_cluster",
       [](const std::string& profile, const std::string& hardware, int pp, int tp, int dp, int ep,

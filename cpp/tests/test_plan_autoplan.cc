@@ -530,6 +530,15 @@ TEST(AutoplanSearch, OffloadTradesHostLinkForRecompute) {
   EXPECT_LE(fast.plans[0].max_memory(), o.memory);
   EXPECT_NE(autoplan_table(fast, o.memory).find("keep+offload"), std::string::npos);
   EXPECT_NE(fast.to_json().find("\"peak_host\""), std::string::npos);
+  {
+    AutoplanOptions x = o;
+    x.host_memory = 4000;  // offloading needs more than this on rank 0's host
+    const AutoplanResult capped = autoplan(c, x);
+    EXPECT_TRUE(capped.plans[0].offload.empty());
+    EXPECT_DOUBLE_EQ(capped.plans[0].step_time, plain.plans[0].step_time);
+    x.host_memory = fast.plans[0].peak_host[0];
+    EXPECT_FALSE(autoplan(c, x).plans[0].offload.empty());
+  }
   c.host_link_bandwidth = 10;  // 100 time units per copy
   const AutoplanResult slow = autoplan(c, o);
   EXPECT_TRUE(slow.plans[0].offload.empty());

@@ -253,7 +253,10 @@ struct AutoplanOptions {
   // device bytes the program holds. Offload only adds waiting, so the
   // bounds on time stay valid; the memory bounds count, for every stage, a
   // stash only during the actions that write or read it.
+  // An offloaded candidate fits only when every rank's host bytes are at
+  // most host_memory (bytes per rank; 0: unlimited).
   bool offload = false;
+  int64_t host_memory = 0;
   int32_t fetch_lookahead = 1;  // RankIROptions::fetch_lookahead of offloaded candidates
 };
 
@@ -284,6 +287,7 @@ struct AutoplanStats {
   int64_t partitions = 0;      // complete partitions reached
   int64_t candidates = 0;      // complete (partition, remat) vectors reached
   int64_t simulated = 0;       // candidates simulated
+  int64_t offloaded = 0;       // of those, simulated as rank programs with offloads
   int64_t pruned = 0;          // subtrees / candidates cut off by a bound
   double seconds = 0;
   // True when the best row is the optimum of the space (gap == 0 and no

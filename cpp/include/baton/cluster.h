@@ -22,6 +22,9 @@
 //                and the next forward, the last bucket exposed (step_overhead).
 //   memory       params 2 B, grads 2 B, optimizer 12 B / z + 2 B, stash per remat mode.
 //   p2p          activations over the pipeline link, asynchronous.
+//   offload      a plan over the memory budget may offload its ranks' stashes to host
+//                memory over host_link (AutoplanOptions::offload): simulated as the rank
+//                program with its copies, fetches the compute does not hide in the bubble.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -141,6 +144,10 @@ struct ClusterOptions {
   // and a fused scale-mask-softmax + dropout moving 13 bytes per score in the forward,
   // twice that in the backward), as Megatron-LM did before FlashAttention (2022).
   bool flash_attention = true;
+  // Activation offload (AutoplanOptions::offload) over the hardware's host_link: -1 searched
+  // when the hardware file has one, 0 never, 1 searched (refused without a host link).
+  int offload = -1;
+  int32_t fetch_lookahead = 1;  // RUNs a fetch runs ahead of its read (RankIROptions)
 };
 
 // Where the predicted time of one step goes, on the average pipeline rank
@@ -157,8 +164,10 @@ struct TimeBreakdown {
 };
 
 // Per-GPU bytes of the rank holding the largest peak, by component.
+// `host`: the bytes that rank holds in host memory at once (offloaded stashes).
 struct MemoryBreakdown {
   int64_t params = 0, grads = 0, optimizer = 0, activations = 0, total = 0;
+  int64_t host = 0;
 };
 
 struct ClusterPlan {

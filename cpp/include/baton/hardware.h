@@ -72,9 +72,12 @@ struct Hardware {
   // Fraction of an overlapped collective's time that still slows the compute
   // it hides behind (the SMs NCCL's kernels occupy).
   double overlap_contention = 0;
-  // Optional link between GPU and host memory (PCIe / C2C); parsed and kept,
-  // not used by the cost model yet.
+  // Optional link between GPU and host memory (PCIe / C2C), per direction:
+  // the copies of offloaded activations (ClusterOptions::offload).
   LinkSpec host_link;
+  // Host memory per GPU that offloaded activations may hold (the node's
+  // system memory / gpus_per_node); 0: unlimited.
+  int64_t host_bytes = 0;
   // Multiplier of every modelled compute rate; 1.0 = the cited measurements.
   // baton.scale.calibrate() fits it to a user's measured steps. Without a
   // gemm_bf16 table it is the achieved fraction of peak for all compute.

@@ -99,6 +99,9 @@ AutoplanResult Searcher::run() {
     throw ConfigError(
         "autoplan: offload needs the host link's bandwidth (segment costs' "
         "host_link_bandwidth, bytes per time unit in each direction; got 0)");
+  if (o_.host_memory < 0)
+    throw ConfigError(
+        fmt::format("autoplan: host_memory must be >= 0 (got {})", o_.host_memory));
   if (o_.fetch_lookahead < 1)
     throw ConfigError(fmt::format("autoplan: fetch_lookahead must be >= 1 (got {})",
                                   o_.fetch_lookahead));
@@ -213,7 +216,15 @@ AutoplanResult Searcher::run() {
   if (st_.exact) st_.gap = 0;
   for (const Config* c : done) {
     if (static_cast<int>(out.plans.size()) >= o_.top) break;
-    if (o_.verify) verify_or_throw(c->plan);
+    if (o_.verify) {
+      verify_or_throw(c->plan);
+      if (!c->best_cand.offload.empty()) {  // its rank IR with the offloads, verified
+        RankIROptions ro;
+        ro.offload = c->best_cand.offload;
+        ro.fetch_lookahead = o_.fetch_lookahead;
+        (void)build_rank_ir(c->plan, ro);
+      }
+    }
     out.plans.push_back(c->best_cand);
   }
   st_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -54,6 +54,7 @@ void Searcher::prepare(Config& c) {
   c.acts.assign(P, {});
   c.row_action.assign(P, {});
   c.row_cnt.assign(P, {});
+  c.row_off.assign(P, {});
   for (int r = 0; r < P; ++r) {
     const auto& acts = s.rank_actions[r];
     const int nloc = static_cast<int>(c.rank_stages[r].size());
@@ -65,6 +66,25 @@ void Searcher::prepare(Config& c) {
       if (p < 0 || q < 0 || p == q) return;  // internal to one fused action
       diff[static_cast<size_t>(p) * 2 * nloc + slot] += 1;
       diff[static_cast<size_t>(q + 1) * 2 * nloc + slot] -= 1;
+    };
+    // Stashes on the device when their stage offloads them (offload.cc, one
+    // RUN per action): at the writer and from the fetch (fetch_lookahead
+    // actions before the reader, never before the action after the writer)
+    // to the reader; throughout when no other action lies between the two.
+    std::vector<int32_t> doff(static_cast<size_t>(na + 1) * nloc, 0);
+    const int look = std::max(1, o_.fetch_lookahead);
+    auto add_off = [&](int p, int q, int l) {
+      if (p < 0 || q < 0 || p == q) return;
+      auto span = [&](int x, int y) {
+        doff[static_cast<size_t>(x) * nloc + l] += 1;
+        doff[static_cast<size_t>(y + 1) * nloc + l] -= 1;
+      };
+      if (q - p < 2) {
+        span(p, q);
+      } else {
+        span(p, p);
+        span(std::max(p + 1, q - look), q);
+      }
     };
     for (int k = 0; k < na; ++k) {
       const Action& a = acts[k];
@@ -89,11 +109,13 @@ void Searcher::prepare(Config& c) {
             c.cb[t.stage] += w;
             c.uses_b[t.stage] = 1;
             add_interval(fpos[key], k, 2 * l);
+            add_off(fpos[key], k, l);
             break;
           case TaskKind::I:
             c.ci[t.stage] += w;
             c.uses_i[t.stage] = 1;
             add_interval(fpos[key], k, 2 * l);
+            add_off(fpos[key], k, l);
             ipos[key] = k;
             break;
           case TaskKind::W:
@@ -105,11 +127,13 @@ void Searcher::prepare(Config& c) {
       }
       c.acts[r].push_back(ar);
     }
-    std::vector<int32_t> cur(2 * nloc, 0);
+    std::vector<int32_t> cur(2 * nloc, 0), off(nloc, 0);
     for (int k = 0; k < na; ++k) {
       for (int j = 0; j < 2 * nloc; ++j) cur[j] += diff[static_cast<size_t>(k) * 2 * nloc + j];
+      for (int j = 0; j < nloc; ++j) off[j] += doff[static_cast<size_t>(k) * nloc + j];
       c.row_action[r].push_back(k);
       c.row_cnt[r].insert(c.row_cnt[r].end(), cur.begin(), cur.end());
+      c.row_off[r].insert(c.row_off[r].end(), off.begin(), off.end());
     }
   }
   c.chain_c = c.fused ? std::min(1.0, ff) : 1.0;

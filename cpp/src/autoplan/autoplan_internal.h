@@ -6,11 +6,13 @@
 #include <array>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "baton/autoplan.h"
 #include "baton/plan.h"
+#include "baton/rank_program.h"
 #include "baton/sim.h"
 
 namespace baton::autoplan_detail {
@@ -61,12 +63,20 @@ struct Config {
   // (stash count, wstash count) live across that action.
   std::vector<std::vector<int32_t>> row_action;
   std::vector<std::vector<int32_t>> row_cnt;
+  // Per rank, action and local stage: the stashes on the device during that
+  // action when the stage offloads them (AutoplanOptions::offload).
+  std::vector<std::vector<int32_t>> row_off;
   std::vector<int> local;  // stage -> index among its rank's stages
   SegmentCosts sc;         // scaled
   std::vector<double> pf, pb, pi, pw, prec;
   std::array<double, 4> saved{};  // sc.tasks_saved()
   std::vector<int64_t> pstash, pmin, pwstash, pstatic, pupdate;
   std::vector<int64_t> tmax;  // (n+1)*(n+1): max temp of [a, e)
+  // Offload tries (offload_fit): the plan's rank programs after the build
+  // pass (lower_rank_program), made on the first try; `ir` holds them with
+  // the offload pass applied to the ranks a try offloads on.
+  std::shared_ptr<RankIR> ir;
+  std::vector<RankProgram> base_programs;
   double root_lb = 0;
   std::vector<int> seed_cuts;
   double lower = kInf;  // certified lower bound on this configuration's best
@@ -145,7 +155,7 @@ class Searcher {
   // the stages of every rank over the budget, as its rank IR, until every
   // rank fits (pc updated: offload, step_time, peaks; true) or no rank over
   // the budget has a stage left to offload (false).
-  bool offload_fit(const Config& c, PlanCandidate& pc, double upd);
+  bool offload_fit(Config& c, PlanCandidate& pc, double upd);
   double relax(const Config& c) const;
   int64_t rank_stash_lb(const Config& c, int r) const;
   void note_peak(int64_t peak, int rank, const std::string& what, bool exact);

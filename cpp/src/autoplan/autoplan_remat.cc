@@ -92,12 +92,11 @@ int64_t Searcher::rank_stash_lb(const Config& c, int r) const {
     }
     const int32_t* cnt = &c.row_cnt[r][k * 2 * nloc];
     if (offload_) {
-      // A stash may be on the host between its writer and its reader: count
-      // it only during those (a fused F&B of one microbatch holds none).
-      const bool internal = a.n == 2 && a.t[0].stage == a.t[1].stage && a.t[0].mb == a.t[1].mb;
-      for (int j = 0; j < a.n && !internal; ++j)
-        if (a.t[j].kind != TaskKind::W) v += stc_[a.t[j].stage].stash_bytes;
-      for (int l = 0; l < nloc; ++l) v += cnt[2 * l + 1] * stc_[st[l]].wstash_bytes;
+      // Any stage may offload: its stashes count only where they are on the
+      // device offloaded (fewer than kept), the weight stashes as they are.
+      const int32_t* off = &c.row_off[r][k * nloc];
+      for (int l = 0; l < nloc; ++l)
+        v += off[l] * stc_[st[l]].stash_bytes + cnt[2 * l + 1] * stc_[st[l]].wstash_bytes;
     } else {
       for (int l = 0; l < nloc; ++l)
         v += cnt[2 * l] * stc_[st[l]].stash_bytes + cnt[2 * l + 1] * stc_[st[l]].wstash_bytes;
@@ -258,12 +257,23 @@ SimResult Searcher::simulate_stc(const Config& c) {
   return res;
 }
 
-bool Searcher::offload_fit(const Config& c, PlanCandidate& pc, double upd) {
+bool Searcher::offload_fit(Config& c, PlanCandidate& pc, double upd) {
+  // The offload pass on the build pass's programs, as build_rank_ir runs them
+  // (slot assignment and sharing, which it runs next, change nothing the
+  // simulator reads; the returned plan's rank IR is built in full and verified).
+  if (!c.ir) {
+    c.ir = std::make_shared<RankIR>();
+    c.ir->plan = c.plan;
+    for (int r = 0; r < c.P; ++r) c.base_programs.push_back(lower_rank_program(c.ir->plan, r));
+    c.ir->programs = c.base_programs;
+  }
   RankIROptions ro;
   ro.offload.assign(c.S, Offload::None);
   ro.fetch_lookahead = o_.fetch_lookahead;
   std::vector<int64_t> peaks = pc.peak_memory;
+  std::vector<uint8_t> changed(c.P, 0);
   const CostModel cm = cost_model_stc();
+  bool fits = false;
   for (;;) {
     bool added = false;
     for (int r = 0; r < c.P; ++r) {
@@ -272,25 +282,42 @@ bool Searcher::offload_fit(const Config& c, PlanCandidate& pc, double upd) {
         if (ro.offload[s] == Offload::None) {
           ro.offload[s] = Offload::Stash;
           added = true;
+          changed[r] = 1;
         }
+      if (changed[r] == 1) {
+        c.ir->programs[r] = c.base_programs[r];
+        place_offloads(c.ir->plan, c.ir->programs[r], ro);
+        changed[r] = 2;
+      }
     }
-    if (!added) return false;
-    const SimResult res = simulate(build_rank_ir(c.plan, ro), cm);
+    if (!added) break;
+    const SimResult res = simulate(*c.ir, cm);
     ++st_.simulated;
-    bool fits = true;
+    ++st_.offloaded;
+    fits = true;
+    bool host_over = false;
     for (int r = 0; r < c.P; ++r) {
       peaks[r] = rank_peak(r, res.peak_total[r]);
       fits = fits && peaks[r] <= budget_;
+      host_over = host_over || (o_.host_memory > 0 && res.peak_host_bytes[r] > o_.host_memory);
     }
-    if (!fits) continue;
-    pc.step_time = res.step_time + upd;
-    pc.bubble_fraction = res.bubble_fraction;
-    pc.peak_memory = peaks;
-    pc.offload = ro.offload;
-    pc.peak_host = res.peak_host_bytes;
-    pc.fits = true;
-    return true;
+    if (host_over) {  // offloading more only holds more on the host
+      fits = false;
+      break;
+    }
+    if (fits) {
+      pc.step_time = res.step_time + upd;
+      pc.bubble_fraction = res.bubble_fraction;
+      pc.peak_memory = peaks;
+      pc.offload = ro.offload;
+      pc.peak_host = res.peak_host_bytes;
+      pc.fits = true;
+      break;
+    }
   }
+  for (int r = 0; r < c.P; ++r)
+    if (changed[r]) c.ir->programs[r] = c.base_programs[r];
+  return fits;
 }
 
 void Searcher::remat_leaf(Config& c) {

@@ -34,6 +34,7 @@ std::string AutoplanResult::to_json() const {
          {"partitions", stats.partitions},
          {"candidates", stats.candidates},
          {"simulated", stats.simulated},
+         {"offloaded", stats.offloaded},
          {"pruned", stats.pruned},
          {"seconds", stats.seconds},
          {"exact", stats.exact},
@@ -69,9 +70,9 @@ std::string autoplan_table(const AutoplanResult& r, int64_t memory) {
   const AutoplanStats& s = r.stats;
   out += fmt::format(
       "budget {} per rank; search: {} configurations ({} refused), {} partitions, {} candidates, "
-      "{} simulated, {} pruned, {:.3f} s, {}\n",
+      "{} simulated ({} with offloads), {} pruned, {:.3f} s, {}\n",
       memory > 0 ? format_bytes(memory) : std::string("unlimited"), s.configurations, s.refused,
-      s.partitions, s.candidates, s.simulated, s.pruned, s.seconds,
+      s.partitions, s.candidates, s.simulated, s.offloaded, s.pruned, s.seconds,
       s.exact ? std::string("exact")
               : fmt::format("approximate: certified within {:.2f}% of the optimum", 100 * s.gap));
   return out;

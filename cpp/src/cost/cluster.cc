@@ -268,6 +268,7 @@ ClusterSegments build_segments(const ModelProfile& m, const Hardware& hw, const 
   out.costs.ref_microbatch = batch / microbatches;
   const LinkSpec& pl = axis_link(hw, d.tp * d.dp, d.pp);
   out.costs.link = LinkCost{pl.latency, pl.bandwidth};
+  out.costs.host_link_bandwidth = hw.host_link.bandwidth;
   std::vector<InstanceCost> cache(m.segments.size());
   std::vector<bool> have(m.segments.size(), false);
   for (int g = 0; g < groups; ++g) {
@@ -355,6 +356,7 @@ ClusterPlan finish(const ModelProfile& m, const Hardware& hw, const ClusterOptio
     }
   }
   mem.total = pc.max_memory();
+  if (!pc.peak_host.empty()) mem.host = pc.peak_host[rank];
   mem.activations = std::max<int64_t>(0, mem.total - mem.params - mem.grads - mem.optimizer);
   cp.memory = mem;
   // Time breakdown of the average rank: the loop's work over M microbatches and the
@@ -456,6 +458,10 @@ ClusterResult plan_cluster(const ModelProfile& model, const Hardware& hw,
   if (o.global_batch < 1)
     throw ConfigError(
         fmt::format("cluster: global_batch must be >= 1 (got {})", o.global_batch));
+  if (o.offload == 1 && !(hw.host_link.bandwidth > 0))
+    throw ConfigError(fmt::format(
+        "cluster: offload needs the hardware's host_link bandwidth ({} has none)", hw.name));
+  const bool offload = o.offload != 0 && hw.host_link.bandwidth > 0;
   const auto t0 = std::chrono::steady_clock::now();
   ClusterResult res;
   // Every (degree tuple, M) with a lower bound on its step time: the average rank's busy
@@ -536,6 +542,9 @@ ClusterResult plan_cluster(const ModelProfile& model, const Hardware& hw,
     ao.gap = o.gap;
     ao.node_budget = o.node_budget;
     ao.interleaved_v = o.interleaved_v;
+    ao.offload = offload;
+    ao.host_memory = hw.host_bytes;
+    ao.fetch_lookahead = o.fetch_lookahead;
     ao.verify = false;
     ++res.stats.searched;
     try {
@@ -573,8 +582,9 @@ ClusterResult plan_cluster(const ModelProfile& model, const Hardware& hw,
 std::string ClusterResult::to_json() const {
   nlohmann::json plans_j = nlohmann::json::array();
   for (const ClusterPlan& p : plans) {
-    std::vector<std::string> remat;
+    std::vector<std::string> remat, offload;
     for (Remat r : p.plan.remat) remat.push_back(remat_name(r));
+    for (Offload x : p.plan.offload) offload.push_back(x == Offload::Stash ? "stash" : "none");
     plans_j.push_back({{"pp", p.degrees.pp},
                        {"tp", p.degrees.tp},
                        {"dp", p.degrees.dp},
@@ -587,6 +597,8 @@ std::string ClusterResult::to_json() const {
                        {"microbatches", p.plan.microbatches},
                        {"cuts", p.plan.cuts},
                        {"remat", remat},
+                       {"offload", offload},
+                       {"peak_host", p.plan.peak_host},
                        {"segment_names", p.segment_names},
                        {"segment_layers", p.segment_layers},
                        {"step_time", p.step_time},
@@ -600,7 +612,8 @@ std::string ClusterResult::to_json() const {
                          {"grads", p.memory.grads},
                          {"optimizer", p.memory.optimizer},
                          {"activations", p.memory.activations},
-                         {"total", p.memory.total}}},
+                         {"total", p.memory.total},
+                         {"host", p.memory.host}}},
                        {"time",
                         {{"gemm", p.time.gemm},
                          {"attention", p.time.attention},
@@ -627,15 +640,15 @@ std::string ClusterResult::to_json() const {
 std::string cluster_table(const ClusterResult& r, const Hardware& hw) {
   std::string out = fmt::format(
       "{:>3} {:>4} {:>3} {:>5} {:>3} {:>5} {:>7} {:>11} {:>2} {:>4} {:>9} {:>11} {:>6} {:>7} "
-      "{:>9} {:>9} {:>9} {:>9} {:>9}\n",
+      "{:>9} {:>9} {:>9} {:>9} {:>9} {:>9}\n",
       "#", "pp", "tp", "dp", "ep", "fsdp", "overlap", "schedule", "v", "M", "step(s)", "tokens/s",
       "MFU",
-      "bubble", "params", "grads", "optim", "activ", "total");
+      "bubble", "params", "grads", "optim", "activ", "total", "host");
   int k = 0;
   for (const ClusterPlan& p : r.plans) {
     out += fmt::format(
         "{:>3} {:>4} {:>3} {:>5} {:>3} {:>5} {:>7} {:>11} {:>2} {:>4} {:>9.3f} {:>11.0f} "
-        "{:>5.1f}% {:>6.1f}% {:>9} {:>9} {:>9} {:>9} {:>9}\n",
+        "{:>5.1f}% {:>6.1f}% {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}\n",
         ++k, p.degrees.pp, p.degrees.tp, p.degrees.dp, p.degrees.ep, p.degrees.fsdp ? "yes" : "no",
         std::string(p.degrees.tp_overlap ? "tp" : "") +
             (p.degrees.tp_overlap && p.degrees.dp_overlap ? "+" : "") +
@@ -644,7 +657,7 @@ std::string cluster_table(const ClusterResult& r, const Hardware& hw) {
         p.tokens_per_second, 100 * p.mfu, 100 * p.plan.bubble_fraction,
         format_bytes(p.memory.params), format_bytes(p.memory.grads),
         format_bytes(p.memory.optimizer), format_bytes(p.memory.activations),
-        format_bytes(p.memory.total));
+        format_bytes(p.memory.total), p.memory.host > 0 ? format_bytes(p.memory.host) : "-");
   }
   out += fmt::format(
       "{} degree tuples, {} over memory by static bytes, {} searches ({} without a fit), "

@@ -196,6 +196,7 @@ void Hardware::validate() const {
   if (inter.bus_bandwidth > inter.bandwidth)
     throw ConfigError(fmt::format("hardware: inter.bus_bandwidth ({}) exceeds inter.bandwidth ({})",
                                   inter.bus_bandwidth, inter.bandwidth));
+  kFields.check_bytes(host_bytes, "host_bytes");
   kFields.check_time(host_link.bandwidth, "host_link.bandwidth");
   kFields.check_time(host_link.latency, "host_link.latency");
   check_table(gemm_bf16, "gemm.bf16");
@@ -243,6 +244,8 @@ Hardware Hardware::from_json(const std::string& text) {
       (key == "intra" ? h.intra : h.inter) = parse_link(val, key);
     } else if (key == "host_link") {
       h.host_link = parse_link(val, key);
+    } else if (key == "host_bytes") {
+      h.host_bytes = kFields.get_int(val, key, "an integer byte count");
     } else if (key == "gemm") {
       kFields.require_object(val, "gemm");
       for (const auto& [k, v] : val.items()) {
@@ -281,7 +284,8 @@ Hardware Hardware::from_json(const std::string& text) {
     } else {
       throw FormatError(fmt::format(
           "hardware JSON: unknown key '{}' (keys: name, gpus_per_node, peak_bf16, peak_fp8, "
-          "hbm_bandwidth, hbm_bytes, reserved_bytes, intra, inter, host_link, gemm, attention, "
+          "hbm_bandwidth, hbm_bytes, reserved_bytes, intra, inter, host_link, host_bytes, gemm, "
+          "attention, "
           "hbm_efficiency, kernel_overhead, overlap_contention, efficiency, efficiency_note, "
           "sources)",
           key));
@@ -311,6 +315,7 @@ std::string Hardware::to_json() const {
   j["intra"] = link(intra);
   j["inter"] = link(inter);
   if (host_link.bandwidth > 0 || host_link.latency > 0) j["host_link"] = link(host_link);
+  if (host_bytes > 0) j["host_bytes"] = host_bytes;
   j["gemm"] = {{"bf16", table_json(gemm_bf16)}, {"fp8", table_json(gemm_fp8)}};
   j["attention"] = {{"fwd", table_json(attention_fwd)}, {"bwd_ratio", attention_bwd_ratio}};
   j["hbm_efficiency"] = hbm_efficiency;

@@ -35,6 +35,9 @@ def main(argv=None) -> int:
                     help="bucketed gradient reduction overlapped with the backward (default: both)")
     ap.add_argument("--grad-reduce-bytes", type=float, default=4.0,
                     help="bytes per gradient element in the data-parallel reduction (4: fp32)")
+    ap.add_argument("--offload", choices=["yes", "no"], default=None,
+                    help="plans over the memory budget may offload stashes to host memory over "
+                         "the cluster's host_link (default: when the cluster file has one)")
     ap.add_argument("--families", default="", help="comma list of schedules (default: all)")
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--json", default=None, help="write the ranked plans as JSON")
@@ -54,7 +57,8 @@ def main(argv=None) -> int:
                          families=[f for f in a.families.split(",") if f], top=a.top,
                          tp_overlap=None if a.tp_overlap is None else a.tp_overlap == "yes",
                          dp_overlap=None if a.dp_overlap is None else a.dp_overlap == "yes",
-                         grad_reduce_bytes=a.grad_reduce_bytes)
+                         grad_reduce_bytes=a.grad_reduce_bytes,
+                         offload=None if a.offload is None else a.offload == "yes")
     except (BatonError, ValueError) as e:
         print(f"baton-plan: error: {e}", file=sys.stderr)
         return 1

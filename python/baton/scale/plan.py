@@ -46,6 +46,7 @@ class MemoryPerGPU:
     optimizer: int
     activations: int
     total: int
+    host: int = 0  # bytes that GPU's rank holds in host memory at once (offloaded stashes)
 
 
 @dataclasses.dataclass
@@ -82,6 +83,8 @@ class ClusterPlan:
     microbatches: int
     cuts: list
     remat: list
+    offload: list  # per stage "none" or "stash" (empty: nothing offloaded)
+    peak_host: list  # per pipeline rank, bytes in host memory (empty: nothing offloaded)
     segment_names: list
     segment_layers: list
     step_time: float
@@ -112,8 +115,8 @@ class ClusterPlan:
         ends at boundary index k): schedule, microbatches, remat, the boundaries that end
         stages, and the mesh: ``mesh_axes`` sizes (pipeline x data x expert x tensor) for
         the ``PipelineMesh`` each pipeline rank's devices form (tensor innermost). Only
-        ``schedule``, ``microbatches``, ``remat`` and ``boundaries`` are ``baton.jit``
-        keywords; ``mesh_axes``, ``fsdp`` and ``checkpoint_stages`` say how to build the
+        ``schedule``, ``microbatches``, ``remat``, ``offload`` and ``boundaries`` are
+        ``baton.jit`` keywords; ``mesh_axes``, ``fsdp`` and ``checkpoint_stages`` say how to build the
         mesh, shard the parameters and which stages' layers to wrap in ``jax.checkpoint``."""
         from ..schedules import schedule_from_name
 
@@ -125,6 +128,8 @@ class ClusterPlan:
         return {"schedule": schedule_from_name(self.schedule, v),
                 "microbatches": self.microbatches,
                 "remat": all(r != "keep" for r in self.remat),
+                "offload": ({k: "stash" for k, o in enumerate(self.offload) if o == "stash"}
+                            or None),
                 "boundaries": [s - 1 for s in starts[1:]],
                 "mesh_axes": {"pipeline": self.pp, "data": self.dp // self.ep,
                               "expert": self.ep, "tensor": self.tp},
@@ -163,12 +168,16 @@ def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None =
                  max_microbatch_choices: int = 1, gap: float = 0.02, node_budget: int = 500,
                  interleaved_v=(2, 4), efficiency: float | None = None,
                  tp_overlap: bool | None = None, dp_overlap: bool | None = None,
-                 grad_reduce_bytes: float = 4.0) -> ClusterPlans:
+                 grad_reduce_bytes: float = 4.0, offload: bool | None = None,
+                 fetch_lookahead: int = 1) -> ClusterPlans:
     """Fastest predicted plans for ``model`` on ``gpus`` GPUs of ``cluster``: degrees
     (pipeline, tensor, data with ZeRO-1 or FSDP, expert), overlap settings, cuts, schedule,
-    microbatches and remat, ranked by step time. ``global_batch`` in sequences of ``seq``
-    tokens. ``tp_overlap`` / ``dp_overlap``: None searches both settings.
-    ``grad_reduce_bytes``: bytes per gradient element in the data-parallel reduction."""
+    microbatches, remat and activation offload, ranked by step time. ``global_batch`` in
+    sequences of ``seq`` tokens. ``tp_overlap`` / ``dp_overlap``: None searches both settings.
+    ``grad_reduce_bytes``: bytes per gradient element in the data-parallel reduction.
+    ``offload``: whether a plan over the memory budget may offload its ranks' stashes to host
+    memory over the cluster's ``host_link`` (None: when the cluster file has one; True
+    without one raises ``ConfigError``); ``fetch_lookahead``: tasks a fetch runs ahead."""
     prof = _model_profile(model, seq)
     hw = load_cluster(cluster, efficiency)
     out = json.loads(_core.plan_cluster(
@@ -179,7 +188,8 @@ def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None =
         interleaved_v=list(interleaved_v),
         tp_overlap=-1 if tp_overlap is None else int(tp_overlap),
         dp_overlap=-1 if dp_overlap is None else int(dp_overlap),
-        grad_reduce_bytes=float(grad_reduce_bytes)))
+        grad_reduce_bytes=float(grad_reduce_bytes),
+        offload=-1 if offload is None else int(offload), fetch_lookahead=int(fetch_lookahead)))
     return ClusterPlans([ClusterPlan.from_dict(p) for p in out["plans"]], out["stats"],
                         prof, hw)
 
@@ -223,7 +233,7 @@ def format_table(r: ClusterPlans) -> str:
     head = (f"{'#':>2} {'pp':>3} {'tp':>2} {'dp':>5} {'ep':>2} {'fsdp':>4} {'overlap':>7} "
             f"{'schedule':>11} "
             f"{'v':>1} {'M':>4} {'step s':>7} {'tokens/s':>10} {'MFU':>6} {'bubble':>6} "
-            f"{'param':>6} {'grad':>6} {'optim':>6} {'activ':>6} {'total':>6}")
+            f"{'param':>6} {'grad':>6} {'optim':>6} {'activ':>6} {'total':>6} {'host':>6}")
     rows = [head]
     for k, p in enumerate(r.plans, 1):
         m = p.memory
@@ -233,10 +243,12 @@ def format_table(r: ClusterPlans) -> str:
             f"{p.schedule:>11} {p.virtual_stages:>1} {p.microbatches:>4} {p.step_time:>7.2f} "
             f"{p.tokens_per_second:>10.0f} {100 * p.mfu:>5.1f}% {100 * p.bubble:>5.1f}% "
             f"{_gib(m.params):>6} {_gib(m.grads):>6} {_gib(m.optimizer):>6} "
-            f"{_gib(m.activations):>6} {_gib(m.total):>6}")
+            f"{_gib(m.activations):>6} {_gib(m.total):>6} "
+            f"{_gib(m.host) if m.host else '-':>6}")
     s = r.stats
     rows.append(f"{s['degree_tuples']} degree tuples ({s['skipped_memory']} over memory by static "
                 f"bytes), {s['searched']} searches, {s['seconds']:.2f} s; MFU = model FLOPs/token "
                 f"x tokens/s / (GPUs x {r.hardware['peak_bf16'] / 1e12:.0f} TFLOP/s); memory on "
-                f"the fullest GPU (budget {_gib(r.hardware['hbm_bytes'] - r.hardware['reserved_bytes'])}iB)")
+                f"the fullest GPU (budget {_gib(r.hardware['hbm_bytes'] - r.hardware['reserved_bytes'])}iB; "
+                f"host: its offloaded stashes in host memory)")
     return "\n".join(rows)
