@@ -24,7 +24,10 @@ using InstrTuple = std::tuple<std::string, int, int, int>;
 }  // namespace
 
 void bind_plan(nb::module_& m) {
-  nb::enum_<baton::BufKind>(m, "BufKind")
+  // Arithmetic: ordered as the plan numbers kinds (Act < Grad < ... < SkipGrad), so
+  // buffer keys (kind, stage, microbatch) sort, and key the pytrees of the traced loop.
+  nb::enum_<baton::BufKind>(m, "BufKind", nb::is_arithmetic(),
+                            "A plan buffer's kind (plan.h), ordered as the plan numbers them.")
       .value("Act", baton::BufKind::Act)
       .value("Grad", baton::BufKind::Grad)
       .value("Stash", baton::BufKind::Stash)

@@ -52,9 +52,10 @@ def test_one_f_one_b_rank_programs():
     RUN, SEND, POST, WAIT = (_core.ItemOp.RUN, _core.ItemOp.SEND, _core.ItemOp.POST,
                              _core.ItemOp.WAIT)
     F, B = _core.TaskKind.F, _core.TaskKind.B
-    assert items[:7] == [(RUN, F, 0, 0, -1), (SEND, "Act", 0, 0, 1),
-                         (POST, "Grad", 1, 0, 1), (RUN, F, 0, 1, -1),
-                         (SEND, "Act", 0, 1, 1), (WAIT, "Grad", 1, 0, 1),
+    Act, Grad = _core.BufKind.Act, _core.BufKind.Grad
+    assert items[:7] == [(RUN, F, 0, 0, -1), (SEND, Act, 0, 0, 1),
+                         (POST, Grad, 1, 0, 1), (RUN, F, 0, 1, -1),
+                         (SEND, Act, 0, 1, 1), (WAIT, Grad, 1, 0, 1),
                          (RUN, B, 0, 0, -1)]
 
 

@@ -4,22 +4,13 @@ writes, the tasks of a rank's action, transfer channels, and the layout a receiv
 from __future__ import annotations
 
 from .. import _core
-from .tasks import FUSED_FB, TaskKind, task_kind
+from .tasks import FUSED_FB, BufKind, TaskKind, buffer_group, task_kind
 from .trace import Traced
-
-# the output group that holds each buffer kind a task writes (a skip edge's buffers:
-# the group ("Skip", edge) / ("SkipGrad", edge), between "wstash" and "wgrad")
-_GROUP_OF = {"Act": "act", "Grad": "grad", "Stash": "stash", "WStash": "wstash",
-             "WGrad": "wgrad"}
-
-
-def _group_of(key: tuple):
-    return _GROUP_OF.get(key[0]) or (key[0], key[1])
 
 
 class Buffers:
     """The plan's facts about buffers, asked of the C++ plan once and cached: ids and keys
-    ``(kind name, stage, microbatch)``, which buffers a task (a ``TaskKind``, or
+    ``(BufKind, stage, microbatch)``, which buffers a task (a ``TaskKind``, or
     ``FUSED_FB``: F and B fused) reads and writes (``Plan.action_inputs`` /
     ``action_outputs``), the tasks of a rank's action, and the layout (avals) a receiver
     expects."""
@@ -35,30 +26,32 @@ class Buffers:
         self._actions: dict[tuple, list] = {}
         # What crosses ranks: Act(s, m) holds F(s)'s act outputs, Grad(s, m) B(s)'s (or
         # I(s)'s) input gradients; their avals are the layouts receivers expect.
-        self._avals: dict[tuple[str, int], list] = {}
+        self._avals: dict[tuple, list] = {}
         for t in partition.tasks:
             kind = task_kind(t.kind)
             if kind == TaskKind.F:
-                self._avals[("Act", t.stage)] = [traced.avals[v] for v in t.act_out]
+                self._avals[(BufKind.Act, t.stage)] = [traced.avals[v] for v in t.act_out]
                 for e, vs in t.skip_out:
-                    self._avals[("Skip", e)] = [traced.avals[v] for v in vs]
+                    self._avals[(BufKind.Skip, e)] = [traced.avals[v] for v in vs]
             elif kind in (TaskKind.B, TaskKind.I):
-                self._avals[("Grad", t.stage)] = [traced.avals[v] for v in t.grad_out]
+                self._avals[(BufKind.Grad, t.stage)] = [traced.avals[v] for v in t.grad_out]
                 for e, vs in t.skip_grad_out:
-                    self._avals[("SkipGrad", e)] = [traced.avals[v] for v in vs]
+                    self._avals[(BufKind.SkipGrad, e)] = [traced.avals[v] for v in vs]
 
-    def key(self, b: int) -> tuple[str, int, int]:
+    def key(self, b: int) -> tuple:
+        """Buffer ``b``'s key: ``(BufKind, stage, microbatch)`` (``Plan.buffer_key``)."""
         k = self._key.get(b)
         if k is None:
             bk = self.plan.buffer_key(b)
-            k = self._key[b] = (bk.kind.name, bk.stage, bk.microbatch)
+            k = self._key[b] = (bk.kind, bk.stage, bk.microbatch)
         return k
 
-    def id(self, kind: str, stage: int, m: int) -> int:
+    def id(self, kind, stage: int, m: int) -> int:
+        """The id of the ``kind`` (a ``BufKind``) buffer of ``stage``, microbatch ``m``."""
         key = (kind, stage, m)
         b = self._id.get(key)
         if b is None:
-            b = self._id[key] = self.plan.buffer_id(getattr(_core.BufKind, kind), stage, m)
+            b = self._id[key] = self.plan.buffer_id(kind, stage, m)
         return b
 
     def _task_io(self, kind, s: int) -> tuple[list, list]:
@@ -74,14 +67,14 @@ class Buffers:
                 [self.key(b)[:2] for b in self.plan.action_outputs(act)])
         return io
 
-    def reads(self, kind, s: int, m: int) -> list[tuple[str, int, int]]:
+    def reads(self, kind, s: int, m: int) -> list[tuple]:
         """The buffers a task reads (an ``FB`` reads none of the stash it makes). Its
         function takes the ones of them it has groups for (``buffer_reads``)."""
         return [(k, bs, m) for k, bs in self._task_io(kind, s)[0]]
 
-    def writes(self, kind, s: int, m: int) -> list[tuple[str, int, int]]:
-        """The buffers a task makes: ``Act``, ``Grad``, ``Stash``, ``WStash``, ``WGrad``
-        (an ``FB``'s stash is empty: it never leaves the task)."""
+    def writes(self, kind, s: int, m: int) -> list[tuple]:
+        """The buffers a task makes: Act, Grad, Stash, WStash, WGrad, a skip edge's (an
+        ``FB``'s stash is empty: it never leaves the task)."""
         return [(k, bs, m) for k, bs in self._task_io(kind, s)[1]]
 
     def outputs(self, kind, s: int, m: int, got: dict) -> list[tuple[tuple, list]]:
@@ -89,8 +82,8 @@ class Buffers:
         (``TaskExe.split``; the FB stash: empty)."""
         out = []
         for key in self.writes(kind, s, m):
-            out.append((key, [] if kind == FUSED_FB and key[0] == "Stash"
-                        else got[_group_of(key)]))
+            out.append((key, [] if kind == FUSED_FB and key[0] == BufKind.Stash
+                        else got[buffer_group(key)]))
         return out
 
     def tasks_of(self, rank: int, a: int) -> list[tuple]:
@@ -109,12 +102,12 @@ class Buffers:
             self._actions[key] = ts
         return ts
 
-    def channel(self, kind: str, stage: int) -> int:
+    def channel(self, kind, stage: int) -> int:
         """The ordered transfer channel of a ``kind`` buffer of ``stage`` (of edge ``stage``
         for Skip / SkipGrad): ``Plan.channel``, as the verifier's FIFO model has it."""
         return self.plan.channel(self.id(kind, stage, 0))
 
-    def layout(self, kind: str, stage: int) -> list:
+    def layout(self, kind, stage: int) -> list:
         """The avals of a ``kind`` buffer of ``stage`` as its receiver gets them (the byte
         transports send no header; NCCL needs them)."""
         return self._avals.get((kind, stage), [])

@@ -28,7 +28,7 @@ import numpy as np
 from .. import _core
 from .. import runtime as rt
 from ..runtime import to_host
-from .tasks import OUT_GROUPS, buffer_reads, final_part, task_exes
+from .tasks import MB, OUT_GROUPS, BufKind, buffer_reads, final_part, task_exes
 from .threads import on_rank_threads, raise_first
 from .tracing import gather_events
 
@@ -169,11 +169,12 @@ class Interpreter:
             we = exes[1]
             wargs = [self._invariant(v, rank) for v in we.in_groups[0]]
             wargs += [self._microbatch(v, m, rank) for v in we.in_groups[1]]
-            got["wgrad"] = we.split(self._call(we, wargs + got["wstash"], rank))["wgrad"]
+            wg = we.split(self._call(we, wargs + got[BufKind.WStash], rank))[BufKind.WGrad]
+            got[BufKind.WGrad] = wg
         bufs = self.step.buffers
         for key, value in bufs.outputs(kind, s, m, got):
             env[bufs.id(*key)] = value
-        self._add_parts(exe.body[1], got["mb"], m)
+        self._add_parts(exe.body[1], got[MB], m)
 
     def _call(self, exe, args, rank):
         """Runs a task. A task with weight gradients adds them to the running sums itself

@@ -29,8 +29,8 @@ _TRANSFERS = (ItemOp.SEND, ItemOp.POST, ItemOp.WAIT)
 _MOVES = (ItemOp.OFFLOAD, ItemOp.FETCH)
 
 
-def _key(k) -> tuple[str, int, int]:
-    return (k.kind.name, k.stage, k.microbatch)
+def _key(k) -> tuple:
+    return (k.kind, k.stage, k.microbatch)
 
 
 class _LoopProgram:
@@ -59,7 +59,7 @@ class _LoopProgram:
         stashes). Such a program is slower than the executor: XLA zero-fills each stacked
         output before the loop writes it, where the executor keeps per-microbatch buffers
         (bench/results/one_rank.md)."""
-        return sorted({f"{k}{s}" for keep in self._keep for k, s, _ in keep})
+        return sorted({f"{k.name}{s}" for keep in self._keep for k, s, _ in keep})
 
     def describe(self) -> str:
         """The runs, e.g. ``scan 8 x [FB0]`` or ``scan 8 x [F0]; [B0]; ...``; transfers
@@ -70,7 +70,7 @@ class _LoopProgram:
         def name(it):
             if it.op == ItemOp.RUN:
                 return f"{kind_name(it.kind)}{it.stage}"
-            return f"{sym[it.op]}{it.kind}{it.stage}"
+            return f"{sym[it.op]}{it.kind.name}{it.stage}"
 
         out = []
         for pat, r, d in self.runs:

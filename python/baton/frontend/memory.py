@@ -75,7 +75,7 @@ from .memory_live import LivePeak, measure_live, per_device, program_bytes
 from .memory_rings import buffer_outputs, table_loop
 from .profile import xla_memory
 from .step_costs import cost_model_of
-from .tasks import kind_name, task_exes, unit_order
+from .tasks import MB, BufKind, kind_name, task_exes, unit_order
 
 G = _core.graph
 # the model's components per device; predicted = max(static + copies + loop, update)
@@ -217,15 +217,16 @@ def _buffers(step, compiled) -> tuple[dict, dict]:
     for (kind, s), (groups, _, _) in compiled.items():
         exe = step.tasks[(kind, s)]
         stacked: list = []
-        for g, idx in (("wgrad", exe.body[0]), ("mb", exe.body[1])):
+        for g, idx in ((BufKind.WGrad, exe.body[0]), (MB, exe.body[1])):
             for item, i in zip(groups[g], idx):
                 if parts[i].reduce == G.Reduce.Stack:
                     stacked.append(item)
                 else:
                     per_device([item], sums.setdefault(s, {}))
         if stacked:
-            bufs[("WGrad", s)] = per_device([it for it, i in zip(groups["wgrad"], exe.body[0])
-                                             if parts[i].reduce == G.Reduce.Stack])
+            bufs[(BufKind.WGrad, s)] = per_device(
+                [it for it, i in zip(groups[BufKind.WGrad], exe.body[0])
+                 if parts[i].reduce == G.Reduce.Stack])
             per_device(stacked, sums.setdefault(s, {}), times=M)
     return bufs, sums
 
@@ -246,7 +247,7 @@ def _loop_peak(step, sim, j, compiled, sums, bufs) -> tuple[dict, dict]:
             exes = task_exes(step.tasks, kind, s)
             # a B run as I then W: I's weight stash (its output, which the plan's one B does
             # not have) exists from I's start until W is done
-            between = bufs.get(("WStash", s), {}).get(dv, 0) if len(exes) > 1 else 0
+            between = bufs.get((BufKind.WStash, s), {}).get(dv, 0) if len(exes) > 1 else 0
             for exe in exes:
                 _, temp, new = compiled[(exe.kind, exe.stage)]
                 best = max(best, between + temp + new.get(dv, 0))
@@ -290,16 +291,16 @@ def _simulated(step, bufs, compiled, sums) -> tuple[dict, dict, dict]:
 
         stages = list(cm.stages)
         for s, sc in enumerate(stages):
-            for f, k in (("act_bytes", "Act"), ("stash_bytes", "Stash"),
-                         ("grad_bytes", "Grad"), ("wstash_bytes", "WStash"),
-                         ("wgrad_bytes", "WGrad")):
+            for f, k in (("act_bytes", BufKind.Act), ("stash_bytes", BufKind.Stash),
+                         ("grad_bytes", BufKind.Grad), ("wstash_bytes", BufKind.WStash),
+                         ("wgrad_bytes", BufKind.WGrad)):
                 setattr(sc, f, int(bufs.get((k, s), {}).get(dev(s), 0)))
         cm.stages = stages
         skips = list(cm.skips)
         edges = list(step.partition.skips)
         for e, sk in enumerate(skips):
-            sk.act_bytes = int(bufs.get(("Skip", e), {}).get(dev(edges[e].src), 0))
-            sk.grad_bytes = int(bufs.get(("SkipGrad", e), {}).get(dev(edges[e].dst), 0))
+            sk.act_bytes = int(bufs.get((BufKind.Skip, e), {}).get(dev(edges[e].src), 0))
+            sk.grad_bytes = int(bufs.get((BufKind.SkipGrad, e), {}).get(dev(edges[e].dst), 0))
         cm.skips = skips
         sim = step.plan.simulate(cm)
         lp, most = _loop_peak(step, sim, j, compiled, sums, bufs)

@@ -19,9 +19,7 @@ import numpy as np
 from .rank_program import RankProgram, loop_form
 from .rings import _ring_aval, ring_layout
 from .share_match import share_groups
-from .tasks import FUSED_FB, task_exes
-
-_BUF_GROUP = {"act": "Act", "grad": "Grad", "stash": "Stash", "wstash": "WStash"}
+from .tasks import FUSED_FB, MB, BufKind, task_exes
 
 
 def table_ranks(step) -> list[int]:
@@ -39,9 +37,10 @@ def buffer_outputs(compiled):
     FB's internal stash left out)."""
     for (kind, s), (groups, _, _) in compiled.items():
         for g, items in groups.items():
-            if g in ("wgrad", "mb") or (kind == FUSED_FB and g == "stash") or not items:
+            if g in (BufKind.WGrad, MB) or (kind == FUSED_FB and g == BufKind.Stash) or not items:
                 continue
-            yield ((_BUF_GROUP[g], s) if g in _BUF_GROUP else g), items  # ("Skip", e) ...
+            # the group of a kind of buffer of the stage, or a skip edge's (its kind, edge)
+            yield (g if isinstance(g, tuple) else (g, s)), items
 
 
 def _kind_avals(step, compiled) -> dict:

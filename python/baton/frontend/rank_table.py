@@ -73,10 +73,10 @@ def describe_table(units, stretches, n_rows, pools, rings) -> str:
     slots of each ring, e.g. ``table 16 steps; tasks F0 B0; transfers [>Act0.a] [+Grad1.a];
     rings Stash0:2``."""
     tasks = " ".join(f"{kind_name(k)}{s}" for k, s in units)
-    tr = " ".join("[" + " ".join(f"{_SYM[op]}{k}{s}.{chr(97 + m)}"
+    tr = " ".join("[" + " ".join(f"{_SYM[op]}{k.name}{s}.{chr(97 + m)}"
                                  for op, k, s, m, _ in pat) + "]"
                   for pat in stretches)
-    ring_text = " ".join(sorted("+".join(f"{k}{s}" for k, s in kinds) + f":{rings[pool]}"
+    ring_text = " ".join(sorted("+".join(f"{k.name}{s}" for k, s in kinds) + f":{rings[pool]}"
                                 for pool, kinds in pools.items()))
     return f"table {n_rows} steps; tasks {tasks}; transfers {tr}; rings {ring_text}"
 
@@ -86,7 +86,7 @@ def unit_sequence(steps) -> list[str]:
     out = []
     for st, task in steps:
         if st:
-            out.append(" ".join(f"{_SYM[op]}{k}{s}" for op, k, s, _, _ in st))
+            out.append(" ".join(f"{_SYM[op]}{k.name}{s}" for op, k, s, _, _ in st))
         if task is not None:
             out.append(f"{kind_name(task.kind)}{task.stage}")
     return out
@@ -97,7 +97,7 @@ def ring_avals(prog, outer, mbs):
     ones from the plan's layouts, the ones a task makes from tracing each task unit once,
     abstractly, in stream order."""
     cs = prog.cs
-    avals: dict[tuple[str, int], list] = {}
+    avals: dict[tuple, list] = {}  # (BufKind, stage) -> avals
     for st, _ in prog.steps:
         for op, k, s, _, _ in st:
             if op == ItemOp.WAIT:

@@ -113,7 +113,7 @@ class RankTransfers:
         rows: dict[tuple, np.ndarray] = {}
         for b in prog.buffers:
             if b.host_pool >= 0:
-                row = rows.setdefault((b.key.kind.name, b.key.stage),
+                row = rows.setdefault((b.key.kind, b.key.stage),
                                       np.full(self.cs.M, -1, np.int32))
                 row[b.key.microbatch] = base[b.host_pool] + b.host_slot * _MAX_ARRAYS
         return rows

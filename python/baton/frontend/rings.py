@@ -61,11 +61,11 @@ class RingLayout:
     of its buffers held at once); ``held``, each ringed buffer's ``(kind, stage)`` and the
     instructions where the program puts it into its slot and last reads it."""
 
-    kinds: list[tuple[str, int]]
+    kinds: list[tuple]  # (BufKind, stage)
     pool_of: dict
-    slots: dict[tuple[str, int], np.ndarray]
+    slots: dict[tuple, np.ndarray]
     sizes: dict
-    held: list[tuple[tuple[str, int], int, int]]
+    held: list[tuple[tuple, int, int]]
 
 
 def ring_layout(cs, rank: int, pool_of: dict | None = None) -> RingLayout:
@@ -82,7 +82,7 @@ def ring_layout(cs, rank: int, pool_of: dict | None = None) -> RingLayout:
             labels[cs.core_plan.buffer_row(bufs.id(k, s, 0))] = n_rows + names.index(repr(v))
     prog = cs.rank_ir(labels).programs[rank]
     row_keys = (cs.core_plan.row_key(row) for pool in prog.pools for row in pool.rows)
-    kinds = sorted({(k.kind.name, k.stage) for k in row_keys})
+    kinds = sorted({(k.kind, k.stage) for k in row_keys})
     chosen = dict(pool_of) if pool_of else {ks: ks for ks in kinds}
     slots = {ks: np.zeros(M, np.int32) for ks in kinds}
     sizes: dict = {}

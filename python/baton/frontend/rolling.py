@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from .. import _core
-from .tasks import FUSED_FB, buffer_reads, task_exes
+from .tasks import FUSED_FB, BufKind, buffer_reads, task_exes
 
 
 ItemOp = _core.ItemOp  # the item level's vocabulary (roll.h; docs/RANK_IR.md, "Vocabularies")
@@ -23,10 +23,10 @@ class Item(NamedTuple):
     """One step of a rank's program as the emitter lowers it. ``op`` ``ItemOp.RUN``:
     ``kind`` a task kind (a ``_core.TaskKind``, or ``FUSED_FB`` for F+B fused), ``peer``
     -1; ``SEND`` / ``POST`` (a receive posted) / ``WAIT`` (a receive waited on): ``kind`` a
-    buffer kind, ``peer`` the other rank."""
+    buffer kind (a ``_core.BufKind``), ``peer`` the other rank."""
 
     op: "_core.ItemOp"
-    kind: Any  # RUN: a _core.TaskKind or FUSED_FB; otherwise a buffer kind name
+    kind: Any  # RUN: a _core.TaskKind or FUSED_FB; otherwise a _core.BufKind
     stage: int
     mb: int
     peer: int
@@ -43,26 +43,26 @@ def _exes(cs, kind, s):
     return task_exes(cs.tasks, kind, s)
 
 
-def reads(cs, kind, s, m) -> list[tuple[str, int, int]]:
+def reads(cs, kind, s, m) -> list[tuple]:
     """Buffers (kind, stage, microbatch) a task passes to its function (``buffer_reads``
     of the plan's reads)."""
     return buffer_reads(_exes(cs, kind, s)[0], cs.buffers.reads(kind, s, m))
 
 
-def writes(cs, kind, s, m) -> list[tuple[str, int, int]]:
+def writes(cs, kind, s, m) -> list[tuple]:
     """Buffers a task makes (the plan's, ``Buffers.writes``), but its weight gradients: a
     program adds them to its sums directly."""
-    return [key for key in cs.buffers.writes(kind, s, m) if key[0] != "WGrad"]
+    return [key for key in cs.buffers.writes(kind, s, m) if key[0] != BufKind.WGrad]
 
 
-def item_reads(cs, it: Item) -> list[tuple[str, int, int]]:
+def item_reads(cs, it: Item) -> list[tuple]:
     op, k, s, m, _ = it
     if op == ItemOp.RUN:
         return reads(cs, k, s, m)
     return [(k, s, m)] if op == ItemOp.SEND else []
 
 
-def item_writes(cs, it: Item) -> list[tuple[str, int, int]]:
+def item_writes(cs, it: Item) -> list[tuple]:
     op, k, s, m, _ = it
     if op == ItemOp.RUN:
         return writes(cs, k, s, m)
@@ -86,7 +86,7 @@ def as_item(x) -> Item:
     """A ``_core.RollItem`` as an ``Item``."""
     if x.op == ItemOp.RUN:
         return Item(x.op, FUSED_FB if x.fused else x.task, x.stage, x.microbatch, -1)
-    return Item(x.op, x.buffer.name, x.stage, x.microbatch, x.peer)
+    return Item(x.op, x.buffer, x.stage, x.microbatch, x.peer)
 
 
 def rank_items(cs, rank: int) -> list[Item]:

@@ -55,14 +55,14 @@ from .. import _core
 from .. import _jax_compat as jc
 from ..errors import ConfigError
 from .distributed import Remote
-from .tasks import buffer_reads, kind_name, task_exes
+from .tasks import MB, BufKind, buffer_reads, kind_name, task_exes
 
 __all__ = ["task_args"]
 
 G = _core.graph
 
 # buffer kinds that cross ranks (Buffers.layout has their avals)
-_CROSSING = ("Act", "Grad", "Skip", "SkipGrad")
+_CROSSING = (BufKind.Act, BufKind.Grad, BufKind.Skip, BufKind.SkipGrad)
 
 
 def _sds(aval, sharding) -> jax.ShapeDtypeStruct:
@@ -209,10 +209,10 @@ class _Derive:
         self.keep_parts(exe, got)
         if len(exes) == 2:  # B as I then W: I's weight stash goes straight to W
             we = exes[1]
-            wargs = self.inputs(we, rank) + [(x, None) for x in got["wstash"]]
+            wargs = self.inputs(we, rank) + [(x, None) for x in got[BufKind.WStash]]
             wgot = we.split(self.call(we, wargs, sums))
             self.keep_parts(we, wgot)
-            got["wgrad"] = wgot["wgrad"]
+            got[BufKind.WGrad] = wgot[BufKind.WGrad]
         for key, value in step.buffers.outputs(kind, s, 0, got):
             self.bufs.setdefault(key[:2], (rank, value))
         return True
@@ -230,7 +230,7 @@ class _Derive:
 
     def keep_parts(self, exe, got) -> None:
         """The layouts of the loop-output parts a task's outputs (by group) make."""
-        for g, idx in (("wgrad", exe.body[0]), ("mb", exe.body[1])):
+        for g, idx in ((BufKind.WGrad, exe.body[0]), (MB, exe.body[1])):
             for i, x in zip(idx, got.get(g, ())):
                 self.parts.setdefault(i, x)
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .. import _core
 from .rolling import _exes
-from .tasks import buffer_reads, parts_of
+from .tasks import MB, BufKind, buffer_reads, parts_of
 
 G = _core.graph
 
@@ -66,14 +66,14 @@ def _run_task(cs, kind, s, m, inv, mb, get, put, add, call):
     if len(exes) == 2:  # B as I then W: I's WStash goes straight to W
         we = exes[1]
         wargs = [inv(v) for v in we.in_groups[0]] + [mb(v, m) for v in we.in_groups[1]]
-        got["wgrad"] = we.split(call(we.plain, wargs + got["wstash"]))["wgrad"]
+        got[BufKind.WGrad] = we.split(call(we.plain, wargs + got[BufKind.WStash]))[BufKind.WGrad]
         wgrad_parts = we.body[0]
     for key, v in cs.buffers.outputs(kind, s, m, got):
-        if key[0] != "WGrad":  # (summed below)
+        if key[0] != BufKind.WGrad:  # (summed below)
             put(key, v)
-    for i, x in zip(wgrad_parts, got["wgrad"]):
+    for i, x in zip(wgrad_parts, got[BufKind.WGrad]):
         add(i, m, x)
-    for i, x in zip(mb_parts, got["mb"]):
+    for i, x in zip(mb_parts, got[MB]):
         add(i, m, x)
 
 

@@ -23,8 +23,13 @@ from .. import _jax_compat as jc
 from .trace import Traced
 
 G = _core.graph
-OUT_GROUPS = ("act", "grad", "stash", "wstash", "wgrad", "mb")
 TaskKind = _core.TaskKind
+BufKind = _core.BufKind  # a plan buffer's kind; buffers are keyed (BufKind, stage, microbatch)
+SKIP_KINDS = (BufKind.Skip, BufKind.SkipGrad)  # a skip edge's buffers: (kind, edge, microbatch)
+MB = "mb"  # the output group of a task's per-microbatch loop outputs (no plan buffer)
+# A task function's output groups in order: the buffers it writes by kind (a skip edge's
+# group, ``(BufKind.Skip or SkipGrad, edge)``, goes between WStash and WGrad), then MB.
+OUT_GROUPS = (BufKind.Act, BufKind.Grad, BufKind.Stash, BufKind.WStash, BufKind.WGrad, MB)
 # a fused action's task kinds, as the plan's unit lists them (F then B of one microbatch):
 # the kind of the fused forward+backward function (``build_tasks``)
 FUSED_FB = (TaskKind.F, TaskKind.B)
@@ -43,6 +48,12 @@ def kind_name(kind) -> str:
     if isinstance(kind, tuple):
         return "".join(_core.task_kind_char(k) for k in kind)
     return _core.task_kind_char(kind)
+
+
+def buffer_group(key: tuple):
+    """The output group (``OUT_GROUPS``) that holds buffer ``key`` (kind, stage[,
+    microbatch]): its kind, or ``(kind, edge)`` for a skip edge's buffer."""
+    return (key[0], key[1]) if key[0] in SKIP_KINDS else key[0]
 
 
 def task_name(task: tuple) -> str:
@@ -152,7 +163,7 @@ class TaskExe:
     stage: int
     fn: Any
     in_groups: tuple  # (invariant, microbatch, act, grad, stash, wstash) value ids
-    n_out: dict  # group name -> count
+    n_out: dict  # output group -> count
     body: Any  # (weight-gradient parts, per-microbatch output parts)
     # skip-edge buffers it reads, after the groups: ((kind, edge), value ids) in plan order
     skip_in: list = dataclasses.field(default_factory=list)
@@ -170,8 +181,8 @@ class TaskExe:
     plain: Any = None  # the task as a plain function (traced into programs, task_env.py)
 
     def split(self, outs) -> dict[str, list]:
-        """One call's outputs by group (``out_order``: act, grad, stash, wstash, its skip
-        edges, wgrad, mb)."""
+        """One call's outputs by group (``out_order``: Act, Grad, Stash, WStash, its skip
+        edges, WGrad, MB)."""
         got, pos = {}, 0
         for k in self.out_order:
             got[k] = list(outs[pos:pos + self.n_out[k]])
@@ -179,18 +190,18 @@ class TaskExe:
         return got
 
 
-def buffer_reads(exe: TaskExe, plan_reads: list[tuple[str, int, int]]
-                 ) -> list[tuple[str, int, int]]:
+def buffer_reads(exe: TaskExe, plan_reads: list[tuple]) -> list[tuple]:
     """The buffers (kind, stage, microbatch) task ``exe`` passes as arguments, in argument
     order after its invariant and microbatch inputs: of ``plan_reads`` (what the plan says
-    the task reads, ``Buffers.reads``), the one of each buffer group the function has (act,
-    grad, stash, wstash), then those of its skip edges."""
+    the task reads, ``Buffers.reads``), the one of each buffer kind the function has an
+    input group for (Act, Grad, Stash, WStash), then those of its skip edges."""
     _, _, act, grad, stash, wstash = exe.in_groups
-    first: dict[tuple, tuple] = {}
+    first: dict = {}
     for key in plan_reads:
-        first.setdefault((key[0], key[1]) if key[0] in ("Skip", "SkipGrad") else key[0], key)
-    want = [k for present, k in ((act, "Act"), (grad, "Grad"), (stash, "Stash"),
-                                 (wstash, "WStash")) if present] + [ke for ke, _ in exe.skip_in]
+        first.setdefault(buffer_group(key), key)
+    want = [k for present, k in ((act, BufKind.Act), (grad, BufKind.Grad),
+                                 (stash, BufKind.Stash), (wstash, BufKind.WStash)) if present]
+    want += [ke for ke, _ in exe.skip_in]
     missing = [k for k in want if k not in first]
     if missing:
         raise ValueError(f"task {kind_name(exe.kind)}{exe.stage} takes buffers {missing} that "
@@ -202,10 +213,11 @@ def _task_exe(traced, parts, kind, stage, ops, groups, outs, wgrad_parts, mb_par
               fix=None, skip_in=(), skip_out=()) -> TaskExe:
     """One task's jit: ``ops`` (program order) from the value ids in ``groups`` (then the
     skip edges it reads, ``skip_in``) to its outputs by group (``out_order``: the groups of
-    ``OUT_GROUPS`` with the skip edges it writes, ``skip_out``, before ``wgrad``), with the
+    ``OUT_GROUPS`` with the skip edges it writes, ``skip_out``, before ``WGrad``), with the
     running-sum variant when it has summed weight gradients (see _with_acc)."""
-    outs = dict(outs, wgrad=[parts[i].body for i in wgrad_parts],
-                mb=[parts[i].body for i in mb_parts])
+    outs = dict(outs)
+    outs[BufKind.WGrad] = [parts[i].body for i in wgrad_parts]
+    outs[MB] = [parts[i].body for i in mb_parts]
     outs.update(skip_out)
     order = OUT_GROUPS[:4] + tuple(k for k, _ in skip_out) + OUT_GROUPS[4:]
     in_ids = [v for g in groups for v in g] + [v for _, vs in skip_in for v in vs]
@@ -213,7 +225,7 @@ def _task_exe(traced, parts, kind, stage, ops, groups, outs, wgrad_parts, mb_par
     body = make_fn(traced, ops, in_ids, out_ids, fix)
     exe = TaskExe(kind, stage, jax.jit(body), groups, {k: len(v) for k, v in outs.items()},
                   (wgrad_parts, mb_parts), plain=body, skip_in=list(skip_in), out_order=order)
-    off = sum(len(outs[k]) for k in order[:order.index("wgrad")])
+    off = sum(len(outs[k]) for k in order[:order.index(BufKind.WGrad)])
     summed = [(off + j, i) for j, i in enumerate(wgrad_parts)
               if parts[i].reduce != G.Reduce.Stack]
     if summed:
@@ -239,8 +251,8 @@ def build_tasks(traced: Traced, partition, parts, num_stages: int,
         kind = task_kind(t.kind)
         groups = (list(t.invariant_in), list(t.microbatch_in), list(t.act_in),
                   list(t.grad_in), list(t.stash_in), list(t.wstash_in))
-        outs = {"act": list(t.act_out), "grad": list(t.grad_out),
-                "stash": list(t.stash_out), "wstash": list(t.wstash_out)}
+        outs = {BufKind.Act: list(t.act_out), BufKind.Grad: list(t.grad_out),
+                BufKind.Stash: list(t.stash_out), BufKind.WStash: list(t.wstash_out)}
         tasks[(kind, t.stage)] = _task_exe(traced, parts, kind, t.stage, list(t.ops),
                                            groups, outs, list(t.wgrad_out), list(t.mb_out),
                                            fix_of(t.stage), *_skips(t))
@@ -251,7 +263,8 @@ def build_tasks(traced: Traced, partition, parts, num_stages: int,
         groups = (sorted(set(f.invariant_in) | set(b.invariant_in)),
                   sorted(set(f.microbatch_in) | set(b.microbatch_in)),
                   list(f.act_in), list(b.grad_in), [], [])
-        outs = {"act": list(f.act_out), "grad": list(b.grad_out), "stash": [], "wstash": []}
+        outs = {BufKind.Act: list(f.act_out), BufKind.Grad: list(b.grad_out),
+                BufKind.Stash: [], BufKind.WStash: []}
         fi, fo = _skips(f)
         bi, bo = _skips(b)
         tasks[(FUSED_FB, s)] = _task_exe(traced, parts, FUSED_FB, s,
@@ -264,10 +277,11 @@ def build_tasks(traced: Traced, partition, parts, num_stages: int,
 def _skips(t) -> tuple[list, list]:
     """The skip-edge buffers task ``t`` reads and writes: ``[((kind, edge), value ids)]``
     in the plan's order (an F's Skip edges; a B's or I's SkipGrad edges)."""
-    return ([(("Skip", e), list(vs)) for e, vs in t.skip_in]
-            + [(("SkipGrad", e), list(vs)) for e, vs in t.skip_grad_in],
-            [(("Skip", e), list(vs)) for e, vs in t.skip_out]
-            + [(("SkipGrad", e), list(vs)) for e, vs in t.skip_grad_out])
+    skip, grad = BufKind.Skip, BufKind.SkipGrad
+    return ([((skip, e), list(vs)) for e, vs in t.skip_in]
+            + [((grad, e), list(vs)) for e, vs in t.skip_grad_in],
+            [((skip, e), list(vs)) for e, vs in t.skip_out]
+            + [((grad, e), list(vs)) for e, vs in t.skip_grad_out])
 
 
 def task_exes(tasks, kind, s) -> list[TaskExe]:

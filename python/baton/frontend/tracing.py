@@ -35,8 +35,9 @@ from .. import _core
 __all__ = ["Event", "Trace", "build_trace", "buffer_bytes", "trace", "clock_offsets", "gather_events"]
 
 _TAG_CLOCK = 1 << 45  # above the Router's tags; slots are tag << 16, below 1 << 62 (control)
-_FIELDS = {"Act": "act_bytes", "Grad": "grad_bytes", "Stash": "stash_bytes",
-           "WStash": "wstash_bytes", "WGrad": "wgrad_bytes"}
+_K = _core.BufKind
+_FIELDS = {_K.Act: "act_bytes", _K.Grad: "grad_bytes", _K.Stash: "stash_bytes",
+           _K.WStash: "wstash_bytes", _K.WGrad: "wgrad_bytes"}
 
 
 def buffer_bytes(core_plan: Any, costs: Any) -> list[int]:
@@ -48,10 +49,10 @@ def buffer_bytes(core_plan: Any, costs: Any) -> list[int]:
     out = []
     for b in range(core_plan.num_buffer_ids()):
         k = core_plan.buffer_key(b)
-        kind = k.kind.name
-        if kind in ("Skip", "SkipGrad"):
+        kind = k.kind
+        if kind in (_K.Skip, _K.SkipGrad):
             c = skips.get((edges[k.stage].src, edges[k.stage].dst))
-            out.append(0 if c is None else int(c.act_bytes if kind == "Skip" else c.grad_bytes))
+            out.append(0 if c is None else int(c.act_bytes if kind == _K.Skip else c.grad_bytes))
             continue
         sc = costs.stages[k.stage] if k.stage < len(costs.stages) else costs.default_stage
         out.append(int(getattr(sc, _FIELDS[kind])))
@@ -317,7 +318,7 @@ def _replay_memory(core_plan, evs, sizes, sec):
         for t, _, b, sign in changes:
             n = sizes[b] * sign
             tot += n
-            if core_plan.channel(b) in (2, 3):  # stash, wstash (Plan.channel: the kind)
+            if core_plan.buffer_key(b).kind in (_K.Stash, _K.WStash):
                 act += n
             pa, pt = max(pa, act), max(pt, tot)
             samples.append((sec(t), act, tot))
