@@ -111,7 +111,8 @@ def role_measure(args):
                 res["link"] = {k: prof.link[k] for k in ("latency", "bandwidth")}
                 res["loop_measured"] = prof.measured["step_time"]
                 res["loop_predicted"] = prof.predicted["step_time"]
-                res["task_times"] = dict(prof.task_times)  # "F0", "B1", ...: mean in steps
+                # "F0", "B1", ...: mean in steps
+                res["task_times"] = json.loads(prof.to_json())["task_times"]
         except baton.BatonError as e:  # a schedule that refuses (ranks, M) refuses everywhere
             res["error"] = f"{type(e).__name__}: {e}"[:300]
         if rank == 0:

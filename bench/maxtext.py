@@ -363,7 +363,11 @@ def part_bubble_baton(args) -> dict:
     from baton import _core
     from baton.frontend import profile as prof_mod
     from baton.frontend.api import cost_model_of
+    from baton.frontend.tasks import task_name
     from baton.integrations import maxtext as bmt
+
+    def named(by_task: dict) -> dict:  # JSON keys: "F0", "B1", "FB3"
+        return {task_name(k): v for k, v in by_task.items()}
 
     name = args.schedules.split(",")[0]
     sched = (baton.Interleaved1F1B(virtual_stages=2) if name == "interleaved"
@@ -437,8 +441,9 @@ def part_bubble_baton(args) -> dict:
     busy = sum(e - s for _, s, e in runs_of(tr))
     alone = 0.0
     for r in tr.runs:
-        for k, share in prof_mod._task_key(r):
-            alone += share * prof.task_times_isolated.get(k, 0.0)
+        k = prof_mod._task_key(r)
+        if k is not None:
+            alone += prof.task_times_isolated.get(k, 0.0)
     sim_span = lambda sim: (max(r.end for r in sim.runs)  # noqa: E731
                             - min(r.start for r in sim.runs))
     res = dict(name=f"Baton {sched}", schedule=name, stages=sched.stages(RANKS),
@@ -452,8 +457,8 @@ def part_bubble_baton(args) -> dict:
                loop_span_meas=span(runs_of(tr)), loop_span_pred_profile=sim_span(sim_prof),
                loop_span_pred_isolated=sim_span(sim_iso), step_time_trace=tr.step_time,
                busy_meas=busy, busy_alone=alone, step_wall=statistics.median(walls),
-               cores_used=cores_used, task_times=prof.task_times,
-               task_times_isolated=prof.task_times_isolated, link=prof.link,
+               cores_used=cores_used, task_times=named(prof.task_times),
+               task_times_isolated=named(prof.task_times_isolated), link=prof.link,
                link_isolated=prof.link_isolated)
     print(json.dumps(res), file=sys.stderr, flush=True)
     return res

@@ -74,7 +74,7 @@ def worker(args):
     prof = baton.profile(step, state["p"], state["o"], batch, runs=args.steps)
     res["measured"] = prof.measured
     res["predicted"] = prof.predicted
-    res["tasks"] = prof.task_times
+    res["tasks"] = json.loads(prof.to_json())["task_times"]  # "F0", "B1", ...
     res["link"] = {k: prof.link[k] for k in ("latency", "bandwidth")}
     res["summary"] = prof.summary()
     if args.trace and rank == 0:

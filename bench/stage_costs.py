@@ -55,6 +55,7 @@ def measure(args):
 
     import baton
     import gpt
+    from baton._core import BufKind
 
     cfg = gpt_config(args, 2)
     _, params, _, opt_state, train_step, _ = gpt.make(cfg)
@@ -81,7 +82,7 @@ def measure(args):
         return [jnp.stack([x] * M) for x in xs]
 
     def zeros(exe, args):
-        return [jnp.zeros_like(g) for g in exe.split(jax.eval_shape(exe.plain, *args))["wgrad"]]
+        return [jnp.zeros_like(g) for g in exe.split(jax.eval_shape(exe.plain, *args))[BufKind.WGrad]]
 
     def one(exe):
         inv, rest = parts(exe)
@@ -91,7 +92,7 @@ def measure(args):
         def loop(inv, xs):
             def body(acc, x):
                 got = exe.split(exe.plain(*inv, *x))
-                return [a + g for a, g in zip(acc, got["wgrad"])], None
+                return [a + g for a, g in zip(acc, got[BufKind.WGrad])], None
 
             return jax.lax.scan(body, acc0, xs)[0]
 
@@ -108,9 +109,9 @@ def measure(args):
         def loop(finv, binv, xf, xb, stash0):
             def body(c, x):
                 acc, stash = c
-                made = fe.split(fe.plain(*finv, *x[0]))["stash"]
+                made = fe.split(fe.plain(*finv, *x[0]))[BufKind.Stash]
                 got = be.split(be.plain(*binv, *x[1], *stash))
-                return ([a + g for a, g in zip(acc, got["wgrad"])], made), None
+                return ([a + g for a, g in zip(acc, got[BufKind.WGrad])], made), None
 
             return jax.lax.scan(body, (acc0, stash0), (xf, xb))[0][0]
 

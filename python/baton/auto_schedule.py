@@ -35,6 +35,10 @@ class Auto:
     # run the k best predicted plans on the mesh (``runs`` timed steps each) and keep the
     # fastest measured (0: the best predicted)
     measure_top: int = 0
+    # plans over the budget may offload stashes to host memory (``autoplan(offload=...)``),
+    # within ``host_memory`` per rank (None: unlimited)
+    offload: bool = False
+    host_memory: Any = None
     chosen: Any = None
     candidates: Any = None
 
@@ -48,6 +52,7 @@ class Auto:
                                    remat=self.remat, runs=self.runs, cache_dir=self.cache_dir,
                                    update_in_place=update_in_place,
                                    measure_top=self.measure_top, mesh=mesh,
-                                   steps=max(self.runs, 1))
+                                   steps=max(self.runs, 1), offload=self.offload,
+                                   host_memory=self.host_memory)
         self.chosen = self.candidates.best
         return self.chosen

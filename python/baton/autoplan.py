@@ -40,8 +40,8 @@ from .frontend.trace import trace_step
 from .planning import autoplan_segments
 from .segment_costs import _batch_size, measure_segments
 
-__all__ = ["measure_segments", "autoplan", "search_segments", "costs_at", "Auto", "Candidate",
-           "Candidates"]
+__all__ = ["measure_segments", "autoplan", "search_segments", "costs_at", "host_copy_bandwidth",
+           "Auto", "Candidate", "Candidates"]
 
 
 def _search_costs(costs: dict) -> dict:
@@ -74,7 +74,8 @@ def autoplan(fn, *args, ranks: int, memory_per_device=None, microbatches=None,
              families=None, remat=("keep", "min"), top: int = 10, runs: int = 3,
              measure_at=None, device=None, cache_dir=None, use_cache: bool = True,
              gap: float = 0.0, update_in_place: bool = False, measure_top: int = 0,
-             mesh=None, steps: int = 5) -> Candidates:
+             mesh=None, steps: int = 5, offload: bool = False,
+             host_memory=None) -> Candidates:
     """Ranked plans for ``fn`` (a training step whose model marks candidate cut points with
     ``stage_boundary``, or uses ``baton.auto_stage``) on ``ranks`` pipeline ranks under
     ``memory_per_device`` (bytes or e.g. ``"20GiB"``; None: unlimited). Searches every
@@ -91,8 +92,11 @@ def autoplan(fn, *args, ranks: int, memory_per_device=None, microbatches=None,
     ``mesh`` (``steps`` timed calls after two warm-ups each, median, on the caller's
     arguments, which stay valid) and ranked first by measured step time
     (``Candidate.measured_step``): the prediction prunes the search, the devices pick among
-    the finalists. Raises ``ConfigError`` naming the smallest peak and its rank when nothing
-    fits."""
+    the finalists. ``offload``: a plan over the budget may offload its ranks' stashes to host
+    memory (``baton.jit(offload=...)``), within ``host_memory`` per rank (None: unlimited),
+    the copies at the host copy rate measured here (:func:`host_copy_bandwidth`) unless the
+    costs carry ``host_link_bandwidth``. Raises ``ConfigError`` naming the smallest peak and
+    its rank when nothing fits."""
     t0 = time.perf_counter()
     traced = trace_step(fn, args, 1)
     batch = _batch_size(traced)
@@ -103,9 +107,12 @@ def autoplan(fn, *args, ranks: int, memory_per_device=None, microbatches=None,
         measure_at = microbatches
     costs = measure_segments(fn, *args, microbatches=measure_at, runs=runs, device=device,
                              cache_dir=cache_dir, use_cache=use_cache)
+    if offload and not costs.get("host_link_bandwidth"):
+        costs = dict(costs, host_link_bandwidth=host_copy_bandwidth())
     out = search_segments(costs, ranks, memory_per_device=memory_per_device,
                           microbatches=microbatches, families=families, remat=remat, top=top,
-                          gap=gap, update_in_place=update_in_place)
+                          gap=gap, update_in_place=update_in_place, offload=offload,
+                          host_memory=host_memory)
     out.stats["measure_seconds"] = time.perf_counter() - t0 - out.stats["search_seconds"]
     if measure_top:
         if mesh is None:
@@ -136,15 +143,34 @@ def measure_finalists(rows: Candidates, fn, args, mesh, k: int, steps: int = 5) 
     rows[:] = sorted(fits, key=lambda c: c.measured_step) + rest
 
 
+def host_copy_bandwidth(nbytes: int = 64 << 20, runs: int = 5) -> float:
+    """Bytes per second of one copy between device buffers and the host pool as the CPU
+    backend runs an offload or fetch (a ``memcpy`` into or out of ``HostSlots``): the median
+    of ``runs`` copies of ``nbytes`` into a fresh buffer."""
+    src = np.ones(nbytes, np.uint8)
+    times = []
+    for _ in range(max(runs, 1)):
+        dst = np.empty_like(src)
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    return nbytes / max(float(np.median(times)), 1e-9)
+
+
 def search_segments(costs: dict, ranks: int, memory_per_device=None, microbatches=None,
                     families=None, remat=("keep", "min"), top: int = 10,
-                    gap: float = 0.0, update_in_place: bool = False) -> Candidates:
+                    gap: float = 0.0, update_in_place: bool = False, offload: bool = False,
+                    host_memory=None) -> Candidates:
     """The search half of :func:`autoplan` on segment costs already measured (the dict
     ``measure_segments`` returns, possibly edited: e.g. its ``link`` replaced by one measured
     between the processes that will run the plan). No JAX work. ``microbatches`` default: the
-    divisors of the batch up to 4 x ranks. Raises ``ConfigError`` naming the smallest peak
-    and its rank when nothing fits."""
+    divisors of the batch up to 4 x ranks. ``offload`` / ``host_memory``: as
+    :func:`autoplan` (the costs must carry ``host_link_bandwidth``, bytes per second). Raises
+    ``ConfigError`` naming the smallest peak and its rank when nothing fits."""
     t1 = time.perf_counter()
+    if offload and not costs.get("host_link_bandwidth", 0) > 0:
+        raise ConfigError("autoplan: offload needs the costs' host_link_bandwidth (bytes per "
+                          "second of a copy to or from host memory; autoplan() measures it)")
     if microbatches is None:
         batch = int(costs.get("batch", 1))
         microbatches = [m for m in range(1, 4 * ranks + 1) if batch % m == 0]
@@ -162,7 +188,8 @@ def search_segments(costs: dict, ranks: int, memory_per_device=None, microbatche
             found = autoplan_segments(costs_at(costs, ms[0]) if len(ms) == 1 else
                                       _search_costs(costs), ranks, memory_per_device, top=top,
                                       families=families, microbatches=ms, remat=[mode],
-                                      gap=gap, update_in_place=update_in_place)
+                                      gap=gap, update_in_place=update_in_place,
+                                      offload=offload, host_memory=host_memory)
         except ConfigError as e:  # nothing fits with this mode
             errors.append(str(e))
             continue
@@ -173,7 +200,9 @@ def search_segments(costs: dict, ranks: int, memory_per_device=None, microbatche
             rows.append(Candidate(r["schedule"], int(r["virtual_stages"]),
                                   int(r["microbatches"]), list(r["cuts"]), list(r["remat"]),
                                   float(r["step_time"]), float(r["bubble_fraction"]),
-                                  [int(b) for b in r["peak_memory"]], bool(r["fits"])))
+                                  [int(b) for b in r["peak_memory"]], bool(r["fits"]),
+                                  offload=list(r["offload"]),
+                                  peak_host=[int(b) for b in r["peak_host"]]))
     if not rows:
         raise ConfigError(_smallest_peak_error(errors))
     rows.sort(key=lambda c: (not c.fits, c.step_time))

@@ -25,6 +25,10 @@ class Candidate:
     fits: bool
     # seconds per step measured on the mesh (``autoplan(measure_top=k)``), else None
     measured_step: float | None = None
+    # per stage "none" or "stash" (what it offloads to host memory; empty: nothing), and per
+    # rank the host bytes held at once
+    offload: list = dataclasses.field(default_factory=list)
+    peak_host: list = dataclasses.field(default_factory=list)
 
     @property
     def boundaries(self) -> list[int]:
@@ -38,7 +42,9 @@ class Candidate:
     def jit_kwargs(self) -> dict:
         """``baton.jit`` arguments that run this plan (pin them in a script)."""
         return {"schedule": self.spec(), "microbatches": self.microbatches,
-                "remat": all(r == "min" for r in self.remat), "boundaries": self.boundaries}
+                "remat": all(r == "min" for r in self.remat), "boundaries": self.boundaries,
+                "offload": {s: "stash" for s, o in enumerate(self.offload) if o == "stash"}
+                or None}
 
     def jit(self, fn, mesh, **kwargs):
         return jit(fn, mesh=mesh, **self.jit_kwargs(), **kwargs)
@@ -64,8 +70,18 @@ class Candidates(list):
             name = c.schedule + (f" v{c.virtual_stages}" if c.schedule == "interleaved" else "")
             meas = "" if c.measured_step is None else f"{c.measured_step * 1e3:.2f}"
             rows.append(
-                f"| {k} | {name} | {c.microbatches} | {c.cuts} | {c.remat[0]} | "
+                f"| {k} | {name} | {c.microbatches} | {c.cuts} | {c.remat[0]}"
+                f"{_offloaded(c)} | "
                 f"{c.step_time * 1e3:.2f} | {meas} | {c.bubble:.1%} | "
                 f"{', '.join(f'{b / 2**20:.1f}' for b in c.peak_memory)} | "
                 f"{'yes' if c.fits else 'no'} |")
         return "\n".join([head, *rows])
+
+
+def _offloaded(c: Candidate) -> str:
+    """", offload stages 0, 1 (host MiB per rank)" for a candidate that offloads, else ""."""
+    stages = [s for s, o in enumerate(c.offload) if o == "stash"]
+    if not stages:
+        return ""
+    return (f", offload stages {', '.join(map(str, stages))} (host "
+            f"{', '.join(f'{b / 2**20:.1f}' for b in c.peak_host)} MiB)")

@@ -346,6 +346,9 @@ def autoplan_segments(
     gap: float = 0.0,
     node_budget: int = 20000,
     update_in_place: bool = False,
+    offload: bool = False,
+    host_memory: Any = None,
+    fetch_lookahead: int = 1,
 ) -> AutoplanRows:
     """Chooses stage cuts, schedule, microbatch count and per-stage remat.
 
@@ -363,7 +366,11 @@ def autoplan_segments(
     holds ``exact=False`` and the certified ``gap``. ``update_in_place``: the step donates
     its parameters and optimizer state, so the update after the loop writes the new ones in
     place; otherwise a rank's peak is also at least its static bytes plus its stages' new
-    parameters and optimizer state. Raises ``ConfigError`` when no plan fits (naming the
+    parameters and optimizer state. ``offload``: a candidate over the budget may offload
+    its ranks' stashes to host memory (rows then carry ``offload``, per stage "none" or
+    "stash", and ``peak_host``, bytes per rank), simulated as its rank programs with the
+    copies on the costs' ``host_link_bandwidth`` (required), within ``host_memory`` per rank
+    (bytes or a string; None: unlimited). Raises ``ConfigError`` when no plan fits (naming the
     smallest peak found and its rank), ``FormatError`` on malformed costs.
     """
     text = _json_text(costs, "segment costs dict", "segment cost file")
@@ -384,6 +391,9 @@ def autoplan_segments(
         float(gap),
         int(node_budget),
         bool(update_in_place),
+        bool(offload),
+        parse_memory(host_memory),
+        _positive_int(fetch_lookahead, "fetch_lookahead"),
     )
     rows = AutoplanRows(plans)
     rows.stats = dict(stats)

@@ -220,6 +220,36 @@ def test_update_copies_count_unless_the_step_donates():
     assert "searches" in msg, msg
 
 
+def test_offload_chosen_over_recompute_when_the_host_link_hides_it_and_trains():
+    """GPipe holds every microbatch's stash on both ranks: keeping them does not fit the
+    budget, recomputing (min) does, and so does offloading them. With a host link fast
+    against the compute the search keeps the stashes and offloads them (faster than
+    recomputing); with a slow one it recomputes. The chosen plan runs through
+    ``baton.jit(offload=...)`` and trains like plain JAX on this file's six-segment model."""
+    seg = {"f": 1e-3, "b": 2e-3, "act_bytes": 64, "stash_bytes": 4096, "min_stash_bytes": 256,
+           "min_recompute": 1e-3, "param_bytes": 100}
+    costs = {"batch": 16, "ref_microbatch": 2, "segments": [dict(seg) for _ in range(6)]}
+    kw = dict(microbatches=[8], families=["gpipe"], memory_per_device=60000)
+    plain = baton.search_segments(costs, 2, **kw).best
+    assert plain.remat[0] == "min" and not plain.offload
+    with pytest.raises(baton.ConfigError, match="host_link_bandwidth"):
+        baton.search_segments(costs, 2, offload=True, **kw)
+    fast = baton.search_segments(dict(costs, host_link_bandwidth=1e9), 2, offload=True, **kw)
+    best = fast.best
+    assert best.remat[0] == "keep" and best.offload == ["stash", "stash"], str(fast)
+    assert best.step_time < plain.step_time and max(best.peak_memory) <= 60000
+    assert min(best.peak_host) > 0 and "offload stages 0, 1" in str(fast)
+    assert best.jit_kwargs()["offload"] == {0: "stash", 1: "stash"}
+    assert plain.jit_kwargs()["offload"] is None
+    # the host memory each rank may hold bounds it
+    capped = baton.search_segments(dict(costs, host_link_bandwidth=1e9), 2, offload=True,
+                                   host_memory=min(best.peak_host) - 1, **kw).best
+    assert not capped.offload and capped.remat[0] == "min"
+    slow = baton.search_segments(dict(costs, host_link_bandwidth=1e5), 2, offload=True, **kw)
+    assert not slow.best.offload and slow.best.remat[0] == "min"
+    _check_trains_like_jax(best.jit(train_step, baton.PipelineMesh(jax.devices()[:2], ranks=2)))
+
+
 def test_nothing_fits_names_the_smallest_peak_of_all_searches():
     from baton.autoplan import _smallest_peak_error
 

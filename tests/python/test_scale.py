@@ -202,9 +202,41 @@ def test_moe_profile_and_expert_parallel_memory():
 def test_16384_gpu_search_takes_seconds():
     prof = scale.profile_model("llama3-405b")
     t0 = time.perf_counter()
-    r = scale.plan_cluster(prof, "h100", 16384, 2048, top=3)
+    r = scale.plan_cluster(prof, "h100", 16384, 2048, top=3, offload=False)
     assert time.perf_counter() - t0 < 60
     best = r.plans[0]
     assert best.pp * best.tp * best.dp == 16384
     assert best.memory.total <= 76 * 2**30 and best.fits
     assert 0.2 < best.mfu < 0.7
+
+
+def test_offload_keeps_the_stashes_recompute_would_drop():
+    """Llama 3 405B on 16,384 H100 (pp 32 x tp 8): without offload the best plan recomputes
+    some stages in full to fit in 76 GiB; with the H100's PCIe host link searched (the
+    default for a cluster file with one) every stage keeps its stash and offloads it, the
+    step is faster, and host memory holds what the device no longer does, within the
+    preset's host bytes per GPU."""
+    from baton.errors import ConfigError
+    prof = scale.profile_model("llama3-405b")
+    kw = dict(top=1, pp=[32], tp=[8], fsdp=False, tp_overlap=True, dp_overlap=True)
+    plain = scale.plan_cluster(prof, "h100", 16384, 2048, offload=False, **kw).plans[0]
+    off = scale.plan_cluster(prof, "h100", 16384, 2048, **kw).plans[0]
+    hw = scale.load_cluster("h100")
+    assert "full" in plain.remat and not plain.offload and plain.memory.host == 0
+    assert "stash" in off.offload and off.remat.count("full") < plain.remat.count("full")
+    assert off.step_time < plain.step_time and off.mfu > plain.mfu
+    assert off.memory.total <= 76 * 2**30 and 0 < off.memory.host <= hw["host_bytes"]
+    assert max(off.peak_host) <= hw["host_bytes"]
+    assert off.jit_kwargs()["offload"] == {k: "stash" for k, o in enumerate(off.offload)
+                                           if o == "stash"}
+    assert plain.jit_kwargs()["offload"] is None
+    assert "host" in scale.plan_cluster(prof, "h100", 16384, 2048, **kw).table()
+    # host memory bounds it: a quarter of what that plan holds forbids it
+    capped = scale.plan_cluster(prof, dict(hw, host_bytes=off.memory.host // 4), 16384, 2048,
+                                **kw).plans[0]
+    assert max(capped.peak_host, default=0) <= off.memory.host // 4
+    # a cluster file without a host link: not searched, and refused by name when asked for
+    bare = {k: v for k, v in hw.items() if k != "host_link"}
+    assert not scale.plan_cluster(prof, bare, 16384, 2048, **kw).plans[0].offload
+    with pytest.raises(ConfigError, match="host_link"):
+        scale.plan_cluster(prof, bare, 16384, 2048, offload=True, **kw)

@@ -11,6 +11,7 @@
 #include <cctype>
 #include <chrono>
 #include <cmath>
+#include <optional>
 
 #include "autoplan_internal.h"
 #include "baton/error.h"
@@ -95,16 +96,6 @@ AutoplanResult Searcher::run() {
   if (o_.memory < 0)
     throw ConfigError(fmt::format("autoplan: memory must be >= 0 (got {})", o_.memory));
   if (o_.top < 1) throw ConfigError(fmt::format("autoplan: top must be >= 1 (got {})", o_.top));
-  if (o_.offload && !(in_.host_link_bandwidth > 0))
-    throw ConfigError(
-        "autoplan: offload needs the host link's bandwidth (segment costs' "
-        "host_link_bandwidth, bytes per time unit in each direction; got 0)");
-  if (o_.host_memory < 0)
-    throw ConfigError(
-        fmt::format("autoplan: host_memory must be >= 0 (got {})", o_.host_memory));
-  if (o_.fetch_lookahead < 1)
-    throw ConfigError(fmt::format("autoplan: fetch_lookahead must be >= 1 (got {})",
-                                  o_.fetch_lookahead));
   // Families.
   std::vector<std::string> fams;
   const std::vector<std::string> all = schedule_names();
@@ -246,8 +237,65 @@ int64_t PlanCandidate::max_memory() const {
 }
 
 AutoplanResult autoplan(const SegmentCosts& costs, const AutoplanOptions& opts) {
-  autoplan_detail::Searcher s(costs, opts);
-  return s.run();
+  if (opts.offload && !(costs.host_link_bandwidth > 0))
+    throw ConfigError(
+        "autoplan: offload needs the host link's bandwidth (segment costs' "
+        "host_link_bandwidth, bytes per time unit in each direction; got 0)");
+  if (opts.host_memory < 0)
+    throw ConfigError(
+        fmt::format("autoplan: host_memory must be >= 0 (got {})", opts.host_memory));
+  if (opts.fetch_lookahead < 1)
+    throw ConfigError(fmt::format("autoplan: fetch_lookahead must be >= 1 (got {})",
+                                  opts.fetch_lookahead));
+  if (!opts.offload) {
+    autoplan_detail::Searcher s(costs, opts);
+    return s.run();
+  }
+  // With offload the memory bounds are weaker, so a search cut short by its
+  // node budget may stop before plans the search without offload finds: run
+  // that one first and keep, per configuration, the faster row of the two
+  // (the stats count both searches' work over the same configurations).
+  AutoplanOptions plain = opts;
+  plain.offload = false;
+  std::optional<AutoplanResult> a;
+  try {
+    a = autoplan_detail::Searcher(costs, plain).run();
+  } catch (const ConfigError&) {  // nothing fits without offload
+  }
+  AutoplanResult b;
+  try {
+    b = autoplan_detail::Searcher(costs, opts).run();
+  } catch (const ConfigError&) {
+    if (a) return *a;
+    throw;
+  }
+  if (!a) return b;
+  AutoplanResult out = b;
+  auto same = [](const PlanCandidate& x, const PlanCandidate& y) {
+    return x.schedule == y.schedule && x.virtual_stages == y.virtual_stages &&
+           x.microbatches == y.microbatches;
+  };
+  for (const PlanCandidate& p : a->plans) {
+    auto it = std::find_if(out.plans.begin(), out.plans.end(),
+                           [&](const PlanCandidate& q) { return same(p, q); });
+    if (it == out.plans.end())
+      out.plans.push_back(p);
+    else if (p.step_time < it->step_time)
+      *it = p;
+  }
+  std::stable_sort(out.plans.begin(), out.plans.end(),
+                   [](const PlanCandidate& x, const PlanCandidate& y) {
+                     return x.step_time < y.step_time;
+                   });
+  if (static_cast<int>(out.plans.size()) > opts.top) out.plans.resize(opts.top);
+  AutoplanStats& st = out.stats;
+  const AutoplanStats& sa = a->stats;
+  st.partitions += sa.partitions;
+  st.candidates += sa.candidates;
+  st.simulated += sa.simulated;
+  st.pruned += sa.pruned;
+  st.seconds += sa.seconds;
+  return out;
 }
 
 PlanCandidate evaluate_candidate(const SegmentCosts& costs, std::string_view schedule, int ranks,

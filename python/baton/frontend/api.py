@@ -256,6 +256,8 @@ class PipelinedFunction(StepInspection):
             kw = best.jit_kwargs()
             self.spec, self.microbatches = kw["schedule"], kw["microbatches"]
             self.remat, self.boundaries = kw["remat"], kw["boundaries"]
+            if self.offload is None:  # an offload the caller forces stays
+                self.offload = offload_option(kw["offload"])
         ranks = self.mesh.num_ranks
         want = self.spec.stages(ranks)
         bounds = self.boundaries
