@@ -225,13 +225,18 @@ class Plan:
         """Text picture of the simulated step: one row per rank."""
         return _core.to_text_grid(self._core, self._drawn(costs), width)
 
-    def summary(self, costs: Any = None) -> str:
-        """Table of step time, per-rank bubble and peak memory, and the verification result.
-        A plan that fails verification has no rank programs (nothing runs it): its table
-        comes from the plan simulator, when that completes."""
+    def summary(self, costs: Any = None, rank_ir: Any = None) -> str:
+        """Table of step time, per-rank bubble and peak memory (device, and host when the
+        rank programs offload), and the verification result. ``rank_ir``: the rank programs
+        to simulate (a step's own, with its offloads; default: this plan's). A plan that
+        fails verification has no rank programs (nothing runs it): its table comes from the
+        plan simulator, when that completes."""
         report = _core.verify(self._core)
         try:
-            result = self.simulate_rank_ir(costs) if report.ok else self.simulate(costs)
+            if rank_ir is not None and report.ok:
+                result = _core.simulate_rank_ir(rank_ir, as_cost_model(costs))
+            else:
+                result = self.simulate_rank_ir(costs) if report.ok else self.simulate(costs)
         except VerifyError:
             if report.ok:
                 raise

@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 
 import baton  # noqa: E402
 from baton import _core  # noqa: E402
+from baton.frontend.api import cost_model_of  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import mlp  # noqa: E402
@@ -139,6 +140,13 @@ def test_offloading_rank_holds_less_in_xla_and_the_bytes_in_host_slots():
     held, peak = rank0.comm.host_bytes()
     stash = 64 * 64 * 4  # one microbatch's activations of one layer, float32
     assert held == 0 and peak >= stash, peak
+    # the summary simulates the step's own rank programs: device and host bytes per rank
+    text = off.summary(params, batch)
+    assert "peak host" in text and "peak host" not in plain.summary(params, batch)
+    sim = _core.simulate_rank_ir(off.last.rank_ir(), cost_model_of(off.last))
+    assert all(b > 0 for b in sim.peak_host_bytes), list(sim.peak_host_bytes)
+    assert max(sim.peak_total) < max(plain.last.plan.simulate_rank_ir(
+        cost_model_of(plain.last)).peak_total)
 
 
 @pytest.mark.parametrize("offload,error", [

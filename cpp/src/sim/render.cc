@@ -356,17 +356,23 @@ std::string summary_table(const Plan& plan, const SimResult& r, const VerifyRepo
   out += fmt::format("{:<14}{}\n", "microbatches", s.num_microbatches);
   out += fmt::format("{:<14}{}\n", "step time", fmt_time(r.step_time));
   out += fmt::format("{:<14}{:.2f}%\n", "bubble", 100.0 * r.bubble_fraction);
-  out += fmt::format("{:>5}  {:>12}  {:>8}  {:>12}  {:>12}  {:>12}  {:>12}\n", "rank", "busy",
-                     "bubble", "first start", "last end", "peak act", "peak total");
+  // Rank programs that offload hold bytes in host memory too: one more column.
+  const bool host = std::any_of(r.peak_host_bytes.begin(), r.peak_host_bytes.end(),
+                                [](int64_t b) { return b > 0; });
+  out += fmt::format("{:>5}  {:>12}  {:>8}  {:>12}  {:>12}  {:>12}  {:>12}{}\n", "rank", "busy",
+                     "bubble", "first start", "last end", "peak act", "peak total",
+                     host ? fmt::format("  {:>12}", "peak host") : "");
   for (int rank = 0; rank < s.num_ranks; ++rank) {
     auto at = [&](const auto& v, auto dflt) {
       return static_cast<size_t>(rank) < v.size() ? v[rank] : dflt;
     };
-    out += fmt::format("{:>5}  {:>12}  {:>7.2f}%  {:>12}  {:>12}  {:>12}  {:>12}\n", rank,
+    out += fmt::format("{:>5}  {:>12}  {:>7.2f}%  {:>12}  {:>12}  {:>12}  {:>12}{}\n", rank,
                        fmt_time(at(r.busy, 0.0)), 100.0 * at(r.bubble, 0.0),
                        fmt_time(at(r.span_start, 0.0)), fmt_time(at(r.span_end, 0.0)),
                        fmt_bytes(at(r.peak_activation, int64_t{0})),
-                       fmt_bytes(at(r.peak_total, int64_t{0})));
+                       fmt_bytes(at(r.peak_total, int64_t{0})),
+                       host ? fmt::format("  {:>12}", fmt_bytes(at(r.peak_host_bytes, int64_t{0})))
+                            : "");
   }
   if (report == nullptr) {
     out += "verification: not run\n";

@@ -38,10 +38,11 @@ class StepInspection:
         return self._step(args).rank_ir()
 
     def summary(self, *args) -> str:
-        """The plan's summary (step time, bubble, memory per rank), with the profile's and
-        the memory model's tables once measured."""
+        """The plan's summary (step time, bubble, device and, when the step offloads, host
+        memory per rank, simulated over the step's own rank programs), with the profile's
+        and the memory model's tables once measured."""
         step = self._step(args)
-        text = step.plan.summary(cost_model_of(step))
+        text = step.plan.summary(cost_model_of(step), rank_ir=step.rank_ir())
         prof = getattr(step, "profiled", None)
         if prof is not None:
             text += "\n" + prof.summary()
