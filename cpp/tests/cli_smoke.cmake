@@ -63,6 +63,7 @@ file(REMOVE "${_file}")
 set(_seg "${CMAKE_CURRENT_BINARY_DIR}/cli_smoke_segments.json")
 file(WRITE "${_seg}" [=[
 {"batch": 8, "ref_microbatch": 1, "link": {"latency": 0.01, "bandwidth": 0},
+ "host_link_bandwidth": 100,
  "segments": [
   {"name": "emb", "f": 2, "b": 3, "i": 2, "w": 1, "act_bytes": 10, "stash_bytes": 40,
    "min_stash_bytes": 10, "min_recompute": 0.5, "param_bytes": 1000, "opt_bytes": 2000},
@@ -89,6 +90,19 @@ if(NOT rc EQUAL 1)
 endif()
 expect_match("--auto nothing fits" "${err}"
              "^baton-plan: error: autoplan: no candidate fits .* on rank [0-9]")
+execute_process(COMMAND "${CLI}" --auto --segments "${_seg}" --ranks 2 --memory 1MiB --top 3
+                        --microbatches 2,4,8 --offload yes --host-memory 1GiB
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "--auto --offload yes exited ${rc}:\n${out}\n${err}")
+endif()
+expect_match("--auto --offload stats" "${out}" "simulated \\([0-9]+ with offloads\\)")
+execute_process(COMMAND "${CLI}" --auto --segments "${_seg}" --ranks 2 --offload maybe
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 1)
+  message(FATAL_ERROR "--offload maybe exited ${rc} (expected 1):\n${err}")
+endif()
+expect_match("--offload maybe" "${err}" "--offload must be yes or no")
 execute_process(COMMAND "${CLI}" --auto --segments "${_seg}" --ranks 2 --memory lots
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(NOT rc EQUAL 1)

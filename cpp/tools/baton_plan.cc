@@ -6,7 +6,7 @@
 //              [--print-plan] [--save s.txt | --load s.txt]
 //   baton-plan --auto --segments costs.json --ranks 8 [--memory 20GiB] [--top 10]
 //              [--families 1f1b,zbv] [--microbatches 4,8,16] [--remat keep,min]
-//              [--json result.json]
+//              [--offload yes --host-memory 200GiB] [--json result.json]
 //   baton-plan --profile model.json --cluster h100.json --gpus 512 --global-batch 1024
 //              [--fp8] [--pp 8] [--tp 8] [--fsdp yes|no] [--top 10] [--json plans.json]
 //   baton-plan --model llama3-70b --cluster h100 --gpus 512 --global-batch 1024 --seq 8192
@@ -103,6 +103,8 @@ struct Options {
   std::string json;
   double gap = 0;
   bool update_in_place = false;
+  std::string offload;      // --auto: "yes" to search offload; --profile: yes|no (default: by host link)
+  std::string host_memory;  // --auto: host bytes per rank offload may hold
   int virtual_stages = 1;
   std::string costs;
   std::string svg;
@@ -170,6 +172,11 @@ int run_auto(const Options& o, bool have_ranks) {
   ao.max_microbatches = o.max_microbatches;
   ao.gap = o.gap;
   ao.update_in_place = o.update_in_place;
+  if (o.offload == "yes")
+    ao.offload = true;
+  else if (!o.offload.empty() && o.offload != "no")
+    throw CliError{fmt::format("--offload must be yes or no (got '{}')", o.offload)};
+  ao.host_memory = o.host_memory.empty() ? 0 : baton::parse_bytes(o.host_memory);
   const baton::AutoplanResult r = baton::autoplan(costs, ao);
   if (!o.json.empty()) write_file(o.json, r.to_json() + "\n", "result file");
   std::cout << baton::autoplan_table(r, ao.memory);
@@ -195,6 +202,9 @@ int run_cluster(const Options& o) {
   if (o.fsdp == "yes") co.fsdp_mode = 1;
   else if (o.fsdp == "no") co.fsdp_mode = 0;
   else if (!o.fsdp.empty()) throw CliError{fmt::format("--fsdp must be yes or no (got '{}')", o.fsdp)};
+  if (o.offload == "yes") co.offload = 1;
+  else if (o.offload == "no") co.offload = 0;
+  else if (!o.offload.empty()) throw CliError{fmt::format("--offload must be yes or no (got '{}')", o.offload)};
   const baton::ClusterResult r = baton::plan_cluster(model, hw, co);
   if (!o.json.empty()) write_file(o.json, r.to_json() + "\n", "result file");
   std::cout << fmt::format("{}: {} GPUs ({}), global batch {} x {} tokens\n", model.name, co.gpus,
@@ -313,6 +323,12 @@ int main(int argc, char** argv) {
   app.add_flag("--update-in-place", o.update_in_place,
                "The step donates its parameters and optimizer state (--auto): the update after "
                "the loop writes the new ones in place instead of beside the old ones");
+  app.add_option("--offload", o.offload,
+                 "yes|no: plans over the memory budget may offload stashes to host memory (--auto: "
+                 "needs the costs' host_link_bandwidth, default no; --profile: default when the "
+                 "hardware has a host_link)");
+  app.add_option("--host-memory", o.host_memory,
+                 "Host bytes per rank offloaded stashes may hold, e.g. 200GiB (--auto; 0: unlimited)");
   app.add_option("--json", o.json, "Write the ranked plans and search statistics as JSON (--auto)");
   app.add_option("-v,--virtual-stages", o.virtual_stages, "Stages per rank (interleaved only)")
       ->capture_default_str();
