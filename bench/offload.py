@@ -13,7 +13,7 @@ programs without offload. Prints two tables:
 3. PipeOffload's published findings beside what the simulator says of the same situation
    (the cluster row: the cluster search with and without offload).
 
-Tables 1 to 3 are the planner's simulator over the verified rank programs. Table 4 is
+Those tables are the planner's simulator over the verified rank programs. The last table is
 measured on the CPU: examples/mlp.py pipelined on 2 ranks (one CPU device each), each
 schedule with and without ``offload="stash"``; per rank, the temporary bytes of XLA's buffer
 assignment of its compiled program (``memory_analysis()``) and the peak bytes its host slots
