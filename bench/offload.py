@@ -17,7 +17,9 @@ Those tables are the planner's simulator over the verified rank programs. The la
 measured on the CPU: examples/mlp.py pipelined on 2 ranks (one CPU device each), each
 schedule with and without ``offload="stash"``; per rank, the temporary bytes of XLA's buffer
 assignment of its compiled program (``memory_analysis()``) and the peak bytes its host slots
-held (``RankComm.host_bytes``), the loss and gradients checked equal.
+held (``RankComm.host_bytes``), and the memory model's device and host peaks per rank,
+predicted against measured (``step.memory(measure=True)``), the loss and gradients checked
+equal.
 
     .venv/bin/python bench/offload.py [--ranks 4] [--microbatches 16] [--no-measure] [--smoke]
 """
@@ -162,6 +164,7 @@ def measure(name: str, m: int, dim: int) -> list[str]:
             ps = baton.jit(lambda p, b: baton.accumulate(vg, p, batch=b), mesh=mesh,
                            schedule=sched, microbatches=m, offload=offload)
             got = ps(params, batch)
+            mem = ps.memory(params, batch, measure=True)
         finally:
             os.environ.pop("BATON_LOOP_FORM", None)
         leaves = [np.asarray(x) for x in jax.tree.leaves(got)]
@@ -170,10 +173,15 @@ def measure(name: str, m: int, dim: int) -> list[str]:
         progs = sorted(ps.last.engine.local_progs, key=lambda p: p.rank)
         temp = [p.compiled.memory_analysis().temp_size_in_bytes for p in progs]
         host = [p.comm.host_bytes()[1] for p in progs]
+        devs = [d for ds in mem.rank_devices for d in ds]
+        model = ", ".join(f"{mem.predicted(d) / 1024:.0f} / {mem.measured[d] / 1024:.0f}"
+                          for d in devs)
+        model_host = ", ".join(f"{mem.host.get(d, 0) / 1024:.0f} / "
+                               f"{(mem.measured_host or {}).get(d, 0) / 1024:.0f}" for d in devs)
         rows.append(f"| {name} | {label} | {progs[0].form} | "
                     + " | ".join(f"{t / 1024:.0f}" for t in temp)
                     + f" | {max(temp) / 1024:.0f} | " + " | ".join(f"{h / 1024:.0f}" for h in host)
-                    + f" | {'yes' if same else 'NO'} |")
+                    + f" | {model} | {model_host} | {'yes' if same else 'NO'} |")
     return rows
 
 
@@ -257,8 +265,10 @@ def main() -> None:
     print(f"\n## Measured on the CPU: examples/mlp.py (width {dim}, 64 rows per microbatch), 2 "
           f"ranks, {mm} microbatches; KiB\n")
     print("| schedule | program | loop form | XLA temp rank 0 | XLA temp rank 1 | largest | "
-          "host slots peak rank 0 | host slots peak rank 1 | loss and gradients equal |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "host slots peak rank 0 | host slots peak rank 1 | step.memory device peak, "
+          "predicted / measured, rank 0, rank 1 | step.memory host peak, predicted / measured, "
+          "rank 0, rank 1 | loss and gradients equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in MEASURED[:2] if a.smoke else MEASURED:
         print("\n".join(measure(name, mm, dim)))
 

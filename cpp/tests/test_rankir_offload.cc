@@ -393,6 +393,15 @@ TEST(RankIROffloadSim, InstantCopiesCostNoTime) {
   EXPECT_EQ(b.peak_host_bytes[3], 0);
 }
 
+TEST(RankIROffloadSim, HostPeakCountsAnOffloadBeforeALaterInstantFetch) {
+  // GPipe's last rank offloads microbatch 6's stash and then fetches 0's for
+  // its first backward (FIFO order) at the same instant: for a moment the
+  // host holds both, as the runtime, which copies in program order, does.
+  const Schedule s = gpipe(2, 8);
+  const SimResult b = simulate(offload_ir(s), offload_costs(0));
+  EXPECT_EQ(b.peak_host_bytes[1], 7 * 100);
+}
+
 TEST(RankIROffloadSim, HiddenCopiesLowerTheDevicePeak) {
   const Schedule s = one_f_one_b(4, 8);
   const RankIR plain = build_rank_ir(lower(s)), off = offload_ir(s);

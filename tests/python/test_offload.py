@@ -147,6 +147,12 @@ def test_offloading_rank_holds_less_in_xla_and_the_bytes_in_host_slots():
     assert all(b > 0 for b in sim.peak_host_bytes), list(sim.peak_host_bytes)
     assert max(sim.peak_total) < max(plain.last.plan.simulate_rank_ir(
         cost_model_of(plain.last)).peak_total)
+    # the memory model by memory kind: the host bytes it predicts are what the slots held
+    mem = off.memory(params, batch, measure=True)
+    assert set(mem.measured_host) == set(mem.host) and "measured host KiB" in mem.table()
+    for d, held_most in mem.measured_host.items():
+        assert held_most > 0 and mem.host[d] == held_most, (mem.host, mem.measured_host)
+    assert not plain.memory(params, batch).host
 
 
 @pytest.mark.parametrize("offload,error", [

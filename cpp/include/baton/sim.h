@@ -122,7 +122,8 @@ SimResult simulate(const Plan& plan, const CostModel& costs, SimOptions opts = {
 // when the engine is free and the OFFLOAD's copy has completed, and the host
 // bytes are released when it completes; a RUN (or a send) reading the buffer
 // waits for that (idle time, as at a WAIT). peak_host_bytes is the most host
-// memory held at once.
+// memory held at once, after every event in program order (at equal times an
+// OFFLOAD's bytes count before a later FETCH's instant copy frees others).
 struct RankIR;
 SimResult simulate(const RankIR& ir, const CostModel& costs);
 

@@ -305,6 +305,10 @@ SimResult IRSim::run() {
       act += e.act;
       total += e.total;
       host += e.host;
+      // Host bytes peak after every event, in program order at equal times: an
+      // OFFLOAD's slot is taken before a later FETCH's copy frees another, even
+      // when that copy takes no time (the runtime copies in that order).
+      res_.peak_host_bytes[r] = std::max(res_.peak_host_bytes[r], host);
       if (out.back().time == e.time)
         out.back() = {e.time, act, total, host};
       else
@@ -313,7 +317,6 @@ SimResult IRSim::run() {
     for (const MemorySample& m : out) {
       res_.peak_activation[r] = std::max(res_.peak_activation[r], m.activation);
       res_.peak_total[r] = std::max(res_.peak_total[r], m.total);
-      res_.peak_host_bytes[r] = std::max(res_.peak_host_bytes[r], m.host);
     }
   }
   return std::move(res_);

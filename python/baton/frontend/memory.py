@@ -36,6 +36,10 @@ sharding: the user's spec over the rank's sub-mesh, or the layout XLA gave a tas
                     donated input's buffer adds nothing) + its XLA temporaries on its rank's
                     devices
     predicted(d) = max(static + copies + loop, update)
+    host(d)         a step that offloads (``baton.jit(offload=...)``): the most bytes of d's
+                    stashes in host memory at once, from the same simulation over the step's
+                    own rank programs (whose device peaks count a stash on the host as gone);
+                    measured as the rank's host slots' peak (``RankComm.host_bytes``)
 
 The tasks are compiled on the layouts of the arguments the loop hands them, and the segments
 after the loop on theirs (``CompiledStep.capture_task_args``, derived from the plan without
@@ -93,6 +97,11 @@ class Memory:
     measured: dict | None = None  # device id -> peak bytes (live arrays + temporaries)
     schedule: str = ""
     measured_update: dict | None = None  # the same, over the segments after the loop
+    # host memory (an offloading step): device id -> the most bytes of its stashes held in
+    # host memory at once, simulated over the step's rank programs, and measured (the rank's
+    # host slots' peak over the measured call; None until measured)
+    host: dict = dataclasses.field(default_factory=dict)
+    measured_host: dict | None = None
 
     def predicted(self, d: int) -> int:
         p = self.parts
@@ -113,6 +122,10 @@ class Memory:
                 if self.measured_update:
                     m = row["measured update"] = self.measured_update.get(d, 0)
                     row["update ratio"] = row["update"] / m if m else float("nan")
+                if self.host:
+                    row["host"] = self.host.get(d, 0)
+                    if self.measured_host is not None:
+                        row["measured host"] = self.measured_host.get(d, 0)
                 out.append(row)
         return out
 
@@ -124,6 +137,8 @@ class Memory:
             cols += ["measured", "ratio"]
         if self.measured_update:
             cols += ["measured update", "update ratio"]
+        if self.host:
+            cols += ["host"] + (["measured host"] if self.measured_host is not None else [])
         plain = ("rank", "device", "ratio", "update ratio")
         lines = ["| " + " | ".join(c if c in plain else c + " KiB" for c in cols) + " |",
                  "|" + "---:|" * len(cols)]
@@ -277,12 +292,15 @@ def _loop_peak(step, sim, j, compiled, sums, bufs) -> tuple[dict, dict]:
     return out, most
 
 
-def _simulated(step, bufs, compiled, sums) -> tuple[dict, dict, dict]:
+def _simulated(step, bufs, compiled, sums) -> tuple[dict, dict, dict, dict]:
     """Per device: the simulator's peak_total of its rank with every buffer sized for that
-    device, the loop peak and the largest transient of a RUN (``_loop_peak``); one
-    simulation per device position within a rank."""
+    device, the loop peak, the largest transient of a RUN (``_loop_peak``) and, for a step
+    that offloads, its host peak; one simulation per device position within a rank. An
+    offloading step is simulated over its own rank programs (their OFFLOAD and FETCH
+    instructions hold a stash on the host in between), any other over its plan."""
     base = cost_model_of(step).to_json()
-    peak, loop, transient = {}, {}, {}
+    offloads = any(o == _core.Offload.STASH for o in step.offload)
+    peak, loop, transient, host = {}, {}, {}, {}
     for j in range(step.mesh.devices_per_rank()):
         cm = _core.CostModel.from_json(base)
 
@@ -302,14 +320,17 @@ def _simulated(step, bufs, compiled, sums) -> tuple[dict, dict, dict]:
             sk.act_bytes = int(bufs.get((BufKind.Skip, e), {}).get(dev(edges[e].src), 0))
             sk.grad_bytes = int(bufs.get((BufKind.SkipGrad, e), {}).get(dev(edges[e].dst), 0))
         cm.skips = skips
-        sim = step.plan.simulate(cm)
+        sim = (_core.simulate_rank_ir(step.rank_ir(), cm) if offloads
+               else step.plan.simulate(cm))
         lp, most = _loop_peak(step, sim, j, compiled, sums, bufs)
         for r in range(step.num_ranks):
             d = step.mesh.rank_devices[r][j].id
             peak[d] = int(sim.peak_total[r])
             loop[d] = int(lp[r])
             transient[d] = int(most[r])
-    return peak, loop, transient
+            if offloads:
+                host[d] = int(sim.peak_host_bytes[r])
+    return peak, loop, transient, host
 
 
 def _update_phase(step, layouts, static) -> tuple[dict, dict]:
@@ -381,7 +402,7 @@ def memory(fn, args, measure: bool = False) -> Memory:
         for d, n in per.items():
             acc[d] = acc.get(d, 0) + n
     temps = {k: v[1] for k, v in compiled.items()}
-    peak, loop, transient = _simulated(step, bufs, compiled, sums)
+    peak, loop, transient, host = _simulated(step, bufs, compiled, sums)
     for part, per in zip((peak, loop, transient), table_loop(step, compiled, acc)):
         part.update(per)  # ranks run as tables: their rings (memory_rings.py)
     update, post_temps = _update_phase(step, layouts, static)
@@ -389,9 +410,16 @@ def memory(fn, args, measure: bool = False) -> Memory:
     mem = Memory([[d.id for d in g] for g in step.mesh.rank_devices],
                  {"static": static, "copies": copies, "accumulators": acc,
                   "buffers": peak, "transient": transient, "loop": loop, "update": update},
-                 temps, schedule=step.plan.schedule.name)
+                 temps, schedule=step.plan.schedule.name, host=host)
     if measure:
+        progs = (step.engine.local_progs or []) if host else []
+        for p in progs:
+            p.comm.reset_host_peak()
         mem.measured, mem.measured_update = measure_live(fn, args, temps)
+        if host:  # offloading ranks hold one device each (frontend/offload.py)
+            progs = step.engine.local_progs or []
+            mem.measured_host = {step.mesh.rank_devices[p.rank][0].id: int(p.comm.host_bytes()[1])
+                                 for p in progs}
     step.memory_model = mem
     return mem
 
