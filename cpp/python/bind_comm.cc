@@ -82,6 +82,25 @@ void bind_comm(nb::module_& m) {
         throw nb::value_error("comm_op_kind: a RUN, OFFLOAD or FETCH item is no transfer");
       },
       "op"_a, "The baton_comm operation of a transfer item (ItemOp SEND, POST or WAIT).");
+  nb::enum_<runtime::CudaTransport>(m, "CudaTransport",
+                                    "The transport of a CUDA rank (choose_cuda_transport).")
+      .value("NCCL", runtime::CudaTransport::Nccl)
+      .value("HOST_STAGED", runtime::CudaTransport::HostStaged);
+  m.def(
+      "choose_cuda_transport",
+      [](const std::vector<std::string>& hosts, const std::vector<int>& ordinals,
+         bool nccl_available, const std::string& nccl_error) {
+        try {
+          auto c = runtime::choose_cuda_transport(hosts, ordinals, nccl_available, nccl_error);
+          return std::make_pair(c.transport, c.reason);
+        } catch (const std::invalid_argument& e) {
+          throw nb::value_error(e.what());
+        }
+      },
+      "hosts"_a, "ordinals"_a, "nccl_available"_a, "nccl_error"_a = "",
+      "(CudaTransport, reason) of CUDA ranks whose GPU r is `ordinals[r]` on `hosts[r]`: "
+      "HOST_STAGED when two ranks share a GPU of one host or NCCL is unavailable "
+      "(`nccl_error` says why), with the one log line saying why; else NCCL and ''.");
   nb::class_<PyComm>(m, "RankComm",
                      "The transfers of one rank's compiled program (the XLA FFI handlers of "
                      "baton._core.ffi call it; `id` is their `comm` attribute).")
