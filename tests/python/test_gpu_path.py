@@ -1,7 +1,8 @@
 """What the GPU path decides on the host, tested on CPU: the loop form per platform (GPU ranks
 lowered straight, without a ``lax.switch`` per unit; forced on CPU it gives the table's
 results), the transfer counts a CUDA context reserves staging for, the engine no longer
-refusing GPU ranks of several devices, and the NCCL library rules as bound."""
+refusing GPU ranks of several devices, the NCCL library rules as bound, and the choice between
+NCCL and host staging with the transfer contexts each builds."""
 
 from __future__ import annotations
 
@@ -95,15 +96,15 @@ def test_transfer_counts_of_a_rank():
 
 def test_gpu_ranks_of_several_devices_are_not_refused(monkeypatch):
     """The refusal "the NCCL context is one device per rank" is gone: a GPU rank of two
-    devices over NCCL is accepted (when the CUDA handlers are built); ranks that share a GPU
-    are still refused by name."""
+    devices over NCCL is accepted (when the CUDA handlers are built); two ranks of one process
+    that share a GPU are still refused by name (processes that share one are staged)."""
     monkeypatch.setattr(ffi, "has_cuda", lambda: True)
     step = _fake_step("gpu")
     assert engine.refusal(step, 0) is None and engine.refusal(step, 1) is None
     shared = _fake_step("gpu")
     shared.mesh.rank_devices[1][1] = shared.mesh.rank_devices[0][1]
     why = engine.refusal(shared, 0)
-    assert why is not None and "share GPU" in why
+    assert why is not None and "of this process share GPU" in why and "baton.launch" in why
     monkeypatch.setattr(ffi, "has_cuda", lambda: False)
     assert "no CUDA transfer handlers" in engine.refusal(step, 0)
 
@@ -225,3 +226,191 @@ def test_nccl_comms_one_process_per_gpu(monkeypatch):
     (lead,) = engine.nccl_comms(step, [0], store=None, timeout=5.0, prefix="p")
     assert (lead.rank, lead.device, lead.prefix, lead.routes) == (0, 0, "p/slot0", {})
     assert len(_FakeNccl.made) == 1
+
+
+# ---- NCCL or host staging: the choice per step and the comms it builds -----------------
+
+def test_choose_transport_over_the_ranks_hosts_and_gpus():
+    """The decision is C++'s ``choose_cuda_transport`` per device slot over the ranks: NCCL
+    unless two ranks share a GPU of one host or NCCL is unavailable; host staging then, with
+    the line saying why; ranks of several GPUs that would need staging are refused."""
+    pick = engine.choose_transport
+    assert pick({(0, 0): ("h", 0), (1, 0): ("h", 1)}) == ("nccl", "")
+    assert pick({(0, 0): ("a", 0), (1, 0): ("b", 0)}) == ("nccl", "")  # same id, two hosts
+    how, why = pick({(0, 0): ("h", 0), (1, 0): ("h", 1), (2, 0): ("h", 0)})
+    assert how == "staged" and "ranks 0 and 2 share GPU 0 on h" in why
+    how, why = pick({(0, 0): ("h", 0), (1, 0): ("h", 1)}, "process 1: libnccl.so.2 not found")
+    assert how == "staged" and "NCCL unavailable (process 1: libnccl.so.2 not found)" in why
+    two = {(0, 0): ("h", 0), (0, 1): ("h", 1), (1, 0): ("h", 2), (1, 1): ("h", 3)}
+    assert pick(two) == ("nccl", "")
+    two[(1, 1)] = ("h", 1)  # slot 1 of both ranks on GPU 1
+    with pytest.raises(baton.ConfigError, match=r"device slot 1: ranks 0 and 1 share GPU 1"):
+        pick(two)
+    with pytest.raises(baton.ConfigError, match=r"no process reported device slot 1 of ranks"):
+        pick({(0, 0): ("h", 0), (0, 1): ("h", 1), (1, 0): ("h", 2)})
+    with pytest.raises(baton.ConfigError, match=r"ranks \[0, 2\] were gathered"):
+        pick({(0, 0): ("h", 0), (2, 0): ("h", 1)})
+    with pytest.raises(ValueError, match="1 hosts for 2 ranks"):
+        _core.runtime.choose_cuda_transport(["h"], [0, 1], True)
+
+
+def test_gpu_place_maps_the_ordinal_through_cuda_visible_devices():
+    """Each process of ``baton.launch`` sees its GPU as ordinal 0: the place is the host and
+    the GPU the launcher pinned, so processes pinned to one GPU agree and others differ."""
+    from baton import launch
+
+    dev = SimpleNamespace(local_hardware_id=0)
+    assert engine.gpu_place(dev, {}, "h") == ("h", 0)
+    assert engine.gpu_place(dev, {"CUDA_VISIBLE_DEVICES": "3"}, "h") == ("h", 3)
+    assert engine.gpu_place(SimpleNamespace(local_hardware_id=1),
+                            {"CUDA_VISIBLE_DEVICES": "2, 5"}, "h") == ("h", 5)
+    assert engine.gpu_place(dev, {"CUDA_VISIBLE_DEVICES": "GPU-9f3a"}, "h") == ("h/GPU-9f3a", 0)
+    with pytest.raises(baton.ConfigError, match=r"ordinal 2, but CUDA_VISIBLE_DEVICES='0,1'"):
+        engine.gpu_place(SimpleNamespace(local_hardware_id=2), {"CUDA_VISIBLE_DEVICES": "0,1"},
+                         "h")
+    # three processes on two GPUs: processes 0 and 2 share GPU 0
+    places = {(r, 0): engine.gpu_place(dev, {"CUDA_VISIBLE_DEVICES": launch.pinned_gpu(
+        r, ["0", "1"])}, "h") for r in range(3)}
+    assert places == {(0, 0): ("h", 0), (1, 0): ("h", 1), (2, 0): ("h", 0)}
+    how, why = engine.choose_transport(places)
+    assert how == "staged" and "ranks 0 and 2 share GPU 0 on h" in why
+    assert engine.choose_transport({k: places[k] for k in [(0, 0), (1, 0)]}) == ("nccl", "")
+
+
+class _FakeRankComm:
+    """Stands in for ``RankComm`` (no GPU here): records attach and ``stage_on_cuda``."""
+
+    made: list = []
+
+    def __init__(self, rank, timeout=60.0):
+        self.rank, self.staged_on, self.transport = rank, None, None
+        _FakeRankComm.made.append(self)
+
+    def stage_on_cuda(self, ordinal):
+        self.staged_on = ordinal
+
+    def attach(self, t):
+        self.transport = t
+
+    @property
+    def attached(self):
+        return self.transport is not None
+
+    def detach(self):
+        self.transport = None
+
+
+class _FakeProgram:
+    def __init__(self, step, rank, comm, timeout):
+        self.rank, self.comm, self.compiled = rank, comm, None
+
+    def set_timeout(self, t):
+        pass
+
+
+class _Router:
+    """The other process's answers to ``allgather`` (this process is 0)."""
+
+    def __init__(self, *peer_blobs):
+        self.peer = list(peer_blobs)
+        self.sent: list = []
+
+    def allgather(self, blob):
+        self.sent.append(blob)
+        return [blob, self.peer.pop(0)]
+
+
+def _wire(monkeypatch, visible="0"):
+    monkeypatch.setattr(ffi, "has_cuda", lambda: True)
+    monkeypatch.setattr(engine, "nccl_error", lambda: "")
+    monkeypatch.setattr(_core.runtime, "RankComm", _FakeRankComm)
+    monkeypatch.setattr(engine, "RankProgram", _FakeProgram)
+    monkeypatch.setattr(engine, "compile_all", lambda progs, vals: [None] * len(progs))
+    monkeypatch.setattr(engine, "Warmup", lambda *a, **k: SimpleNamespace(run=lambda: None))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.delenv("BATON_QUIET", raising=False)
+    _FakeRankComm.made = []
+
+
+def _two_process_step():
+    """Process 0's view of a two-process step of one GPU per rank (its own GPU, ordinal 0)."""
+    step = _gpu_step(ranks=2, per_rank=1)
+    step.mesh.ranks_per_process = 1
+    step.mesh.ranks_of = lambda p: [p]
+    step.post_segments = []
+    step.core_plan = SimpleNamespace(fingerprint=lambda: "fp")
+    return step
+
+
+def _peer(rank=1, gpu=0, nccl=""):
+    import json
+    import socket
+
+    return json.dumps({"places": [[rank, 0, socket.gethostname(), gpu]], "nccl": nccl})
+
+
+def test_two_processes_on_one_gpu_get_host_staged_comms(monkeypatch, capfd):
+    """Process 0 of two that ``baton.launch`` pinned to the same GPU: the processes exchange
+    their GPUs; the engine builds a CPU RankComm staged on its GPU's ordinal, attached to the
+    process's Gloo loop transport, and logs one line saying why."""
+    import socket
+
+    _wire(monkeypatch)
+    nccl_made = []
+    monkeypatch.setattr(engine, "nccl_comms", lambda *a, **k: nccl_made.append(a))
+    eng = engine.ProgramEngine(_two_process_step())
+    gloo = object()
+    router = _Router(_peer(gpu=0), "")
+    progs = eng._build_rank(SimpleNamespace(rank=0), router, {}, 5.0, [gloo])
+    assert eng.transfers == "staged" and not nccl_made
+    (c,) = _FakeRankComm.made
+    assert (c.rank, c.staged_on, c.transport) == (0, 0, gloo)
+    assert [p.comm for p in progs] == [c]
+    err = capfd.readouterr().err
+    assert f"ranks 0 and 1 share GPU 0 on {socket.gethostname()}" in err
+    assert err.count("staged through pinned host memory") == 1
+    assert '"places": [[0, 0, ' in router.sent[0]  # what process 0 told the other
+
+
+def test_processes_on_their_own_gpus_get_nccl(monkeypatch):
+    _wire(monkeypatch, visible="0")
+    nccl_made = []
+    monkeypatch.setattr(engine, "nccl_comms", lambda step, ranks, *a: nccl_made.append(ranks)
+                        or [_FakeRankComm(r) for r in ranks])
+    monkeypatch.setattr(engine.rendezvous, "rank_info", lambda: SimpleNamespace(store="x"))
+    monkeypatch.setattr(engine.rendezvous, "make_store", lambda s: None)
+    eng = engine.ProgramEngine(_two_process_step())
+    eng._build_rank(SimpleNamespace(rank=0), _Router(_peer(gpu=1), ""), {}, 5.0, [object()])
+    assert eng.transfers == "nccl" and nccl_made == [[0]]
+    assert all(c.staged_on is None for c in _FakeRankComm.made)
+
+
+def test_nccl_missing_in_another_process_stages_and_a_bad_peer_is_named(monkeypatch, capfd):
+    _wire(monkeypatch)
+    eng = engine.ProgramEngine(_two_process_step())
+    eng._build_rank(SimpleNamespace(rank=0),
+                    _Router(_peer(gpu=1, nccl="libnccl.so.2: cannot open"), ""), {}, 5.0,
+                    [object()])
+    assert eng.transfers == "staged" and _FakeRankComm.made[0].staged_on == 0
+    assert "NCCL unavailable (process 1: libnccl.so.2: cannot open)" in capfd.readouterr().err
+    import json
+
+    eng = engine.ProgramEngine(_two_process_step())
+    bad = json.dumps({"error": "ConfigError: no local hardware id"})
+    with pytest.raises(baton.ConfigError, match=r"GPUs apart failed: process 1: ConfigError"):
+        eng._build_rank(SimpleNamespace(rank=0), _Router(bad, ""), {}, 5.0, [object()])
+
+
+def test_ranks_in_one_process_without_nccl_are_staged_over_the_hub(monkeypatch, capfd):
+    """One process, two ranks on two GPUs, NCCL unavailable: each rank gets a staged
+    RankComm on its own GPU, attached to the in-process hub."""
+    _wire(monkeypatch, visible="")
+    monkeypatch.setattr(engine, "nccl_error", lambda: "libnccl.so.2 not found")
+    step = _gpu_step(ranks=2, per_rank=1)
+    step.offload = []
+    eng = engine.ProgramEngine(step)
+    progs = eng._local_programs({}, 5.0)
+    assert eng.transfers == "staged"
+    assert [(p.comm.rank, p.comm.staged_on) for p in progs] == [(0, 0), (1, 1)]
+    assert all(p.comm.attached for p in progs)  # the hub's transports
+    assert "NCCL unavailable (libnccl.so.2 not found)" in capfd.readouterr().err

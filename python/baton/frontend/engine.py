@@ -11,7 +11,11 @@
   slot's Gloo context (``ProcessGroup.loop_transports``).
 * on GPUs the same programs run over NCCL (``NcclRankComm``): one context per device slot of
   a rank (slot j of every rank shares communicators with slot j of the others, as the Gloo
-  slot contexts do), in one process per host or one process per GPU (``nccl_comms``).
+  slot contexts do), in one process per host or one process per GPU (``nccl_comms``); or,
+  when two ranks (processes) share one GPU of a host or NCCL is unavailable, staged through
+  pinned host memory over the ranks' CPU transports (a ``RankComm`` per rank with
+  ``stage_on_cuda``, ``staged_comms``). The choice is C++'s ``choose_cuda_transport`` over
+  every rank's host and GPU (``gpu_place``), taken once per step (``choose_transport``).
 
 Programs are compiled before their first run (a rank never waits on another's compile).
 A step the engine cannot run raises ``ConfigError`` saying why (``refusal``); there is no
@@ -20,8 +24,11 @@ fallback to the interpreter.
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Any
+import socket
+import sys
+from typing import Any, Mapping
 
 import jax
 
@@ -88,10 +95,13 @@ def refusal(step, rank: int, transport_kind: str | None = None) -> str | None:
             both = [d for d in devs if q != rank and d in step.mesh.rank_devices[q]]
             if both:
                 mine = both[0]
-                return (f"ranks {min(q, rank)} and {max(q, rank)} share GPU {mine}: NCCL "
-                        f"cannot connect two ranks on one GPU, and one device runs one "
-                        f"program at a time, so the ranks could not overlap; give each rank "
-                        f"its own GPU, or use one rank (a one-rank step is one program)")
+                return (f"ranks {min(q, rank)} and {max(q, rank)} of this process share GPU "
+                        f"{mine}: one process drives one program at a time on a device, so "
+                        f"the ranks could not overlap and one would wait forever on the "
+                        f"other's transfers; give each rank its own GPU, run the ranks as "
+                        f"processes of their own (python -m baton.launch: processes that "
+                        f"share a GPU have their transfers staged through host memory), or "
+                        f"use one rank (a one-rank step is one program)")
         return None
     return (f"rank {rank} runs on {', '.join(sorted(platforms))}: the compiled engine's "
             f"transfers run on CPUs (local, gloo) and NVIDIA GPUs (nccl)")
@@ -154,6 +164,115 @@ def nccl_comms(step, ranks, store, timeout, prefix) -> list:
     return out
 
 
+def gpu_place(dev, environ: Mapping[str, str] | None = None,
+              host: str | None = None) -> tuple[str, int]:
+    """(host, GPU) of a CUDA device of this process, comparable across processes: the host
+    name and the GPU's index on the host. XLA's ordinal (``local_hardware_id``) counts the
+    GPUs this process sees, so it is mapped through ``CUDA_VISIBLE_DEVICES`` (a process of
+    ``baton.launch`` sees its one GPU as ordinal 0). A GPU named by UUID or MIG id there is
+    told apart by that name, appended to the host (its index is then 0)."""
+    environ = os.environ if environ is None else environ
+    host = socket.gethostname() if host is None else host
+    ordinal = int(dev.local_hardware_id)
+    if ordinal < 0:
+        raise ConfigError(f"baton.jit: device {dev} has no local hardware id ({ordinal}): "
+                          f"its GPU cannot be told")
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not visible.strip():
+        return host, ordinal
+    names = [g.strip() for g in visible.split(",") if g.strip()]
+    if ordinal >= len(names):
+        raise ConfigError(f"baton.jit: device {dev} has CUDA ordinal {ordinal}, but "
+                          f"CUDA_VISIBLE_DEVICES={visible!r} names {len(names)} GPU(s)")
+    name = names[ordinal]
+    return (host, int(name)) if name.isdigit() else (f"{host}/{name}", 0)
+
+
+def gpu_places(step, ranks) -> dict[tuple[int, int], tuple[str, int]]:
+    """(rank, slot) -> ``gpu_place`` of each GPU slot this process holds of ``ranks``."""
+    return {(r, j): gpu_place(d) for r in ranks for j, d in local_slots(step, r)
+            if d.platform in _GPU}
+
+
+def nccl_error() -> str:
+    """Why NCCL cannot be used in this process ('' when it can): loading it failed."""
+    return _core.runtime.nccl_library()[3]
+
+
+def choose_transport(places: Mapping[tuple[int, int], tuple[str, int]],
+                     nccl_err: str = "") -> tuple[str, str]:
+    """``("nccl", "")`` or ``("staged", the log line saying why)`` for a step whose ranks
+    0..R-1 have their device slots on ``places[(rank, slot)]`` = (host, GPU), decided by
+    ``_core.runtime.choose_cuda_transport`` for each slot j over the ranks (slot j's NCCL
+    communicators join slot j of every rank); ``nccl_err``: why NCCL is unavailable ('' when
+    it is available). Host staging runs ranks of one GPU: ranks of several that need it are
+    refused (``ConfigError``)."""
+    ranks = sorted({r for r, _ in places})
+    slots = sorted({j for _, j in places})
+    if not places or ranks != list(range(len(ranks))):
+        raise ConfigError(f"baton.jit: the GPUs of ranks {ranks} were gathered: expected "
+                          f"every rank from 0")
+    rt = _core.runtime
+    for j in slots:
+        missing = [r for r in ranks if (r, j) not in places]
+        if missing:
+            raise ConfigError(f"baton.jit: no process reported device slot {j} of ranks "
+                              f"{missing}")
+        kind, why = rt.choose_cuda_transport([places[(r, j)][0] for r in ranks],
+                                             [places[(r, j)][1] for r in ranks],
+                                             not nccl_err, nccl_err)
+        if kind == rt.CudaTransport.HOST_STAGED:
+            if len(slots) > 1:
+                raise ConfigError(
+                    f"baton.jit: the ranks have {len(slots)} GPUs each and cannot use NCCL "
+                    f"(device slot {j}: {why.removeprefix('baton: ')}); host staging runs "
+                    f"ranks of one GPU: give each rank GPUs of its own with NCCL, or one GPU "
+                    f"per rank")
+            return "staged", why
+    return "nccl", ""
+
+
+def log_choice(why: str) -> None:
+    """The one line saying why a step's transfers are staged (``$BATON_QUIET`` silences)."""
+    if why and not os.environ.get("BATON_QUIET"):
+        print(why, file=sys.stderr, flush=True)
+
+
+def staged_comms(step, ranks, timeout) -> list:
+    """A CPU ``RankComm`` per rank in ``ranks`` (of this process; the caller attaches its
+    transport), staging its transfers through pinned host memory on the rank's one GPU
+    (``stage_on_cuda``, by its CUDA ordinal)."""
+    out = []
+    for r in ranks:
+        slots = local_slots(step, r)
+        if len(slots) != 1:
+            raise ConfigError(f"baton.jit: rank {r} holds {len(slots)} GPUs in this process: "
+                              f"host staging runs ranks of one GPU")
+        c = _core.runtime.RankComm(r, float(timeout))
+        c.stage_on_cuda(int(slots[0][1].local_hardware_id))
+        out.append(c)
+    return out
+
+
+def agree_places(router, step, ranks) -> tuple[dict[tuple[int, int], tuple[str, int]], str]:
+    """Every process's ``gpu_places`` of its ``ranks`` and why NCCL is unavailable there,
+    exchanged (``router.allgather``: every process calls it): the places of every rank's
+    slots and the processes' NCCL errors ('' when every process has NCCL), the same in every
+    process. A process that could not tell its GPUs makes every process raise."""
+    try:
+        mine = {"places": [[r, j, h, g] for (r, j), (h, g) in gpu_places(step, ranks).items()],
+                "nccl": nccl_error()}
+    except Exception as e:  # noqa: BLE001  (every process raises, below)
+        mine = {"error": f"{type(e).__name__}: {e}"}
+    blobs = [json.loads(b) for b in router.allgather(json.dumps(mine))]
+    bad = [f"process {p}: {b['error']}" for p, b in enumerate(blobs) if "error" in b]
+    if bad:
+        raise ConfigError("baton.jit: telling the ranks' GPUs apart failed: " + "; ".join(bad))
+    places = {(r, j): (h, g) for b in blobs for r, j, h, g in b["places"]}
+    errs = [f"process {p}: {b['nccl']}" for p, b in enumerate(blobs) if b["nccl"]]
+    return places, "; ".join(errs)
+
+
 class ProgramEngine:
     """The compiled programs of one ``CompiledStep`` (built on first use, kept)."""
 
@@ -170,6 +289,7 @@ class ProgramEngine:
         self.rank_progs = None  # several processes: this process's ranks' RankPrograms
         self.warmup = None  # several processes: the code after the loop, compiling (warm.py)
         self._nccl_builds = 0
+        self.transfers = None  # on GPUs: "nccl" or "staged" (choose_transport), once chosen
 
     # -- one rank -----------------------------------------------------------------------
     def run_single(self, flat_args, opts) -> list[Any]:
@@ -204,6 +324,13 @@ class ProgramEngine:
             for r in range(R):
                 check(step, r)
             if step.transport == "nccl":
+                if self.transfers is None:
+                    self.transfers, why = choose_transport(gpu_places(step, range(R)),
+                                                           nccl_error())
+                    log_choice(why)
+            if self.transfers == "staged":
+                comms = staged_comms(step, list(range(R)), timeout)
+            elif step.transport == "nccl":
                 import tempfile
 
                 self._nccl_builds += 1
@@ -221,7 +348,7 @@ class ProgramEngine:
             self.local_units = units
             self._local_hub = None
         progs = self.local_progs
-        if self._local_hub is None and step.transport != "nccl":
+        if self._local_hub is None and not self._nccl():
             hub = _core.runtime.LocalHub(R)
             self._local_hub = [hub.transport(r) for r in range(R)]
             for p, t in zip(progs, self._local_hub):
@@ -229,6 +356,11 @@ class ProgramEngine:
         for p in progs:
             p.set_timeout(timeout)
         return progs
+
+    def _nccl(self) -> bool:
+        """The step's transfers run over NCCL contexts (not over CPU transports, staged or
+        not)."""
+        return self.step.transport == "nccl" and self.transfers != "staged"
 
     def join_warmup(self) -> None:
         """Waits for the code after the loop to finish compiling (the first call only)."""
@@ -279,7 +411,7 @@ class ProgramEngine:
         units = self.local_units
         final, errors = self._launch(units, vals, opts)
         if any(e is not None for e in errors):
-            if step.transport == "nccl":  # a failed NCCL context stays failed: built anew
+            if self._nccl():  # a failed NCCL context stays failed: built anew
                 for p in progs:
                     p.comm.close()
                 self.local_progs = None
@@ -325,11 +457,26 @@ class ProgramEngine:
         step = self.step
         ranks = step.mesh.ranks_of(group.rank)
         whys = {r: refusal(step, r) for r in ranks}
+        if step.transport == "nccl" and self.transfers is None:
+            # every process calls both and gets the same answer (the same places), so every
+            # process holds the same choice, or the same error
+            places, err = agree_places(router, step, ranks)
+            if places:  # (none: no GPU; refused by name above)
+                try:
+                    self.transfers, why = choose_transport(places, err)
+                    if group.rank == 0:
+                        log_choice(why)
+                except ConfigError as e:  # (raised below, in every process)
+                    whys[ranks[0]] = str(e).removeprefix("baton.jit: ")
         progs = []
         if not any(whys.values()):
             r = ranks[0]
             try:
-                if step.transport == "nccl":  # the loop over NCCL, the rest over the group
+                if self.transfers == "staged":  # a CPU transport per rank, staged on its GPU
+                    comms = staged_comms(step, ranks, timeout)
+                    for c, t in zip(comms, ts):
+                        c.attach(t)
+                elif step.transport == "nccl":  # the loop over NCCL, the rest over the group
                     self._nccl_builds += 1
                     comms = nccl_comms(step, ranks, rendezvous.make_store(
                         rendezvous.rank_info().store), timeout,
