@@ -212,9 +212,9 @@ def test_16384_gpu_search_takes_seconds():
 
 def test_offload_keeps_the_stashes_recompute_would_drop():
     """Llama 3 405B on 16,384 H100 (pp 32 x tp 8): without offload the best plan recomputes
-    some stages in full to fit in 76 GiB; with the H100's PCIe host link searched (the
-    default for a cluster file with one) every stage keeps its stash and offloads it, the
-    step is faster, and host memory holds what the device no longer does, within the
+    part of most stages to fit in 76 GiB; with the H100's PCIe host link searched (the
+    default for a cluster file with one) the stages keep their stashes and offload them,
+    the step is faster, and host memory holds what the device no longer does, within the
     preset's host bytes per GPU."""
     from baton.errors import ConfigError
     prof = scale.profile_model("llama3-405b")
@@ -222,8 +222,10 @@ def test_offload_keeps_the_stashes_recompute_would_drop():
     plain = scale.plan_cluster(prof, "h100", 16384, 2048, offload=False, **kw).plans[0]
     off = scale.plan_cluster(prof, "h100", 16384, 2048, **kw).plans[0]
     hw = scale.load_cluster("h100")
-    assert "full" in plain.remat and not plain.offload and plain.memory.host == 0
-    assert "stash" in off.offload and off.remat.count("full") < plain.remat.count("full")
+    recomputed = lambda p: sum(m != "keep" for m in p.remat)  # noqa: E731
+    assert recomputed(plain) > len(plain.remat) // 2
+    assert not plain.offload and plain.memory.host == 0
+    assert "stash" in off.offload and recomputed(off) < recomputed(plain) // 4
     assert off.step_time < plain.step_time and off.mfu > plain.mfu
     assert off.memory.total <= 76 * 2**30 and 0 < off.memory.host <= hw["host_bytes"]
     assert max(off.peak_host) <= hw["host_bytes"]

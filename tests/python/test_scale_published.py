@@ -86,11 +86,15 @@ def _kept_bytes(f, params, x):
 def test_remat_policies_keep_what_jax_keeps():
     _, f, params, x = _small_layer()
     seg = profile_segment("layer", f, params, x)
-    # keep: every residual jax.vjp keeps; min: those of jax.checkpoint(dots_saveable);
-    # full: the layer's input alone (a checkpointed layer keeps only its argument).
+    # keep: every residual jax.vjp keeps; min: those of jax.checkpoint under
+    # dots_with_no_batch_dims_saveable (the linear layers' outputs, not the attention
+    # scores); full: the layer's input alone (a checkpointed layer keeps only its argument).
     assert seg["stash_keep"] == _kept_bytes(f, params, x)
-    dots = jax.checkpoint(f, policy=jax.checkpoint_policies.dots_saveable)
+    dots = jax.checkpoint(f, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     assert seg["stash_min"] == _kept_bytes(dots, params, x)
+    # the scores' policy keeps more: the s x s matrices the selective policy recomputes
+    scores = jax.checkpoint(f, policy=jax.checkpoint_policies.dots_saveable)
+    assert _kept_bytes(scores, params, x) > seg["stash_min"]
     assert seg["stash_full"] == _kept_bytes(jax.checkpoint(f), params, x)
     assert seg["stash_full"] < seg["stash_min"] < seg["stash_keep"]
 

@@ -145,6 +145,9 @@ class Searcher {
   void clear_dfs_state(const Config& c);
   void set_partition(const Config& c, const std::vector<int>& cuts);
   void probe_min_memory(const Config& c);
+  // Simulates one remat vector the memory bound lets fit (a primal heuristic)
+  // before the descent; leaves choice_ and stc_ at the fastest options.
+  void greedy_leaf(Config& c);
   void remat_dfs(Config& c, size_t k);
   void remat_leaf(Config& c);
   // Simulates c.plan at the current stage costs stc_ (counted in st_.simulated).

@@ -181,7 +181,44 @@ void Searcher::leaf(Config& c) {
     if (!c.rank_stages[r].empty()) rank_end_[order_.size() - 1] = r;
   }
   feasible_.clear();
+  greedy_leaf(c);
   remat_dfs(c, 0);
+}
+
+void Searcher::greedy_leaf(Config& c) {
+  // A primal heuristic: one remat vector that the structural memory bound lets
+  // fit, simulated before the depth-first descent so that a search cut short
+  // by its node budget still holds a fitting plan, and so that (B5) and the
+  // incumbent prune from the start. A rank's bound reads only its own stages,
+  // so each rank is settled on its own: from the fastest options, advance the
+  // stage whose next option saves the most stash per second it adds, until the
+  // rank's bound fits. The search stays exact: the descent still visits every
+  // vector the bounds do not exclude.
+  for (int r = 0; r < c.P; ++r) {
+    while (rank_peak(r, rank_stash_lb(c, r)) > budget_) {
+      int best = -1;
+      double best_ratio = -1;
+      for (int s : c.rank_stages[r]) {
+        const int j = choice_[s];
+        if (j + 1 >= static_cast<int>(opts_[s].size())) continue;
+        const Option& a = opts_[s][j];
+        const Option& b = opts_[s][j + 1];
+        const double saved = static_cast<double>(a.stash - b.stash);
+        const double ratio = saved / std::max(b.added - a.added, 1e-12);
+        if (ratio > best_ratio) {
+          best_ratio = ratio;
+          best = s;
+        }
+      }
+      if (best < 0) break;  // every stage at its least stash: the descent decides
+      stc_[best] = opts_[best][++choice_[best]].cost;
+    }
+  }
+  remat_leaf(c);
+  for (int s = 0; s < c.S; ++s) {
+    choice_[s] = 0;
+    stc_[s] = opts_[s][0].cost;
+  }
 }
 
 void Searcher::remat_dfs(Config& c, size_t k) {

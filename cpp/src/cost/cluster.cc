@@ -147,8 +147,10 @@ InstanceCost instance_cost(const ProfileSegment& s, const Shard& sh, double mb,
   c.b = std::max(comp_b, gather + scatter) + tp_b + a2a;
   c.i = std::max(comp_i, gather) + tp_b + a2a;
   c.w = std::max(comp_w, scatter);
-  // "min" remat keeps the matmul outputs and recomputes the memory-bound work.
-  c.min_recompute = p.mem_f + p.launch_f + p.legacy_recompute;
+  // "min" remat keeps the outputs of the matmuls without batch dimensions (the linear
+  // layers) and recomputes the rest: the memory-bound work and the attention core, whose
+  // score matmuls carry batch dimensions (Megatron's selective recomputation).
+  c.min_recompute = p.mem_f + p.launch_f + p.attn_f + p.legacy_recompute;
   c.act_bytes = round_bytes(mb * s.act_bytes / sh.t);
   c.stash_bytes = round_bytes(mb * s.stash_keep / sh.t);
   c.min_stash_bytes = round_bytes(mb * s.stash_min / sh.t);

@@ -14,9 +14,10 @@ Counted from the traced jaxprs (one sample of ``seq`` tokens, bf16):
   weight gradient costs as much).
 - HBM bytes: operand and result bytes of every forward ``dot_general``.
 - Stash: ``keep`` = bytes of the residuals ``jax.vjp`` keeps (its outputs that are not
-  parameters); ``min`` = residuals under ``jax.checkpoint(policy=dots_saveable)``
-  (matmul outputs kept, elementwise work recomputed, counted as free); ``full`` = the
-  layer's input.
+  parameters); ``min`` = residuals under
+  ``jax.checkpoint(policy=dots_with_no_batch_dims_saveable)`` (the linear layers' outputs
+  kept; the elementwise work and the attention core, whose score matmuls have batch
+  dimensions, recomputed and costed by the cluster model); ``full`` = the layer's input.
 - Temporaries: the largest single forward value outside checkpoint regions.
 - Collectives implied by the sharding (documented formulas, not traced): Megatron TP has
   2 all-reduces of the s x h activation per transformer layer in the forward (attention

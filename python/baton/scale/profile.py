@@ -75,7 +75,7 @@ def profile_segment(name: str, f, params, x, *, repeat: int = 1, tp_collectives:
     else:
         keep = _residual_bytes(f, params, x, n_params)
         stash_min = _residual_bytes(
-            jax.checkpoint(f, policy=jax.checkpoint_policies.dots_saveable), params, x, n_params)
+            jax.checkpoint(f, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable), params, x, n_params)
     out_bytes = sum(A._nbytes(o) for o in jax.tree.leaves(out_avals))
     return {
         "name": name, "repeat": repeat,
