@@ -6,6 +6,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "baton/build.h"
 #include "baton/rank_program.h"
 #include "baton/roll.h"
 #include "baton/sim.h"
@@ -121,6 +122,47 @@ void init_rankir(nb::module_& m) {
         return baton::build_rank_ir(plan, options);
       },
       "plan"_a, "options"_a, "Rank programs of a plan with the given options.");
+  nb::class_<baton::StepBuild>(
+      m, "StepBuild",
+      "One step's plan built once (build_step): the lowered plan, the verifier's report "
+      "and the rank programs.")
+      .def_prop_ro("plan", [](const baton::StepBuild& b) { return b.plan(); })
+      .def_ro("report", &baton::StepBuild::report)
+      .def_ro("rank_ir", &baton::StepBuild::rank_ir);
+  m.def(
+      "build_step",
+      [](const baton::Schedule& schedule, const std::vector<baton::SkipEdge>& skips,
+         bool fuse_forward_backward, const std::vector<baton::Offload>& offload,
+         int32_t fetch_lookahead, const std::vector<int32_t>& pool_of) {
+        baton::StepOptions o;
+        o.fuse_forward_backward = fuse_forward_backward;
+        o.offload = offload;
+        o.fetch_lookahead = fetch_lookahead;
+        o.pool_of = pool_of;
+        return baton::build_step(schedule, skips, o);
+      },
+      "schedule"_a, "skips"_a = std::vector<baton::SkipEdge>{},
+      "fuse_forward_backward"_a = false, "offload"_a = std::vector<baton::Offload>{},
+      "fetch_lookahead"_a = 1, "pool_of"_a = std::vector<int32_t>{},
+      "One step's plan, each pass once: the schedule (F+B fused where adjacent when "
+      "fuse_forward_backward and the backward is not split) lowered with the skip edges, "
+      "verified (VerifyError with the report when it fails), and its rank programs built "
+      "with offload / fetch_lookahead / pool_of as in build_rank_ir.");
+  m.def("with_pools", &baton::with_pools, "ir"_a, "pool_of"_a,
+        "The rank programs with their slots given again with pool labels (the slot pass "
+        "only, then the rank-IR verifier; no lowering, no plan verification).");
+  m.def(
+      "build_counts",
+      []() {
+        const baton::BuildCounts c = baton::build_counts();
+        nb::dict d;
+        d["lower"] = c.lower;
+        d["verify"] = c.verify;
+        d["rank_ir"] = c.rank_ir;
+        d["with_pools"] = c.with_pools;
+        return d;
+      },
+      "Calls of lower, verify, the rank-IR builder and with_pools in this process so far.");
   m.def("verify_rank_ir", &baton::verify_rank_ir, "ir"_a);
   m.def("rank_op_name", [](baton::RankOp op) { return std::string(baton::rank_op_name(op)); });
   m.def(

@@ -97,11 +97,16 @@ def _build_schedule(schedule: Any, ranks: int | None, microbatches: int | None) 
 class Plan:
     """A lowered schedule: per-rank programs, verification, simulation, pictures."""
 
-    def __init__(self, core: _core.Plan):
+    def __init__(self, core: _core.Plan, report: _core.VerifyReport | None = None,
+                 rank_ir: _core.RankIR | None = None):
+        """``report`` / ``rank_ir``: what a step build (``_core.build_step``) made of this plan
+        already, its verifier's report and its rank programs without offloads; kept, so
+        ``verify`` and ``rank_ir`` do not verify or build again."""
         if not isinstance(core, _core.Plan):
             raise ConfigError(f"Plan wraps a baton._core.Plan (got {type(core).__name__})")
         self._core = core
-        self._rank_ir: _core.RankIR | None = None
+        self._report = report
+        self._rank_ir = rank_ir
 
     @classmethod
     def from_schedule(cls, schedule: _core.Schedule) -> Plan:
@@ -170,7 +175,9 @@ class Plan:
     # -- checks ------------------------------------------------------------------------
     def verify(self, raise_on_error: bool = True) -> _core.VerifyReport:
         """Runs every verifier check; raises ``VerifyError`` on a violation unless told not to."""
-        report = _core.verify(self._core)
+        if self._report is None:
+            self._report = _core.verify(self._core)
+        report = self._report
         if raise_on_error and not report.ok:
             raise VerifyError(report.to_string())
         return report
@@ -197,7 +204,7 @@ class Plan:
     def _drawn(self, costs: Any) -> _core.SimResult:
         """What the pictures show: the rank programs simulated, or, for a plan that fails
         verification (it has none), the plan simulated."""
-        if _core.verify(self._core).ok:
+        if self.verify(raise_on_error=False).ok:
             return self.simulate_rank_ir(costs)
         return self.simulate(costs)
 
@@ -231,7 +238,7 @@ class Plan:
         to simulate (a step's own, with its offloads; default: this plan's). A plan that
         fails verification has no rank programs (nothing runs it): its table comes from the
         plan simulator, when that completes."""
-        report = _core.verify(self._core)
+        report = self.verify(raise_on_error=False)
         try:
             if rank_ir is not None and report.ok:
                 result = _core.simulate_rank_ir(rank_ir, as_cost_model(costs))

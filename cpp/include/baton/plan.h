@@ -40,6 +40,7 @@
 // frees it. The group after action k holds k's SENDs and action k+1's RECVs,
 // so k's sent buffers are freed just before RUN k+1 (or at the program end).
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -180,6 +181,13 @@ struct Plan {
 // Lowers and returns the plan. Calls schedule.validate() first; `skips` must
 // be sorted, distinct, with 0 <= from, from + 1 < to < stages and at most
 // kMaxSkipEdges of them (ScheduleError naming the edge otherwise).
+// Calls of lower(), verify() and the rank-IR builder in this process (read
+// through build.h's build_counts(): one step build calls each once).
+struct BuildCounters {
+  std::atomic<uint64_t> lower{0}, verify{0}, rank_ir{0}, with_pools{0};
+};
+BuildCounters& build_counters();
+
 Plan lower(const Schedule& s, const std::vector<SkipEdge>& skips = {});
 
 }  // namespace baton

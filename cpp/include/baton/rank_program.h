@@ -203,6 +203,9 @@ struct RankIROptions {
 // then verify the result. Throws ConfigError naming the field for invalid
 // options.
 RankIR build_rank_ir(const Plan& plan, const RankIROptions& opts = {});
+// The same passes for a plan the caller has verified already (build.h's
+// build_step): no second verification of the plan.
+RankIR build_rank_ir_of_verified(const Plan& plan, const RankIROptions& opts = {});
 
 // Passes.
 RankProgram lower_rank_program(const Plan& plan, int rank);  // build.cc (slots unset)

@@ -93,6 +93,7 @@ void check_skips(const Schedule& s, const std::vector<SkipEdge>& skips) {
 }  // namespace
 
 Plan lower(const Schedule& s, const std::vector<SkipEdge>& skips) {
+  build_counters().lower.fetch_add(1, std::memory_order_relaxed);
   s.validate();
   check_skips(s, skips);
   Plan plan;

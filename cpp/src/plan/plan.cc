@@ -9,6 +9,11 @@
 
 namespace baton {
 
+BuildCounters& build_counters() {
+  static BuildCounters counters;
+  return counters;
+}
+
 const char* buf_kind_name(BufKind k) {
   switch (k) {
     case BufKind::Act:

@@ -109,6 +109,7 @@ std::string VerifyReport::to_string() const {
 }
 
 VerifyReport verify(const Plan& plan) {
+  build_counters().verify.fetch_add(1, std::memory_order_relaxed);
   VerifyReport rep;
   {
     verify_detail::Verifier v(plan, rep);

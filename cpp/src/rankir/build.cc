@@ -213,6 +213,11 @@ RankProgram lower_rank_program(const Plan& plan, int rank) {
 
 RankIR build_rank_ir(const Plan& plan, const RankIROptions& opts) {
   verify_or_throw(plan);
+  return build_rank_ir_of_verified(plan, opts);
+}
+
+RankIR build_rank_ir_of_verified(const Plan& plan, const RankIROptions& opts) {
+  build_counters().rank_ir.fetch_add(1, std::memory_order_relaxed);
   const int32_t rows = plan.num_buffer_ids() / std::max(1, plan.schedule.num_microbatches);
   if (!opts.pool_of.empty() && static_cast<int32_t>(opts.pool_of.size()) != rows)
     throw ConfigError(

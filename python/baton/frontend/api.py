@@ -8,12 +8,11 @@ from typing import Any, Callable
 
 import jax
 
-from .. import _core
 from .. import runtime as rt
 from .. import schedules as S
 from ..auto_schedule import Auto
 from ..errors import ConfigError, TraceError
-from ..planning import Plan, plan as make_plan
+from ..planning import _build_schedule as build_schedule
 from .distributed import Remote, Router, agree_ranks_per_process, agree_spanning_mesh, gather
 from .distributed import launched_world_size
 from .distributed import local_devices, process_group, process_mesh, ranks_per_process
@@ -280,22 +279,20 @@ class PipelinedFunction(StepInspection):
                 f"stage_boundary calls) but schedule {type(self.spec).__name__} on {ranks} ranks"
                 f"{self._ranks_note()} needs {want} stages ({want - 1} boundaries)"
                 + stages_hint(traced.num_stages, ranks, want))
-        plan = make_plan(self.spec, ranks, self.microbatches)
-        if self.fuse_fb and not plan.core.schedule.split_backward():
-            fused = _core.fuse_forward_backward(plan.core.schedule)
-            if fused != plan.core.schedule:
-                plan = Plan(_core.lower(fused))
-        sched = plan.core.schedule if hasattr(plan, "core") else plan.schedule
+        # the schedule only: the step lowers, verifies and builds its rank programs once
+        # (CompiledStep: _core.build_step, with the step's skip edges and F+B fusion)
+        sched = build_schedule(self.spec, ranks, self.microbatches)
         if sched.num_ranks != ranks or sched.num_microbatches != self.microbatches:
             raise ConfigError(
                 f"the schedule has {sched.num_ranks} ranks and {sched.num_microbatches} "
                 f"microbatches but the mesh has {ranks} ranks and baton.jit was given "
                 f"microbatches={self.microbatches}"
             )
-        plan.verify()  # raises baton.VerifyError with the report
         if self.retain_host_memory:
             rt.retain_host_memory()
-        return CompiledStep(traced, plan, self.mesh, bool(sched.split_backward()),
+        # (raises baton.VerifyError with the verifier's report when the plan fails)
+        return CompiledStep(traced, sched, self.mesh, bool(sched.split_backward()),
+                            fuse_forward_backward=self.fuse_fb,
                             remat=self.remat, single_program=self.single_program,
                             share_programs=self.share_programs,
                             offload=stage_offloads(self.offload, sched.num_stages),

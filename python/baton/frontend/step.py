@@ -70,29 +70,42 @@ def _movable(x, sh):
 
 
 class CompiledStep:
-    def __init__(self, traced: Traced, plan: Any, mesh: PipelineMesh, split_backward: bool,
-                 remat: bool = True, single_program: bool = True, transport: str = "local",
-                 in_specs: list | None = None, donated: frozenset = frozenset(),
-                 share_programs: bool = True, offload: list | None = None):
+    def __init__(self, traced: Traced, schedule: Any, mesh: PipelineMesh,
+                 split_backward: bool, remat: bool = True, single_program: bool = True,
+                 transport: str = "local", in_specs: list | None = None,
+                 donated: frozenset = frozenset(), share_programs: bool = True,
+                 offload: list | None = None, fuse_forward_backward: bool = False):
+        """``schedule``: the step's ``_core.Schedule``. Its plan is built here, once: the
+        partition's skip edges known, ``_core.build_step`` fuses F+B (when asked), lowers,
+        verifies (``VerifyError`` with the report) and builds the rank programs."""
         self.traced = traced
         self.runs = 0  # calls completed (the first one builds the programs: gc_hold.py)
         # step inputs the caller gives up (baton.jit(donate_argnums=...)): the optimizer
         # update after the loop writes the new values into their buffers
         self.donated = frozenset(donated)
         self.mesh = mesh
+        # The partition comes first: its skip edges (values between stages that are not
+        # neighbours) are part of the plan. It needs only whether the backward is split,
+        # which F+B fusion does not change.
         self.partition = G.partition(traced.program, split_backward, remat)
-        core = plan.core if hasattr(plan, "core") else plan
-        skips = list(self.partition.skips)
-        if skips:  # values between stages that are not neighbours: the plan's skip edges
-            plan = Plan(_core.lower(core.schedule, skips))
-            plan.verify()
-            core = plan.core
-        self.plan = plan  # baton.Plan (python wrapper)
+        self.num_stages = schedule.num_stages
+        self.num_ranks = schedule.num_ranks
+        self.M = schedule.num_microbatches
+        self.single_program = bool(single_program)
+        # per stage, what it offloads to host memory (_core.Offload; empty: nothing)
+        self.offload = list(offload or [])
+        check_lowered(self)  # (an offload the programs do not lower: refused by name first)
+        # lower -> verify -> rank IR, each once (docs/ARCHITECTURE.md, "The plan")
+        self.step_build = _core.build_step(schedule, list(self.partition.skips),
+                                      fuse_forward_backward=bool(fuse_forward_backward),
+                                      offload=self.offload)
+        core = self.step_build.plan
+        self._rank_ir = self.step_build.rank_ir
+        # baton.Plan (python wrapper) asking the build's report and, without offloads, its
+        # rank programs
+        self.plan = Plan(core, self.step_build.report, None if self.offload else self._rank_ir)
         self.core_plan = core
         sched = core.schedule
-        self.num_stages = sched.num_stages
-        self.num_ranks = sched.num_ranks
-        self.M = sched.num_microbatches
         self.stage_rank = list(sched.stage_rank)
         # A readable, immutable copy of the per-rank programs the executor runs: (opcode as
         # _core.OpCode, action, buffer, peer) per instruction.
@@ -132,10 +145,6 @@ class CompiledStep:
         self.memory_model = None  # the last memory.Memory of this step (summary())
         self.last_events: list | None = None
         self.last_offsets: list | None = None
-        self.single_program = bool(single_program)
-        # per stage, what it offloads to host memory (_core.Offload; empty: nothing)
-        self.offload = list(offload or [])
-        check_lowered(self)
         # the loop's transport: "local" (one process), "gloo" (CPU processes), "nccl" (GPUs)
         self.transport = transport
         self.engine = ProgramEngine(self)
@@ -147,10 +156,12 @@ class CompiledStep:
         """The rank programs of this step's plan (``_core.RankIR``, built and verified in
         C++; docs/RANK_IR.md); ``pool_of``: a pool label per plan row (rows of one label
         share slots; ``rings.ring_layout``)."""
-        key = tuple(pool_of or ())
-        irs = self.__dict__.setdefault("_rank_irs", {})
-        if key not in irs:
-            irs[key] = _core.build_rank_ir(self.core_plan, list(key), self.offload)
+        if not pool_of:  # the step's own, built with its plan (_core.build_step)
+            return self._rank_ir
+        key = tuple(pool_of)
+        irs = self.__dict__.setdefault("_pooled_irs", {})
+        if key not in irs:  # the slot pass again on those programs, with the pools
+            irs[key] = _core.with_pools(self._rank_ir, list(key))
         return irs[key]
 
     def rank_programs(self) -> list:
