@@ -153,14 +153,6 @@ def rank_program_hlo(ranks: int) -> list[str]:
 
 # ------------------------------------------------------------------------------- rows
 
-def not_written(what: str) -> Callable[[Context], Result]:
-    def run(ctx: Context) -> Result:
-        if ctx.dry:
-            return Result("INFO", f"dry run: reached; on a GPU this row FAILs: {what}")
-        return Result("FAIL", f"did not run: {what}")
-    return run
-
-
 def row_environment(ctx: Context) -> Result:
     facts = environment_facts()
     detail = "; ".join(f"{k} {v}" for k, v in facts.items())
@@ -253,8 +245,108 @@ def row_gpt_one_rank(ctx: Context) -> Result:
     return Result("FAIL", f"rc={p.returncode} {' '.join((p.stdout + p.stderr).splitlines()[-3:])}")
 
 
-HOST_STAGED = ("the host-staged transport for ranks sharing one GPU is not written yet, so two "
-               "processes cannot share the GPU")
+def row_fault(key: str) -> Callable[[Context], Result]:
+    """A check of bench/gpu_check_faults.py, in a process of its own (a check that hangs is
+    reported as such); the dry run asks the script for its checks (``--list``)."""
+    script = ROOT / "bench" / "gpu_check_faults.py"
+
+    def run(ctx: Context) -> Result:
+        if ctx.dry:
+            p = subprocess.run([sys.executable, str(script), "--list"], capture_output=True,
+                               text=True, timeout=60)
+            names = dict(ln.split("|", 1) for ln in p.stdout.splitlines() if "|" in ln)
+            if p.returncode != 0 or key not in names:
+                return Result("FAIL", f"dry run: gpu_check_faults.py has no check {key!r} "
+                              f"(rc={p.returncode}): {' '.join(p.stderr.splitlines()[-2:])}")
+            return Result("INFO", f"dry run: reached; on a GPU: gpu_check_faults.py {key} "
+                          f"('{names[key]}')")
+        env = dict(os.environ)
+        if key == "mem95":
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = ".95"
+        limit = 120
+        try:
+            p = subprocess.run([sys.executable, str(script), key], capture_output=True,
+                               text=True, timeout=limit, env=env)
+        except subprocess.TimeoutExpired:
+            return Result("FAIL", f"hung: gpu_check_faults.py {key} gave no answer within "
+                          f"{limit} s")
+        for line in p.stdout.splitlines():
+            if line.startswith("ROW "):
+                _, status, detail = line[4:].split("|", 2)
+                return Result(status, detail)
+        return Result("FAIL", f"did not run: rc={p.returncode} "
+                      f"{' '.join((p.stdout + p.stderr).splitlines()[-3:])}")
+    return run
+
+
+SHARED = ("1f1b", "zbh1", "interleaved")  # gpu_check_shared.py's schedules, one row each
+STAGED_LINE = "staged through pinned host memory"  # the engine's line when it stages
+_SHARED: dict = {}
+
+
+def _shared_run(dry: bool) -> dict:
+    """Runs bench/gpu_check_shared.py once as two processes of ``baton.launch`` sharing one
+    GPU (on CPU in the dry run: one CPU device each, over Gloo); its results by schedule,
+    and its output under "log"."""
+    if _SHARED:
+        return _SHARED
+    import json
+    import tempfile
+
+    out = tempfile.mkdtemp(prefix="baton-gpu-check-shared-")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT / "examples")] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env.pop("BATON_QUIET", None)  # (the engine's line saying why it stages is checked)
+    if dry:
+        env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
+    else:  # both processes on the first visible GPU (the launcher pins r mod 1)
+        from baton.launch import visible_gpus
+        gpus = visible_gpus()
+        env["CUDA_VISIBLE_DEVICES"] = gpus[0] if gpus else "0"
+    cmd = [sys.executable, "-m", "baton.launch", "--nprocs", "2", "--grace", "20", "--timeout",
+           "270", str(ROOT / "bench" / "gpu_check_shared.py"), out, ",".join(SHARED)]
+    t = time.monotonic()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+        log, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:  # (its output is bytes, whatever text= says)
+        log = b"".join(x or b"" for x in (e.stdout, e.stderr)).decode(errors="replace")
+        log, rc = log + "\nhung: no answer within 300 s", 124
+    _SHARED["log"], _SHARED["rc"] = log, rc
+    _SHARED["seconds"] = time.monotonic() - t
+    for name in SHARED:
+        path = Path(out) / f"{name}.json"
+        if path.exists():
+            _SHARED[name] = json.loads(path.read_text())
+    return _SHARED
+
+
+def row_shared(name: str) -> Callable[[Context], Result]:
+    """Two processes on one GPU training a small GPT with schedule ``name`` over host
+    staging, against jax.jit (bench/gpu_check_shared.py). The dry run runs the same
+    processes on CPU (over Gloo, nothing staged)."""
+    def run(ctx: Context) -> Result:
+        got = _shared_run(ctx.dry)
+        res = got.get(name)
+        if res is None:
+            return Result("FAIL", f"did not run: rc={got['rc']} after {got['seconds']:.0f} s: "
+                          f"{' '.join(got['log'].splitlines()[-4:])}")
+        detail = (f"{res['platform']}: transfers {res['transfers']}, pinned "
+                  f"{res['staging_bytes'] / 2**20:.1f} MiB; equal to jax.jit (rtol 1e-5, atol "
+                  f"1e-4) {res['equal']}, largest difference {res['worst_abs']:.1e} over "
+                  f"{res['arrays']} arrays{''.join('; ' + m for m in res['mismatches'])}"
+                  f"; {res['ms_baton']:.1f} ms/step against jax.jit's {res['ms_jit']:.1f}; GPT "
+                  f"dim {res['dim']} seq {res['seq']} layers {res['layers']}, {res['stages']} "
+                  f"stages, {res['microbatches']} microbatches")
+        if ctx.dry:
+            return Result("INFO" if res["equal"] else "FAIL", "dry run (CPU, Gloo, no GPU to "
+                          "share): " + detail)
+        said = STAGED_LINE in got["log"]
+        ok = res["equal"] and res["transfers"] == "staged" and said
+        return Result("PASS" if ok else "FAIL",
+                      detail + f"; the line saying why it stages printed: {said}")
+    return run
+
 
 ROWS: list[Row] = [
     Row("environment", False, row_environment),
@@ -264,19 +356,17 @@ ROWS: list[Row] = [
     Row("nccl one-rank communicator (NcclRankComm self link)", True,
         row_single("self link (FFI, fori_loop)")),
     Row("failure: peer never arrives", True, row_single("peer never arrives")),
-    Row("failure: wait before its send", True, not_written("the row is not written yet")),
-    Row("failure: abort from another thread mid-run", True,
-        not_written("the row is not written yet")),
-    Row("failure: close with transfers pending", True, not_written("the row is not written yet")),
+    Row("failure: wait before its send", True, row_fault("wait")),
+    Row("failure: abort from another thread mid-run", True, row_fault("abort")),
+    Row("failure: close with transfers pending", True, row_fault("close")),
     Row("one libnccl mapped", True, row_single("one libnccl mapped")),
     Row("implicit sync probe", True, row_single("implicit sync probe")),
     Row("switch vs straight", True, row_single("switch vs straight")),
     Row("memory: staging reservation", True, row_reservation),
-    Row("memory: XLA_PYTHON_CLIENT_MEM_FRACTION=.95", True,
-        not_written("the row is not written yet")),
-    Row("two processes on one GPU: 1F1B", True, not_written(HOST_STAGED)),
-    Row("two processes on one GPU: ZB-H1", True, not_written(HOST_STAGED)),
-    Row("two processes on one GPU: interleaved", True, not_written(HOST_STAGED)),
+    Row("memory: XLA_PYTHON_CLIENT_MEM_FRACTION=.95", True, row_fault("mem95")),
+    Row("two processes on one GPU: 1F1B", True, row_shared("1f1b")),
+    Row("two processes on one GPU: ZB-H1", True, row_shared("zbh1")),
+    Row("two processes on one GPU: interleaved", True, row_shared("interleaved")),
     Row("one-rank GPT vs jax.jit", True, row_gpt_one_rank),
 ]
 

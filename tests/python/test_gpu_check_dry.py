@@ -1,7 +1,9 @@
 """The first-contact GPU check's plumbing on CPU (bench/gpu_check.py): its HLO host-sync
 finder on programs XLA compiled here, and both modes run as processes: the dry run reaches
-every row in order, in the ROW format, and exits 0; the real mode on a machine without a GPU
-fails every GPU row by name and exits 1. The last line lists what the check cannot test."""
+every row in order, in the ROW format, and exits 0 (the rows of two processes sharing a GPU
+run their processes on CPU over Gloo and compare with jax.jit; the failure rows find their
+checks in gpu_check_faults.py); the real mode on a machine without a GPU fails every GPU row
+by name and exits 1. The last line lists what the check cannot test."""
 
 import os
 import re
@@ -35,7 +37,7 @@ def test_host_syncs_finds_conditionals_and_unknown_trip_counts():
 def _run(*args):
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2", BATON_QUIET="1")
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), *args],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+                       capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     rows = [ROW.match(ln) for ln in p.stdout.splitlines() if ln.startswith("ROW ")]
     assert all(rows), p.stdout  # every ROW line in the format
     return p, rows
@@ -48,7 +50,24 @@ def test_dry_run_reaches_every_row_and_exits_0():
     assert all(m["status"] == "INFO" for m in rows), p.stdout
     scan = rows[[r.name for r in gpu_check.ROWS].index("scan loop: no host syncs in the HLO")]
     assert "no conditional" in scan["detail"], scan["detail"]
+    by_name = {m["name"]: m["detail"] for m in rows}
+    for sched in ("1F1B", "ZB-H1", "interleaved"):  # two launched processes, on CPU here
+        d = by_name[f"two processes on one GPU: {sched}"]
+        assert d.startswith("dry run (CPU, Gloo") and "equal to jax.jit" in d, d
+        assert "(rtol 1e-5, atol 1e-4) True" in d, d
+    for name, key in (("failure: wait before its send", "wait"),
+                      ("failure: abort from another thread mid-run", "abort"),
+                      ("failure: close with transfers pending", "close"),
+                      ("memory: XLA_PYTHON_CLIENT_MEM_FRACTION=.95", "mem95")):
+        assert f"gpu_check_faults.py {key} ('{name}')" in by_name[name], by_name[name]
     assert p.stdout.splitlines()[-1].startswith("UNTESTED: two GPUs and more"), p.stdout
+
+
+def test_a_fault_row_without_its_check_fails():
+    ctx = gpu_check.Context(dry=True, gpu=False)
+    assert gpu_check.row_fault("close")(ctx).status == "INFO"
+    res = gpu_check.row_fault("no-such-check")(ctx)
+    assert res.status == "FAIL" and "no check 'no-such-check'" in res.detail, res
 
 
 def test_without_a_gpu_every_gpu_row_fails_and_the_exit_is_1():
