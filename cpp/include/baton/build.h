@@ -35,7 +35,7 @@ struct StepBuild {
 // VerifyError with the report's text when the plan fails verification,
 // ScheduleError for an invalid schedule or skip edge, ConfigError for invalid
 // options. Calls lower, verify and the rank-IR passes once each.
-StepBuild build_step(const Schedule& schedule, const std::vector<SkipEdge>& skips,
+StepBuild build_step(const Schedule& schedule, const std::vector<SkipEdge>& skips = {},
                      const StepOptions& options = {});
 
 // `ir` with its slots given again with pool labels `pool_of` (RankIROptions::
