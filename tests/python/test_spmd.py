@@ -182,7 +182,8 @@ def test_one_process_compiled_engine_refuses_multi_device_ranks_by_name():
 def test_boundary_values_cross_shard_to_shard():
     """In a rank program of several devices, each transfer is a per-device call
     (``shard_map``) on the device's shard: the custom call sees local shapes, and nothing
-    gathers the activation first."""
+    gathers the activation first. An activation replicated over the tensor axis is split
+    over it too (each device sends its part, not all of it)."""
     from baton.frontend.rank_program import RankProgram
 
     pm = baton.PipelineMesh(named_mesh(2, data=2, tensor=2))
@@ -198,9 +199,25 @@ def test_boundary_values_cross_shard_to_shard():
         assert comm.shards == [d.id for d in pm.meshes[r].devices.flat]
         text = prog.lowered_text()
         calls = [ln for ln in text.splitlines() if "@baton_comm" in ln]
-        # microbatch 4 x seq 16 x dim 32, split over data=2: each device moves 2 x 16 x 32
+        # microbatch 4 x seq 16 x dim 32, split over data=2 and, where the batch axes leave
+        # it replicated, over tensor=2 as well (its block of 2 divides): each device moves
+        # 1 x 16 x 32, a quarter of it
         joined = "\n".join(calls)
-        assert "2x16x32xf32" in joined and "4x16x32xf32" not in joined, joined[:2000]
+        assert "1x16x32xf32" in joined, joined[:2000]
+        assert "4x16x32xf32" not in joined and "2x16x32xf32" not in joined, joined[:2000]
+
+
+def test_wire_spec_splits_what_the_batch_axes_leave_replicated():
+    from baton.frontend.rank_transfers import wire_spec
+
+    axes = {"data": 2, "tensor": 2}
+    assert wire_spec(P("data"), axes, (4, 16, 32)) == P(("data", "tensor"))  # 4 / 2 divides
+    assert wire_spec(P("data"), axes, (2, 16, 32)) == P("data", "tensor")
+    assert wire_spec(P("data"), axes, (2, 3, 32)) == P("data", None, "tensor")
+    assert wire_spec(P("data"), axes, (2, 3)) == P("data")  # nothing divides: as it was
+    assert wire_spec(P(), axes, (3, 4)) == P(None, ("data", "tensor"))  # (3: no batch split)
+    assert wire_spec(P(), axes, ()) == P()
+    assert wire_spec(P("data"), {"data": 2, "tensor": 1}, (4, 16)) == P("data")
 
 
 @pytest.mark.parametrize("schedule", four("zbh1"))

@@ -39,6 +39,33 @@ def _nbytes(aval) -> int:
     return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
+def wire_spec(spec: PartitionSpec, axes: dict, shape) -> PartitionSpec:
+    """``spec`` (how an array of ``shape`` is split over the batch axes) further split over
+    the axes of ``axes`` (name -> size, the rank's sub-mesh) that it leaves out, together,
+    along the first dimension whose block they divide; ``spec`` itself when none does. An
+    array replicated over an axis would otherwise be sent whole by every device along it
+    (the traffic times the axis' size)."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+
+    def names(e):
+        return () if e is None else (e if isinstance(e, tuple) else (e,))
+
+    used = {n for e in entries for n in names(e)}
+    free = tuple(n for n, size in axes.items() if n not in used and size > 1)
+    if not free:
+        return spec
+    ways = int(np.prod([axes[n] for n in free], dtype=np.int64))
+    for d, dim in enumerate(shape):
+        split = int(np.prod([axes[n] for n in names(entries[d])], dtype=np.int64))
+        if dim % split == 0 and (dim // split) % ways == 0:
+            both = names(entries[d]) + free
+            entries[d] = both[0] if len(both) == 1 else both
+            while entries and entries[-1] is None:
+                entries.pop()
+            return PartitionSpec(*entries)
+    return spec
+
+
 class RankTransfers:
     """The FFI calls of one rank's program: ``comm`` (the rank's
     ``baton._core.runtime.RankComm``) on the rank's sub-mesh ``sub``."""
@@ -83,10 +110,14 @@ class RankTransfers:
         return [jc.wire_aval(a) for a in self.cs.buffers.layout(k, s)]
 
     def specs(self, k, s) -> list[PartitionSpec]:
-        """How a (k, s) buffer's arrays are laid out on a rank's devices when they cross:
-        split over the batch axes along their leading (batch) dimension where it divides,
-        else replicated; the same on both ranks, so device i sends to device i."""
-        return [self.cs.mesh.batch_spec(a.shape) for a in self.layout(k, s)]
+        """How a (k, s) buffer's arrays are laid out on a rank's devices when they cross
+        (``wire_spec``): split over the batch axes along their leading (batch) dimension
+        where it divides, and over the rank's other axes (tensor, ...) along the first
+        dimension they divide, so that no two devices send the same bytes; the same on both
+        ranks, so device i sends to device i, and XLA gathers what the receiving rank's
+        tasks need replicated over its own devices."""
+        return [wire_spec(self.cs.mesh.batch_spec(a.shape), dict(self.sub.shape), a.shape)
+                for a in self.layout(k, s)]
 
     def local(self, k, s) -> list:
         """The per-device (shard) avals of a (k, s) buffer."""
