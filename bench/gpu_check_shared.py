@@ -81,10 +81,15 @@ def run(name: str, rank: int, out: str) -> None:
         a.shape == b.shape and np.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in zip(got, want))
     worst = max((float(np.max(np.abs(a - b), initial=0.0))
                  for a, b in zip(got, want) if a.shape == b.shape), default=float("inf"))
-    off = [f"#{j} {a.shape}: max |diff| {np.max(np.abs(a - b)):.1e}, max |jit| "
-           f"{np.max(np.abs(b), initial=0.0):.1e}" for j, (a, b) in enumerate(zip(got, want))
+    off = [(f"#{j} {a.shape}: max |diff| {np.max(np.abs(a - b)):.1e}, max |jit| "
+            f"{np.max(np.abs(b), initial=0.0):.1e}") if a.shape == b.shape
+           else f"#{j}: shape {a.shape}, jax.jit's {b.shape}"
+           for j, (a, b) in enumerate(zip(got, want))
            if a.shape != b.shape or not np.allclose(a, b, rtol=RTOL, atol=ATOL)][:3]
-    res = dict(schedule=name, mismatches=off, platform=jax.default_backend(), transfers=eng.transfers,
+    if len(got) != len(want):
+        off.insert(0, f"{len(got)} arrays, jax.jit's {len(want)}")
+    res = dict(schedule=name, mismatches=off, platform=jax.default_backend(),
+               transfers=eng.transfers,
                staging_bytes=int(getattr(comm, "staging_bytes", 0) or 0), equal=bool(equal),
                worst_abs=worst, arrays=len(got), losses=losses,
                ms_baton=statistics.median(times[1:]) * 1e3,
