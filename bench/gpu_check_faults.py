@@ -91,6 +91,15 @@ def usable(rt, ffi, tag: str) -> str:
     return ""
 
 
+def failure_of(c) -> str:
+    """The context's recorded failure ('' when none), or what asking for it raised."""
+    try:
+        f = c.failure()
+        return "" if f is None else str(f)
+    except Exception as e:  # noqa: BLE001  (reported)
+        return f"(failure() raised {type(e).__name__}: {e})"
+
+
 def ended(run) -> tuple[float, str]:
     """Seconds ``run`` took, and the exception it raised ('' when none)."""
     t = time.perf_counter()
@@ -119,13 +128,13 @@ def check_wait(rt, ffi) -> None:
         return y, ffi.drain(c.id, tok)
 
     dt, err = ended(lambda: jax.block_until_ready(deadlock(jnp.ones((n,), jnp.float32))))
-    fail = c.failure()
+    fail = failure_of(c)
     dc, _ = ended(c.close)
     bad = usable(rt, ffi, "wait")
     ok = bool(err or fail) and dt < TIMEOUT + 20 and not bad
     row(name, "PASS" if ok else "FAIL",
         f"ended after {dt:.1f} s (timeout {TIMEOUT:g} s), close {dc:.1f} s; raised: "
-        f"{err[:160] or 'nothing'}; failure: {str(fail)[:160]}; GPU usable after: "
+        f"{err[:160] or 'nothing'}; failure: {fail[:160] or 'none'}; GPU usable after: "
         f"{bad or 'yes'}")
 
 
@@ -165,14 +174,14 @@ def check_abort(rt, ffi) -> None:
     th.join(30)
     ran = time.perf_counter() - started
     mid_run = aborted - started < 0.9 * per_unit * k  # (the loop had not finished by itself)
-    fail = c.failure()
+    fail = failure_of(c)
     dc, _ = ended(c.close)
     bad = usable(rt, ffi, "abort")
     ok = bool(err or fail) and mid_run and dt < 15 and not th.is_alive() and not bad
     row(name, "PASS" if ok else "FAIL",
         f"{k} units ({per_unit * 1e6:.1f} us each) aborted after 0.5 s; the run ended "
         f"{dt:.1f} s after the abort ({ran:.1f} s in all, mid-run {mid_run}), close "
-        f"{dc:.1f} s; raised: {err[:160] or 'nothing'}; failure: {str(fail)[:160]}; GPU "
+        f"{dc:.1f} s; raised: {err[:160] or 'nothing'}; failure: {fail[:160] or 'none'}; GPU "
         f"usable after: {bad or 'yes'}")
 
 
@@ -192,13 +201,13 @@ def check_close(rt, ffi) -> None:
 
     dr, err = ended(lambda: jax.block_until_ready(posted(jnp.ones((n,), jnp.float32))))
     dc, cerr = ended(c.close)
-    fail = c.failure()
+    fail = failure_of(c)
     bad = usable(rt, ffi, "close")
     ok = dc < TIMEOUT + 15 and not bad
     row(name, "PASS" if ok else "FAIL",
         f"the program returned after {dr:.1f} s ({err[:120] or 'no error'}); close returned "
         f"after {dc:.1f} s (timeout {TIMEOUT:g} s){': ' + cerr[:120] if cerr else ''}; "
-        f"failure: {str(fail)[:160]}; GPU usable after: {bad or 'yes'}")
+        f"failure: {fail[:160] or 'none'}; GPU usable after: {bad or 'yes'}")
 
 
 def check_mem95(rt, ffi) -> None:
