@@ -69,8 +69,10 @@ class RingLayout:
 
 
 def ring_layout(cs, rank: int, pool_of: dict | None = None) -> RingLayout:
-    """Rank ``rank``'s rings: the rank program built with ``pool_of`` (``(kind, stage)`` -> a
-    pool label; kinds of one label share slots; without it, one pool per kind)."""
+    """Rank ``rank``'s rings: the step's rank program (built once with its plan,
+    ``_core.build_step``) with its slots given again by ``pool_of`` (``(kind, stage)`` -> a
+    pool label; kinds of one label share slots; ``_core.with_pools``: the slot pass alone);
+    without it, the step's own slots (one pool per kind)."""
     M = cs.M
     bufs = cs.buffers
     labels = None
