@@ -26,7 +26,7 @@ struct StepOptions {
 };
 
 struct StepBuild {
-  VerifyReport report;  // the verifier's report on the plan (ok: nothing else is built)
+  VerifyReport report;  // the verifier's report on the plan (ok; else build_step throws)
   RankIR rank_ir;       // its rank programs; rank_ir.plan is the lowered plan
   const Plan& plan() const { return rank_ir.plan; }
 };

@@ -178,9 +178,6 @@ struct Plan {
   std::string fingerprint() const;
 };
 
-// Lowers and returns the plan. Calls schedule.validate() first; `skips` must
-// be sorted, distinct, with 0 <= from, from + 1 < to < stages and at most
-// kMaxSkipEdges of them (ScheduleError naming the edge otherwise).
 // Calls of lower(), verify() and the rank-IR builder in this process (read
 // through build.h's build_counts(): one step build calls each once).
 struct BuildCounters {
@@ -188,6 +185,9 @@ struct BuildCounters {
 };
 BuildCounters& build_counters();
 
+// Lowers and returns the plan. Calls schedule.validate() first; `skips` must
+// be sorted, distinct, with 0 <= from, from + 1 < to < stages and at most
+// kMaxSkipEdges of them (ScheduleError naming the edge otherwise).
 Plan lower(const Schedule& s, const std::vector<SkipEdge>& skips = {});
 
 }  // namespace baton
