@@ -545,6 +545,42 @@ TEST(AutoplanSearch, OffloadTradesHostLinkForRecompute) {
   EXPECT_DOUBLE_EQ(slow.plans[0].step_time, plain.plans[0].step_time);
 }
 
+TEST(AutoplanSearch, OffloadSearchStartsFromThePlainSearchsPlans) {
+  // Eight segments on four ranks without a memory budget: keeping every stash
+  // fits, so no offloaded plan can be faster. The offload search starts from
+  // the plain search's rows as its threshold, so it simulates no offloaded
+  // candidate and returns the same plans.
+  SegmentCosts c;
+  c.batch = 8;
+  c.ref_microbatch = 1;
+  c.host_link_bandwidth = 1e6;
+  for (int k = 0; k < 8; ++k) {
+    SegmentCost s;
+    s.f = 1.0 + 0.1 * k;
+    s.b = 2.0;
+    s.i = 2.0;
+    s.stash_bytes = 1000;
+    s.min_stash_bytes = 400;
+    s.min_recompute = 0.2;
+    s.act_bytes = 10;
+    c.segments.push_back(s);
+  }
+  AutoplanOptions o;
+  o.ranks = 4;
+  o.top = 3;
+  const AutoplanResult plain = autoplan(c, o);
+  o.offload = true;
+  const AutoplanResult off = autoplan(c, o);
+  ASSERT_EQ(off.plans.size(), plain.plans.size());
+  for (size_t k = 0; k < plain.plans.size(); ++k) {
+    EXPECT_TRUE(off.plans[k].offload.empty());
+    EXPECT_DOUBLE_EQ(off.plans[k].step_time, plain.plans[k].step_time);
+  }
+  EXPECT_EQ(off.stats.offloaded, 0);
+  // Both searches' work is counted; the seeded one adds less than the first.
+  EXPECT_LT(off.stats.simulated, 2 * plain.stats.simulated);
+}
+
 TEST(AutoplanSearch, NothingFitsNamesPeakAndRank) {
   SegmentCosts c = sample_costs();
   AutoplanOptions o;

@@ -281,7 +281,7 @@ def test_compiled_engine_names_a_rank_it_cannot_run():
     if baton.frontend.ffi.has_cuda():  # the NCCL handlers are built: a GPU per rank runs
         assert step.engine_refusal(1, "nccl") is None
         step.mesh.rank_devices[0] = [gpu]
-        assert "ranks 0 and 1 share GPU" in step.engine_refusal(1, "nccl")
+        assert "ranks 0 and 1 of this process share GPU" in step.engine_refusal(1, "nccl")
     else:
         assert "no CUDA transfer handlers" in step.engine_refusal(1, "nccl")
 

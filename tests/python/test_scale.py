@@ -213,30 +213,31 @@ def test_16384_gpu_search_takes_seconds():
 def test_offload_keeps_the_stashes_recompute_would_drop():
     """Llama 3 405B on 16,384 H100 (pp 32 x tp 8): without offload the best plan recomputes
     part of most stages to fit in 76 GiB; with the H100's PCIe host link searched (the
-    default for a cluster file with one) the stages keep their stashes and offload them,
-    the step is faster, and host memory holds what the device no longer does, within the
-    preset's host bytes per GPU."""
+    default for a cluster file with one) the fullest rank offloads its stashes, the step is
+    faster, and host memory holds what the device no longer does, within the preset's host
+    bytes per GPU."""
     from baton.errors import ConfigError
     prof = scale.profile_model("llama3-405b")
     kw = dict(top=1, pp=[32], tp=[8], fsdp=False, tp_overlap=True, dp_overlap=True)
     plain = scale.plan_cluster(prof, "h100", 16384, 2048, offload=False, **kw).plans[0]
     off = scale.plan_cluster(prof, "h100", 16384, 2048, **kw).plans[0]
     hw = scale.load_cluster("h100")
-    recomputed = lambda p: sum(m != "keep" for m in p.remat)  # noqa: E731
-    assert recomputed(plain) > len(plain.remat) // 2
+    assert sum(m != "keep" for m in plain.remat) > len(plain.remat) // 2
     assert not plain.offload and plain.memory.host == 0
-    assert "stash" in off.offload and recomputed(off) < recomputed(plain) // 4
+    assert "stash" in off.offload
     assert off.step_time < plain.step_time and off.mfu > plain.mfu
-    assert off.memory.total <= 76 * 2**30 and 0 < off.memory.host <= hw["host_bytes"]
-    assert max(off.peak_host) <= hw["host_bytes"]
+    assert off.memory.total <= 76 * 2**30 and 0 < max(off.peak_host) <= hw["host_bytes"]
+    # each offloading stage's rank holds host bytes; the others none
+    on_host = {k % 32 for k, o in enumerate(off.offload) if o == "stash"}
+    assert {r for r, h in enumerate(off.peak_host) if h > 0} == on_host
     assert off.jit_kwargs()["offload"] == {k: "stash" for k, o in enumerate(off.offload)
                                            if o == "stash"}
     assert plain.jit_kwargs()["offload"] is None
     assert "host" in scale.plan_cluster(prof, "h100", 16384, 2048, **kw).table()
     # host memory bounds it: a quarter of what that plan holds forbids it
-    capped = scale.plan_cluster(prof, dict(hw, host_bytes=off.memory.host // 4), 16384, 2048,
-                                **kw).plans[0]
-    assert max(capped.peak_host, default=0) <= off.memory.host // 4
+    cap = max(off.peak_host) // 4
+    capped = scale.plan_cluster(prof, dict(hw, host_bytes=cap), 16384, 2048, **kw).plans[0]
+    assert max(capped.peak_host, default=0) <= cap
     # a cluster file without a host link: not searched, and refused by name when asked for
     bare = {k: v for k, v in hw.items() if k != "host_link"}
     assert not scale.plan_cluster(prof, bare, 16384, 2048, **kw).plans[0].offload

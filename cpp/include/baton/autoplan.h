@@ -89,6 +89,7 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -258,6 +259,11 @@ struct AutoplanOptions {
   bool offload = false;
   int64_t host_memory = 0;
   int32_t fetch_lookahead = 1;  // RankIROptions::fetch_lookahead of offloaded candidates
+  // Only plans faster than this are wanted (a caller's incumbent, e.g. the
+  // cluster search's K-th best so far): it bounds the threshold from the
+  // start, and a search that finds nothing below it returns no plans instead
+  // of throwing. Infinity (the default): no bound.
+  double upper_bound = std::numeric_limits<double>::infinity();
 };
 
 // One evaluated candidate.

@@ -29,13 +29,20 @@ void Searcher::threshold(const Config& c) {
   std::vector<double> others;
   for (const Config& d : cfgs_)
     if (&d != &c && d.best < kInf) others.push_back(d.best);
+  double own = kInf;
+  for (const PlanCandidate& p : seeds_) {
+    if (p.schedule == c.name && p.virtual_stages == c.v && p.microbatches == c.M)
+      own = std::min(own, p.step_time);
+    else
+      others.push_back(p.step_time);
+  }
   const size_t K = static_cast<size_t>(std::max(1, o_.top));
   kth_ = kInf;
   if (others.size() >= K) {
     std::nth_element(others.begin(), others.begin() + (K - 1), others.end());
     kth_ = others[K - 1];
   }
-  T_ = std::min(c.best, kth_);
+  T_ = std::min({c.best, kth_, own, o_.upper_bound});
 }
 
 // For the nothing-fits report: the partition minimising the largest
@@ -185,6 +192,11 @@ AutoplanResult Searcher::run() {
     if (c.best < kInf) done.push_back(&c);
   std::stable_sort(done.begin(), done.end(),
                    [](const Config* x, const Config* y) { return x->best < y->best; });
+  if (done.empty() && (!seeds_.empty() || o_.upper_bound < kInf)) {  // nothing beats them
+    st_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    out.stats = st_;
+    return out;
+  }
   if (done.empty()) {
     if (cfgs_.empty())
       throw ConfigError(fmt::format(
@@ -244,6 +256,9 @@ AutoplanResult autoplan(const SegmentCosts& costs, const AutoplanOptions& opts) 
   if (opts.host_memory < 0)
     throw ConfigError(
         fmt::format("autoplan: host_memory must be >= 0 (got {})", opts.host_memory));
+  if (!(opts.upper_bound > 0))
+    throw ConfigError(
+        fmt::format("autoplan: upper_bound must be > 0 (got {})", opts.upper_bound));
   if (opts.fetch_lookahead < 1)
     throw ConfigError(fmt::format("autoplan: fetch_lookahead must be >= 1 (got {})",
                                   opts.fetch_lookahead));
@@ -264,7 +279,9 @@ AutoplanResult autoplan(const SegmentCosts& costs, const AutoplanOptions& opts) 
   }
   AutoplanResult b;
   try {
-    b = autoplan_detail::Searcher(costs, opts).run();
+    autoplan_detail::Searcher s(costs, opts);
+    if (a) s.seed(a->plans);
+    b = s.run();
   } catch (const ConfigError&) {
     if (a) return *a;
     throw;

@@ -96,6 +96,12 @@ class Searcher {
     offload_ = o.offload;
   }
   AutoplanResult run();
+  // Plans another search already found (the search without offload): a row of
+  // this search that is not faster than the K-th of them, or than the seed of
+  // its own configuration, cannot change the merged top K, so both bound the
+  // threshold from the start. With seeds, finding nothing returns no rows
+  // instead of throwing.
+  void seed(std::vector<PlanCandidate> known) { seeds_ = std::move(known); }
 
  private:
   void add_config(const std::string& name, int v, int M);
@@ -178,6 +184,7 @@ class Searcher {
   AutoplanStats st_;
   double T_ = kInf;    // current threshold
   double kth_ = kInf;  // K-th best of the other configurations
+  std::vector<PlanCandidate> seeds_;
   // DFS state (per configuration).
   std::vector<int> cuts_;
   std::vector<double> busy_;  // per rank

@@ -193,7 +193,10 @@ void Searcher::greedy_leaf(Config& c) {
   // so each rank is settled on its own: from the fastest options, advance the
   // stage whose next option saves the most stash per second it adds, until the
   // rank's bound fits. The search stays exact: the descent still visits every
-  // vector the bounds do not exclude.
+  // vector the bounds do not exclude. The bound is the one without offload
+  // (every stash on the device), so the vector fits without offloading too.
+  const bool offload = offload_;
+  offload_ = false;
   for (int r = 0; r < c.P; ++r) {
     while (rank_peak(r, rank_stash_lb(c, r)) > budget_) {
       int best = -1;
@@ -214,6 +217,7 @@ void Searcher::greedy_leaf(Config& c) {
       stc_[best] = opts_[best][++choice_[best]].cost;
     }
   }
+  offload_ = offload;
   remat_leaf(c);
   for (int s = 0; s < c.S; ++s) {
     choice_[s] = 0;

@@ -530,39 +530,51 @@ ClusterResult plan_cluster(const ModelProfile& model, const Hardware& hw,
     std::nth_element(f.begin(), f.begin() + (o.top - 1), f.end());
     return f[o.top - 1];
   };
-  for (const Job& job : jobs) {
-    if (job.bound >= kth_best()) break;
-    const ClusterDegrees& d = job.d;
-    const ClusterSegments segs =
-        build_segments(model, hw, d, o, job.microbatches, search_groups(model, o, d.pp));
-    AutoplanOptions ao;
-    ao.ranks = d.pp;
-    ao.memory = hw.memory_budget();
-    ao.top = 1;
-    ao.families = o.families;
-    ao.microbatches = {job.microbatches};
-    ao.gap = o.gap;
-    ao.node_budget = o.node_budget;
-    ao.interleaved_v = o.interleaved_v;
-    ao.offload = offload;
-    ao.host_memory = hw.host_bytes;
-    ao.fetch_lookahead = o.fetch_lookahead;
-    ao.verify = false;
-    ++res.stats.searched;
-    try {
-      AutoplanResult ar = autoplan(segs.costs, ao);
-      if (ar.plans.empty() || !ar.plans[0].fits) continue;
-      std::optional<ClusterPlan>& b = best[job.tuple];
-      if (!b) {
-        b = finish(model, hw, o, d, segs, std::move(ar.plans[0]));
-        found.push_back(b->step_time);
-      } else if (ar.plans[0].step_time < b->step_time) {
-        const double old = b->step_time;
-        b = finish(model, hw, o, d, segs, std::move(ar.plans[0]));
-        *std::find(found.begin(), found.end(), old) = b->step_time;
+  // Without offload first, every job, then with it: the first pass's plans
+  // bound the second's searches (AutoplanOptions::upper_bound), where the
+  // weaker memory bounds with offload would otherwise explore far more. An
+  // exact search (no node budget) returns the same plans either way; under a
+  // node budget the bound lets each search reach further.
+  for (const bool with_offload : {false, true}) {
+    if (with_offload && !offload) break;
+    for (const Job& job : jobs) {
+      if (job.bound >= kth_best()) break;
+      const ClusterDegrees& d = job.d;
+      const ClusterSegments segs =
+          build_segments(model, hw, d, o, job.microbatches, search_groups(model, o, d.pp));
+      AutoplanOptions ao;
+      ao.ranks = d.pp;
+      ao.memory = hw.memory_budget();
+      ao.top = 1;
+      ao.families = o.families;
+      ao.microbatches = {job.microbatches};
+      ao.gap = o.gap;
+      ao.node_budget = o.node_budget;
+      ao.interleaved_v = o.interleaved_v;
+      ao.offload = with_offload;
+      ao.host_memory = hw.host_bytes;
+      ao.fetch_lookahead = o.fetch_lookahead;
+      ao.verify = false;
+      // Only a plan that enters the top K, or improves this tuple's row, matters.
+      ao.upper_bound = kth_best();
+      if (best[job.tuple])
+        ao.upper_bound = std::min(ao.upper_bound, best[job.tuple]->step_time);
+      if (!with_offload) ++res.stats.searched;
+      try {
+        AutoplanResult ar = autoplan(segs.costs, ao);
+        if (ar.plans.empty() || !ar.plans[0].fits) continue;
+        std::optional<ClusterPlan>& b = best[job.tuple];
+        if (!b) {
+          b = finish(model, hw, o, d, segs, std::move(ar.plans[0]));
+          found.push_back(b->step_time);
+        } else if (ar.plans[0].step_time < b->step_time) {
+          const double old = b->step_time;
+          b = finish(model, hw, o, d, segs, std::move(ar.plans[0]));
+          *std::find(found.begin(), found.end(), old) = b->step_time;
+        }
+      } catch (const ConfigError&) {
+        if (!with_offload) ++res.stats.infeasible;
       }
-    } catch (const ConfigError&) {
-      ++res.stats.infeasible;
     }
   }
   for (auto& b : best)
