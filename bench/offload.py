@@ -234,8 +234,9 @@ def pipeoffload_rows(ranks: int, m: int, cluster: bool) -> list[str]:
             f"{off.schedule} v{off.virtual_stages}, {recomputing(off)} of {len(off.remat)} "
             f"recompute and {off.offload.count('stash')} offload their stash, MFU "
             f"{100 * off.mfu:.1f}% ({100 * (plain.step_time / off.step_time - 1):+.1f}% "
-            f"throughput), {off.memory.total / 2**30:.1f} GiB on the GPU and "
-            f"{off.memory.host / 2**30:.1f} GiB on the host (docs/SCALE.md) |")
+            f"throughput), {off.memory.total / 2**30:.1f} GiB on the fullest GPU and "
+            f"{max(off.peak_host, default=0) / 2**30:.1f} GiB on the host of the rank that "
+            "holds most there (docs/SCALE.md) |")
     return rows
 
 
