@@ -660,6 +660,10 @@ std::string cluster_table(const ClusterResult& r, const Hardware& hw) {
       "bubble", "params", "grads", "optim", "activ", "total", "host");
   int k = 0;
   for (const ClusterPlan& p : r.plans) {
+    // the host column: the most offloaded bytes any rank holds (not only the fullest GPU's)
+    const int64_t host = p.plan.peak_host.empty()
+                             ? 0
+                             : *std::max_element(p.plan.peak_host.begin(), p.plan.peak_host.end());
     out += fmt::format(
         "{:>3} {:>4} {:>3} {:>5} {:>3} {:>5} {:>7} {:>11} {:>2} {:>4} {:>9.3f} {:>11.0f} "
         "{:>5.1f}% {:>6.1f}% {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}\n",
@@ -671,7 +675,7 @@ std::string cluster_table(const ClusterResult& r, const Hardware& hw) {
         p.tokens_per_second, 100 * p.mfu, 100 * p.plan.bubble_fraction,
         format_bytes(p.memory.params), format_bytes(p.memory.grads),
         format_bytes(p.memory.optimizer), format_bytes(p.memory.activations),
-        format_bytes(p.memory.total), p.memory.host > 0 ? format_bytes(p.memory.host) : "-");
+        format_bytes(p.memory.total), host > 0 ? format_bytes(host) : "-");
   }
   out += fmt::format(
       "{} degree tuples, {} over memory by static bytes, {} searches ({} without a fit), "

@@ -244,11 +244,11 @@ def format_table(r: ClusterPlans) -> str:
             f"{p.tokens_per_second:>10.0f} {100 * p.mfu:>5.1f}% {100 * p.bubble:>5.1f}% "
             f"{_gib(m.params):>6} {_gib(m.grads):>6} {_gib(m.optimizer):>6} "
             f"{_gib(m.activations):>6} {_gib(m.total):>6} "
-            f"{_gib(m.host) if m.host else '-':>6}")
+            f"{_gib(max(p.peak_host)) if any(p.peak_host) else '-':>6}")
     s = r.stats
     rows.append(f"{s['degree_tuples']} degree tuples ({s['skipped_memory']} over memory by static "
                 f"bytes), {s['searched']} searches, {s['seconds']:.2f} s; MFU = model FLOPs/token "
                 f"x tokens/s / (GPUs x {r.hardware['peak_bf16'] / 1e12:.0f} TFLOP/s); memory on "
                 f"the fullest GPU (budget {_gib(r.hardware['hbm_bytes'] - r.hardware['reserved_bytes'])}iB; "
-                f"host: its offloaded stashes in host memory)")
+                f"host: the most offloaded stash bytes any rank holds in host memory)")
     return "\n".join(rows)
