@@ -222,13 +222,125 @@ def _single_output() -> str:
     return _SINGLE[0]
 
 
+def _packed(sizes: list[int], align: int = 256) -> int:
+    """The bytes of one staging slot holding tensors of ``sizes`` (nccl_comm.h: each offset
+    aligned to 256 bytes)."""
+    at = 0
+    for n in sizes:
+        at = -(-at // align) * align + n
+    return at
+
+
+# (channel, stage) -> tensor bytes of the staging row's program: act of stage 0 (two tensors),
+# grad of stage 1
+STAGING_LAYOUTS = {(0, 0): [32 << 20, 1000], (1, 1): [16 << 20]}
+
+
+def staging_program(microbatches: int = 8) -> list:
+    """Rank 0's transfers of a two-rank 1F1B step (``_core.build_rank_ir``, no devices
+    needed): ``ffi.in_flight``'s (channel, stage, send, from, to), sends of activations and
+    receives of gradients, one each per microbatch."""
+    from baton import _core
+    from baton.frontend import ffi
+
+    ir = _core.build_rank_ir(_core.lower(_core.one_f_one_b(2, microbatches)))
+    return ffi.in_flight(ir.programs[0])
+
+
+def staging_arithmetic(fl: list) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(sends, receives) bytes in flight at once by the rank IR, and the step's."""
+    from baton.frontend import ffi
+
+    def nbytes(c, s):
+        return _packed(STAGING_LAYOUTS[c, s])
+    step = tuple(sum(nbytes(c, s) for c, s, d, _, _ in fl if d == send) for send in (True, False))
+    return ffi.most_in_flight(fl, nbytes), step
+
+
+def _mib(pair) -> str:
+    return f"{pair[0] / 2**20:.2f}/{pair[1] / 2**20:.2f} MiB"
+
+
 def row_reservation(ctx: Context) -> Result:
+    fl = staging_program()
+    want, step = staging_arithmetic(fl)
+    what = (f"rank 0 of a 2-rank 1F1B step of 8 microbatches ({len(fl)} transfers): in flight "
+            f"at once (sends/receives) {_mib(want)}, the step's {_mib(step)}")
+    if want[0] >= step[0] or want[1] >= step[1] or 0 in want:
+        return Result("FAIL", f"{'dry run: ' if ctx.dry else ''}{what}: the rank IR's in-flight "
+                      "maximum is not below the step's sum")
     if ctx.dry:
-        return Result("INFO", "dry run: reached; on a GPU this row FAILs: the staging "
-                      "reservation for the transfers in flight at once, with its bytes "
-                      "reported, is not written yet")
-    return Result("FAIL", "did not run: the staging reservation for the transfers in flight "
-                  "at once, with its bytes reported, is not written yet")
+        return Result("INFO", f"dry run: {what}; on a GPU: NcclRankComm (self link) reserves "
+                      "them (reserved_bytes compared), two sends and two receives in flight "
+                      "run exactly on a pool of four slots, and with one slot reserved each way a "
+                      "third at once fails naming the rank, the direction and the bytes")
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from baton import _core
+    from baton.frontend import ffi
+
+    rt = _core.runtime
+    chans = sorted({c for c, *_ in fl})
+    links = [(0, c, d) for c in chans for d in (True, False)]
+    c = rt.NcclRankComm(0, 1, 0, rt.file_store(tempfile.mkdtemp()), links, 60.0,
+                        "check/reserve")
+    for (ch, st), sizes in STAGING_LAYOUTS.items():
+        c.set_layout(ch, st, sizes)
+    c.reserve(fl)
+    got = tuple(c.reserved_bytes)
+    slots_rank_ir = c.slots_allocated
+    c.close()
+
+    # A self-link program with two sends and two receives in flight at once (one group).
+    n = 1 << 20  # 4 MiB of float32
+    ops = [(0, 0, 0, 0), (0, 0, 0, 0), (1, 0, 0, 0), (1, 0, 0, 0), (2, 0, 0, 0), (2, 0, 0, 0)]
+    out = jax.ShapeDtypeStruct((n,), jnp.float32)
+
+    def run(reserve, timeout, k):
+        ctx_ = rt.NcclRankComm(0, 1, 0, rt.file_store(tempfile.mkdtemp()),
+                               [(0, 0, True), (0, 0, False)], timeout, "check/reserve-run")
+        ctx_.set_layout(0, 0, [n * 4])
+        ctx_.reserve(reserve)
+
+        def body(_, carry):
+            x, tok = carry
+            tok, (y, z) = ffi.comm(ctx_.id, ops, tok, [x, x * 2.0], [out, out])
+            return y + z, tok
+
+        @jax.jit
+        def steps(x):
+            tok = jnp.zeros((), jnp.int32)
+            x, tok = jax.lax.fori_loop(0, k, body, (x, tok))
+            return x, ffi.drain(ctx_.id, tok)
+
+        err = ""
+        y = None
+        try:
+            y, _ = jax.block_until_ready(steps(jnp.ones((n,), jnp.float32)))
+        except Exception as e:  # noqa: BLE001  (the beyond-reservation case)
+            err = str(e)
+        fail = ctx_.failure()
+        res = (y, tuple(ctx_.reserved_bytes), ctx_.slots_allocated, err
+               + (f" / {fail}" if fail else ""))
+        ctx_.close()
+        return res
+
+    two = [(0, 0, True, 0, 0)] * 2 + [(0, 0, False, 0, 0)] * 2
+    y, r2, slots2, err2 = run(two, 60.0, 5)
+    exact = y is not None and bool(np.array_equal(np.asarray(y), np.full((n,), 3.0**5, np.float32)))
+    one = [(0, 0, True, 0, 0), (0, 0, False, 0, 0)]
+    _, r1, slots1, err1 = run(one, 3.0, 1)
+    named = all(x in err1 for x in ("rank 0", "receive", "4.00 MiB", "beyond the reservation"))
+    ok = (got == want and exact and r2 == (2 * n * 4, 2 * n * 4) and slots2 == 4
+          and r1 == (n * 4, n * 4) and slots1 == 2 and named and not err2)
+    return Result("PASS" if ok else "FAIL",
+                  f"{what}; reserved_bytes {_mib(got)} ({slots_rank_ir} slots); two sends and "
+                  f"two receives in flight: exact {exact}, reserved {_mib(r2)}, slots {slots2} "
+                  f"{err2[:120]}; one slot each way reserved, a second at once: slots {slots1}, "
+                  f"the error names rank, direction, bytes {named}: {err1[:200]}")
 
 
 def row_gpt_one_rank(ctx: Context) -> Result:

@@ -282,6 +282,22 @@ void bind_comm(nb::module_& m) {
           "slots too.")
       .def(
           "reserve",
+          [](PyNcclComm& c, std::vector<std::tuple<int, int, bool, int, int>> transfers) {
+            std::vector<rt::staging::InFlight> ts;
+            for (const auto& [channel, stage, send, from, to] : transfers)
+              ts.push_back({channel, stage, send, from, to});
+            nb::gil_scoped_release nogil;
+            c.comm->reserve(ts);
+          },
+          "transfers"_a,
+          "Allocates, before the first step, the staging slots and CUDA events of the "
+          "transfers in flight at once, and caps the pool: (channel, stage, send, from, to) per "
+          "transfer of the rank's step, in flight from instruction `from` (its POST) to `to` (a "
+          "receive's WAIT, a send's FREE; -1: the step's end) of the rank program "
+          "(ffi.in_flight; after set_layout). Raises ExecutionError naming the rank, the "
+          "direction and the bytes when they cannot be allocated.")
+      .def(
+          "reserve",
           [](PyNcclComm& c, std::vector<std::tuple<int, int, bool, int>> transfers) {
             std::vector<rt::staging::TransferCount> ts;
             for (const auto& [channel, stage, send, count] : transfers)
@@ -290,9 +306,12 @@ void bind_comm(nb::module_& m) {
             c.comm->reserve(ts);
           },
           "transfers"_a,
-          "Allocates one step's staging slots and CUDA events before the first step: "
-          "(channel, stage, send, count) per kind of transfer of the rank's step (after "
-          "set_layout).")
+          "As above with (channel, stage, send, count) per kind of transfer: every transfer "
+          "counted in flight at once.")
+      .def_prop_ro(
+          "reserved_bytes", [](PyNcclComm& c) { return c.comm->reserved_bytes(); },
+          "(sends, receives): bytes of staging reserve() reserved, this context's and its "
+          "routed slots' ((0, 0) before reserve).")
       .def_prop_ro(
           "events_created", [](PyNcclComm& c) { return c.comm->events_created(); },
           "CUDA events created so far (this context's and its routed slots').")

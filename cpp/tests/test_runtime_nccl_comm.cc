@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <map>
 #include <set>
@@ -22,7 +23,8 @@ using staging::LinkKey;
 TEST(NcclCommLinks, CanonicalOrderIsTheSameOnBothEnds) {
   // rank 0 sends act to 1, receives grad from 1; rank 1 the reverse; listed in
   // different orders and with a duplicate.
-  auto r0 = staging::canonical_links(0, 3, {{1, 1, false}, {1, 0, true}, {2, 0, true}, {1, 0, true}});
+  auto r0 =
+      staging::canonical_links(0, 3, {{1, 1, false}, {1, 0, true}, {2, 0, true}, {1, 0, true}});
   auto r1 = staging::canonical_links(1, 3, {{0, 0, false}, {0, 1, true}});
   ASSERT_EQ(r0.size(), 3u);
   EXPECT_EQ(r0[0], (LinkKey{0, 1, 0}));
@@ -59,6 +61,9 @@ TEST(NcclCommStaging, PackedOffsetsAreAligned) {
   EXPECT_EQ(staging::packed_offsets({}).back(), 0u);
   EXPECT_EQ(staging::packed_offsets({7}, 1).back(), 7u);
 }
+
+using Counts = std::vector<staging::TransferCount>;
+using Spans = std::vector<staging::InFlight>;
 
 // A fake device: buffers are host allocations, fences are flags a test flips.
 struct FakeDevice {
@@ -164,20 +169,138 @@ TEST(NcclCommStaging, ReservationFromLayoutsAndTransferCounts) {
   layouts[{1, 2}] = {512};       // grad of stage 2
   layouts[{2, 0}] = {};          // an empty buffer
   const staging::Reservation r = staging::reservation(
-      layouts, 1,
-      {{0, 1, true, 8}, {1, 2, false, 8}, {0, 1, false, 2}, {2, 0, true, 4}});
+      layouts, 1, Counts{{0, 1, true, 8}, {1, 2, false, 8}, {0, 1, false, 2}, {2, 0, true, 4}});
   ASSERT_EQ(r.slots.size(), 2u);
   EXPECT_EQ(r.slots.at(556), 10u);
   EXPECT_EQ(r.slots.at(512), 8u);
   EXPECT_EQ(r.events, 2u * 8 + 3u * 8 + 3u * 2 + 2u * 4);
   // A transfer whose layout was never given names the rank and the buffer.
   try {
-    staging::reservation(layouts, 3, {{1, 7, false, 1}});
+    staging::reservation(layouts, 3, Counts{{1, 7, false, 1}});
     FAIL() << "no error";
   } catch (const ExecutionError& e) {
     EXPECT_NE(std::string(e.what()).find("rank 3"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(staging::reservation(layouts, 1, {{0, 1, true, -1}}), ConfigError);
+  EXPECT_THROW(staging::reservation(layouts, 1, Counts{{0, 1, true, -1}}), ConfigError);
+}
+
+// A hand-written rank program's transfers (positions are instruction indices):
+//   0 POST send act(s0,m0)   1 POST send act(s0,m1)   2 POST recv grad(s1,m0)
+//   3 RUN                    4 FREE act(s0,m0)        5 POST send act(s0,m2)
+//   6 WAIT grad(s1,m0)       7 POST recv grad(s1,m1)  8 FREE act(s0,m1)
+//   9 WAIT grad(s1,m1)      10 FREE act(s0,m2)
+// Sends in flight: [0,4] [1,8] [5,10]: at most 2 at once (of 3). Receives:
+// [2,6] [7,9]: at most 1 at once (of 2).
+TEST(NcclCommStaging, ReservationIsTheMostInFlightAtOnceNotTheSum) {
+  CommLayouts layouts;
+  layouts[{0, 0}] = {1 << 20, 100};  // act of stage 0: packed 1 MiB + 256-aligned 100 bytes
+  layouts[{1, 1}] = {4096};          // grad of stage 1
+  const size_t act = (1u << 20) + 100, grad = 4096;
+  const std::vector<staging::InFlight> prog = {{0, 0, true, 0, 4},
+                                               {0, 0, true, 1, 8},
+                                               {1, 1, false, 2, 6},
+                                               {0, 0, true, 5, 10},
+                                               {1, 1, false, 7, 9}};
+  const staging::Reservation r = staging::reservation(layouts, 2, prog);
+  EXPECT_EQ(r.send_bytes, 2 * act);  // not 3 * act (the step's sends)
+  EXPECT_EQ(r.recv_bytes, grad);     // not 2 * grad
+  EXPECT_EQ(r.slots.at(act), 2u);
+  EXPECT_EQ(r.slots.at(grad), 1u);
+  EXPECT_EQ(r.send_slots.at(act), 2u);
+  EXPECT_EQ(r.send_slots.count(grad), 0u);
+  EXPECT_EQ(r.events, 2u * 2 + 3u * 1);
+  // Touching intervals overlap ([0,4] and [4,6]); adjacent ones do not ([0,4], [5,6]).
+  EXPECT_EQ(
+      staging::reservation(layouts, 2, Spans{{1, 1, false, 0, 4}, {1, 1, false, 4, 6}}).recv_bytes,
+      2 * grad);
+  EXPECT_EQ(
+      staging::reservation(layouts, 2, Spans{{1, 1, false, 0, 4}, {1, 1, false, 5, 6}}).recv_bytes,
+      grad);
+  // to < 0: in flight to the step's end, so it overlaps everything after it.
+  EXPECT_EQ(
+      staging::reservation(layouts, 2, Spans{{1, 1, false, 0, -1}, {1, 1, false, 9, 9}}).recv_bytes,
+      2 * grad);
+  // The counts form: every transfer in flight at once (the sum).
+  const staging::Reservation all =
+      staging::reservation(layouts, 2, Counts{{0, 0, true, 3}, {1, 1, false, 2}});
+  EXPECT_EQ(all.send_bytes, 3 * act);
+  EXPECT_EQ(all.recv_bytes, 2 * grad);
+  // An interval that ends before it starts names the rank and the transfer.
+  try {
+    staging::reservation(layouts, 5, Spans{{0, 0, true, 7, 3}});
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("rank 5"), std::string::npos) << m;
+    EXPECT_NE(m.find("send"), std::string::npos) << m;
+    EXPECT_NE(m.find("stage 0"), std::string::npos) << m;
+  }
+}
+
+TEST(NcclCommStaging, ReservationErrorsNameRankDirectionAndBytes) {
+  CommLayouts layouts;
+  layouts[{0, 0}] = {512u << 20};  // 512 MiB
+  layouts[{1, 1}] = {1024};
+  const staging::Reservation r = staging::reservation(
+      layouts, 3, Spans{{0, 0, false, 0, 9}, {0, 0, false, 1, 9}, {1, 1, true, 2, 3}});
+  const std::string f = staging::reserve_failure(3, 512u << 20, r, "out of memory");
+  EXPECT_NE(f.find("rank 3"), std::string::npos) << f;
+  EXPECT_NE(f.find("for receives"), std::string::npos) << f;
+  EXPECT_NE(f.find("2 slots of 512.00 MiB (536870912 bytes)"), std::string::npos) << f;
+  EXPECT_NE(f.find("1.00 GiB (1073741824 bytes) in all"), std::string::npos) << f;
+  EXPECT_NE(f.find("out of memory"), std::string::npos) << f;
+  EXPECT_NE(staging::reserve_failure(3, 1024, r, "x").find("staging for sends"), std::string::npos);
+  const std::string b =
+      staging::beyond_reservation(4, true, 1024, "act(s1,m3) to rank 2", 1, r, 0.5);
+  EXPECT_NE(b.find("rank 4: a send (act(s1,m3) to rank 2) needs 0.00 MiB (1024 bytes)"),
+            std::string::npos)
+      << b;
+  EXPECT_NE(b.find("1 slot of that size reserved"), std::string::npos) << b;
+  EXPECT_NE(staging::beyond_reservation(4, false, 8, "x", 0, r, 0).find("a receive (x)"),
+            std::string::npos);
+}
+
+TEST(NcclCommStaging, CappedPoolWaitsForAFreeSlotAndNeverAllocates) {
+  FakeDevice dev;
+  auto pool = dev.pool();
+  EXPECT_EQ(pool.reserve(1024, 2), 2u);
+  pool.cap(true);
+  void* a = pool.take(1024);
+  void* b = pool.take(1024);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(pool.take(1024), nullptr);  // a third at once: nothing allocated
+  EXPECT_EQ(pool.allocations(), 2u);
+  // A size never reserved: null at once, without waiting.
+  const auto far = std::chrono::steady_clock::now() + std::chrono::hours(1);
+  EXPECT_EQ(pool.take_within(512, nullptr, far), nullptr);
+  // Both held past the deadline: null after polling.
+  int polls = 0;
+  EXPECT_EQ(pool.take_within(
+                1024, [&] { ++polls; }, std::chrono::steady_clock::now()),
+            nullptr);
+  EXPECT_GE(polls, 1);
+  // The poll hands one back (as reaping a completed send does): that one.
+  int fence = 0;
+  pool.retire(a, 1024, &fence);
+  polls = 0;
+  void* c = pool.take_within(
+      1024,
+      [&] {
+        if (++polls == 3) dev.done_fences.insert(&fence);
+      },
+      far);
+  EXPECT_EQ(c, a);
+  EXPECT_EQ(polls, 3);
+  EXPECT_EQ(pool.allocations(), 2u);
+  pool.retire(b, 1024, nullptr);
+  pool.retire(c, 1024, nullptr);
+  // Uncapped again: grows.
+  pool.cap(false);
+  std::vector<void*> taken;
+  for (int i = 0; i < 3; ++i) taken.push_back(pool.take_within(1024, nullptr, far));
+  EXPECT_EQ(pool.allocations(), 3u);
+  for (void* p : taken) pool.retire(p, 1024, nullptr);
 }
 
 TEST(NcclCommStaging, FifoMatchesPerPeerAndChannel) {
@@ -299,9 +422,11 @@ TEST(NcclCommConstruct, SelfLinkIsAcceptedAsOneKey) {
   ASSERT_EQ(keys.size(), 1u);
   EXPECT_EQ(keys[0], (staging::LinkKey{0, 0, 0}));
   // Constructing with it fails, if at all, only for want of CUDA, a GPU or NCCL.
-  const std::string msg =
-      config_error([&] { NcclComm c(0, 1, 0, make_hash_store(), {{0, 0, true}, {0, 0, false}},
-                                    std::chrono::milliseconds(1000)); c.close(); });
+  const std::string msg = config_error([&] {
+    NcclComm c(0, 1, 0, make_hash_store(), {{0, 0, true}, {0, 0, false}},
+               std::chrono::milliseconds(1000));
+    c.close();
+  });
   if (std::getenv("BATON_EXPECT_NO_GPU") && NcclComm::built()) {
     EXPECT_TRUE(has(msg, "needs a CUDA device")) << msg;
   }

@@ -60,7 +60,23 @@ def test_dry_run_reaches_every_row_and_exits_0():
                       ("failure: close with transfers pending", "close"),
                       ("memory: XLA_PYTHON_CLIENT_MEM_FRACTION=.95", "mem95")):
         assert f"gpu_check_faults.py {key} ('{name}')" in by_name[name], by_name[name]
+    staging = by_name["memory: staging reservation"]
+    assert "in flight at once (sends/receives) 32.00/32.00 MiB, the step's 256.01/128.00 MiB" \
+        in staging, staging
     assert p.stdout.splitlines()[-1].startswith("UNTESTED: two GPUs and more"), p.stdout
+
+
+def test_staging_row_arithmetic_is_the_rank_irs_in_flight_maximum():
+    """Rank 0 of a 2-rank 1F1B step of 8 microbatches: one activation sent and two gradients
+    received at once, of the step's eight each."""
+    fl = gpu_check.staging_program()
+    assert len(fl) == 16
+    (sends, recvs), (step_s, step_r) = gpu_check.staging_arithmetic(fl)
+    act = gpu_check._packed(gpu_check.STAGING_LAYOUTS[0, 0])
+    grad = gpu_check._packed(gpu_check.STAGING_LAYOUTS[1, 1])
+    assert act == (32 << 20) + 1000 and grad == 16 << 20  # 32 MiB is 256-aligned
+    assert (sends, recvs) == (act, 2 * grad)
+    assert (step_s, step_r) == (8 * act, 8 * grad)
 
 
 def test_a_fault_row_without_its_check_fails():

@@ -94,6 +94,33 @@ def test_transfer_counts_of_a_rank():
         assert all(n > 0 for *_, n in counts) and counts == sorted(counts)
 
 
+def test_in_flight_of_a_rank_is_what_the_rank_ir_says():
+    """NcclRankComm.reserve's intervals: one per send and posted receive of the step, from
+    its POST to its WAIT / FREE; at most what is in flight at once is reserved, not the
+    step's transfers (1F1B, 2 stages, 4 microbatches: a send and two receives at once)."""
+    from mlp_step import make
+
+    ps, params, batch = make(baton.OneFOneB(), 2, 4)
+    cs = ps.compile(params, batch)
+    for r in range(2):
+        prog = cs.rank_ir().programs[r]
+        fl = ffi.in_flight(prog)
+        items = rank_items(cs, r)
+        assert len(fl) == sum(op in (_core.ItemOp.SEND, _core.ItemOp.POST) for op, *_ in items)
+        for _, _, send, f, t in fl:
+            assert 0 <= f <= t < len(prog.instrs)
+            assert prog.instrs[f].op == _core.RankOp.POST
+            assert prog.instrs[t].op == (_core.RankOp.FREE if send else _core.RankOp.WAIT)
+        assert sum(send for _, _, send, _, _ in fl) == 4
+        assert ffi.most_in_flight(fl, lambda c, s: 1000) == (1000, 2000)
+    # intervals that touch overlap, -1 runs to the end; sizes are pooled apart
+    one = lambda c, s: 10 if c == 0 else 7  # noqa: E731
+    assert ffi.most_in_flight([(0, 0, False, 0, 4), (0, 0, False, 4, 6)], one) == (0, 20)
+    assert ffi.most_in_flight([(0, 0, False, 0, 4), (0, 0, False, 5, 6)], one) == (0, 10)
+    assert ffi.most_in_flight([(0, 0, True, 0, -1), (0, 0, True, 5, 6),
+                               (1, 0, True, 0, 1)], one) == (27, 0)
+
+
 def test_gpu_ranks_of_several_devices_are_not_refused(monkeypatch):
     """The refusal "the NCCL context is one device per rank" is gone: a GPU rank of two
     devices over NCCL is accepted (when the CUDA handlers are built); two ranks of one process

@@ -21,15 +21,20 @@
 // one ncclSend/ncclRecv per transfer.
 //
 // Memory. Slots come from a pool keyed by byte size (SlotPool). reserve()
-// allocates, before the first step, one step's transfers worth of slots of
-// each size and the CUDA events they use (from the layouts and the rank's
-// transfers per step): so no cudaMalloc and no cudaEventCreate runs while
-// receives are posted (both can synchronize the device implicitly and would
-// serialize the NCCL streams with compute). A slot is allocated later only when
-// more are in flight at once than reserved (the host more than a step ahead of
-// the GPU); nothing is allocated per transfer in steady state. This is memory
-// outside XLA's allocator, a fixed pool, not zero; it is freed when the context
-// is destroyed.
+// allocates, before the first step, the slots of the transfers in flight at
+// once and the CUDA events they use: a transfer is in flight from its POST
+// (a send's or a receive's) to its WAIT (a receive) or the FREE that waits for
+// its completion (a send), in the rank IR's instruction order; per direction
+// and packed size, the most in flight at once (staging::reservation), not one
+// slot per transfer of the step. So no cudaMalloc and no cudaEventCreate runs
+// while receives are posted (both can synchronize the device implicitly and
+// would serialize the NCCL streams with compute). After reserve() the pool is
+// capped: a transfer that finds no free slot of its size waits (bounded by the
+// timeout) for one of its size to come free (the host may be ahead of the
+// GPU), and fails naming the rank, the direction and the bytes when none
+// does, or at once when no slot of its size was reserved. reserved_bytes()
+// reports what was reserved. This is memory outside XLA's allocator, a fixed
+// pool, not zero; it is freed when the context is destroyed.
 //
 // Device slots. A rank of several GPUs has one NcclComm per device slot (slot j
 // of every rank shares communicators with slot j of the others: shard to shard,
@@ -147,8 +152,20 @@ class SlotPool {
   SlotPool& operator=(const SlotPool&) = delete;
 
   // A buffer of `bytes` (null for 0): a free one, after reclaiming retired ones,
-  // else a new allocation.
+  // else a new allocation; null when capped (cap()) and none of the size is free.
   void* take(size_t bytes);
+  // take() for a capped pool: while none of `bytes` is free and some of that
+  // size exist (retired or taken), calls `poll` (which may hand buffers back:
+  // retire) and reclaims, sleeping a little between tries, until one is free
+  // or `deadline` passed: then null. Null at once when the pool holds no
+  // buffer of that size (none will come free). Uncapped: take().
+  void* take_within(size_t bytes, const std::function<void()>& poll,
+                    std::chrono::steady_clock::time_point deadline);
+  // Capped: take() allocates nothing more (reserve() still does).
+  void cap(bool on) { capped_ = on; }
+  bool capped() const { return capped_; }
+  // Buffers of `bytes` that exist (free, retired or taken).
+  size_t count(size_t bytes) const;
   // Allocates free buffers of `bytes` until `n` of that size exist (free,
   // retired or taken); how many it allocated.
   size_t reserve(size_t bytes, size_t n);
@@ -175,6 +192,7 @@ class SlotPool {
   std::map<size_t, size_t> allocated_;  // buffers of each size ever allocated
   std::deque<Retired> retired_;
   size_t allocations_ = 0;
+  bool capped_ = false;
 };
 
 // One kind of transfer of a rank's step: `count` transfers of the (channel,
@@ -186,16 +204,52 @@ struct TransferCount {
   int count = 0;
 };
 
+// One transfer of a rank's step and where it is in flight in the rank IR's
+// instruction order: from `from` (its POST) to `to` (a receive's WAIT, a
+// send's FREE that waits for its completion), both included; to < 0: to the
+// end of the step.
+struct InFlight {
+  int channel = 0;
+  int stage = 0;
+  bool send = false;
+  int from = 0;
+  int to = -1;
+};
+
 // What to allocate before the first step: staging slots by packed byte size
-// (one per transfer of a step) and CUDA events (a send holds two until reaped,
-// a receive three: posted, reached, copied). `layouts` give each (channel,
-// stage)'s tensor sizes; ExecutionError of `rank` when one is missing.
+// and CUDA events (a send holds two until reaped, a receive three: posted,
+// reached, copied). Per direction and packed size, the most transfers in
+// flight at once; the pool is shared by size, so a size's slots are its sends'
+// maximum plus its receives'. `send_bytes` / `recv_bytes`: the bytes of the
+// slots reserved for each direction (the sum over sizes of size times the most
+// in flight at once; with one size per direction, the most bytes in flight at
+// once). `layouts` give each (channel, stage)'s tensor sizes; ExecutionError
+// of `rank` when one is missing, ConfigError for an interval that ends before
+// it starts.
 struct Reservation {
   std::map<size_t, size_t> slots;  // packed bytes -> count (0-byte transfers need none)
   size_t events = 0;
+  std::map<size_t, size_t> send_slots;  // of `slots`, those for sends
+  size_t send_bytes = 0;
+  size_t recv_bytes = 0;
 };
 Reservation reservation(const CommLayouts& layouts, int rank,
+                        const std::vector<InFlight>& transfers);
+// Every transfer counted in flight at once: `count` transfers of each kind
+// (one step's worth; tests and callers that know no instruction order).
+Reservation reservation(const CommLayouts& layouts, int rank,
                         const std::vector<TransferCount>& transfers);
+
+// "512 MiB (536870912 bytes)" style.
+std::string bytes_text(size_t bytes);
+// The error when the `slot_bytes` slots of `r` cannot be allocated: names the
+// rank, the direction(s) they are for, the bytes and `why` (the allocator's error).
+std::string reserve_failure(int rank, size_t slot_bytes, const Reservation& r,
+                            const std::string& why);
+// The error when a transfer needs staging beyond the reservation: `what`
+// names the transfer (buffer, peer), `reserved` the slots of its size.
+std::string beyond_reservation(int rank, bool send, size_t bytes, const std::string& what,
+                               size_t reserved, const Reservation& r, double waited_s);
 
 // Per-(peer, channel) FIFO of posted receives, with the per-direction
 // sequence numbers (the k-th send pairs with the k-th receive).
@@ -278,9 +332,15 @@ class NcclComm {
   void set_layout(int channel, int stage, std::vector<size_t> bytes);
   void set_names(int peer, int channel, bool send, std::vector<std::string> names);
   void record(bool on);
-  // Allocates the staging slots and events of one step (reservation()); call
-  // after set_layout, before the first step.
+  // Allocates the staging slots and events of the transfers in flight at once
+  // (reservation()) and caps the pool; call after set_layout, before the first
+  // step. ExecutionError naming the rank, the direction and the bytes when the
+  // slots cannot be allocated. The counts form reserves every transfer of a step.
+  void reserve(const std::vector<staging::InFlight>& transfers);
   void reserve(const std::vector<staging::TransferCount>& transfers);
+  // (send, receive) bytes of staging reserved by reserve(), this context's and
+  // its routed slots'; (0, 0) before.
+  std::pair<size_t, size_t> reserved_bytes() const;
 
   // Device slots (see the header comment): calls from device `ordinal` run on
   // `member` (null removes the route). Set while no program runs.

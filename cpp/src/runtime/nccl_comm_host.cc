@@ -5,7 +5,9 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <thread>
 
@@ -23,8 +25,8 @@ std::vector<LinkKey> canonical_links(int rank, int world, const std::vector<Nccl
       throw ConfigError(fmt::format("NCCL link of rank {}: peer {} is invalid (world size {})",
                                     rank, l.peer, world));
     if (l.channel < 0)
-      throw ConfigError(fmt::format("NCCL link of rank {}: channel {} is negative", rank,
-                                    l.channel));
+      throw ConfigError(
+          fmt::format("NCCL link of rank {}: channel {} is negative", rank, l.channel));
     out.push_back(l.send ? LinkKey{rank, l.peer, l.channel} : LinkKey{l.peer, rank, l.channel});
   }
   std::sort(out.begin(), out.end());
@@ -85,6 +87,29 @@ size_t SlotPool::reclaim() {
   return n;
 }
 
+size_t SlotPool::count(size_t bytes) const {
+  auto it = allocated_.find(bytes);
+  return it == allocated_.end() ? 0 : it->second;
+}
+
+void* SlotPool::take_within(size_t bytes, const std::function<void()>& poll,
+                            std::chrono::steady_clock::time_point deadline) {
+  if (void* p = take(bytes); p || bytes == 0 || !capped_) return p;
+  if (count(bytes) == 0) return nullptr;  // none of this size: none will come free
+  for (int spins = 0;; ++spins) {
+    if (poll) poll();
+    reclaim();
+    auto it = free_lists_.find(bytes);
+    if (it != free_lists_.end() && !it->second.empty()) {
+      void* p = it->second.back();
+      it->second.pop_back();
+      return p;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return nullptr;
+    std::this_thread::sleep_for(std::chrono::microseconds(spins < 100 ? 10 : 200));
+  }
+}
+
 void* SlotPool::take(size_t bytes) {
   if (bytes == 0) return nullptr;
   auto it = free_lists_.find(bytes);
@@ -97,6 +122,7 @@ void* SlotPool::take(size_t bytes) {
     it->second.pop_back();
     return p;
   }
+  if (capped_) return nullptr;
   void* p = alloc_(bytes);
   ++allocations_;
   ++allocated_[bytes];
@@ -132,18 +158,91 @@ size_t SlotPool::free_count() const {
 }
 
 Reservation reservation(const CommLayouts& layouts, int rank,
-                        const std::vector<TransferCount>& transfers) {
+                        const std::vector<InFlight>& transfers) {
+  // Per (direction, packed bytes): +1 at a transfer's first instruction, -1 after
+  // its last; the most at once is the running sum's maximum (releases at a
+  // position before acquisitions there: [0, 3] and [4, 5] never overlap).
+  constexpr int kEnd = std::numeric_limits<int>::max();
+  std::map<std::pair<bool, size_t>, std::vector<std::pair<int, int>>> points;
+  std::map<bool, std::vector<std::pair<int, int>>> all;  // every size: events
+  for (const InFlight& t : transfers) {
+    const int to = t.to < 0 ? kEnd - 1 : t.to;
+    if (t.from < 0 || to < t.from)
+      throw ConfigError(fmt::format(
+          "rank {}: reserve: a {} of the {} buffer of stage {} is in flight from instruction {} "
+          "to {}",
+          rank, t.send ? "send" : "receive", comm_channel_name(t.channel), t.stage, t.from, t.to));
+    const size_t bytes = packed_offsets(comm_layout(layouts, rank, t.channel, t.stage)).back();
+    for (auto* v : {&points[{t.send, bytes}], &all[t.send]}) {
+      v->push_back({t.from, +1});
+      v->push_back({to + 1, -1});
+    }
+  }
+  auto most = [](std::vector<std::pair<int, int>>& v) {
+    std::sort(v.begin(), v.end());  // (-1 before +1 at one position)
+    size_t at = 0, top = 0;
+    for (const auto& [pos, d] : v) {
+      at = d > 0 ? at + 1 : at - 1;
+      top = std::max(top, at);
+    }
+    return top;
+  };
   Reservation r;
+  for (auto& [key, v] : points) {
+    const auto [send, bytes] = key;
+    const size_t n = most(v);
+    if (bytes == 0) continue;
+    r.slots[bytes] += n;
+    if (send) r.send_slots[bytes] += n;
+    (send ? r.send_bytes : r.recv_bytes) += n * bytes;
+  }
+  for (auto& [send, v] : all) r.events += (send ? 2 : 3) * most(v);
+  return r;
+}
+
+Reservation reservation(const CommLayouts& layouts, int rank,
+                        const std::vector<TransferCount>& transfers) {
+  std::vector<InFlight> all;
   for (const TransferCount& t : transfers) {
     if (t.count < 0)
       throw ConfigError(fmt::format("rank {}: reserve: {} transfers of the {} buffer of stage {}",
                                     rank, t.count, comm_channel_name(t.channel), t.stage));
-    const size_t bytes = packed_offsets(comm_layout(layouts, rank, t.channel, t.stage)).back();
-    const auto n = static_cast<size_t>(t.count);
-    if (bytes) r.slots[bytes] += n;
-    r.events += (t.send ? 2 : 3) * n;
+    for (int i = 0; i < t.count; ++i) all.push_back({t.channel, t.stage, t.send, 0, 0});
   }
-  return r;
+  return reservation(layouts, rank, all);
+}
+
+std::string bytes_text(size_t bytes) {
+  const double mib = static_cast<double>(bytes) / (1024.0 * 1024.0);
+  if (mib >= 1024.0) return fmt::format("{:.2f} GiB ({} bytes)", mib / 1024.0, bytes);
+  return fmt::format("{:.2f} MiB ({} bytes)", mib, bytes);
+}
+
+std::string reserve_failure(int rank, size_t slot_bytes, const Reservation& r,
+                            const std::string& why) {
+  auto get = [&](const std::map<size_t, size_t>& m) {
+    auto it = m.find(slot_bytes);
+    return it == m.end() ? size_t{0} : it->second;
+  };
+  const size_t slots = get(r.slots), sends = get(r.send_slots), recvs = slots - sends;
+  const std::string dir = sends == 0   ? "receives"
+                          : recvs == 0 ? "sends"
+                                       : fmt::format("sends ({}) and receives ({})", sends, recvs);
+  return fmt::format(
+      "rank {}: cannot reserve staging for {}: {} slot{} of {}, {} in all ({} for sends, {} for "
+      "receives: the most in flight at once): {}",
+      rank, dir, slots, slots == 1 ? "" : "s", bytes_text(slot_bytes),
+      bytes_text(slots * slot_bytes), bytes_text(r.send_bytes), bytes_text(r.recv_bytes), why);
+}
+
+std::string beyond_reservation(int rank, bool send, size_t bytes, const std::string& what,
+                               size_t reserved, const Reservation& r, double waited_s) {
+  return fmt::format(
+      "rank {}: a {} ({}) needs {} of staging beyond the reservation: {} slot{} of that size "
+      "reserved, {} held after waiting {:g} s ({} reserved for sends, {} for receives: the most "
+      "in flight at once in the rank program; more in flight than it says)",
+      rank, send ? "send" : "receive", what, bytes_text(bytes), reserved, reserved == 1 ? "" : "s",
+      reserved == 0 ? "none" : "all", waited_s, bytes_text(r.send_bytes), bytes_text(r.recv_bytes));
 }
 
 }  // namespace staging
@@ -152,8 +251,8 @@ Reservation reservation(const CommLayouts& layouts, int rank,
 
 void NcclComm::set_route(int ordinal, std::shared_ptr<NcclComm> member) {
   if (member.get() == this)
-    throw ConfigError(fmt::format("rank {}: a context routed to itself (device ordinal {})",
-                                  rank(), ordinal));
+    throw ConfigError(
+        fmt::format("rank {}: a context routed to itself (device ordinal {})", rank(), ordinal));
   routes_.set(rank(), ordinal, std::move(member));
 }
 
@@ -251,7 +350,9 @@ void NcclComm::set_timeout(std::chrono::milliseconds) {}
 void NcclComm::set_layout(int, int, std::vector<size_t>) {}
 void NcclComm::set_names(int, int, bool, std::vector<std::string>) {}
 void NcclComm::record(bool) {}
+void NcclComm::reserve(const std::vector<staging::InFlight>&) {}
 void NcclComm::reserve(const std::vector<staging::TransferCount>&) {}
+std::pair<size_t, size_t> NcclComm::reserved_bytes() const { return {0, 0}; }
 void NcclComm::run_group(void*, const std::vector<CommOp>&, const std::vector<ConstBytes>&,
                          const std::vector<MutBytes>&) {
   throw ExecutionError("NcclComm: built without CUDA");

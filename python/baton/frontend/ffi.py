@@ -115,13 +115,43 @@ def is_nccl(comm) -> bool:
 
 def transfer_counts(items, channel) -> list[tuple[int, int, bool, int]]:
     """(channel, stage, send, count) per kind of transfer of a rank's step (its items: sends
-    and posted receives), for ``NcclRankComm.reserve``."""
+    and posted receives): ``NcclRankComm.reserve``'s counts form (every transfer of the step
+    at once; ``in_flight`` gives what is in flight at once)."""
     counts: dict[tuple[int, int, bool], int] = {}
     for op, k, s, _, _ in items:
         if op in (_core.ItemOp.SEND, _core.ItemOp.POST):
             key = (channel(k, s), s, op == _core.ItemOp.SEND)
             counts[key] = counts.get(key, 0) + 1
     return [(c, s, send, n) for (c, s, send), n in sorted(counts.items())]
+
+
+def in_flight(prog) -> list[tuple[int, int, bool, int, int]]:
+    """(channel, stage, send, from, to) per transfer of a rank's step, from its rank program
+    (``RankProgram``, docs/RANK_IR.md): in flight from its group's POST (instruction ``from``)
+    to ``to``, a receive's WAIT or the FREE that waits for a send's completion (-1: none, the
+    step's end), for ``NcclRankComm.reserve``: it reserves the most in flight at once."""
+    out = []
+    for t in prog.transfers:
+        out.append((int(t.channel), int(prog.buffers[t.buffer].key.stage),
+                    t.dir == _core.TransferDir.SEND, int(prog.groups[t.group].post),
+                    int(t.wait)))
+    return out
+
+
+def most_in_flight(transfers, nbytes) -> tuple[int, int]:
+    """(sends, receives): the most bytes in flight at once per direction over ``transfers``
+    (``in_flight``'s tuples; ``nbytes(channel, stage)`` a transfer's packed bytes), counted
+    per packed size as the staging pool is: what ``NcclRankComm.reserved_bytes`` reports."""
+    end = 1 + max([max(f, t) for *_, f, t in transfers] or [0])
+    top: dict[tuple[bool, int], int] = {}
+    for send in (True, False):
+        sizes = {nbytes(c, s) for c, s, d, _, _ in transfers if d == send}
+        for size in sizes:
+            ivs = [(f, end if t < 0 else t) for c, s, d, f, t in transfers
+                   if d == send and nbytes(c, s) == size]
+            top[send, size] = max(sum(f <= x <= t for f, t in ivs) for x, _ in ivs)
+    return tuple(sum(size * n for (d, size), n in top.items() if d == send)
+                 for send in (True, False))
 
 
 def comm(comm_id: int, ops: list[tuple[int, int, int, int]], token, sends: list, outs: list):

@@ -81,8 +81,8 @@ class RankTransfers:
 
     def configure(self, items) -> dict[tuple, list[int]]:
         """Tells the comm the rank's transfers (``items``): its shards, each channel's
-        layout, the buffers' names per (peer, channel, send) and, on NCCL, one step's
-        staging. Returns (peer, channel, send) -> buffer ids of one step, in order."""
+        layout, the buffers' names per (peer, channel, send) and, on NCCL, the staging of
+        the transfers in flight at once (``ffi.in_flight``). Returns (peer, channel, send) -> buffer ids of one step, in order."""
         cs, comm = self.cs, self.comm
         names: dict[tuple, list[str]] = {}
         order: dict[tuple, list[int]] = {}
@@ -100,8 +100,9 @@ class RankTransfers:
                 order.setdefault((peer, chan(k, s), op == ItemOp.SEND), []).append(b)
         for (peer, chan, send), ns in names.items():
             comm.set_names(peer, chan, send, ns)
-        if nccl:  # one step's staging slots and CUDA events, before any receive is posted
-            comm.reserve(ffi.transfer_counts(items, chan))
+        if nccl:  # staging and CUDA events of the transfers in flight at once, before any
+            # receive is posted (the rank IR's post and wait points)
+            comm.reserve(ffi.in_flight(cs.rank_ir().programs[self.rank]))
         return order
 
     def layout(self, k, s):

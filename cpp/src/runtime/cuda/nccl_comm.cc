@@ -39,14 +39,24 @@ void NcclComm::set_names(int peer, int channel, bool send, std::vector<std::stri
   impl_->names_[{peer, channel, send}] = std::move(names);
 }
 
+void NcclComm::reserve(const std::vector<staging::InFlight>& transfers) {
+  for (auto& r : routes_.members()) r->reserve(transfers);
+  impl_->reserve(staging::reservation(impl_->layouts_, impl_->rank_, transfers));
+}
+
 void NcclComm::reserve(const std::vector<staging::TransferCount>& transfers) {
   for (auto& r : routes_.members()) r->reserve(transfers);
-  Impl& m = *impl_;
-  m.check_failed();
-  m.set_device();
-  const staging::Reservation want = staging::reservation(m.layouts_, m.rank_, transfers);
-  for (const auto& [bytes, n] : want.slots) m.pool_->reserve(bytes, n);
-  m.reserve_events(want.events);
+  impl_->reserve(staging::reservation(impl_->layouts_, impl_->rank_, transfers));
+}
+
+std::pair<size_t, size_t> NcclComm::reserved_bytes() const {
+  std::pair<size_t, size_t> b{impl_->reserved_.send_bytes, impl_->reserved_.recv_bytes};
+  for (auto& r : routes_.members()) {
+    const auto [s, v] = r->reserved_bytes();
+    b.first += s;
+    b.second += v;
+  }
+  return b;
 }
 
 void NcclComm::record(bool on) {

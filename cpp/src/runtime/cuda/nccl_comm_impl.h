@@ -93,6 +93,12 @@ struct NcclComm::Impl {
   // around each poll) until it is enqueued, within the timeout.
   void settle(Link& l, const std::string& doing);
   void reserve_events(size_t n);  // at least n idle fast events
+  // Allocates what `want` says and caps the pool (NcclComm::reserve).
+  void reserve(const staging::Reservation& want);
+  // A staging slot of `bytes` for a transfer (`what`): from the pool; once the
+  // pool is capped, waits within the timeout for one to come free (reaping
+  // completed sends), else ExecutionError naming the rank, direction and bytes.
+  void* slot(size_t bytes, bool send, const std::string& what);
   // Issues every pair of a staged self send and a posted self receive of `channel`.
   void pair_self(Link& l, int channel);
   void take_spent();
@@ -129,6 +135,7 @@ struct NcclComm::Impl {
   std::map<int, std::deque<PendingSend>> self_sends_;   // by channel: staged, not issued
   std::map<int, std::deque<PendingRecv*>> self_recvs_;  // by channel: posted, not issued
   std::unique_ptr<staging::SlotPool> pool_;
+  staging::Reservation reserved_;  // what reserve() allocated (empty before)
   std::vector<cudaEvent_t> fast_;
 
   // mu_ guards what other threads read or write: failure, watched receives,

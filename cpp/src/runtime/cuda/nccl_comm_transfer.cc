@@ -105,6 +105,40 @@ std::string NcclComm::Impl::name(const CommOp& op, uint64_t seq) const {
                      send ? "to" : "from", op.peer);
 }
 
+void NcclComm::Impl::reserve(const staging::Reservation& want) {
+  check_failed();
+  set_device();
+  // Both directions share the slots of a size; a failure names the direction(s)
+  // of the size that did not fit.
+  for (const auto& [bytes, n] : want.slots) {
+    try {
+      pool_->reserve(bytes, n);
+    } catch (const std::exception& e) {
+      throw ExecutionError(staging::reserve_failure(rank_, bytes, want, e.what()), rank_);
+    }
+  }
+  reserve_events(want.events);
+  reserved_ = want;
+  pool_->cap(true);
+}
+
+void* NcclComm::Impl::slot(size_t bytes, bool send, const std::string& what) {
+  const auto wait = std::chrono::milliseconds(timeout_ms_.load());
+  const auto start = Clock::now();
+  void* p = pool_->take_within(
+      bytes,
+      [this] {
+        check_failed();
+        reap(false);
+      },
+      start + wait);
+  if (p || bytes == 0) return p;
+  throw ExecutionError(
+      staging::beyond_reservation(rank_, send, bytes, what, pool_->count(bytes), reserved_,
+                                  std::chrono::duration<double>(Clock::now() - start).count()),
+      rank_);
+}
+
 void NcclComm::Impl::reap(bool all) {
   size_t keep = 0;
   const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms_.load());
@@ -157,7 +191,7 @@ void NcclComm::Impl::send(cudaStream_t stream, const CommOp& op,
   PendingSend p;
   p.what = name(op, seq);
   p.bytes = total;
-  p.slot = pool_->take(total);
+  p.slot = slot(total, true, p.what);
   // XLA's buffer -> slot on the compute stream; the send stream waits for it.
   for (size_t i = 0; i < sizes.size(); ++i, ++in)
     if (sizes[i])
@@ -200,7 +234,7 @@ void NcclComm::Impl::post(const CommOp& op) {
   p.bytes = total;
   // A slot from the pool is idle on the device (its fences completed), so the
   // receive stream needs no wait on the compute stream.
-  p.slot = pool_->take(total);
+  p.slot = slot(total, false, p.what);
   if (op.peer == rank_) {  // a self link: issued with its send (pair_self)
     p.done = fast_event();
     fifo_.push(op.peer, op.channel, std::move(p));
