@@ -134,21 +134,63 @@ def host_syncs(hlo_text: str) -> HostSyncs:
     return HostSyncs(loops, syncs)
 
 
-def rank_program_hlo(ranks: int) -> list[str]:
-    """The optimized HLO of each rank program of a small pipelined step, straight loop
-    form (the GPU form), on this machine's backend."""
+def _scan_step(ranks: int):
+    """The small pipelined step of the scan-loop rows (1F1B, 4 microbatches, straight loop
+    form), run once: (the step, its results as a list of arrays)."""
     os.environ.setdefault("BATON_LOOP_FORM", "straight")
     sys.path.insert(0, str(ROOT / "tests" / "python"))
+    import jax
     import baton
     from mlp_step import make
 
     ps, params, batch = make(baton.OneFOneB(), ranks, 4)
-    ps(params, batch)
+    out = jax.block_until_ready(ps(params, batch))
+    return ps, jax.tree.leaves(out)
+
+
+def rank_program_hlo(ranks: int, ps=None) -> list[str]:
+    """The optimized HLO of each rank program of a small pipelined step, straight loop
+    form (the GPU form), on this machine's backend (of ``ps``, the step ``_scan_step``
+    ran, when given)."""
+    if ps is None:
+        ps, _ = _scan_step(ranks)
     eng = ps.last.engine
     progs = eng.local_progs if ranks > 1 else []
     if not progs:
         return [eng.single.compiled.as_text()] if getattr(eng.single, "compiled", None) else []
     return [p.compiled.as_text() for p in progs if p.compiled is not None]
+
+
+# XLA's command buffers (CUDA graphs) forced on for the kinds that cover the rank loop:
+# fusions, cuBLAS(Lt) GEMMs, custom calls (Baton's FFI handlers among them), conditionals and
+# while loops, with no minimum graph size. The baseline turns every kind off (an empty list;
+# XLA's default list already records some).
+COMMAND_BUFFERS_ON = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,"
+                      "CONDITIONAL,WHILE --xla_gpu_graph_min_graph_size=1")
+COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="
+
+
+def scan_results(path: str, ranks: int) -> None:
+    """The scan-loop step's results into ``path`` (.npz, arrays in order) and, as its last
+    line, how many times the optimized HLO names a command buffer (run in a process of its
+    own, under the XLA_FLAGS it was given)."""
+    import numpy as np
+
+    ps, leaves = _scan_step(ranks)
+    np.savez(path, *[np.asarray(x) for x in leaves])
+    texts = rank_program_hlo(ranks, ps)
+    print(f"command_buffer mentions: {sum(t.count('command_buffer') for t in texts)}", flush=True)
+
+
+def scan_command(path: str, ranks: int, flags: str) -> tuple[list[str], dict]:
+    """The command line and environment that run ``scan_results`` under XLA_FLAGS ``flags``
+    (added to the caller's)."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(x for x in (env.get("XLA_FLAGS", ""), flags) if x)
+    env["BATON_LOOP_FORM"] = "straight"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--scan-results", path,
+           "--ranks", str(ranks)]
+    return cmd, env
 
 
 # ------------------------------------------------------------------------------- rows
@@ -189,11 +231,45 @@ def row_scan_hlo(ctx: Context) -> Result:
 
 
 def row_command_buffers(ctx: Context) -> Result:
+    import tempfile
+
+    import numpy as np
+
+    ranks = 1  # the scan-loop row's program on one GPU
+    runs = {"off": COMMAND_BUFFERS_OFF, "on": COMMAND_BUFFERS_ON}
     if ctx.dry:
-        return Result("INFO", "dry run: reached; on a GPU reruns the rank loop with "
-                      "XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL... "
-                      "(not written yet: FAILs there)")
-    return Result("FAIL", "did not run: the command-buffer rerun is not written yet")
+        cmd, env = scan_command("<tmp>/on.npz", ranks, COMMAND_BUFFERS_ON)
+        return Result("INFO", f"dry run: reached; on a GPU runs the scan-loop row's program "
+                      f"twice, each in a process of its own: XLA_FLAGS={env['XLA_FLAGS']!r} "
+                      f"{' '.join(cmd[1:])}, and with {COMMAND_BUFFERS_OFF!r} (every kind off), "
+                      "and compares the results exactly")
+    tmp = tempfile.mkdtemp(prefix="baton-gpu-check-cmdbuf-")
+    said, arrays = {}, {}
+    for name, flags in runs.items():
+        cmd, env = scan_command(f"{tmp}/{name}.npz", ranks, flags)
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env,
+                               cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            return Result("FAIL", f"hung: the run with command buffers {name} gave no answer "
+                          "within 180 s")
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("command_buffer mentions")]
+        if p.returncode != 0 or not lines:
+            return Result("FAIL", f"the run with command buffers {name} failed (rc="
+                          f"{p.returncode}): {' '.join((p.stdout + p.stderr).splitlines()[-3:])}")
+        said[name] = lines[-1].split(":")[1].strip()
+        with np.load(f"{tmp}/{name}.npz") as z:
+            arrays[name] = [z[f"arr_{i}"] for i in range(len(z.files))]
+    a, b = arrays["off"], arrays["on"]
+    same = len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape
+                                    and np.array_equal(x, y) for x, y in zip(a, b))
+    worst = max((float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64))))
+                 for x, y in zip(a, b) if x.shape == y.shape and x.size), default=0.0)
+    detail = (f"{len(a)} arrays, results with {COMMAND_BUFFERS_ON!r} bit-equal to the run "
+              f"with every kind off: {same} (largest difference {worst:.1e}); the optimized "
+              f"HLO names a command buffer {said['on']} time(s) with them on, {said['off']} "
+              "off")
+    return Result("PASS" if same else "FAIL", detail)
 
 
 def row_single(name: str) -> Callable[[Context], Result]:
@@ -494,7 +570,12 @@ def has_gpu() -> bool:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="every row's plumbing, no GPU work")
+    p.add_argument("--scan-results", metavar="NPZ", help=argparse.SUPPRESS)  # (a row's process)
+    p.add_argument("--ranks", type=int, default=1, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.scan_results:
+        scan_results(a.scan_results, a.ranks)
+        return 0
     ctx = Context(dry=a.dry_run, gpu=False if a.dry_run else has_gpu())
     failed = []
     t0 = time.monotonic()

@@ -60,6 +60,9 @@ def test_dry_run_reaches_every_row_and_exits_0():
                       ("failure: close with transfers pending", "close"),
                       ("memory: XLA_PYTHON_CLIENT_MEM_FRACTION=.95", "mem95")):
         assert f"gpu_check_faults.py {key} ('{name}')" in by_name[name], by_name[name]
+    cmdbuf = by_name["scan loop under command buffers"]
+    assert "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CONDITIONAL," \
+           "WHILE" in cmdbuf and "--scan-results" in cmdbuf, cmdbuf
     staging = by_name["memory: staging reservation"]
     assert "in flight at once (sends/receives) 32.00/32.00 MiB, the step's 256.01/128.00 MiB" \
         in staging, staging
@@ -77,6 +80,27 @@ def test_staging_row_arithmetic_is_the_rank_irs_in_flight_maximum():
     assert act == (32 << 20) + 1000 and grad == 16 << 20  # 32 MiB is 256-aligned
     assert (sends, recvs) == (act, 2 * grad)
     assert (step_s, step_r) == (8 * act, 8 * grad)
+
+
+def test_scan_results_rerun_matches_in_processes_of_their_own(tmp_path):
+    """The command-buffer row's plumbing on CPU: the scan-loop step run in two processes under
+    the two XLA_FLAGS (the GPU flags are accepted and do nothing here), results saved and
+    equal, the HLO count line printed."""
+    import numpy as np
+
+    got = {}
+    for name, flags in (("off", gpu_check.COMMAND_BUFFERS_OFF),
+                        ("on", gpu_check.COMMAND_BUFFERS_ON)):
+        cmd, env = gpu_check.scan_command(str(tmp_path / f"{name}.npz"), 2, flags)
+        assert flags in env["XLA_FLAGS"]
+        env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2", BATON_QUIET="1")
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert p.stdout.splitlines()[-1].startswith("command_buffer mentions: "), p.stdout
+        with np.load(tmp_path / f"{name}.npz") as z:
+            got[name] = [z[f"arr_{i}"] for i in range(len(z.files))]
+    assert len(got["on"]) == len(got["off"]) > 0
+    assert all(np.array_equal(a, b) for a, b in zip(got["on"], got["off"]))
 
 
 def test_a_fault_row_without_its_check_fails():
