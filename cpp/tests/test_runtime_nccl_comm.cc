@@ -237,6 +237,31 @@ TEST(NcclCommStaging, ReservationIsTheMostInFlightAtOnceNotTheSum) {
   }
 }
 
+TEST(NcclCommStaging, ReservationsOfProgramsSharingAContextMergePerSize) {
+  CommLayouts layouts;
+  layouts[{0, 0}] = {1024};
+  layouts[{1, 1}] = {4096};
+  // A: two 1024-byte sends at once, one 4096-byte receive; B: one send, three receives.
+  const staging::Reservation a = staging::reservation(
+      layouts, 0, Spans{{0, 0, true, 0, 5}, {0, 0, true, 1, 5}, {1, 1, false, 2, 3}});
+  const staging::Reservation b = staging::reservation(
+      layouts, 0,
+      Spans{{0, 0, true, 0, 1}, {1, 1, false, 0, 9}, {1, 1, false, 1, 9}, {1, 1, false, 2, 9}});
+  const staging::Reservation m = staging::merged(a, b);
+  EXPECT_EQ(m.slots.at(1024), 2u);
+  EXPECT_EQ(m.slots.at(4096), 3u);
+  EXPECT_EQ(m.send_slots.at(1024), 2u);
+  EXPECT_EQ(m.send_bytes, 2u * 1024);
+  EXPECT_EQ(m.recv_bytes, 3u * 4096);
+  EXPECT_EQ(m.events, std::max(a.events, b.events));
+  // Merging into nothing (the first reserve) is the reservation itself.
+  const staging::Reservation first = staging::merged(staging::Reservation{}, a);
+  EXPECT_EQ(first.slots, a.slots);
+  EXPECT_EQ(first.send_slots, a.send_slots);
+  EXPECT_EQ(first.send_bytes, a.send_bytes);
+  EXPECT_EQ(first.recv_bytes, a.recv_bytes);
+}
+
 TEST(NcclCommStaging, ReservationErrorsNameRankDirectionAndBytes) {
   CommLayouts layouts;
   layouts[{0, 0}] = {512u << 20};  // 512 MiB

@@ -240,6 +240,11 @@ Reservation reservation(const CommLayouts& layouts, int rank,
 Reservation reservation(const CommLayouts& layouts, int rank,
                         const std::vector<TransferCount>& transfers);
 
+// Two reservations of one context (reserve() called for each program that
+// shares it): per size the larger slot counts (of each direction), the
+// larger event count, bytes recomputed from the merged slots.
+Reservation merged(const Reservation& a, const Reservation& b);
+
 // "512 MiB (536870912 bytes)" style.
 std::string bytes_text(size_t bytes);
 // The error when the `slot_bytes` slots of `r` cannot be allocated: names the
@@ -338,8 +343,8 @@ class NcclComm {
   // slots cannot be allocated. The counts form reserves every transfer of a step.
   void reserve(const std::vector<staging::InFlight>& transfers);
   void reserve(const std::vector<staging::TransferCount>& transfers);
-  // (send, receive) bytes of staging reserved by reserve(), this context's and
-  // its routed slots'; (0, 0) before.
+  // (send, receive) bytes of staging reserved by reserve() (merged over the
+  // calls: staging::merged), this context's and its routed slots'; (0, 0) before.
   std::pair<size_t, size_t> reserved_bytes() const;
 
   // Device slots (see the header comment): calls from device `ordinal` run on

@@ -212,6 +212,29 @@ Reservation reservation(const CommLayouts& layouts, int rank,
   return reservation(layouts, rank, all);
 }
 
+Reservation merged(const Reservation& a, const Reservation& b) {
+  auto get = [](const std::map<size_t, size_t>& m, size_t k) {
+    auto it = m.find(k);
+    return it == m.end() ? size_t{0} : it->second;
+  };
+  Reservation r;
+  r.events = std::max(a.events, b.events);
+  for (const Reservation* x : {&a, &b})
+    for (const auto& [bytes, n] : x->slots) {
+      const size_t sends = std::max(get(a.send_slots, bytes), get(b.send_slots, bytes));
+      const size_t recvs = std::max(get(a.slots, bytes) - get(a.send_slots, bytes),
+                                    get(b.slots, bytes) - get(b.send_slots, bytes));
+      r.slots[bytes] = sends + recvs;
+      if (sends) r.send_slots[bytes] = sends;
+    }
+  for (const auto& [bytes, n] : r.slots) {
+    const size_t sends = get(r.send_slots, bytes);
+    r.send_bytes += sends * bytes;
+    r.recv_bytes += (n - sends) * bytes;
+  }
+  return r;
+}
+
 std::string bytes_text(size_t bytes) {
   const double mib = static_cast<double>(bytes) / (1024.0 * 1024.0);
   if (mib >= 1024.0) return fmt::format("{:.2f} GiB ({} bytes)", mib / 1024.0, bytes);

@@ -118,7 +118,7 @@ void NcclComm::Impl::reserve(const staging::Reservation& want) {
     }
   }
   reserve_events(want.events);
-  reserved_ = want;
+  reserved_ = staging::merged(reserved_, want);  // (programs that share this context)
   pool_->cap(true);
 }
 
