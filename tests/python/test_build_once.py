@@ -12,18 +12,8 @@ import baton
 from baton import _core
 
 import mlp_step
+from test_planner import DEADLOCK  # a valid schedule that deadlocks
 from test_stage_graph import init_skip, skip_batch, skip_loss
-
-DEADLOCK = """\
-baton-schedule 1
-name custom
-ranks 2
-stages 2
-microbatches 2
-placement 0 1
-rank 0: F0.0 F0.1 B0.0 B0.1
-rank 1: F1.1 B1.1 F1.0 B1.0
-"""
 
 
 def _delta(before: dict, keys=("lower", "verify", "rank_ir")) -> dict:
