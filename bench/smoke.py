@@ -65,6 +65,10 @@ EXCLUDED = {
     "gpu_check_gpt.py": "needs an NVIDIA GPU (run by bench/gpu_check.py)",
     "gpu_check_single.py": "needs an NVIDIA GPU (run by bench/gpu_check.sh on a GPU machine)",
     "gpu_check_pipe_tensor.py": "needs 4 NVIDIA GPUs (run by bench/gpu_check.sh)",
+    "gpu_check_shared.py": "rows of bench/gpu_check.py (two processes on one GPU); its dry run "
+                           "runs them on CPU (tests/python/test_gpu_check_dry.py)",
+    "gpu_check_faults.py": "rows of bench/gpu_check.py (failure paths on a GPU); its dry run "
+                           "lists each check (tests/python/test_gpu_check_dry.py)",
 }
 
 CASES = (

@@ -104,8 +104,10 @@ def test_failure_on_a_shared_rank_names_it():
         with pytest.raises(baton.ExecutionError) as info:
             ps(params, batch)
         # bounded by the step's timeout: XLA returns the shared program's error once every
-        # device's part stopped, and the parts that wait on rank 2 stop at their timeout
-        assert time.monotonic() - t0 < 5.0 + 15
+        # device's part stopped, and the parts that wait on rank 2 stop at their timeout.
+        # The call also compiles the rebuilt programs (with XLA's optimizations on, on a
+        # loaded 2-core machine, up to about 20 s), hence the margin; a hang never returns.
+        assert time.monotonic() - t0 < 5.0 + 60
         assert _shared(ps)[1], "the patched stages no longer share a program"
         msg = str(info.value)
         assert "injected failure" in msg and msg.startswith("ranks 1, 2 (one shared"), msg
