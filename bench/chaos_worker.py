@@ -98,7 +98,7 @@ def digest(tree) -> str:
 
 
 def run(a) -> None:
-    from baton.frontend.distributed import process_group
+    from baton.running.distributed import process_group
 
     mark("compile-begin")
     world = process_group(connect_timeout=a.timeout).world_size

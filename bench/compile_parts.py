@@ -37,8 +37,8 @@ from timing import publish  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import baton  # noqa: E402
 import gpt  # noqa: E402
-from baton.frontend import engine  # noqa: E402
-from baton.frontend.task_env import _run_task  # noqa: E402
+from baton.running import engine  # noqa: E402
+from baton.emit.task_env import _run_task  # noqa: E402
 
 
 def compile_secs(lowered) -> float:

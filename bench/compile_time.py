@@ -10,7 +10,7 @@ process. "plain jax.jit" is the training step with ``accumulate`` as a ``lax.sca
 same microbatches on one device. First call: wall time of call 1 (outputs ready); its compile
 part is call 1 minus the median steady call. Compilations counted with jax.monitoring's
 backend-compile events. ``--unshared``: each schedule also with ``share_programs=False`` (one
-program per rank; by default ranks that do the same work share one, ``frontend/shared.py``).
+program per rank; by default ranks that do the same work share one, ``emit/shared.py``).
 A benchmark, not a test.
 """
 

@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import io_callback  # noqa: E402
 
 from baton import _core  # noqa: E402
-from baton.frontend import ffi  # noqa: E402
+from baton.emit import ffi  # noqa: E402
 
 RT = _core.runtime
 

@@ -317,7 +317,7 @@ def staging_program(microbatches: int = 8) -> list:
     needed): ``ffi.in_flight``'s (channel, stage, send, from, to), sends of activations and
     receives of gradients, one each per microbatch."""
     from baton import _core
-    from baton.frontend import ffi
+    from baton.emit import ffi
 
     ir = _core.build_rank_ir(_core.lower(_core.one_f_one_b(2, microbatches)))
     return ffi.in_flight(ir.programs[0])
@@ -325,7 +325,7 @@ def staging_program(microbatches: int = 8) -> list:
 
 def staging_arithmetic(fl: list) -> tuple[tuple[int, int], tuple[int, int]]:
     """(sends, receives) bytes in flight at once by the rank IR, and the step's."""
-    from baton.frontend import ffi
+    from baton.emit import ffi
 
     def nbytes(c, s):
         return _packed(STAGING_LAYOUTS[c, s])
@@ -356,7 +356,7 @@ def row_reservation(ctx: Context) -> Result:
     import jax.numpy as jnp
     import numpy as np
     from baton import _core
-    from baton.frontend import ffi
+    from baton.emit import ffi
 
     rt = _core.runtime
     chans = sorted({c for c, *_ in fl})

@@ -247,7 +247,7 @@ def main(argv: list[str]) -> int:
     import jax.numpy as jnp
 
     from baton import _core
-    from baton.frontend import ffi
+    from baton.emit import ffi
 
     name = NAMES[argv[0]]
     try:

@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 
 import baton  # noqa: E402
 import gpt  # noqa: E402
-from baton.frontend.distributed import process_group  # noqa: E402
+from baton.running.distributed import process_group  # noqa: E402
 
 SCHEDULES = {  # name -> (schedule, stages)
     "1f1b": (lambda: baton.OneFOneB(), 2),

@@ -177,7 +177,7 @@ def one_libnccl(rt) -> None:
 def main() -> None:
     from baton import _core
     from baton.errors import BatonError
-    from baton.frontend import ffi
+    from baton.emit import ffi
 
     rt = _core.runtime
     assert jax.default_backend() == "gpu", f"backend {jax.default_backend()}, not gpu"

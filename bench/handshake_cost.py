@@ -15,7 +15,7 @@ import jax  # noqa: E402
 
 import baton  # noqa: E402
 import gpt  # noqa: E402
-from baton.frontend import handshake  # noqa: E402
+from baton.running import handshake  # noqa: E402
 
 cfg = gpt.GPTConfig(stages=4, layers=8)
 model, params, opt, st, step, ref = gpt.make(cfg, eps=1e-6)

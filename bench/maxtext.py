@@ -231,9 +231,11 @@ def part_phases_baton(args) -> dict:
     import jax
 
     import baton
-    from baton.frontend import api, engine, step as step_mod
-    from baton.frontend.rank_program import RankProgram
-    from baton.frontend.shared import SharedProgram
+    from baton.frontend import api
+    from baton.running import engine
+    from baton.running import step as step_mod
+    from baton.emit.rank_program import RankProgram
+    from baton.emit.shared import SharedProgram
     from baton.integrations import maxtext as bmt
 
     clk = _Clock()
@@ -361,9 +363,9 @@ def part_bubble_baton(args) -> dict:
 
     import baton
     from baton import _core
-    from baton.frontend import profile as prof_mod
+    from baton.measure import profile as prof_mod
     from baton.frontend.api import cost_model_of
-    from baton.frontend.tasks import task_name
+    from baton.planning.tasks import task_name
     from baton.integrations import maxtext as bmt
 
     def named(by_task: dict) -> dict:  # JSON keys: "F0", "B1", "FB3"

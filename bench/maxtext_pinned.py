@@ -124,7 +124,7 @@ def _barrier() -> None:
     parameters first, and one finishes that up to 0.3 s before the other: without the barrier
     the earlier one's first call would count that wait. (It connects the process group, a
     few milliseconds, before the timer.)"""
-    from baton.frontend.distributed import Router, process_group
+    from baton.running.distributed import Router, process_group
 
     router = Router(process_group("gloo"), 60.0)
     router.allgather("ready")

@@ -13,7 +13,7 @@ x data 2 x tensor 2, pipe 2 x fsdp 4, pipe 4 x data 2, and the MoE GPT (examples
 as pipe 2 x expert 2 x data 2. Each configuration runs in its own process (so no other
 configuration's arrays are live): one warm-up step, then ``step.memory(params, opt_state,
 batch, measure=True)`` on the warm-up step's outputs (the arguments as a training loop passes
-them): the model (see python/baton/frontend/memory.py) and one step with the live jax arrays
+them): the model (see python/baton/measure/memory.py) and one step with the live jax arrays
 sampled per device. Prints one markdown table per configuration and schedule. DualPipeV
 runs at least 2 x ranks microbatches (8 for pipe 4), the others ``--microbatches``.
 """

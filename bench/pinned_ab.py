@@ -45,7 +45,7 @@ def worker(args):
     import baton
     import gpt
     from baton import runtime
-    from baton.frontend.distributed import Router, process_group
+    from baton.running.distributed import Router, process_group
 
     runtime.retain_host_memory()
     m = args.microbatches

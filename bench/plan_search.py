@@ -1,4 +1,4 @@
-"""Planning-time benchmark of the automatic planner (baton.planning.autoplan_segments).
+"""Planning-time benchmark of the automatic planner (baton.planning.plan.autoplan_segments).
 
 Random segment costs (seeded) for 8/16/32/64 segments on 4 and 8 ranks, every
 schedule family, microbatch counts dividing the batch up to 4*ranks; plus an
@@ -18,7 +18,7 @@ import platform
 import random
 import time
 
-from baton.planning import autoplan_segments
+from baton.planning.plan import autoplan_segments
 
 MiB = 2**20
 

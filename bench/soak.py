@@ -47,7 +47,7 @@ def worker(a) -> int:
     from train_lm import Batches
 
     import baton
-    from baton.frontend.distributed import process_group
+    from baton.running.distributed import process_group
 
     group = process_group()
     rank, world = group.rank, group.world_size

@@ -118,7 +118,7 @@ def measure(args):
         return loop, (finv, binv, stacked(frest), stacked(bmb), stash0)
 
     from baton import _core
-    from baton.frontend.tasks import FUSED_FB
+    from baton.planning.tasks import FUSED_FB
 
     F, B = _core.TaskKind.F, _core.TaskKind.B  # the step's task keys: (kind, stage)
     loops = {}

@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import baton  # noqa: E402
-from baton.frontend.primitives import accumulate_p, tracing_pipeline  # noqa: E402
+from baton.tracing.primitives import accumulate_p, tracing_pipeline  # noqa: E402
 
 DIM = 4  # features; small so the shapes in the listing stay readable
 ROWS = 2  # rows per microbatch

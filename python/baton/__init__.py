@@ -29,7 +29,7 @@ from ._core import (  # noqa: F401,E402
     Violation,
     fuse_forward_backward,
 )
-from .planning import Plan, as_cost_model, plan  # noqa: F401,E402
+from .planning.plan import Plan, as_cost_model, plan  # noqa: F401,E402
 from .schedules import (  # noqa: F401,E402
     ZBH1,
     ZBH2,
@@ -70,8 +70,8 @@ from .autoplan import Auto, autoplan, costs_at, measure_segments, search_segment
 from .autostage import auto_stage  # noqa: F401,E402
 
 # --- measurement (traces of real steps, profile-driven costs) ---
-from .frontend.profile import Profile, profile  # noqa: F401,E402
-from .frontend.tracing import Trace, trace  # noqa: F401,E402
+from .measure.profile import Profile, profile  # noqa: F401,E402
+from .measure.traces import Trace, trace  # noqa: F401,E402
 
 # --- planning at cluster scale (abstract model profiles, hardware files; docs/SCALE.md) ---
 from .scale import evaluate_cluster, plan_cluster  # noqa: F401,E402

@@ -36,8 +36,8 @@ import numpy as np
 from .auto_schedule import Auto, set_planner
 from .candidates import Candidate, Candidates
 from .errors import ConfigError
-from .frontend.trace import trace_step
-from .planning import autoplan_segments
+from .tracing.trace import trace_step
+from .planning.plan import autoplan_segments
 from .segment_costs import _batch_size, measure_segments
 
 __all__ = ["measure_segments", "autoplan", "search_segments", "costs_at", "host_copy_bandwidth",

@@ -33,8 +33,8 @@ import numpy as np
 from . import _core
 from . import _jax_compat as jc
 from .errors import TraceError
-from .frontend.primitives import stage_boundary
-from .frontend.trace import _eqn_cost
+from .tracing.primitives import stage_boundary
+from .tracing.trace import _eqn_cost
 
 __all__ = ["auto_stage", "AutoStaged", "Cut"]
 

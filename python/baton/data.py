@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from .errors import ConfigError
-from .frontend.distributed import Remote
+from .running.distributed import Remote
 from .init import LeafHome, _compiled, leaf_homes
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .frontend.api import PipelinedFunction
-from .frontend.distributed import Remote
+from .running.distributed import Remote
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from .errors import ConfigError
-from .frontend.primitives import stage_boundary
+from .tracing.primitives import stage_boundary
 from .stacks import Stacked, group_bounds, group_leaves
 
 __all__ = ["nnx_stack_groups", "nnx_scan_stages"]

@@ -17,9 +17,9 @@ import numpy as np
 from . import _core
 from .errors import ConfigError
 from .frontend.api import PipelinedFunction
-from .frontend.mesh import PipelineMesh
-from .frontend.profile import profile
-from .frontend.trace import trace_step
+from .mesh import PipelineMesh
+from .measure.profile import profile
+from .tracing.trace import trace_step
 from .schedules import Interleaved1F1B
 
 G = _core.graph

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from .errors import ConfigError
-from .frontend.primitives import stage_boundary
+from .tracing.primitives import stage_boundary
 
 __all__ = ["Stacked", "scan_stages", "split_stacks", "join_stacks"]
 

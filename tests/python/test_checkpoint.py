@@ -105,7 +105,7 @@ def leaves_equal(got, want, what):
 # -- launched workers ------------------------------------------------------------------------
 def worker_main(mode: str, outdir: str, k: int) -> None:
     """Process ``me`` of ``world``, running ``k`` ranks (global ranks me*k .. me*k+k-1)."""
-    from baton.frontend.distributed import process_group
+    from baton.running.distributed import process_group
 
     me, world = process_group().rank, process_group().world_size
     out = pathlib.Path(outdir)

@@ -24,7 +24,7 @@ import numpy as np
 import jax, jax.numpy as jnp, optax
 import baton
 from baton import checkpoint as ckpt
-from baton.frontend.distributed import process_group
+from baton.running.distributed import process_group
 from jax.sharding import Mesh, PartitionSpec as P
 
 out = sys.argv[1]

@@ -13,7 +13,7 @@ import pytest
 
 import baton
 from baton import _core
-from baton.frontend import ffi
+from baton.emit import ffi
 
 needs_cuda_build = pytest.mark.skipif(
     not _core.ffi.has_cuda(), reason="_core built without CUDA/nccl.h (no CUDA handlers)")

@@ -278,7 +278,7 @@ def test_compiled_engine_names_a_rank_it_cannot_run():
     step.mesh.rank_devices[1] = [gpu]
     assert "rank 1 runs on a GPU" in step.engine_refusal(1)
     assert "not 'local'" in step.engine_refusal(1)
-    if baton.frontend.ffi.has_cuda():  # the NCCL handlers are built: a GPU per rank runs
+    if baton.emit.ffi.has_cuda():  # the NCCL handlers are built: a GPU per rank runs
         assert step.engine_refusal(1, "nccl") is None
         step.mesh.rank_devices[0] = [gpu]
         assert "ranks 0 and 1 of this process share GPU" in step.engine_refusal(1, "nccl")

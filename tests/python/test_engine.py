@@ -126,8 +126,8 @@ def test_code_after_the_loop_compiled_ahead_is_not_compiled_again(monkeypatch, w
     them compiles nothing; without it each compiles at its call (the check can fail)."""
     import optax
     from baton import _jax_compat as jc
-    from baton.frontend import step as step_mod
-    from baton.frontend.warm import Warmup
+    from baton.running import step as step_mod
+    from baton.emit.warm import Warmup
     from mlp_step import make_train
 
     in_post, compiles = [False], []
@@ -172,7 +172,7 @@ EXIT_WHILE_WARMING = """
 import os, sys
 sys.path.insert(0, {here!r})
 import optax, baton
-from baton.frontend.warm import Warmup
+from baton.emit.warm import Warmup
 from mlp_step import make_train
 ps, params, st, batch = make_train(baton.OneFOneB(), 2, optax.adam(1e-2))
 step = ps.compile(params, st, batch)

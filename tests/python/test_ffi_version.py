@@ -3,8 +3,8 @@ headers are refused by name under a jaxlib whose FFI API cannot take them."""
 
 import pytest
 
-from baton.frontend import ffi
-from baton.frontend.ffi import FfiApi, ffi_api_mismatch
+from baton.emit import ffi
+from baton.emit.ffi import FfiApi, ffi_api_mismatch
 
 
 def test_same_api_accepted():

@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 
 import baton  # noqa: E402
 from baton import _core  # noqa: E402
-from baton.frontend.trace import trace_step  # noqa: E402
+from baton.tracing.trace import trace_step  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import mlp  # noqa: E402

@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import baton  # noqa: E402
-from baton.frontend.tasks import FUSED_FB  # noqa: E402
+from baton.planning.tasks import FUSED_FB  # noqa: E402
 
 from mlp_step import make  # noqa: E402
 

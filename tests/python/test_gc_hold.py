@@ -1,4 +1,4 @@
-"""Python's garbage collector held back while a step builds (``frontend/gc_hold.py``)."""
+"""Python's garbage collector held back while a step builds (``running/gc_hold.py``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import baton  # noqa: E402
-from baton.frontend.gc_hold import BUILD_THRESHOLD, held  # noqa: E402
+from baton.running.gc_hold import BUILD_THRESHOLD, held  # noqa: E402
 
 
 @pytest.fixture
@@ -96,7 +96,7 @@ def _step(seen):
 def test_first_call_builds_with_the_collector_held(default_threshold, monkeypatch, hold):
     """The trace (the model's code runs) and the rank programs' lowering (the first run)
     see the raised threshold; the call ends with it restored."""
-    from baton.frontend.rank_program import RankProgram
+    from baton.emit.rank_program import RankProgram
 
     seen, lowered = [], []
     lower = RankProgram.lower

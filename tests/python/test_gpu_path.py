@@ -18,9 +18,10 @@ import pytest  # noqa: E402
 
 import baton  # noqa: E402
 from baton import _core  # noqa: E402
-from baton.frontend import engine, ffi  # noqa: E402
-from baton.frontend.rank_program import RankProgram, loop_form  # noqa: E402
-from baton.frontend.rolling import rank_items  # noqa: E402
+from baton.emit import ffi  # noqa: E402
+from baton.running import engine  # noqa: E402
+from baton.emit.rank_program import RankProgram, loop_form  # noqa: E402
+from baton.emit.rolling import rank_items  # noqa: E402
 
 
 def _fake_step(platform, ranks=2, per_rank=2, transport="nccl"):

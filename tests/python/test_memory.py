@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import Mesh
 
 import baton
-from baton.frontend.memory import per_device
+from baton.measure.memory import per_device
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import gpt  # noqa: E402
@@ -115,7 +115,7 @@ def test_measure_runs_the_compiled_engine(ranks, schedule):
     sample as they start holds the step's arguments plus each program's own allocation
     (XLA's temporaries and outputs), on every device. ZB-H1: its rank 0 reads a weight
     stash bigger than the rest out of a ring of one slot (read whole, not copied)."""
-    from baton.frontend.memory import program_bytes
+    from baton.measure.memory import program_bytes
 
     stages = ranks
     cfg = gpt.GPTConfig(vocab=256, seq=32, dim=64, heads=4, layers=stages, stages=stages)

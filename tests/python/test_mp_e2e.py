@@ -29,7 +29,7 @@ import optax  # noqa: E402
 import pytest  # noqa: E402
 
 import baton  # noqa: E402
-from baton.frontend.tasks import FUSED_FB  # noqa: E402
+from baton.planning.tasks import FUSED_FB  # noqa: E402
 from launched import distributed_env  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -92,7 +92,7 @@ def flat_result(hist, params, opt_state) -> dict:
 
 def worker_main(mode: str, outdir: str) -> None:
     """Body of every launched process (see WORKER)."""
-    from baton.frontend.distributed import process_group
+    from baton.running.distributed import process_group
 
     rank = process_group().rank
     world = process_group().world_size

@@ -232,7 +232,7 @@ def _fake_mesh(procs_per_rank):
 ])
 def test_spanning_layout(layout, me, error):
     """Slots of ranks that span processes, and the layouts refused by name."""
-    from baton.frontend.distributed import spanning_layout
+    from baton.running.distributed import spanning_layout
 
     mesh = _fake_mesh(layout)
     if error is None:
@@ -252,7 +252,7 @@ def test_spanning_ranks_refused_where_cached_collectives_hang(monkeypatch):
     import jax
 
     from baton import _jax_compat
-    from baton.frontend import distributed
+    from baton.running import distributed
 
     monkeypatch.setattr(_jax_compat, "_CACHED_CROSS_PROCESS_HANG", frozenset({jax.__version__}))
     mesh = SimpleNamespace(rank_devices=[[SimpleNamespace(platform="cpu")]],

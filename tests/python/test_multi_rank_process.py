@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import baton  # noqa: E402
-from baton.frontend.tasks import FUSED_FB  # noqa: E402
+from baton.planning.tasks import FUSED_FB  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -146,7 +146,7 @@ def fault_main(p, world, out, mode):
 
 
 def worker_main(mode, outdir):
-    from baton.frontend.distributed import process_group
+    from baton.running.distributed import process_group
 
     g = process_group()
     if mode == "train":
@@ -277,8 +277,8 @@ def test_process_mesh_layout_and_multi_device_ranks_refused():
     j. k ranks of several CPU devices in one process are refused by the compiled engine."""
     import types
 
-    from baton.frontend import engine
-    from baton.frontend.distributed import process_mesh
+    from baton.running import engine
+    from baton.running.distributed import process_mesh
 
     one = process_mesh(baton.PipelineMesh(jax.devices()[:2], ranks=2), 3)
     assert one.num_ranks == 6 and one.ranks_per_process == 2

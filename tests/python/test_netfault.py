@@ -45,7 +45,7 @@ WORKER = textwrap.dedent(f'''
     sys.path.insert(0, {str(HERE)!r})
     import baton
     import test_mp_e2e as T
-    from baton.frontend.distributed import process_group
+    from baton.running.distributed import process_group
 
     timeout, steps = float(sys.argv[1]), int(sys.argv[2])
     rank = process_group(connect_timeout=30).rank

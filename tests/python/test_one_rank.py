@@ -123,7 +123,7 @@ def test_one_program_several_stages_on_one_rank(schedule):
     from mlp_step import make
     from test_e2e import run_mlp
 
-    from baton.frontend.single_program import SingleProgram
+    from baton.emit.single_program import SingleProgram
 
     assert schedule.stages(1) == 2
     ps = run_mlp(schedule, 1, microbatches=4, steps=2, per_rank=2, aux=True)
@@ -143,7 +143,7 @@ def test_one_program_that_fails_to_build_raises(monkeypatch):
     interpreter runs only when chosen: single_program=False)."""
     from mlp_step import make
 
-    from baton.frontend import single_program
+    from baton.emit import single_program
 
     def broken(self, flat_args):
         raise RuntimeError("rolled wrong")

@@ -466,7 +466,7 @@ def _segments(n=6, batch=8):
 
 
 def test_parse_memory():
-    from baton.planning import parse_memory
+    from baton.planning.plan import parse_memory
 
     assert parse_memory("20GiB") == 20 * 2**30
     assert parse_memory("1.5GB") == 1_500_000_000
@@ -502,7 +502,7 @@ def _stage_costs(costs, cuts, remat):
 
 
 def test_autoplan_segments_rows_and_stats(tmp_path):
-    from baton.planning import autoplan_segments
+    from baton.planning.plan import autoplan_segments
 
     costs = _segments()
     rows = autoplan_segments(costs, ranks=2, memory_per_device="1MiB", top=3,
@@ -539,7 +539,7 @@ def test_autoplan_segments_rows_and_stats(tmp_path):
 
 
 def test_autoplan_segments_errors():
-    from baton.planning import autoplan_segments
+    from baton.planning.plan import autoplan_segments
 
     with pytest.raises(baton.ConfigError, match="no candidate fits.*on rank"):
         autoplan_segments(_segments(), ranks=2, memory_per_device="1KiB")

@@ -13,8 +13,8 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 import baton  # noqa: E402
-from baton.frontend.profile import _step_task_times, _task_key  # noqa: E402
-from baton.frontend.tasks import FUSED_FB  # noqa: E402
+from baton.measure.profile import _step_task_times, _task_key  # noqa: E402
+from baton.planning.tasks import FUSED_FB  # noqa: E402
 
 from mlp_step import make  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The start-up handshake over the whole traced program (``frontend/handshake.py``).
+"""The start-up handshake over the whole traced program (``running/handshake.py``).
 
 One launch of 2 processes (one pipeline rank each, Gloo) builds a series of steps in which
 process 1 runs different code than process 0: a different layer width, a different
@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
 import baton  # noqa: E402
-from baton.frontend import handshake  # noqa: E402
+from baton.running import handshake  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 

@@ -75,7 +75,7 @@ def test_step_rank_programs_are_what_its_loops_run():
     of each rank's loop program are the rank program's instructions in order."""
     from mlp_step import make
 
-    from baton.frontend.rolling import rank_items
+    from baton.emit.rolling import rank_items
 
     ps, params, batch = make(baton.OneFOneB(), 2, 4)
     cs = ps.compile(params, batch)
@@ -117,9 +117,9 @@ def test_one_rank_loop_items_are_its_tasks(fused):
     tasks in the schedule's order (``task_list``), no transfers; fused F+B as one ``FB``."""
     from mlp_step import make
 
-    from baton.frontend.loop_program import _LoopProgram
-    from baton.frontend.rolling import task_list
-    from baton.frontend.tasks import FUSED_FB
+    from baton.emit.loop_program import _LoopProgram
+    from baton.emit.rolling import task_list
+    from baton.planning.tasks import FUSED_FB
 
     ps, params, batch = make(baton.OneFOneB(), 1, 4, fuse_forward_backward=fused)
     cs = ps.compile(params, batch)

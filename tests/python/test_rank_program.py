@@ -13,9 +13,9 @@ import pytest  # noqa: E402
 
 import baton  # noqa: E402
 from baton import _core  # noqa: E402
-from baton.frontend.rank_program import RankProgram  # noqa: E402
-from baton.frontend.rolling import item_reads, item_writes, rank_items  # noqa: E402
-from baton.frontend.tasks import unit_order  # noqa: E402
+from baton.emit.rank_program import RankProgram  # noqa: E402
+from baton.emit.rolling import item_reads, item_writes, rank_items  # noqa: E402
+from baton.planning.tasks import unit_order  # noqa: E402
 
 SCHEDULES = ["gpipe", "1f1b", "eager1f1b", "interleaved", "zbh1", "zbh2", "zbv", "dualpipev"]
 
@@ -67,7 +67,7 @@ def test_rank_items_keep_the_stream(name, ranks):
     is posted, then waited on, before the first task that reads it, and sent after the task
     that makes it; what a rank sends to a peer is what that peer waits on from it; no run
     hands stacked buffers on."""
-    from baton.frontend.rolling import task_list
+    from baton.emit.rolling import task_list
 
     cs = _step(name, ranks, 2 * ranks)
     sent, waited = set(), set()

@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import baton  # noqa: E402
-from baton.frontend.trace import trace_step  # noqa: E402
+from baton.tracing.trace import trace_step  # noqa: E402
 
 
 def _layer(w, x):

@@ -383,7 +383,7 @@ def test_sized_buffer_values_are_pytrees():
     import jax
     import jax.numpy as jnp
 
-    from baton.frontend.interpreter import _Sized, _sized_unflatten
+    from baton.running.interpreter import _Sized, _sized_unflatten
 
     a, b = jnp.ones((2, 3)), jnp.zeros((4,), jnp.int32)
     v = _sized_unflatten(a.nbytes + b.nbytes, [a, b])

@@ -11,7 +11,7 @@ row-parallel matmul written with ``jax.shard_map`` whose partial products are su
 * ``context``: no mesh at all in the model (bare ``PartitionSpec``s, ``shard_map`` without
   ``mesh=``), the step called under ``jax.set_mesh`` of the full mesh.
 
-Baton moves each onto every rank's own sub-mesh (``baton.frontend.retarget``). Losses,
+Baton moves each onto every rank's own sub-mesh (``baton.tracing.retarget``). Losses,
 gradients, parameters and optimizer state over 3 AdamW steps match ``jax.jit`` of the same
 step (the batch in one piece) within float tolerance. In one process, ranks of several
 devices run on the interpreter (``single_program=False``; the compiled engine refuses them

@@ -1,5 +1,5 @@
 """Ranks of one process that do the same work share one compiled program
-(``frontend/shared.py``): an SPMD program over their devices, each device its own rank's
+(``emit/shared.py``): an SPMD program over their devices, each device its own rank's
 table, ring slots and parameters, its transfers routed to its own rank's context."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import baton
-from baton.frontend.shared import SharedProgram
+from baton.emit.shared import SharedProgram
 from mlp_step import make, make_train
 from test_engine import targets
 
@@ -149,7 +149,7 @@ def test_optimizer_updates_of_shared_ranks_run_as_one_program():
 def test_constants_compared_for_sharing_include_prng_keys():
     """Stages whose constants are typed PRNG keys (a model's RNG streams, e.g. MaxText's
     dropout keys) are compared by key data, not refused by NumPy."""
-    from baton.frontend.share_match import _same_literal
+    from baton.emit.share_match import _same_literal
 
     k0, k1 = jax.random.key(0), jax.random.key(1)
     assert _same_literal(k0, jax.random.key(0)) and not _same_literal(k0, k1)
@@ -243,7 +243,7 @@ def test_constraints_removed_only_on_one_device_ranks():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from baton._jax_compat import one_device_sharding
-    from baton.frontend.retarget import on_rank
+    from baton.tracing.retarget import on_rank
 
     P = PartitionSpec
     one = on_rank(baton.PipelineMesh(_pipe_mesh()), 1)
@@ -309,7 +309,7 @@ def test_only_slices_without_gradients_move_before_the_loop():
     slice, before the loop; a slice of such a slice too: ``k[1]`` is a slice of ``k``); a
     slice of a float parameter, whose gradient the loop makes, and a slice of a
     per-microbatch value stay."""
-    from baton.frontend.trace import trace_step
+    from baton.tracing.trace import trace_step
 
     keys = jax.random.split(jax.random.key(0), 4)
     ids = jnp.arange(4, dtype=jnp.int32)

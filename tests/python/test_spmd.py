@@ -184,7 +184,7 @@ def test_boundary_values_cross_shard_to_shard():
     (``shard_map``) on the device's shard: the custom call sees local shapes, and nothing
     gathers the activation first. An activation replicated over the tensor axis is split
     over it too (each device sends its part, not all of it)."""
-    from baton.frontend.rank_program import RankProgram
+    from baton.emit.rank_program import RankProgram
 
     pm = baton.PipelineMesh(named_mesh(2, data=2, tensor=2))
     cfg = gpt.GPTConfig(vocab=64, seq=16, dim=32, heads=4, layers=2, stages=2)
@@ -208,7 +208,7 @@ def test_boundary_values_cross_shard_to_shard():
 
 
 def test_wire_spec_splits_what_the_batch_axes_leave_replicated():
-    from baton.frontend.rank_transfers import wire_spec
+    from baton.emit.rank_transfers import wire_spec
 
     axes = {"data": 2, "tensor": 2}
     assert wire_spec(P("data"), axes, (4, 16, 32)) == P(("data", "tensor"))  # 4 / 2 divides
@@ -330,7 +330,7 @@ def test_moe_dispatch_is_an_all_to_all_inside_the_rank_program():
     weights over expert) into all-to-alls within each rank: the compiled rank program has
     them."""
     import moe_gpt
-    from baton.frontend.rank_program import RankProgram
+    from baton.emit.rank_program import RankProgram
 
     mesh = named_mesh(2, expert=2, data=2)
     moe_gpt.use_mesh(mesh)

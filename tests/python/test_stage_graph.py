@@ -18,7 +18,7 @@ import optax  # noqa: E402
 import pytest  # noqa: E402
 
 import baton  # noqa: E402
-from baton.frontend.step_costs import cost_model_of  # noqa: E402
+from baton.planning.step_costs import cost_model_of  # noqa: E402
 
 OPT = optax.adamw(1e-2, eps=1e-6, weight_decay=0.01)
 D, V, LS, LT = 16, 32, 6, 5

@@ -53,7 +53,7 @@ PATTERNS = {
 # where a check looks, when not all of python/baton
 SCOPES = {
     "a task output group named stash":
-        ("python/baton/frontend", ":!python/baton/frontend/offload.py"),
+        ("python/baton/frontend", ":!python/baton/planning/offload.py"),
 }
 
 

@@ -1,4 +1,4 @@
-"""The code after the loop, compiled ahead on a process with one core (``frontend/warm.py``).
+"""The code after the loop, compiled ahead on a process with one core (``emit/warm.py``).
 
 One launch of 2 processes (one pipeline rank each, Gloo), each pinned to one core before JAX
 starts: the process builds its rank program and then compiles its segments after the loop
@@ -42,7 +42,8 @@ def make_args():
 
 def worker_main(out: str) -> None:
     import baton
-    from baton.frontend import step_group, warm
+    from baton.running import step_group
+    from baton.emit import warm
 
     p = int(os.environ["BATON_RANK"])
     background, post_compiles, in_post = [], [], [False]

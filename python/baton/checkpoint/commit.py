@@ -12,7 +12,7 @@ import shutil
 import time
 
 from ..errors import ExecutionError
-from ..frontend.distributed import Router
+from ..running.distributed import Router
 from .layout import COMMIT, _step_dir, doomed_steps
 from .store import _saver
 

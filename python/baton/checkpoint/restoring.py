@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import _jax_compat as jc
 from ..errors import ConfigError
-from ..frontend.distributed import Remote
+from ..running.distributed import Remote
 from .commit import wait_until_finished
 from .layout import (FORMAT, METADATA, _data_name, _item_name, _step_dir, all_steps, committed,
                      latest_step)

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..errors import ConfigError
-from ..frontend.distributed import Remote, host_value
+from ..running.distributed import Remote, host_value
 from . import commit
 from .commit import _PENDING, SaveHandle, _exchange, _write_atomic, wait_until_finished
 from .layout import FORMAT, METADATA, _data_name, _item_name, _step_dir, committed

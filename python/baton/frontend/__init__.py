@@ -6,10 +6,10 @@ tasks (C++ passes in ``baton._core.graph``), plans a schedule and runs it.
 """
 
 from .api import PipelinedFunction, jit
-from .step_costs import cost_model_of
-from .distributed import Remote
-from .mesh import PipelineMesh
-from .primitives import accumulate, stage_boundary
+from ..planning.step_costs import cost_model_of
+from ..running.distributed import Remote
+from ..mesh import PipelineMesh
+from ..tracing.primitives import accumulate, stage_boundary
 
 __all__ = ["PipelinedFunction", "PipelineMesh", "Remote", "accumulate", "cost_model_of", "jit",
            "stage_boundary"]

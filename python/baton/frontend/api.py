@@ -12,23 +12,25 @@ from .. import runtime as rt
 from .. import schedules as S
 from ..auto_schedule import Auto
 from ..errors import ConfigError, TraceError
-from ..planning import _build_schedule as build_schedule
-from .distributed import Remote, Router, agree_ranks_per_process, agree_spanning_mesh, gather
-from .distributed import launched_world_size
-from .distributed import local_devices, process_group, process_mesh, ranks_per_process
-from .checks import check_backward, check_leaves, stages_hint
-from .gc_hold import held
-from .offload import offload_option, stage_offloads
-from .step import CompiledStep
-from .handshake import agree_program, describe, error_text
-from .mesh import PipelineMesh
-from .retarget import check_axis_types
-from .run_options import RunOptions
+from ..measure import task_args
+from ..measure.traces import buffer_bytes, build_trace
+from ..mesh import PipelineMesh
+from ..planning.offload import offload_option, stage_offloads
+from ..planning.plan import _build_schedule as build_schedule
+from ..planning.step_costs import cost_model_of
+from ..running.distributed import (Remote, Router, agree_ranks_per_process,
+                                   agree_spanning_mesh, gather, launched_world_size,
+                                   local_devices, process_group, process_mesh,
+                                   ranks_per_process)
+from ..running.gc_hold import held
+from ..running.handshake import agree_program, describe, error_text
+from ..running.run_options import RunOptions
+from ..running.step import CompiledStep
+from ..tracing.retarget import check_axis_types
+from ..tracing.trace import trace_step
 from .arguments import donated_inputs, input_specs, leaf_key
+from .checks import check_backward, check_leaves, stages_hint
 from .inspection import StepInspection
-from .step_costs import cost_model_of
-from .trace import trace_step
-from .tracing import buffer_bytes, build_trace
 
 
 def _layout_options(layout, boundaries, microbatch_size, schedule):
@@ -312,10 +314,10 @@ class PipelinedFunction(StepInspection):
                      if i in self.donate_argnums else a for i, a in enumerate(args))
 
     def capture_task_args(self, args, post: list | None = None, arrays: bool = True) -> dict:
-        """Each task's first arguments on ``args`` (``CompiledStep.capture_task_args``:
+        """Each task's first arguments on ``args`` (``measure/task_args.py``, ``capture``:
         derived from the plan, nothing runs)."""
         step = self.compile(*args)
-        return step.capture_task_args(jax.tree.leaves(args), self.group, post, arrays)
+        return task_args.capture(step, jax.tree.leaves(args), self.group, post, arrays)
 
     def _call(self, args, record: bool = False, keep_args: bool = False, live=None):
         """One step. ``record``: traced (``last_trace``); ``live`` (``memory.LivePeak``): the
@@ -427,7 +429,7 @@ def jit(
     the C++ transports); a step it cannot run raises ``baton.ConfigError``. ``False``: the
     interpreter (the C++ executor, one Python callback per task), for debugging.
     ``share_programs``: ranks of this process doing the same work on different parameters run
-    one compiled SPMD program (``frontend/shared.py``), whose kernels may round differently
+    one compiled SPMD program (``emit/shared.py``), whose kernels may round differently
     from one rank's; ``False``: one program per rank.
     ``boundaries``: the indices (forward order) of the ``stage_boundary`` calls that end stages;
     the others are identities (``baton.autoplan`` chooses them). Default: all.
@@ -436,7 +438,7 @@ def jit(
     ``hold_gc``: while a call builds the step (tracing, planning, lowering and compiling its
     programs: the first call, and a call with new shapes), Python's garbage collector runs
     every 50,000 allocations instead of CPython's 700 (``gc.set_threshold``, process-wide,
-    restored after; ``frontend/gc_hold.py``); ``False`` leaves the collector alone.
+    restored after; ``running/gc_hold.py``); ``False`` leaves the collector alone.
     ``microbatch_size``: rows per microbatch instead of a count (``microbatches`` is then
     the batch size over it, per batch shape); give one of the two (default: 1 microbatch).
     ``layout``: a ``baton.Layout``: the model marks every layer end with ``stage_boundary``
@@ -446,7 +448,7 @@ def jit(
     ``offload``: activations offloaded to host memory between a microbatch's forward and its
     backward: ``"stash"`` (every stage's stash), ``{stage: "stash"}`` (those stages), None
     (nothing). Each offloaded stash buffer is copied out after its forward and back one task
-    ahead of its backward (the rank IR's OFFLOAD and FETCH; ``frontend/offload.py``); lowered
+    ahead of its backward (the rank IR's OFFLOAD and FETCH; ``planning/offload.py``); lowered
     on CPU ranks of one device.
     """
     if microbatches is not None and microbatch_size is not None:

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 from ..errors import ConfigError, TraceError
-from .distributed import Remote
+from ..running.distributed import Remote
 
 
 def stages_hint(stages: int, ranks: int, want: int) -> str:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
-from .memory import memory as memory_model
-from .step_costs import cost_model_of
+from ..measure.memory import memory as memory_model
+from ..planning.step_costs import cost_model_of
 
 
 class StepInspection:
@@ -52,11 +52,11 @@ class StepInspection:
 
     def memory(self, *args, measure: bool = False):
         """The per-rank, per-device memory model of the step on ``args``: a
-        ``baton.frontend.memory.Memory`` (static arguments, copies, running sums, pipeline
+        ``baton.measure.memory.Memory`` (static arguments, copies, running sums, pipeline
         buffers, XLA temporaries; ``.table()``), shown by ``summary()`` from then on.
         ``measure``: also run one step sampling the live jax arrays per device
         (``Memory.measured``) on the step's own engine. Compiles each task on the arguments
-        the loop hands it (their layouts, ``CompiledStep.capture_task_args``); one process
+        the loop hands it (their layouts, ``measure/task_args.capture``); one process
         only. See docs/ARCHITECTURE.md, "Measurement and memory"."""
         return memory_model(self, args, measure)
 

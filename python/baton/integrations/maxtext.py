@@ -23,7 +23,7 @@ scan, so compile time does not grow with the layer count. With ``scan_layers=Fal
 ``NNXDecoder.__call__`` loops over its layers ``layers_0 .. layers_{L-1}``; the layers that end
 a stage get a subclass of their own class whose ``__call__`` passes the layer's output through
 ``baton.stage_boundary``. The marker sits at the end of the checkpointed layer; Baton's tracer
-moves it out of the remat region (``frontend/trace.py``, ``emit_remat``), so MaxText's
+moves it out of the remat region (``tracing/trace.py``, ``emit_remat``), so MaxText's
 rematerialization is kept. Either way MaxText's files and the reference model are not changed.
 The embedding runs in the first stage, the final norm, the output head and the loss in the last.
 

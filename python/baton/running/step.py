@@ -10,8 +10,8 @@ facts (``buffers.Buffers``), and two engines that run the loop:
   calling the jitted tasks; it runs only when chosen with ``single_program=False`` (a
   debugging engine).
 
-``capture_task_args`` (each task's arguments, for ``baton.profile``'s isolated timings and
-the memory model) runs neither: it derives them from the plan (``task_args.py``).
+Each task's arguments (for ``baton.profile``'s isolated timings and the memory model) are
+derived from the plan without running either engine (``measure/task_args.py``, ``capture``).
 
 Every call runs the step's own engine; what a call measures or records is an explicit
 ``RunOptions`` (``run_options.py``), never a flag on the step.
@@ -31,20 +31,20 @@ import numpy as np
 from .. import _core
 from .. import _jax_compat as jc
 from ..errors import ConfigError
-from ..planning import Plan
+from ..planning.plan import Plan
 from . import engine as engine_mod
-from . import step_costs, step_group
+from ..planning import step_costs
+from . import step_group
 from .engine import ProgramEngine
 from .interpreter import Interpreter
-from .mesh import PipelineMesh
-from .offload import check_lowered
-from .retarget import on_rank
+from ..mesh import PipelineMesh
+from ..planning.offload import check_lowered
+from ..tracing.retarget import on_rank
 from .run_options import PLAIN, RunOptions
-from .task_args import task_args
-from .buffers import Buffers
-from .segments import Segments
-from .tasks import build_tasks
-from .trace import Traced
+from ..planning.buffers import Buffers
+from ..planning.segments import Segments
+from ..planning.tasks import build_tasks
+from ..tracing.trace import Traced
 
 G = _core.graph
 
@@ -275,7 +275,7 @@ class CompiledStep:
     def run(self, flat_args: list[Any], group: Any = None, timeout: float = 120.0,
             opts: RunOptions = PLAIN) -> list[Any]:
         """One step. ``group`` None: every rank in this process; a
-        :class:`~baton.frontend.distributed.ProcessGroup`: this process's ranks only, over its
+        :class:`~baton.running.distributed.ProcessGroup`: this process's ranks only, over its
         transports (see ``_run_group``). The step's engine runs it: the compiled programs,
         or the interpreter when it was chosen (``single_program=False``); ``opts``
         (``RunOptions``: tracing, memory sampling) never changes which.
@@ -285,21 +285,6 @@ class CompiledStep:
         place their values on the ranks' devices themselves."""
         with jc.without_mesh_context():
             return self._run(flat_args, group, timeout, opts, not self.single_program)
-
-    def capture_task_args(self, flat_args: list[Any], group: Any = None,
-                          post: list | None = None, arrays: bool = True) -> dict:
-        """Each task's first arguments, (kind, stage) -> (running sums or None, args), as the
-        loop hands them (``baton.profile`` times each task alone on them; the memory model
-        compiles each on their layouts), derived from the plan without running anything
-        (``task_args.py``): layouts, or arrays with ``arrays``. ``group``: this process's
-        ranks' tasks only. ``post`` (a list): each segment after the loop's argument
-        layouts are appended."""
-        if group is not None and self.mesh.spans:
-            raise ConfigError(
-                "baton.profile: each task is timed alone on the ranks of one process each; "
-                "ranks that span processes cannot be (measure them with baton.trace)")
-        ranks = None if group is None else self.mesh.ranks_of(group.rank)
-        return task_args(self, flat_args, ranks, group, post, arrays)
 
     def _run(self, flat_args, group, timeout, opts, interp) -> list[Any]:
         if not interp:

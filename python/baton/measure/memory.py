@@ -42,7 +42,7 @@ sharding: the user's spec over the rank's sub-mesh, or the layout XLA gave a tas
                     measured as the rank's host slots' peak (``RankComm.host_bytes``)
 
 The tasks are compiled on the layouts of the arguments the loop hands them, and the segments
-after the loop on theirs (``CompiledStep.capture_task_args``, derived from the plan without
+after the loop on theirs (``measure/task_args.capture``, derived from the plan without
 running the step: ``task_args.py``), so the layouts and temporaries are those of the programs
 the step runs.
 
@@ -78,8 +78,8 @@ from ..errors import ConfigError
 from .memory_live import LivePeak, measure_live, per_device, program_bytes
 from .memory_rings import buffer_outputs, table_loop
 from .profile import xla_memory
-from .step_costs import cost_model_of
-from .tasks import MB, BufKind, kind_name, task_exes, unit_order
+from ..planning.step_costs import cost_model_of
+from ..planning.tasks import MB, BufKind, kind_name, task_exes, unit_order
 
 G = _core.graph
 # the model's components per device; predicted = max(static + copies + loop, update)
@@ -416,7 +416,7 @@ def memory(fn, args, measure: bool = False) -> Memory:
         for p in progs:
             p.comm.reset_host_peak()
         mem.measured, mem.measured_update = measure_live(fn, args, temps)
-        if host:  # offloading ranks hold one device each (frontend/offload.py)
+        if host:  # offloading ranks hold one device each (planning/offload.py)
             progs = step.engine.local_progs or []
             mem.measured_host = {step.mesh.rank_devices[p.rank][0].id: int(p.comm.host_bytes()[1])
                                  for p in progs}

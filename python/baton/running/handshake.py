@@ -25,7 +25,7 @@ from typing import Any
 
 from .. import _core
 from ..errors import ConfigError
-from .tasks import task_kind
+from ..planning.tasks import task_kind
 
 _ADDR = re.compile(r" at 0x[0-9a-fA-F]+")
 _SET = re.compile(r"frozenset\(\{([^{}]*)\}\)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .. import _core
 from .tasks import FUSED_FB, BufKind, TaskKind, buffer_group, task_kind
-from .trace import Traced
+from ..tracing.trace import Traced
 
 
 class Buffers:

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import TraceError
 from .tasks import make_fn
-from .trace import Traced
+from ..tracing.trace import Traced
 
 REGION_PRE, REGION_POST = "pre", "post"
 _SMALL_COPY = 4096  # elements: post-loop values small enough to compute on every stage

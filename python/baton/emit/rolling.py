@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from .. import _core
-from .tasks import FUSED_FB, BufKind, buffer_reads, task_exes
+from ..planning.tasks import FUSED_FB, BufKind, buffer_reads, task_exes
 
 
 ItemOp = _core.ItemOp  # the item level's vocabulary (roll.h; docs/RANK_IR.md, "Vocabularies")

@@ -28,7 +28,7 @@ from .loop_program import _LoopProgram
 from .rank_transfers import RankTransfers, recorded_events
 from .rolling import task_list
 from .task_env import _Env, _Token
-from .segments import donatable
+from ..planning.segments import donatable
 
 
 class SingleProgram(_LoopProgram):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .. import _core
 from .rolling import _exes
-from .tasks import MB, BufKind, buffer_reads, parts_of
+from ..planning.tasks import MB, BufKind, buffer_reads, parts_of
 
 G = _core.graph
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from .. import _core
 from .. import _jax_compat as jc
-from .trace import Traced
+from ..tracing.trace import Traced
 
 G = _core.graph
 TaskKind = _core.TaskKind

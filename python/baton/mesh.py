@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 DATA_AXIS = "data"
 # Axes that split the batch (data parallelism inside a rank) when the mesh has them; every

@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import _core
 from .rolling import _exes
-from .tasks import unit_order
+from ..planning.tasks import unit_order
 
 _PLACED = ("sharding_constraint", "shard_map", "device_put")  # primitives that name devices
 

@@ -29,7 +29,7 @@ import numpy as np
 from .._jax_compat import cached_cross_process_collectives_hang
 from ..errors import ConfigError
 from ..runtime import rendezvous
-from .mesh import BATCH_AXES, DATA_AXIS, PipelineMesh
+from ..mesh import BATCH_AXES, DATA_AXIS, PipelineMesh
 from .threads import on_rank_threads
 
 _TAG_BASE = 1 << 44  # executor tags are step * num_buffer_ids + buffer: far below

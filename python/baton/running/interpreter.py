@@ -28,9 +28,9 @@ import numpy as np
 from .. import _core
 from .. import runtime as rt
 from ..runtime import to_host
-from .tasks import MB, OUT_GROUPS, BufKind, buffer_reads, final_part, task_exes
+from ..planning.tasks import MB, OUT_GROUPS, BufKind, buffer_reads, final_part, task_exes
 from .threads import on_rank_threads, raise_first
-from .tracing import gather_events
+from .events import gather_events
 
 G = _core.graph
 

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec
 from .. import _core
 from .rolling import Item, ItemOp, _exes, as_item, roll_options
 from .task_env import _parts_of, _run_task, _Token
-from .tasks import final_part, kind_name
+from ..planning.tasks import final_part, kind_name
 
 G = _core.graph
 _TRANSFERS = (ItemOp.SEND, ItemOp.POST, ItemOp.WAIT)

@@ -36,15 +36,15 @@ from .. import _core
 from .. import runtime as rt
 from ..errors import ConfigError
 from ..runtime import rendezvous
-from . import ffi
-from .rank_program import RankProgram
-from .rolling import ItemOp, rank_items
-from .share_match import share_groups
-from .shared import SharedProgram, SharedSegments
-from .single_program import SingleProgram
+from ..emit import ffi
+from ..emit.rank_program import RankProgram
+from ..emit.rolling import ItemOp, rank_items
+from ..emit.share_match import share_groups
+from ..emit.shared import SharedProgram, SharedSegments
+from ..emit.single_program import SingleProgram
 from .threads import on_rank_threads, raise_first
-from .tracing import gather_events
-from .warm import Warmup
+from .events import gather_events
+from ..emit.warm import Warmup
 
 
 _GPU = ("gpu", "cuda")

@@ -16,9 +16,9 @@ import os
 import re
 from typing import Any
 
-from . import _core
-from .errors import ConfigError, VerifyError
-from .schedules import ScheduleFile, ScheduleSpec, _positive_int, save_schedule, schedule_from_name
+from .. import _core
+from ..errors import ConfigError, VerifyError
+from ..schedules import ScheduleFile, ScheduleSpec, _positive_int, save_schedule, schedule_from_name
 
 __all__ = ["Plan", "plan", "as_cost_model", "autoplan_segments", "parse_memory", "AutoplanRows"]
 

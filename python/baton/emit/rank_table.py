@@ -23,7 +23,7 @@ from .. import _jax_compat as jc
 from .rings import _ring_aval, _ring_in, _symbolic, table_steps
 from .rolling import Item, ItemOp, _exes, item_reads, item_writes
 from .task_env import _parts_of, _run_task, _Token
-from .tasks import kind_name
+from ..planning.tasks import kind_name
 
 G = _core.graph
 _SYM = {ItemOp.SEND: ">", ItemOp.POST: "+", ItemOp.WAIT: "<"}

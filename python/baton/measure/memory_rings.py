@@ -16,10 +16,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from .rank_program import RankProgram, loop_form
-from .rings import _ring_aval, ring_layout
-from .share_match import share_groups
-from .tasks import FUSED_FB, MB, BufKind, task_exes
+from ..emit.rank_program import RankProgram, loop_form
+from ..emit.rings import _ring_aval, ring_layout
+from ..emit.share_match import share_groups
+from ..planning.tasks import FUSED_FB, MB, BufKind, task_exes
 
 
 def table_ranks(step) -> list[int]:

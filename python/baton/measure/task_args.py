@@ -54,8 +54,8 @@ import numpy as np
 from .. import _core
 from .. import _jax_compat as jc
 from ..errors import ConfigError
-from .distributed import Remote
-from .tasks import MB, BufKind, buffer_reads, kind_name, task_exes
+from ..running.distributed import Remote
+from ..planning.tasks import MB, BufKind, buffer_reads, kind_name, task_exes
 
 __all__ = ["task_args"]
 
@@ -325,3 +325,17 @@ def task_args(step, flat_args: list[Any], ranks=None, group: Any = None,
         return d.arrays()
 
 
+def capture(step, flat_args: list[Any], group: Any = None, post: list | None = None,
+            arrays: bool = True) -> dict:
+    """Each task's first arguments of ``step`` (a ``CompiledStep``), (kind, stage) ->
+    (running sums or None, args), as the loop hands them (``baton.profile`` times each task
+    alone on them; the memory model compiles each on their layouts), derived from the plan
+    without running anything: layouts, or arrays with ``arrays``. ``group``: this process's
+    ranks' tasks only. ``post`` (a list): each segment after the loop's argument layouts are
+    appended."""
+    if group is not None and step.mesh.spans:
+        raise ConfigError(
+            "baton.profile: each task is timed alone on the ranks of one process each; "
+            "ranks that span processes cannot be (measure them with baton.trace)")
+    ranks = None if group is None else step.mesh.ranks_of(group.rank)
+    return task_args(step, flat_args, ranks, group, post, arrays)

@@ -6,7 +6,7 @@
     print(step.summary())     # the plan summary now uses the profiled costs and adds the table
 
 How: every task's arguments are derived from the plan in the layouts the loop hands them
-(on its rank's devices; ``CompiledStep.capture_task_args``, ``task_args.py``: nothing runs
+(on its rank's devices; ``measure/task_args.capture``, ``task_args.py``: nothing runs
 to get them; the step's own arguments where they are the task's inputs, zeros for the
 buffers and running sums); then each task's jit is timed alone, blocking on its outputs,
 ``runs`` times after ``warmup`` calls, and the median kept (per task: the step's
@@ -41,9 +41,9 @@ import numpy as np
 
 from .. import _core
 from ..errors import ConfigError
-from .step_costs import cost_model_of
-from .tasks import FUSED_FB, TaskKind, task_name, unit_order
-from .tracing import Trace, span_bubbles
+from ..planning.step_costs import cost_model_of
+from ..planning.tasks import FUSED_FB, TaskKind, task_name, unit_order
+from .traces import Trace, span_bubbles
 
 __all__ = ["Profile", "profile"]
 
@@ -262,7 +262,7 @@ def _stage_cost(s: int, fc: Any, times: dict, split: bool):
 
 def _isolated(fn, args, step, runs: int, warmup: int) -> tuple[dict, dict]:
     """Each task's run times alone ((kind, stage) -> seconds per run) and XLA memory
-    analysis, on the arguments in the loop's layouts (``CompiledStep.capture_task_args``);
+    analysis, on the arguments in the loop's layouts (``measure/task_args.capture``);
     with several processes each times its own ranks' tasks and every process gets all of
     them (exchanged by the task's position in the step's tasks, which every process has)."""
     samples: dict[tuple, list[float]] = {}
