@@ -158,7 +158,7 @@ void init_ffi_cuda(nb::module_& m) {
       "close_all_cuda", [] { return rt::close_all_nccl_comms(); },
       nb::call_guard<nb::gil_scoped_release>(),
       "Closes every NcclRankComm still alive, all at once (registered with atexit by "
-      "baton.frontend.ffi.register); how many.");
+      "baton.emit.ffi.register); how many.");
   m.def(
       "handlers_cuda",
       [] {

@@ -400,7 +400,7 @@ std::shared_ptr<NcclComm> find_nccl_comm(int64_t id);  // null when unknown
 
 // Closes every NcclComm still alive that was ever registered, all at once (one
 // thread each, staging::run_concurrently), each waiting only for its own streams:
-// called at interpreter exit (baton.frontend.ffi registers it with atexit), before
+// called at interpreter exit (baton.emit.ffi registers it with atexit), before
 // JAX's client and the CUDA runtime are torn down. How many it closed.
 size_t close_all_nccl_comms();
 
