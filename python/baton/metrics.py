@@ -38,8 +38,11 @@ from typing import Any, Sequence
 
 import jax
 
+from . import _core
 from . import _jax_compat as jc
 from .errors import ConfigError
+
+G = _core.graph
 
 __all__ = ["StepMetrics", "model_flops", "step_metrics", "measured_matmul_flops",
            "MetricsWriter", "TensorBoardWriter", "WandbWriter", "writers"]
@@ -80,10 +83,10 @@ def model_flops(fn: Any) -> float:
     traced = step.traced
     loop = other = 0.0
     for op in traced.ops:
-        if op.kind != "compute":
+        if op.kind != G.OpKind.Compute:
             continue
         f = _matmul_flops_of_op(op)
-        if op.region == "loop":
+        if op.region == G.Region.Loop:
             loop += f
         else:
             other += f

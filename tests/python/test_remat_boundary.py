@@ -63,7 +63,8 @@ def test_markers_leave_the_remat_region_and_the_region_stays_one_op():
     ws, b = _data()
     tr = trace_step(_step(_loss_of(jax.checkpoint)), (ws, b), 4)
     assert tr.num_stages == 4
-    marks = [(op.backward, op.boundary) for op in tr.ops if op.kind == "boundary"]
+    marks = [(op.backward, op.boundary) for op in tr.ops
+             if op.kind == baton._core.graph.OpKind.Boundary]
     # one uid for all three (a cached trace), numbered by position; backward in reverse
     assert marks == [(False, 0), (False, 1), (False, 2), (True, 2), (True, 1), (True, 0)]
     remats = [op for op in tr.ops if op.prim.name in ("remat2", "checkpoint")]
@@ -104,6 +105,7 @@ def test_a_forward_only_remat_region_has_its_boundary_moved_after_it():
     ws, b = _data()
     tr = trace_step(lambda p, bb: baton.accumulate(loss, p, batch=bb), (ws, b), 2)
     assert tr.num_stages == 2
-    kinds = [op.kind if op.kind == "boundary" else op.prim.name for op in tr.ops]
-    k = kinds.index("boundary")
+    marker = baton._core.graph.OpKind.Boundary
+    kinds = [op.kind if op.kind == marker else op.prim.name for op in tr.ops]
+    k = kinds.index(marker)
     assert kinds[k - 1] in ("remat2", "checkpoint")  # the marker follows its region

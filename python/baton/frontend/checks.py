@@ -6,8 +6,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from .. import _core
 from ..errors import ConfigError, TraceError
 from ..running.distributed import Remote
+
+G = _core.graph
 
 
 def stages_hint(stages: int, ranks: int, want: int) -> str:
@@ -24,8 +27,8 @@ def stages_hint(stages: int, ranks: int, want: int) -> str:
 def check_backward(traced) -> None:
     """A pipeline needs a gradient back across every stage boundary (the step trains and
     the stages before it have parameters); raises ``TraceError`` naming the first without."""
-    fwd = {op.boundary for op in traced.ops if op.kind == "boundary" and not op.backward}
-    bwd = {op.boundary for op in traced.ops if op.kind == "boundary" and op.backward}
+    fwd = {op.boundary for op in traced.ops if op.kind == G.OpKind.Boundary and not op.backward}
+    bwd = {op.boundary for op in traced.ops if op.kind == G.OpKind.Boundary and op.backward}
     missing = sorted(fwd - bwd)
     if not missing:
         return

@@ -23,11 +23,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import _core
 from ..errors import TraceError
-from .tasks import make_fn
 from ..tracing.trace import Traced
+from .tasks import make_fn
 
-REGION_PRE, REGION_POST = "pre", "post"
+G = _core.graph
+
 _SMALL_COPY = 4096  # elements: post-loop values small enough to compute on every stage
 
 
@@ -59,8 +61,8 @@ class Segments:
         self.num_stages = num_stages
         tr = traced
         ops = tr.ops
-        pre = [i for i, op in enumerate(ops) if op.region == REGION_PRE]
-        post = [i for i, op in enumerate(ops) if op.region == REGION_POST]
+        pre = [i for i, op in enumerate(ops) if op.region == G.Region.Pre]
+        post = [i for i, op in enumerate(ops) if op.region == G.Region.Post]
         self.pre = self._segments(pre, set(tr.step_inputs))
         avail = set(tr.step_inputs)
         for s in self.pre:

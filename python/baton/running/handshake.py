@@ -53,6 +53,7 @@ def _aval(a) -> str:
 # parameters that differ between processes tracing the same code (a per-process counter)
 _VOLATILE = {"uid"}
 _TK = _core.TaskKind
+G = _core.graph
 _KINDS = {_TK.F: "forward", _TK.B: "backward", _TK.I: "input gradient", _TK.W: "weight gradient"}
 
 
@@ -85,7 +86,7 @@ def _stage_components(step) -> list[tuple[str, list[str]]]:
             f"stage {t.stage} {_KINDS[kind]}", sorted(int(i) for i in t.ops))
     outside: dict[int, list[int]] = {}
     for i, s in enumerate(step.op_stage):
-        if s >= 0 and traced.ops[i].region != "loop":
+        if s >= 0 and traced.ops[i].region != G.Region.Loop:
             outside.setdefault(int(s), []).append(i)
     for s, idx in outside.items():
         groups[(s, len(_KINDS) + 1)] = (f"stage {s} outside the loop", idx)

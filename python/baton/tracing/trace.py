@@ -36,8 +36,8 @@ class OpInfo:
     ctx: Any
     inputs: list[int]
     outputs: list[int]
-    region: str  # "pre" | "loop" | "post"
-    kind: str = "compute"  # "compute" | "boundary" | "add_any"
+    region: Any  # _core.graph.Region: Pre, Loop or Post
+    kind: Any = G.OpKind.Compute  # _core.graph.OpKind: Compute, Boundary or AddAny
     uid: int = -1
     backward: bool = False
     boundary: int = -1
@@ -135,7 +135,7 @@ class _Exporter:
         except KeyError:
             raise TraceError(f"internal: variable {atom} used before definition") from None
 
-    def emit(self, eqns, env, region: str) -> str:
+    def emit(self, eqns, env, region: Any) -> Any:
         for eqn in eqns:
             callee = jc.call_jaxpr(eqn)
             if callee is not None:
@@ -151,20 +151,20 @@ class _Exporter:
                         env[o] = self.read(senv, so)
                 continue
             if eqn.primitive is accumulate_p:
-                if region != "pre" or self.seen_loop:
+                if region != G.Region.Pre or self.seen_loop:
                     raise TraceError("baton.jit supports one baton.accumulate loop per step")
                 self.emit_loop(eqn, env)
                 self.seen_loop = True
-                region = "post"
+                region = G.Region.Post
                 continue
-            if region == "loop" and self.hoist_slice(eqn, env):
+            if region == G.Region.Loop and self.hoist_slice(eqn, env):
                 continue
-            if eqn.primitive is stage_boundary_p and region != "loop":
+            if eqn.primitive is stage_boundary_p and region != G.Region.Loop:
                 raise TraceError(
                     "stage_boundary outside baton.accumulate: boundaries must be inside the "
                     "function that accumulate runs per microbatch"
                 )
-            if jc.is_remat(eqn) and region == "loop" and any(
+            if jc.is_remat(eqn) and region == G.Region.Loop and any(
                     _contains_marker(sj) for sj in jc.sub_jaxprs(eqn)):
                 self.emit_remat(eqn, env, region)
                 continue
@@ -181,7 +181,7 @@ class _Exporter:
                     env[o] = i
         return region
 
-    def emit_op(self, eqn, ins: list[int], region: str, params: dict | None = None) -> list[int]:
+    def emit_op(self, eqn, ins: list[int], region: Any, params: dict | None = None) -> list[int]:
         """One op for ``eqn`` on the values ``ins``; returns its output values."""
         outs = [self.new_value(o.aval, G.ValueKind.Intermediate) for o in eqn.outvars]
         info = OpInfo(
@@ -194,11 +194,11 @@ class _Exporter:
             cost=_eqn_cost(eqn),
         )
         if eqn.primitive is stage_boundary_p:
-            info.kind = "boundary"
+            info.kind = G.OpKind.Boundary
             info.uid = eqn.params["uid"]
             info.backward = eqn.params["backward"]
         elif eqn.primitive.name == "add_any":
-            info.kind = "add_any"
+            info.kind = G.OpKind.AddAny
         self.ops.append(info)
         return outs
 
@@ -221,7 +221,7 @@ class _Exporter:
             eqn.params.get("strides"))))
         body = self.hoisted.get(key)
         if body is None:
-            [piece] = self.emit_op(eqn, [outer], "pre")
+            [piece] = self.emit_op(eqn, [outer], G.Region.Pre)
             self.ops.insert(self.loop_at, self.ops.pop())
             self.loop_at += 1
             body = self.hoisted[key] = self.new_value(eqn.outvars[0].aval,
@@ -232,7 +232,7 @@ class _Exporter:
             env[eqn.outvars[0]] = body
         return True
 
-    def emit_remat(self, eqn, env, region: str) -> None:
+    def emit_remat(self, eqn, env, region: Any) -> None:
         """A ``jax.checkpoint`` (remat) equation whose region has stage boundaries on its
         edge: each is moved out of the region, where it is the same identity. A marker on
         region inputs (the backward marker a boundary at the end of a rematerialized
@@ -321,7 +321,7 @@ class _Exporter:
             # make_jaxpr kept closed-over constants as consts: they are the
             # leading operands already (see accumulate).
             pass
-        self.emit(beqns, benv, "loop")
+        self.emit(beqns, benv, G.Region.Loop)
         for i, (ov, o) in enumerate(zip(outvars, eqn.outvars)):
             b = self.read(benv, ov)
             outer = self.new_value(o.aval, G.ValueKind.Intermediate)
@@ -337,14 +337,14 @@ def _number_markers(ops: list[OpInfo]) -> int:
     ``jax.jit`` function called once per layer with the same shapes): the boundaries of a
     pipeline form a chain, and JAX transposes in reverse program order, so the k-th
     backward marker of that uid (program order) belongs to its k-th last forward marker."""
-    fwd = [op for op in ops if op.kind == "boundary" and not op.backward]
+    fwd = [op for op in ops if op.kind == G.OpKind.Boundary and not op.backward]
     index: dict[int, list[int]] = {}
     for k, op in enumerate(fwd):
         index.setdefault(op.uid, []).append(k)
         op.boundary = k
     bwd: dict[int, list[OpInfo]] = {}
     for op in ops:
-        if op.kind == "boundary" and op.backward:
+        if op.kind == G.OpKind.Boundary and op.backward:
             if op.uid not in index:
                 raise TraceError(
                     "a backward stage_boundary has no forward counterpart in the loop body "
@@ -368,7 +368,6 @@ def _number_markers(ops: list[OpInfo]) -> int:
     return len(fwd)
 
 
-_REGION = {"pre": None, "loop": None, "post": None}
 _REDUCE = {"sum": G.Reduce.Sum, "mean": G.Reduce.Mean, "stack": G.Reduce.Stack}
 
 
@@ -402,7 +401,7 @@ def trace_step(fn: Callable, args: tuple, microbatches: int,
         i = ex.new_value(v.aval, G.ValueKind.StepInput)
         env[v] = i
         step_inputs.append(i)
-    ex.emit(eqns, env, "pre")
+    ex.emit(eqns, env, G.Region.Pre)
     if not ex.seen_loop:
         raise TraceError(
             "the step has no microbatch loop: call baton.accumulate(fn, *args, batch=...) inside "
@@ -440,11 +439,11 @@ def _keep_boundaries(ops, boundaries, n_markers: int) -> int:
                          f"stage_boundary calls (indices 0..{n_markers - 1})")
     index = {b: j for j, b in enumerate(keep)}
     for op in ops:
-        if op.kind == "boundary":
+        if op.kind == G.OpKind.Boundary:
             if op.boundary in index:
                 op.boundary = index[op.boundary]
             else:  # an identity: runs inside its stage's task
-                op.kind, op.boundary = "compute", -1
+                op.kind, op.boundary = G.OpKind.Compute, -1
     return len(keep)
 
 
@@ -455,12 +454,10 @@ def _program(ex, step_outputs) -> G.Program:
         shape = [int(d) for d in getattr(aval, "shape", ())]
         dtype = str(getattr(aval, "dtype", "token"))
         prog.add_value(kind, shape, dtype, _nbytes(aval))
-    regions = {"pre": G.Region.Pre, "loop": G.Region.Loop, "post": G.Region.Post}
-    kinds = {"compute": G.OpKind.Compute, "boundary": G.OpKind.Boundary, "add_any": G.OpKind.AddAny}
     for op in ex.ops:
         prog.add_op(
-            kinds[op.kind],
-            regions[op.region],
+            op.kind,
+            op.region,
             op.prim.name,
             op.inputs,
             op.outputs,
