@@ -13,12 +13,11 @@ up laid out otherwise than guessed (only ranks of one device are warmed) compile
 its call. In one process the code after the loop compiles at its first call: there the rank
 programs already compile in parallel on every core, the warm-up's tracing holds the GIL
 against their lowering, and the segments' arguments may carry the model's own meshes, which
-the guess misses (a trial on MaxText's model lost, 10.1 against 8.5 s:
-`bench/results/maxtext.md`, 2026-12-05).
+the guess misses (the trial on MaxText's model is in `bench/results/maxtext.md`).
 On a process with one core (a rank pinned to its core) the compiles run in the building
 thread right after the rank program's (``run``): two XLA compiles time-sliced on one core take
-longer than the same two one after the other (about 0.1 s on MaxText's two-rank step,
-`bench/results/maxtext.md`, 2026-12-05, night), and there is no second core to overlap with.
+longer than the same two one after the other (`bench/results/maxtext.md`), and there is no
+second core to overlap with.
 On JAX 0.11 the warm-up is off: its AOT compile does not fill the cache that jit calls use.
 """
 

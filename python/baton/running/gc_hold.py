@@ -3,8 +3,8 @@
 Building a step (tracing the model, lowering its programs, compiling the code around the loop)
 allocates millions of short-lived Python objects. At CPython's default gen-0 threshold (700
 allocations) the collector then runs over a hundred times in a MaxText step's first call, and
-its full collections walk every object the process holds (JAX's, Flax's, MaxText's): 0.3 s of
-collection and 0.35-0.6 s of that call (`bench/results/maxtext.md`, 2026-12-05, night). While a
+its full collections walk every object the process holds (JAX's, Flax's, MaxText's; measured
+in `bench/results/maxtext.md`). While a
 build runs, the gen-0 threshold is raised to ``BUILD_THRESHOLD`` and put back after, so the
 collector still runs, a few times at most; what the build leaves behind is collected at the
 next collection after it.
