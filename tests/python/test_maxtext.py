@@ -117,6 +117,74 @@ def test_pipelined_maxtext_matches_maxtexts_own_step(reference, schedule):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4)
 
 
+# The gradient comparison: one step of MaxText's SGD (``optax.sgd``: no momentum, no weight
+# decay) with its gradient clipping off (``gradient_clipping_threshold=0``: MaxText's
+# ``train_step`` then applies its raw gradients), so each parameter changes by exactly
+# -lr x its gradient, in the pipelined step and in MaxText's own; lr (1e3, MaxText's cosine
+# schedule starts at it) makes that change dwarf the rounding of the parameters themselves.
+GRAD_LR = 1e3
+GRAD_CASES = {
+    # the dense Llama against MaxText's full-batch gradient (no accumulation)
+    "llama2": ("llama2", {}, 1),
+    # the MoE with the load-balance loss against MaxText's accumulation over the microbatches
+    "mixtral-lb": ("mixtral", {"load_balance_loss_weight": 0.1}, MICROBATCHES),
+}
+GRAD_RTOL = 1e-4
+
+
+def _gradient_error(got, want) -> float:
+    """||got - want|| / ||want|| of one leaf."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def _check_gradients(m, params, want_params, lr):
+    """The pipelined step's gradients are MaxText's: after one step of unclipped SGD from the
+    same parameters, each leaf's change / -lr (its gradient) within GRAD_RTOL of MaxText's,
+    relative in norm. Any gradient scaled by a factor c is off by |c - 1| in that norm on every
+    leaf: summed instead of averaged over the microbatches (c = 4 here), averaged twice
+    (c = 1/4), or doubled (c = 2) all fail by more than 1000x the tolerance, where the
+    pipelined and MaxText's gradients differ by summation order only (about 1e-6)."""
+    init = m.init_params()
+    errs = {}
+    for (path, a), b, p0 in zip(jax.tree_util.tree_leaves_with_path(params),
+                                jax.tree.leaves(want_params), jax.tree.leaves(init),
+                                strict=True):
+        got = -(np.asarray(a, np.float64) - np.asarray(p0, np.float64)) / lr
+        want = -(np.asarray(b, np.float64) - np.asarray(p0, np.float64)) / lr
+        assert np.abs(want).max() > 0, jax.tree_util.keystr(path)
+        errs[jax.tree_util.keystr(path)] = _gradient_error(got, want)
+    worst = max(errs, key=errs.get)
+    print(f"worst gradient error {errs[worst]:.2e} ({worst}) over {len(errs)} leaves")
+    bad = {k: v for k, v in errs.items() if not v <= GRAD_RTOL}
+    assert not bad, f"gradients differ from MaxText's (relative, in norm): {bad}"
+
+
+@pytest.mark.parametrize("schedule", [baton.OneFOneB(), baton.ZBH1()], ids=str)
+@pytest.mark.parametrize("case", sorted(GRAD_CASES))
+def test_gradients_are_maxtexts(case, schedule):
+    """The accumulated gradients of the pipelined step are MaxText's own step's, compared
+    directly (no Adam, no clipping between them and the parameters: see GRAD_LR and
+    ``_check_gradients``), at 4 microbatches over 4 ranks; .ci/run runs this file at XLA's
+    default optimizations as well as at the tests' -O0."""
+    name, overrides, ga = GRAD_CASES[case]
+    m = bmt.build(name, batch=BATCH, opt_type="sgd", learning_rate=GRAD_LR,
+                  gradient_clipping_threshold=0, **overrides)
+    lr = float(m.lr_schedule(0))
+    assert lr == GRAD_LR
+    batch = m.make_batch(0)
+    state, want = m.reference_step(grad_accum=ga)(m.reference_state(), batch)
+    want_params = m.reference_params(state)
+
+    split = isinstance(schedule, baton.OneFOneB)  # the stack per stage, as above
+    params = m.init_params(stages=RANKS) if split else m.init_params()
+    step = m.pipeline_step(bmt.pipeline_mesh(m, RANKS), schedule, microbatches=MICROBATCHES)
+    params, _, loss = step(params, m.init_opt_state(params), batch)
+    print(f"{case} {schedule}: loss baton {float(loss)} maxtext {float(want)}")
+    _check_gradients(m, baton.join_stacks(params), want_params, lr)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5, atol=0)
+
+
 def test_mixtral_experts_sharded_over_maxtexts_expert_axis_inside_stages():
     """MaxText's expert axis inside each pipeline stage: the tiny Mixtral (scan_layers=True,
     load-balance loss, SGD as in "mixtral-lb") with ``ici_expert_parallelism=2``, 2 ranks of 2
