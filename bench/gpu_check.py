@@ -135,21 +135,20 @@ def host_syncs(hlo_text: str) -> HostSyncs:
 
 
 def _scan_step(ranks: int):
-    """The small pipelined step of the scan-loop rows (1F1B, 4 microbatches, straight loop
+    """The small pipelined step of the scan-loop rows (1F1B, 4 microbatches, rolled loop
     form), run once: (the step, its results as a list of arrays)."""
-    os.environ.setdefault("BATON_LOOP_FORM", "straight")
     sys.path.insert(0, str(ROOT / "tests" / "python"))
     import jax
     import baton
     from mlp_step import make
 
-    ps, params, batch = make(baton.OneFOneB(), ranks, 4)
+    ps, params, batch = make(baton.OneFOneB(), ranks, 4, loop_form="rolled")
     out = jax.block_until_ready(ps(params, batch))
     return ps, jax.tree.leaves(out)
 
 
 def rank_program_hlo(ranks: int, ps=None) -> list[str]:
-    """The optimized HLO of each rank program of a small pipelined step, straight loop
+    """The optimized HLO of each rank program of a small pipelined step, rolled loop
     form (the GPU form), on this machine's backend (of ``ps``, the step ``_scan_step``
     ran, when given)."""
     if ps is None:
@@ -187,7 +186,6 @@ def scan_command(path: str, ranks: int, flags: str) -> tuple[list[str], dict]:
     (added to the caller's)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(x for x in (env.get("XLA_FLAGS", ""), flags) if x)
-    env["BATON_LOOP_FORM"] = "straight"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--scan-results", path,
            "--ranks", str(ranks)]
     return cmd, env
@@ -220,7 +218,7 @@ def row_scan_hlo(ctx: Context) -> Result:
     found = [host_syncs(t) for t in texts]
     syncs = [s for f in found for s in f.syncs]
     loops = sum(f.loops for f in found)
-    detail = (f"{len(texts)} rank program(s) on {'GPU' if ctx.gpu else 'CPU'}, straight form, "
+    detail = (f"{len(texts)} rank program(s) on {'GPU' if ctx.gpu else 'CPU'}, rolled form, "
               f"{loops} while loop(s): "
               + ("no conditional, every while loop with a known trip count" if not syncs
                  else "; ".join(syncs[:3])))

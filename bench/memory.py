@@ -82,7 +82,7 @@ def run_one(name: str, schedule: str, a: dict) -> dict:
     if schedule == "dualpipev":  # it needs microbatches >= 2 x ranks
         m = max(m, 2 * pm.num_ranks)
     ps = baton.jit(step, mesh=pm, schedule=sched, microbatches=m,
-                   param_shardings=specs, single_program=c.get("engine") == "compiled")
+                   param_shardings=specs, engine=c.get("engine", "interpreter"))
     p, s, _ = ps(params, st, batch)  # warm-up: the arguments then sit where a step leaves them
     del params, st, _
     gc.collect()

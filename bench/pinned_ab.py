@@ -66,7 +66,7 @@ def worker(args):
         _, params, _, opt_state, train_step, _ = gpt.make(gpt_config(args, sched.stages(2)))
         batch = gpt.synthetic_batch(gpt_config(args, sched.stages(2)), args.mb_size * m)
         st = baton.jit(train_step, schedule=sched, microbatches=m,
-                       single_program=how == "program")
+                       engine="compiled" if how == "program" else "interpreter")
         runners[key] = st
         state = {"p": params, "o": opt_state}
 
@@ -99,8 +99,8 @@ def worker(args):
                 times[name].append(t)
     if rank == 0:
         # how each step ran: its loop as one program per rank, or on the executor (and why)
-        ran = {k: st.last.last_stats.get("rank_program") and "program"
-               or "executor (single_program=False)" for k, st in runners.items()}
+        ran = {k: st.last_run.stats.get("rank_program") and "program"
+               or "executor (engine='interpreter')" for k, st in runners.items()}
         print("RESULT " + json.dumps({"times": times, "ran": ran}), flush=True)
 
 
@@ -115,7 +115,7 @@ def main():
     ap.add_argument("--modes", default="program,executor",
                     help="how each schedule runs: 'program' (baton.jit's default: each rank's "
                     "loop as one XLA program where the schedule allows), 'executor' "
-                    "(single_program=False)")
+                    "(engine='interpreter')")
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--microbatches", type=int, default=8)

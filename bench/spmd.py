@@ -6,7 +6,7 @@ the batch sharded over the 8 devices, the microbatch loop a ``lax.scan``). Print
                          [--schedules 1f1b,zbh1] [--md bench/results/spmd.md]
 
 * in one process: pipe 8 runs on the compiled engine (one device per rank); pipe 4 x data 2
-  on the interpreter (``single_program=False``: XLA:CPU runs one multi-device program at a time
+  on the interpreter (``engine="interpreter"``: XLA:CPU runs one multi-device program at a time
   per process, so the compiled engine refuses ranks of several devices there);
 * launched (``python -m baton.launch --nprocs 4``, 2 CPU devices per process): pipe 4 x data 2
   on the compiled engine, each rank's program SPMD over its 2 devices, shard-to-shard transfers.
@@ -51,7 +51,7 @@ for _ in range(a["steps"]):
     jax.block_until_ready(loss)
     ts.append(time.perf_counter() - t)
 if ps.rank == 0:
-    print("RESULT " + json.dumps(dict(first=first, ts=ts, how=ps.last.last_stats.get(
+    print("RESULT " + json.dumps(dict(first=first, ts=ts, how=ps.last_run.stats.get(
         "rank_program", "interpreter"))), flush=True)
 '''
 
@@ -127,7 +127,7 @@ def main():
         model, params, opt, st, step, _ = gpt.make(c)
         mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("pipe", "data"))
         ps = baton.jit(step, mesh=baton.PipelineMesh(mesh), schedule=sched,
-                       microbatches=a.microbatches, single_program=False)
+                       microbatches=a.microbatches, engine="interpreter")
         (_, _, loss), t = timed(lambda: ps(params, st, batch), a.steps)
         assert abs(float(loss) - ref_loss) <= 1e-4 * abs(ref_loss), (float(loss), ref_loss)
         rows.append((f"pipe 4 x data 2, {name}, one process", "interpreter", t))

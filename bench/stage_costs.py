@@ -62,7 +62,7 @@ def measure(args):
     batch = gpt.synthetic_batch(cfg, 4 * args.microbatches)
     M = args.microbatches
     step = baton.jit(train_step, schedule=baton.OneFOneB(), microbatches=M,
-                     mesh=baton.PipelineMesh(jax.devices()[:2], ranks=2), single_program=False)
+                     mesh=baton.PipelineMesh(jax.devices()[:2], ranks=2), engine="interpreter")
     cs = step.compile(params, opt_state, batch)
     # each task's first arguments, (kind, stage) -> (running sums or None, args)
     cap = step.capture_task_args((params, opt_state, batch))

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     mesh = baton.PipelineMesh(jax.devices()[:n_dev], ranks=args.ranks)
     # ranks of several devices run on the interpreter (the compiled engine refuses them)
     step = baton.jit(train_step, mesh=mesh, schedule=spec, microbatches=args.microbatches,
-                     single_program=args.devices_per_rank == 1)
+                     engine="compiled" if args.devices_per_rank == 1 else "interpreter")
 
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"GPT: {cfg.layers} blocks, dim {cfg.dim}, vocab {cfg.vocab}, {n_params} parameters; "

@@ -344,7 +344,7 @@ def test_restore_into_tensor_parallel_ranks(two_rank_run, tmp_path):
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("pipe", "tensor"))
     specs = {"layers": [{"w": P(None, "tensor"), "b": P("tensor")}] * LAYERS}
     ps = baton.jit(make_step(2), schedule=baton.OneFOneB(), microbatches=M,
-                   mesh=baton.PipelineMesh(mesh), param_shardings=specs, single_program=False)
+                   mesh=baton.PipelineMesh(mesh), param_shardings=specs, engine="interpreter")
     p = init_params()
     ps.compile(p, OPT.init(p), batch(0))
     state = ckpt.restore(path, SAVE_AT, fn=ps)

@@ -56,7 +56,7 @@ def mesh(ranks, per_rank=1):
 
 
 def run_mlp(schedule, ranks, microbatches=4, steps=3, per_rank=1, remat=False, scan=False,
-            aux=False, layers_per_stage=1, single_program=True, transport=None):
+            aux=False, layers_per_stage=1, engine="compiled", transport=None):
     stages = schedule.stages(ranks)
     key = jax.random.PRNGKey(stages)
     params = mlp.init_params(key, stages, layers_per_stage, scan=scan)
@@ -64,7 +64,7 @@ def run_mlp(schedule, ranks, microbatches=4, steps=3, per_rank=1, remat=False, s
     loss_fn = mlp.make_loss(remat=remat, scan=scan, aux=aux)
     step, ref = make_steps(loss_fn, aux)
     ps = baton.jit(step, mesh=mesh(ranks, per_rank), schedule=schedule, microbatches=microbatches,
-                   single_program=single_program, transport=transport)
+                   engine=engine, transport=transport)
     ref = jax.jit(ref)
     opt = jax.jit(apply_opt)
     p1 = params
@@ -132,20 +132,19 @@ def check_memory(ps, interpreter=False):
     every buffer's arrays; the compiled engine's buffers are XLA's), at least half of the
     prediction (it counts a receive from its completion, the model from its post: seen
     0.67-1.0)."""
-    if "peak_bytes" not in ps.last.last_stats:
+    if "peak_bytes" not in ps.last_run.stats:
         tr = baton.trace(ps, *ps.last_args)
         for r, (m, p) in enumerate(zip(tr.peak_total, ps.simulate().peak_total)):
             assert 0.6 * p <= m <= p, f"rank {r}: replayed peak {m} B, predicted {p} B"
         if not interpreter:
             return
-        step = ps.last
-        step.single_program = False
-        try:
-            ps(*ps.last_args)
-        finally:
-            step.single_program = True
+        # the same step on the interpreter (the engine is chosen when the step is made)
+        args = ps.last_args
+        ps = baton.jit(ps.fn, mesh=ps.mesh, schedule=ps.spec, microbatches=ps.microbatches,
+                       transport=ps.transport, engine="interpreter")
+        ps(*args)
     sim = ps.simulate()
-    measured = ps.last.last_stats["peak_bytes"]
+    measured = ps.last_run.stats["peak_bytes"]
     predicted = list(sim.peak_total)
     assert len(measured) == len(predicted)
     for r, (m, p) in enumerate(zip(measured, predicted)):
@@ -248,7 +247,7 @@ def test_gpt_tied_embedding_adamw():
 def test_data_parallel_inside_stage():
     """Ranks of two devices run on the interpreter (chosen explicitly: the compiled engine
     refuses them, see test_compiled_engine_refuses_multi_device_ranks)."""
-    ps = run_mlp(baton.OneFOneB(), 4, per_rank=2, single_program=False)
+    ps = run_mlp(baton.OneFOneB(), 4, per_rank=2, engine="interpreter")
     # rank r owns devices 2r, 2r+1: its microbatches are split over both and its
     # parameters (updated on the rank) are replicated over both.
     devs = jax.devices()
@@ -260,7 +259,7 @@ def test_data_parallel_inside_stage():
 
 
 def test_compiled_engine_refuses_multi_device_ranks():
-    with pytest.raises(baton.ConfigError, match="rank 0 has 2 devices.*single_program=False"):
+    with pytest.raises(baton.ConfigError, match="rank 0 has 2 devices.*engine='interpreter'"):
         run_mlp(baton.OneFOneB(), 2, per_rank=2, steps=1)
 
 

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
 import mlp  # noqa: E402
 
 
-def small(schedule=None, ranks=2, microbatches=4, single_program=True):
+def small(schedule=None, ranks=2, microbatches=4, engine="compiled"):
     key = jax.random.PRNGKey(0)
     stages = (schedule or baton.OneFOneB()).stages(ranks)
     params = mlp.init_params(key, stages)
@@ -33,12 +33,12 @@ def small(schedule=None, ranks=2, microbatches=4, single_program=True):
     ps = baton.jit(lambda p, b: baton.accumulate(vg, p, batch=b),
                    mesh=baton.PipelineMesh(jax.devices()[:ranks], ranks=ranks),
                    schedule=schedule or baton.OneFOneB(), microbatches=microbatches,
-                   single_program=single_program)
+                   engine=engine)
     return ps, params, batch
 
 
 def test_each_rank_runs_in_its_own_executor_thread():
-    ps, params, batch = small(ranks=4, single_program=False)
+    ps, params, batch = small(ranks=4, engine="interpreter")
     step = ps.compile(params, batch)
     seen = {}
     for (kind, s), exe in step.tasks.items():
@@ -49,8 +49,8 @@ def test_each_rank_runs_in_its_own_executor_thread():
     ps(params, batch)
     assert seen == {s: {f"baton-rank-{step.stage_rank[s]}"} for s in range(4)}
     # measured by the executors (C++ stats), one entry per rank
-    assert len(step.last_stats["peak_bytes"]) == 4
-    assert all(b > 0 for b in step.last_stats["peak_buffers"])
+    assert len(ps.last_run.stats["peak_bytes"]) == 4
+    assert all(b > 0 for b in ps.last_run.stats["peak_buffers"])
 
 
 def test_each_rank_runs_its_own_program():
@@ -58,14 +58,14 @@ def test_each_rank_runs_its_own_program():
     ps, params, batch = small(ranks=4)
     ps(params, batch)
     step = ps.last
-    assert len(step.last_stats["rank_program"]) == 4
-    assert all("F" in d for d in step.last_stats["rank_program"])
+    assert len(ps.last_run.stats["rank_program"]) == 4
+    assert all("F" in d for d in ps.last_run.stats["rank_program"])
 
 
 @pytest.mark.parametrize("program", [True, False], ids=["compiled", "interpreter"])
 @pytest.mark.parametrize("schedule", [baton.OneFOneB(), baton.ZBV()], ids=["1f1b", "zbv"])
 def test_task_exception_in_one_rank_stops_all(schedule, program):
-    ps, params, batch = small(schedule, single_program=program)
+    ps, params, batch = small(schedule, engine="compiled" if program else "interpreter")
     want = ps(params, batch)
     step = ps.last
     last = step.num_stages - 1

@@ -110,7 +110,7 @@ def test_traced_and_untraced_steps_run_the_same_executable():
     ps(params, batch)
     assert compiles == []
     assert step.engine.local_progs == progs and [p.compiled for p in progs] == exes
-    assert "rank_program" in step.last_stats
+    assert "rank_program" in ps.last_run.stats
     for r in range(2):
         want = [str(a) for a in step.rank_actions[r]]
         assert tr.rank_order(r) == want

@@ -244,3 +244,65 @@ def test_boundary_inside_nested_jit_is_found_and_inside_scan_is_rejected():
     assert tr.num_stages == 2
     with pytest.raises(baton.TraceError, match="inside a 'scan' equation"):
         trace_step(step_of(loss_scan), (w, b), 2)
+
+
+def _two_rank_step(**kw):
+    """A 2-rank MLP step (1F1B, 4 microbatches) made with ``baton.jit(**kw)``."""
+    key = jax.random.PRNGKey(0)
+    params = mlp.init_params(key, 2)
+    batch = mlp.synthetic_batch(key, 16)
+    vg = jax.value_and_grad(mlp.make_loss())
+    ps = baton.jit(lambda p, b: baton.accumulate(vg, p, batch=b),
+                   mesh=baton.PipelineMesh(jax.devices()[:2], ranks=2),
+                   schedule=baton.OneFOneB(), microbatches=4, **kw)
+    return ps, params, batch
+
+
+def test_engine_and_loop_form_are_declared_and_single_program_is_a_deprecated_alias():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ps, params, batch = _two_rank_step()
+        step = ps.compile(params, batch)
+    assert (step.engine_name, step.loop_form) == ("compiled", "auto")
+    with pytest.raises(AttributeError):
+        step.engine_name = "interpreter"
+    with pytest.raises(AttributeError):
+        step.loop_form = "table"
+    ps, params, batch = _two_rank_step(engine="interpreter", loop_form="rolled")
+    step = ps.compile(params, batch)
+    assert (step.engine_name, step.loop_form) == ("interpreter", "rolled")
+    for flag, name in ((False, "interpreter"), (True, "compiled")):
+        with pytest.warns(DeprecationWarning,
+                          match=f"single_program={flag} is deprecated; use engine='{name}'"):
+            ps, params, batch = _two_rank_step(single_program=flag)
+        assert ps.compile(params, batch).engine_name == name
+
+
+@pytest.mark.parametrize("engine", ["compiled", "interpreter"])
+def test_run_returns_its_record_and_leaves_none_on_the_step(engine):
+    from baton.running.run_options import RunOptions
+    from baton.running.step_run import StepRun
+
+    ps, params, batch = _two_rank_step(engine=engine)
+    step = ps.compile(params, batch)
+    flat = jax.tree.leaves((params, batch))
+    run = step.run(flat, opts=RunOptions(record=True, block=True))
+    assert isinstance(run, StepRun)
+    assert len(run.outputs) == len(step.traced.step_outputs)
+    assert len(run.events) == 2 and all(len(ev) > 0 for ev in run.events)
+    assert run.offsets == [0, 0]
+    assert ("rank_program" if engine == "compiled" else "peak_bytes") in run.stats
+    plain = step.run(flat)
+    assert plain.events is None and plain.offsets is None
+    for a, b in zip(run.outputs, plain.outputs, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for name in ("last_events", "last_offsets", "last_stats", "memory_model"):
+        assert not hasattr(step, name), name
+    # the baton.jit function keeps the last call's record, without its outputs
+    tr = baton.trace(ps, params, batch)
+    assert ps.last_run.outputs == [] and len(ps.last_run.events) == 2
+    assert tr.num_ranks == 2
+    ps(params, batch)
+    assert ps.last_run.events is None and ps.last_run.stats

@@ -1,5 +1,5 @@
 """What the GPU path decides on the host, tested on CPU: the loop form per platform (GPU ranks
-lowered straight, without a ``lax.switch`` per unit; forced on CPU it gives the table's
+lowered rolled, without a ``lax.switch`` per unit; forced on CPU it gives the table's
 results), the transfer counts a CUDA context reserves staging for, the engine no longer
 refusing GPU ranks of several devices, the NCCL library rules as bound, and the choice between
 NCCL and host staging with the transfer contexts each builds."""
@@ -29,53 +29,53 @@ def _fake_step(platform, ranks=2, per_rank=2, transport="nccl"):
              for j in range(per_rank)] for r in range(ranks)]
     meshes = [SimpleNamespace(shape={"tensor": per_rank}) for _ in range(ranks)]
     mesh = SimpleNamespace(rank_devices=devs, meshes=meshes, ranks_per_process=None)
-    return SimpleNamespace(mesh=mesh, num_ranks=ranks, transport=transport, loop_form=None,
+    return SimpleNamespace(mesh=mesh, num_ranks=ranks, transport=transport, loop_form="auto",
                            offload=[])
 
 
-def test_loop_form_is_chosen_per_platform_and_can_be_forced(monkeypatch):
-    monkeypatch.delenv("BATON_LOOP_FORM", raising=False)
+def test_loop_form_is_chosen_per_platform_and_can_be_forced():
     assert loop_form(_fake_step("cpu"), 0) == "table"
-    assert loop_form(_fake_step("gpu"), 1) == "straight"
-    assert loop_form(_fake_step("cuda"), 0) == "straight"
+    assert loop_form(_fake_step("gpu"), 1) == "rolled"
+    assert loop_form(_fake_step("cuda"), 0) == "rolled"
     cs = _fake_step("gpu")
     cs.loop_form = "table"
     assert loop_form(cs, 0) == "table"
-    monkeypatch.setenv("BATON_LOOP_FORM", "straight")
-    assert loop_form(_fake_step("cpu"), 0) == "straight"
-    monkeypatch.setenv("BATON_LOOP_FORM", "rolled")
-    with pytest.raises(ValueError, match="rank 0: loop form 'rolled'"):
-        loop_form(_fake_step("cpu"), 0)
+    cs = _fake_step("cpu")
+    cs.loop_form = "rolled"
+    assert loop_form(cs, 0) == "rolled"
+    cs.loop_form = "straight"
+    with pytest.raises(baton.ConfigError, match="loop_form must be one of .*'straight'"):
+        loop_form(cs, 0)
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zbh1"])
-def test_straight_form_equals_the_table(monkeypatch, name):
-    """Two ranks in one process on the compiled engine: the straight form (what GPU ranks
+def test_rolled_form_equals_the_table(name):
+    """Two ranks in one process on the compiled engine: the rolled form (what GPU ranks
     get: no conditional per unit) gives the table's results exactly, and both equal plain
     JAX."""
     from mlp_step import make
 
     sched = baton.schedule_from_name(name)
     outs = {}
-    for form in ("table", "straight"):
-        monkeypatch.setenv("BATON_LOOP_FORM", form)
-        ps, params, batch = make(sched, 2, 4)
+    for form in ("table", "rolled"):
+        ps, params, batch = make(sched, 2, 4, loop_form=form)
         outs[form] = jax.block_until_ready(ps(params, batch))
         cs = ps.compile(params, batch)
+        assert cs.loop_form == form
         # what ran: each rank's program as described by the engine (a table, or the rolled
         # straight-line runs: scans and single items, no table)
-        ran = cs.last_stats["rank_program"]
+        ran = ps.last_run.stats["rank_program"]
         assert len(ran) == 2 and all(d.startswith("table") == (form == "table") for d in ran)
         prog = RankProgram(cs, 0, _core.runtime.RankComm(0), 10.0)
         assert prog.form == form and prog.table == (form == "table")
-    for a, b in zip(jax.tree.leaves(outs["table"]), jax.tree.leaves(outs["straight"]),
+    for a, b in zip(jax.tree.leaves(outs["table"]), jax.tree.leaves(outs["rolled"]),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     import mlp
 
     loss, grads = jax.value_and_grad(mlp.make_loss())(params, batch)
     want = jax.tree.leaves((loss, grads))
-    for a, b in zip(jax.tree.leaves(outs["straight"]), want, strict=True):
+    for a, b in zip(jax.tree.leaves(outs["rolled"]), want, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 

@@ -37,7 +37,7 @@ def test_predicted_peak_per_device_matches_live_arrays(schedule):
     batch = gpt.synthetic_batch(cfg, 16)
     ps = baton.jit(train_step, mesh=pm, schedule=schedule, microbatches=4,
                    param_shardings=gpt.param_specs(params, tensor="tensor"),
-                   single_program=False)
+                   engine="interpreter")
     # the arguments as a training loop passes them: the previous step's outputs
     p, s, _ = ps(params, opt_state, batch)
     del params, opt_state, _
@@ -75,7 +75,7 @@ def update_bound():
         _, params, _, opt_state, train_step, _ = gpt.make(cfg)
         ps = baton.jit(train_step, mesh=baton.PipelineMesh(mesh), schedule=baton.OneFOneB(),
                        microbatches=2, param_shardings=gpt.param_specs(params, tensor="tensor"),
-                       single_program=False, donate_argnums=(0, 1) if donate else ())
+                       engine="interpreter", donate_argnums=(0, 1) if donate else ())
         batch = gpt.synthetic_batch(cfg, 4)
         p, s, _ = ps(params, opt_state, batch)
         del params, opt_state, _
@@ -128,7 +128,7 @@ def test_measure_runs_the_compiled_engine(ranks, schedule):
     gc.collect()
     mem = ps.memory(p, s, batch, measure=True)
     step = ps.last
-    assert ("single_program" if ranks == 1 else "rank_program") in step.last_stats
+    assert ("single_program" if ranks == 1 else "rank_program") in ps.last_run.stats
     eng = step.engine
     progs = [eng.single] if ranks == 1 else eng.local_units
     own = {}

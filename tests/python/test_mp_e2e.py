@@ -100,7 +100,7 @@ def worker_main(mode: str, outdir: str) -> None:
         program = mode == "fault-program"
         sched, stages, m, params, st, batch = config("1f1b", world)
         ps = baton.jit(train_step, schedule=sched, microbatches=m, timeout=60,
-                       single_program=program)
+                       engine="compiled" if program else "interpreter")
         step = ps.compile(params, st, batch)
         if rank == world - 1:
             # 1F1B fuses the last stage's F and B of a microbatch: that task runs first
@@ -149,10 +149,10 @@ def worker_main(mode: str, outdir: str) -> None:
         # single-process mode by test_e2e.py).
         # A step whose loop ran as one program per rank (program.RankProgram) has no executor
         # peaks; which way each schedule ran is saved for the test to check.
-        if "rank_program" in step.last_stats:
-            how = "program: " + step.last_stats["rank_program"]
+        if "rank_program" in ps.last_run.stats:
+            how = "program: " + ps.last_run.stats["rank_program"]
         else:
-            peaks = step.last_stats["peak_bytes"]
+            peaks = ps.last_run.stats["peak_bytes"]
             assert len(peaks) == world and all(a > 0 for a in peaks), peaks
             how = "executor"
         (pathlib.Path(outdir) / f"{name}-mode-rank{rank}.txt").write_text(how)
@@ -196,7 +196,7 @@ def train_and_save(ps, params, st, batch, rank, outdir, name):
     0, the gathered parameters and optimizer state (``{name}.npz``)."""
     for _ in range(3):
         params, st, loss = ps(params, st, batch)
-    stats = ps.last.last_stats
+    stats = ps.last_run.stats
     how = "program: " + stats["rank_program"] if "rank_program" in stats else "executor"
     (pathlib.Path(outdir) / f"{name}-mode-rank{rank}.txt").write_text(how)
     full = ps.gather((params, st))
@@ -329,7 +329,7 @@ def check_against_single_process(tmp_path, name, ranks, devices, exact):
     mesh = baton.PipelineMesh(jax.devices()[: ranks * devices], ranks=ranks)
     single = flat_result(*run_steps(
         baton.jit(train_step, mesh=mesh, schedule=sched, microbatches=m, transport="local",
-                  single_program=devices == 1),
+                  engine="compiled" if devices == 1 else "interpreter"),
         params, st, batch))
     ref = flat_result(*run_steps(jax.jit(
         lambda p, s, b: _scan_step(p, s, b, m)), params, st, batch))

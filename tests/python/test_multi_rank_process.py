@@ -3,7 +3,7 @@ device each; each process has 2 devices), ``baton.jit(mesh=PipelineMesh(local_de
 
 * The MLP of ``test_mp_e2e.py`` trained 2 AdamW steps with 1F1B (4 stages) and ZB-V (8
   stages, 2 per rank) on the compiled engine, and 1F1B on the interpreter
-  (``single_program=False``): losses, gradients, updated parameters and optimizer state equal
+  (``engine="interpreter"``): losses, gradients, updated parameters and optimizer state equal
   to plain JAX (``accumulate`` as a ``lax.scan`` over the same microbatches, rtol 1e-5); each
   process holds exactly its ranks' stages (the rest are ``Remote``s naming the stage's rank);
   a traced step (either engine) has every rank's tasks.
@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE))
 import test_mp_e2e as T  # noqa: E402  (the MLP step, its configs and plain-JAX reference)
 
 K = 2  # ranks per process
-# case -> (schedule, compiled engine?): the interpreter (single_program=False) too
+# case -> (schedule, compiled engine?): the interpreter (engine="interpreter") too
 CASES = {"1f1b": ("1f1b", True), "zbv": ("zbv", True), "1f1b-interp": ("1f1b", False)}
 NAMES = tuple(CASES)
 
@@ -61,7 +61,7 @@ def train_main(p, world, out):
     for name, (sname, program) in CASES.items():
         sched, stages, m, params, st, batch = T.config(sname, R)
         ps = baton.jit(T.train_step, mesh=local_mesh(), schedule=sched, microbatches=m,
-                       single_program=program)
+                       engine="compiled" if program else "interpreter")
         assert ps.ranks == [p * K, p * K + 1], ps.ranks
         hist, params, st = T.run_steps(ps, params, st, batch)
         step = ps.last
@@ -78,11 +78,11 @@ def train_main(p, world, out):
                     held.append(s)
         assert held, (name, p)
         if program:
-            hows = step.last_stats["rank_program"]
+            hows = ps.last_run.stats["rank_program"]
             assert isinstance(hows, list) and len(hows) == K, hows
         else:  # every rank's executor peaks, exchanged
-            hows = [f"executor {b}" for b in step.last_stats["peak_bytes"]]
-            assert len(hows) == R and all(b > 0 for b in step.last_stats["peak_bytes"]), hows
+            hows = [f"executor {b}" for b in ps.last_run.stats["peak_bytes"]]
+            assert len(hows) == R and all(b > 0 for b in ps.last_run.stats["peak_bytes"]), hows
         (out / f"{name}-mode-process{p}.txt").write_text("\n".join(hows))
         np.save(out / f"{name}-loss-process{p}.npy", [float(x) for x, _ in hist])
         if sname == "1f1b":  # a traced step: every global rank's tasks, on one clock

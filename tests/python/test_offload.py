@@ -87,7 +87,7 @@ def test_every_schedule_offloading_matches_plain_jax(name):
         n = sum(1 for b in ir.programs[prog.rank].buffers if b.host_pool >= 0)
         offloaded += n
         text = prog.compiled.as_text()
-        assert prog.form == "straight"
+        assert prog.form == "rolled"
         calls = (text.count('custom_call_target="baton_offload"'),
                  text.count('custom_call_target="baton_fetch"'))
         held, peak = prog.comm.host_bytes()
@@ -107,7 +107,7 @@ def test_every_schedule_offloading_matches_plain_jax(name):
 def test_offloading_rank_holds_less_in_xla_and_the_bytes_in_host_slots():
     """GPipe's ranks stash every microbatch's activations before their first backward:
     offloaded, XLA's buffer assignment (temporary bytes) of the largest rank's program is
-    smaller than the largest of the same straight programs without offload, and the host
+    smaller than the largest of the same rolled programs without offload, and the host
     slots held the stashes (at least one microbatch's) and hold nothing after the step."""
     m = 8
     key = jax.random.PRNGKey(0)
@@ -117,15 +117,11 @@ def test_offloading_rank_holds_less_in_xla_and_the_bytes_in_host_slots():
 
     def run(offload):
         ps = baton.jit(lambda p, b: baton.accumulate(vg, p, batch=b), mesh=_mesh(2),
-                       schedule="gpipe", microbatches=m, offload=offload)
+                       schedule="gpipe", microbatches=m, offload=offload, loop_form="rolled")
         return ps, ps(params, batch)
 
-    os.environ["BATON_LOOP_FORM"] = "straight"
-    try:
-        plain, got_plain = run(None)
-        off, got_off = run("stash")
-    finally:
-        del os.environ["BATON_LOOP_FORM"]
+    plain, got_plain = run(None)
+    off, got_off = run("stash")
     for a, b in zip(jax.tree.leaves(got_plain), jax.tree.leaves(got_off)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     temp = {p.rank: p.compiled.memory_analysis().temp_size_in_bytes
@@ -184,13 +180,9 @@ def test_offload_refused_where_not_lowered():
     with pytest.raises(baton.ConfigError, match="two or more ranks"):
         call(1, offload="stash")
     with pytest.raises(baton.ConfigError, match="interpreter"):
-        call(2, offload="stash", single_program=False)
-    os.environ["BATON_LOOP_FORM"] = "table"
-    try:
-        with pytest.raises(baton.ConfigError, match="table loop form does not offload"):
-            call(2, offload="stash")
-    finally:
-        del os.environ["BATON_LOOP_FORM"]
+        call(2, offload="stash", engine="interpreter")
+    with pytest.raises(baton.ConfigError, match="table loop form does not offload"):
+        call(2, offload="stash", loop_form="table")
 
 
 def test_rank_items_carry_offload_and_fetch():

@@ -3,7 +3,7 @@
 On a PipelineMesh of one rank, GPipe, 1F1B and ZB-H1 run one stage (F0 = the forward,
 B0 or I0/W0 = the backward). Loss and gradients match jax.value_and_grad on the full batch
 (rtol 1e-5) and plain jax.jit where accumulate is a lax.scan: bit for bit on the executor
-(``single_program=False``, every task its own jit), within an ulp-level tolerance as one
+(``engine="interpreter"``, every task its own jit), within an ulp-level tolerance as one
 program (the default: XLA may fuse across task boundaries and round differently).
 """
 
@@ -42,12 +42,13 @@ def test_one_rank_matches_jax(schedule, kinds, single):
         return baton.accumulate(vg, p, batch=b)
 
     mesh = baton.PipelineMesh(jax.devices()[:1], ranks=1)
-    ps = baton.jit(step, mesh=mesh, schedule=schedule, microbatches=m, single_program=single)
+    ps = baton.jit(step, mesh=mesh, schedule=schedule, microbatches=m,
+                   engine="compiled" if single else "interpreter")
     got = ps(params, batch)
     step_info = ps.last
     program = single  # every schedule runs as one program (GPipe's forwards unrolled)
-    assert ("single_program" in step_info.last_stats) == program
-    assert ("peak_bytes" in step_info.last_stats) == (not program)
+    assert ("single_program" in ps.last_run.stats) == program
+    assert ("peak_bytes" in ps.last_run.stats) == (not program)
     assert step_info.num_stages == 1 and step_info.num_ranks == 1
     assert "".join(sorted(t.kind for t in step_info.partition.tasks)) == kinds
     f0 = [t for t in step_info.partition.tasks if t.kind == "F"][0]
@@ -81,11 +82,11 @@ def test_one_program_rolls_the_schedule_into_scans(schedule, runs):
 
     ps, params, batch = make(schedule, 1, 4)
     ps(params, batch)
-    assert ps.last.last_stats["single_program"] == runs
+    assert ps.last_run.stats["single_program"] == runs
     # a traced step runs the same program with its task markers: one RUN per task of the
     # plan, each its own span, in the schedule's order
     tr = baton.trace(ps, params, batch)
-    assert ps.last.last_stats["single_program"] == runs
+    assert ps.last_run.stats["single_program"] == runs
     plan_runs = [i for i in ps.last.programs[0] if i[0] == baton.OpCode.RUN]
     assert len(tr.runs) == len(plan_runs) > 0
     starts = [r["start"] for r in tr.runs]
@@ -93,7 +94,7 @@ def test_one_program_rolls_the_schedule_into_scans(schedule, runs):
     assert all(r["end"] >= r["start"] for r in tr.runs)
     assert all(b["end"] <= a["start"] + 1e-9 for b, a in zip(tr.runs, tr.runs[1:]))
     ps(params, batch)
-    assert ps.last.last_stats["single_program"] == runs
+    assert ps.last_run.stats["single_program"] == runs
 
 
 def test_gpipe_runs_as_one_program_without_stacked_buffers():
@@ -105,9 +106,9 @@ def test_gpipe_runs_as_one_program_without_stacked_buffers():
     ps, params, batch = make(baton.GPipe(), 1, 4)
     got = ps(params, batch)
     step = ps.last
-    assert step.last_stats["single_program"] == "[F0]; [F0]; [F0]; [F0]; [B0]; [B0]; [B0]; [B0]"
+    assert ps.last_run.stats["single_program"] == "[F0]; [F0]; [F0]; [F0]; [B0]; [B0]; [B0]; [B0]"
     assert step.engine.single.stacked_buffers() == []
-    ps2, _, _ = make(baton.GPipe(), 1, 4, single_program=False)
+    ps2, _, _ = make(baton.GPipe(), 1, 4, engine="interpreter")
     want = ps2(params, batch)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
@@ -127,9 +128,9 @@ def test_one_program_several_stages_on_one_rank(schedule):
 
     assert schedule.stages(1) == 2
     ps = run_mlp(schedule, 1, microbatches=4, steps=2, per_rank=2, aux=True)
-    assert "single_program" in ps.last.last_stats
+    assert "single_program" in ps.last_run.stats
 
-    ps2, params, batch = make(schedule, 1, 4, single_program=False)
+    ps2, params, batch = make(schedule, 1, 4, engine="interpreter")
     want = ps2(params, batch)
     sp = SingleProgram(ps2.last)
     assert len(sp.runs) > 1
@@ -140,7 +141,7 @@ def test_one_program_several_stages_on_one_rank(schedule):
 
 def test_one_program_that_fails_to_build_raises(monkeypatch):
     """No silent fallback: if tracing the one program fails, the step raises (the
-    interpreter runs only when chosen: single_program=False)."""
+    interpreter runs only when chosen: engine="interpreter")."""
     from mlp_step import make
 
     from baton.emit import single_program

@@ -14,7 +14,7 @@ row-parallel matmul written with ``jax.shard_map`` whose partial products are su
 Baton moves each onto every rank's own sub-mesh (``baton.tracing.retarget``). Losses,
 gradients, parameters and optimizer state over 3 AdamW steps match ``jax.jit`` of the same
 step (the batch in one piece) within float tolerance. In one process, ranks of several
-devices run on the interpreter (``single_program=False``; the compiled engine refuses them
+devices run on the interpreter (``engine="interpreter"``; the compiled engine refuses them
 by name, tested here); across processes under ``jax.distributed`` (2 processes of 4
 devices, one rank each; 4 processes of 2 devices, each rank spanning two) each rank's
 program is compiled. Explicit mesh axes are refused by name.
@@ -177,7 +177,7 @@ def test_shard_map_in_stages_matches_plain_jax(schedule, kind):
     mesh = full_mesh()
     train_step, _ = steps(model_mesh(kind, mesh))
     ps = baton.jit(train_step, mesh=baton.PipelineMesh(mesh), schedule=SCHEDULES[schedule](),
-                   microbatches=MICRO, param_shardings=SPECS, single_program=False)
+                   microbatches=MICRO, param_shardings=SPECS, engine="interpreter")
     with context(kind, mesh):
         got = run(ps, *inputs())
     assert_close(flat(*got), reference(kind, mesh))
@@ -205,7 +205,7 @@ def test_a_mesh_unlike_the_ranks_names_the_primitive():
     other = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("tensor", "data"))  # no pipe
     train_step, _ = steps(other)
     ps = baton.jit(train_step, mesh=baton.PipelineMesh(mesh), schedule=baton.OneFOneB(),
-                   microbatches=MICRO, param_shardings=SPECS, single_program=False)
+                   microbatches=MICRO, param_shardings=SPECS, engine="interpreter")
     with pytest.raises(baton.ConfigError,
                        match=r"with_sharding_constraint: mesh \(tensor=4, data=2\) is neither.*"
                              r"rank 0's sub-mesh is \(tensor=2, data=2\)"):
@@ -219,13 +219,13 @@ def test_explicit_axes_are_refused_by_name():
                 axis_types=(AxisType.Explicit,) * 3)
     train_step, _ = steps(None)
     ps = baton.jit(train_step, mesh=baton.PipelineMesh(mesh), schedule=baton.OneFOneB(),
-                   microbatches=MICRO, param_shardings=SPECS, single_program=False)
+                   microbatches=MICRO, param_shardings=SPECS, engine="interpreter")
     with pytest.raises(baton.ConfigError, match=r"PipelineMesh has Explicit axes \['tensor', "
                                                 r"'data'\]"):
         ps(*inputs())
     auto = full_mesh()
     ps = baton.jit(train_step, mesh=baton.PipelineMesh(auto), schedule=baton.OneFOneB(),
-                   microbatches=MICRO, param_shardings=SPECS, single_program=False)
+                   microbatches=MICRO, param_shardings=SPECS, engine="interpreter")
     with jax.set_mesh(mesh), pytest.raises(baton.ConfigError,
                                            match=r"mesh context \(jax.set_mesh\) has Explicit"):
         ps(*inputs())
@@ -254,7 +254,7 @@ def worker_main(layout: str, outdir: str) -> None:
                            microbatches=MICRO, param_shardings=SPECS)
             assert ps.ranks == [rank], ps.ranks
             got = ps.gather(run(ps, *inputs()))
-            how = ps.last.last_stats.get("rank_program", "")
+            how = ps.last_run.stats.get("rank_program", "")
             assert how, f"process {proc}: the step did not run as a compiled program"
             if proc == 0:
                 np.savez(os.path.join(outdir, f"{kind}-{name}.npz"), **flat(*got))

@@ -4,7 +4,7 @@ between ranks of several devices. Every run is checked against plain JAX
 (``jax.value_and_grad`` on one device, the unsharded model) over 3 AdamW steps.
 
 In one process XLA:CPU runs one multi-device program at a time, so ranks of several devices
-run here on the interpreter (chosen: ``single_program=False``; the compiled engine refuses
+run here on the interpreter (chosen: ``engine="interpreter"``; the compiled engine refuses
 them by name); the compiled engine runs them one process per rank
 (``test_mp_e2e.py::test_moe_experts_across_processes``) or several processes per rank
 (``test_mp_e2e.py::test_ranks_spanning_processes``), and its lowered program is inspected
@@ -51,7 +51,7 @@ def named_mesh(pipe, **axes):
 
 
 def run_gpt(mesh, schedule, tensor=None, fsdp=None, steps=3, microbatches=4, mb=4,
-            single_program=False):
+            engine="interpreter"):
     """Trains the GPT pipelined and plainly; returns the pipelined function and the final
     parameters and optimizer state (after asserting they match)."""
     pm = baton.PipelineMesh(mesh)
@@ -61,8 +61,8 @@ def run_gpt(mesh, schedule, tensor=None, fsdp=None, steps=3, microbatches=4, mb=
     batch = gpt.synthetic_batch(cfg, mb * microbatches)
     specs = gpt.param_specs(params, tensor=tensor, fsdp=fsdp)
     ps = baton.jit(train_step, mesh=pm, schedule=schedule, microbatches=microbatches,
-                   param_shardings=specs, single_program=single_program)
-    check_gradients(pm, schedule, microbatches, specs, single_program, params, batch,
+                   param_shardings=specs, engine=engine)
+    check_gradients(pm, schedule, microbatches, specs, engine, params, batch,
                     lambda p, b: gpt.loss_fn(model, p, b))
     ref = jax.jit(ref_step)
     p1 = p2 = params
@@ -103,7 +103,7 @@ def assert_trees_close(got, want, what, rtol=1e-5, rel_atol=5e-5):
                                    err_msg=f"{what} {jax.tree_util.keystr(path)}")
 
 
-def check_gradients(pm, schedule, microbatches, specs, single_program, params, batch, loss,
+def check_gradients(pm, schedule, microbatches, specs, engine, params, batch, loss,
                     per_microbatch=False):
     """The gradients themselves, not only what AdamW makes of them: ``baton.accumulate`` of
     ``jax.value_and_grad(loss)`` pipelined with the same shardings against plain JAX at
@@ -114,7 +114,7 @@ def check_gradients(pm, schedule, microbatches, specs, single_program, params, b
                                 microbatches=microbatches if per_microbatch else None)
 
     pg = baton.jit(grad_step, mesh=pm, schedule=schedule, microbatches=microbatches,
-                   param_shardings=specs, single_program=single_program)
+                   param_shardings=specs, engine=engine)
     l1, g1 = pg(params, batch)
     if per_microbatch:
         l2, g2 = jax.jit(grad_step)(params, batch)
@@ -191,7 +191,7 @@ def test_boundary_values_cross_shard_to_shard():
     model, params, opt, opt_state, train_step, _ = gpt.make(cfg)
     ps = baton.jit(train_step, mesh=pm, schedule=baton.OneFOneB(), microbatches=4,
                    param_shardings=gpt.param_specs(params, tensor="tensor"),
-                   single_program=False)
+                   engine="interpreter")
     step = ps.compile(params, opt_state, gpt.synthetic_batch(cfg, 16))
     for r in range(2):
         comm = baton._core.runtime.RankComm(r, 10.0)
@@ -284,7 +284,7 @@ def test_moe_gpt_pipe2_expert2_data2_matches_plain_jax(schedule):
         model, params, opt, st, train_step, _ = moe_gpt.make(cfg)
         batch = moe_gpt.synthetic_batch(cfg, 16)
         ps = baton.jit(train_step, mesh=pm, schedule=schedule, microbatches=4,
-                       param_shardings=moe_gpt.param_specs(params), single_program=False)
+                       param_shardings=moe_gpt.param_specs(params), engine="interpreter")
         p1, s1 = params, st
         mus = []
         for _ in range(3):
@@ -340,7 +340,7 @@ def test_moe_dispatch_is_an_all_to_all_inside_the_rank_program():
         batch = moe_gpt.synthetic_batch(cfg, 16)
         ps = baton.jit(step, mesh=baton.PipelineMesh(mesh), schedule=baton.OneFOneB(),
                        microbatches=4, param_shardings=moe_gpt.param_specs(params),
-                       single_program=False)
+                       engine="interpreter")
         s = ps.compile(params, st, batch)
         prog = RankProgram(s, 0, baton._core.runtime.RankComm(0, 10.0), 10.0)
         vals = dict(zip(s.traced.step_inputs, jax.tree.leaves((params, st, batch))))

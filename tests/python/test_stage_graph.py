@@ -278,11 +278,11 @@ def test_global_norm_clipping_keeps_updates_on_their_stage():
                                             pytest.param(baton.ZBV(), 2, marks=pytest.mark.heavy)],
                          ids=["1f1b", "zbv"])
 def test_skip_edges_on_the_interpreter(schedule, ranks):
-    """The reference engine (``single_program=False``: the C++ executor) moves the skip
+    """The reference engine (``engine="interpreter"``: the C++ executor) moves the skip
     buffers too, and a traced step names them."""
     key = jax.random.PRNGKey(1)
     params, batch = init_skip(key), skip_batch(key, 16)
-    ps = _train(skip_loss, params, batch, schedule, ranks, single_program=False)
+    ps = _train(skip_loss, params, batch, schedule, ranks, engine="interpreter")
     _check_direct(ps.last, [(0, 3), (1, 3)])
     names = {t["name"].split("(")[0]
              for t in baton.trace(ps, params, OPT.init(params), batch).transfers}

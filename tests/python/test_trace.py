@@ -151,7 +151,7 @@ def test_jit_trace_option_and_memory(caplog):
     tr = ps.last_trace
     assert tr is not None and tr.num_ranks == 4
     # the compiled engine ran it (its programs recorded the events)
-    assert "rank_program" in step.last_stats
+    assert "rank_program" in ps.last_run.stats
     # replayed from the events with the plan's buffer sizes, counted as the simulator counts
     # (a receive from its post, a sent buffer until its send completes): never more than the
     # planner's prediction, and not far below it
@@ -162,7 +162,7 @@ def test_jit_trace_option_and_memory(caplog):
     # tracing off: no events recorded
     ps.trace = False
     ps(params, batch)
-    assert step.last_events is None
+    assert ps.last_run.events is None
 
 
 def test_write_trace_without_a_traced_call_is_an_error(tmp_path):
@@ -220,11 +220,11 @@ def test_multi_process_trace_is_merged_on_every_process(tmp_path):
 def test_interpreter_trace_counts_at_least_its_measured_peaks():
     """On the interpreter, the replayed trace counts at least the executor's own peak (which
     counts a receive from its completion, the replay from its post)."""
-    ps, params, batch = make(baton.OneFOneB(), 4, 8, trace=True, single_program=False)
+    ps, params, batch = make(baton.OneFOneB(), 4, 8, trace=True, engine="interpreter")
     ps(params, batch)
     step = ps.last
     tr = ps.last_trace
-    assert all(t >= e for t, e in zip(tr.peak_total, step.last_stats["peak_bytes"]))
-    assert sum(step.last_stats["peak_bytes"]) > 0
+    assert all(t >= e for t, e in zip(tr.peak_total, ps.last_run.stats["peak_bytes"]))
+    assert sum(ps.last_run.stats["peak_bytes"]) > 0
     sim = ps.simulate()
     assert_peaks_within(tr.peak_total, sim.peak_total, "total")

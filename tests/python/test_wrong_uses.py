@@ -282,6 +282,22 @@ def launcher_rank_outside_world():
     rendezvous.rank_info({"BATON_RANK": "2", "BATON_WORLD_SIZE": "2"})
 
 
+def unknown_engine():
+    jit(engine="executor")
+
+
+def unknown_loop_form():
+    jit(loop_form="straight")
+
+
+def engine_and_single_program_both():
+    jit(engine="compiled", single_program=False)
+
+
+def table_loop_form_with_offload():
+    jit(microbatches=2, offload="stash", loop_form="table").compile(params(), batch())
+
+
 def launcher_rank_not_a_number():
     from baton.runtime import rendezvous
     rendezvous.rank_info({"BATON_RANK": "one", "BATON_WORLD_SIZE": "2"})
@@ -346,6 +362,13 @@ CASES = [
     (save_negative_step, E, ["step must be a non-negative integer (got -1)"]),
     (launcher_rank_outside_world, E, ["rank 2 is outside world size 2"]),
     (launcher_rank_not_a_number, E, ["BATON_RANK='one' is not an integer"]),
+    (unknown_engine, E, ["engine must be one of 'compiled', 'interpreter'", "(got 'executor')"]),
+    (unknown_loop_form, E, ["loop_form must be one of 'auto', 'table', 'rolled'",
+                            "(got 'straight')"]),
+    (engine_and_single_program_both, E, ["give engine='compiled' or the deprecated "
+                                         "single_program=False, not both"]),
+    (table_loop_form_with_offload, E, ["table loop form does not offload",
+                                       "loop_form='rolled'"]),
 ]
 
 

@@ -12,7 +12,7 @@ no earlier than their data (the argument is in ``docs/ARCHITECTURE.md``). Transf
 order per (peer, channel), the verifier's FIFO model; the tags need no buffer id.
 
 The loop is lowered as a table (``rank_table.py``: every task compiled once per rank) or
-straight (the items rolled into scans, ``_core.roll_rank`` and ``loop_program.py``);
+rolled (the items rolled into scans, ``_core.roll_rank`` and ``loop_program.py``);
 ``loop_form`` chooses.
 
 Traced rank programs record their markers and transfers (a runtime switch of the same
@@ -21,7 +21,6 @@ executable; ``RankProgram.events``).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
@@ -40,31 +39,38 @@ from .task_env import _Env, _Token
 _MAX_ITEMS_PER_STAGE = 16  # a rank's pattern (rolled lowering): its tasks and transfers
 
 
-LOOP_FORMS = ("table", "straight")
+# how a rank's loop may be lowered: chosen per platform, or forced
+LOOP_FORMS = ("auto", "table", "rolled")
+
+
+def check_loop_form(form: Any) -> str:
+    """``form`` if it names a loop form (``LOOP_FORMS``), else ``ConfigError`` naming it."""
+    if not isinstance(form, str) or form not in LOOP_FORMS:
+        raise ConfigError(f"baton.jit: loop_form must be one of "
+                          f"{', '.join(map(repr, LOOP_FORMS))} (got {form!r})")
+    return form
 
 
 def loop_form(cs, rank: int) -> str:
-    """How a rank's loop is lowered (the emitter's choice per platform): ``"table"`` (one
-    ``fori_loop`` over the rank's table, each unit a two-branch ``lax.switch``: every task
-    compiled once) or ``"straight"`` (the items in stream order, repeating runs rolled into
-    ``lax.scan``, no conditionals). GPU ranks are lowered straight: XLA's GPU conditional
-    thunk copies the branch index to the host and waits for it before every branch, so a
-    table would run host and GPU in lockstep, one unit at a time, and receives could not be
-    posted ahead of the compute they overlap. ``cs.loop_form`` or ``$BATON_LOOP_FORM``
-    forces one (tests compare the two on CPU)."""
-    forced = getattr(cs, "loop_form", None) or os.environ.get("BATON_LOOP_FORM") or None
+    """How a rank's loop is lowered: ``"table"`` (one ``fori_loop`` over the rank's table,
+    each unit a two-branch ``lax.switch``: every task compiled once) or ``"rolled"`` (the
+    items in stream order, repeating runs rolled into ``lax.scan``, no conditionals).
+    ``cs.loop_form`` (``baton.jit(loop_form=...)``) forces one; ``"auto"`` chooses per
+    platform: GPU ranks are rolled, since XLA's GPU conditional thunk copies the branch
+    index to the host and waits for it before every branch, so a table would run host and
+    GPU in lockstep, one unit at a time, and receives could not be posted ahead of the
+    compute they overlap; other ranks get the table. An offloading step is rolled."""
+    forced = check_loop_form(cs.loop_form)
     if cs.offload and any(o == _core.Offload.STASH for o in cs.offload):
-        # the table's rings hold device buffers only: an offloading rank is lowered straight
+        # the table's rings hold device buffers only: an offloading rank is rolled
         if forced == "table":
             raise ConfigError(f"rank {rank}: the table loop form does not offload; offload "
-                              f"lowers the loop straight")
-        return "straight"
-    if forced is not None:
-        if forced not in LOOP_FORMS:
-            raise ValueError(f"rank {rank}: loop form {forced!r} is not one of {LOOP_FORMS}")
+                              f"lowers the loop rolled (loop_form='rolled' or 'auto')")
+        return "rolled"
+    if forced != "auto":
         return forced
     platforms = {d.platform for d in cs.mesh.rank_devices[rank]}
-    return "straight" if platforms & {"gpu", "cuda"} else "table"
+    return "rolled" if platforms & {"gpu", "cuda"} else "table"
 
 
 class RankProgram(_LoopProgram):
@@ -163,7 +169,7 @@ class RankProgram(_LoopProgram):
 
     def _loop(self, env, outer, whole_mb, token):
         """The rank's loop: as a table (``rank_table.lower_table``: one ``fori_loop`` over
-        the rank's table, each unit once) or, straight, its items rolled into scans
+        the rank's table, each unit once) or, rolled, its items rolled into scans
         (``_LoopProgram._loop``)."""
         if not self.table:
             return super()._loop(env, outer, whole_mb, token)

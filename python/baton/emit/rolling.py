@@ -2,7 +2,7 @@
 
 An item is one thing a rank's loop does: a task it runs, or a transfer (a send, a receive
 posted, a receive waited on). The items of a rank, and the runs of a repeating pattern that
-the straight lowering traces as ``lax.scan``, are the C++ passes' over the rank program
+the rolled lowering traces as ``lax.scan``, are the C++ passes' over the rank program
 (``_core.rank_items`` / ``_core.roll_rank``, ``baton/roll.h``); ``rank_items`` and
 ``as_item`` give them to Python as ``Item`` records. ``item_reads`` / ``item_writes`` say
 which buffers an item passes to its function and makes.

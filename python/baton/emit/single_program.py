@@ -1,4 +1,4 @@
-"""A one-rank step as one XLA program (``SingleProgram``, ``baton.jit(single_program=...)``).
+"""A one-rank step as one XLA program (``SingleProgram``: the compiled engine on one rank).
 
 When every stage of a plan is on one rank there is nothing to overlap: the executor would
 only add a host round trip per task (dispatch, output allocation, the optimizer as its own

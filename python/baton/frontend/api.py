@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -25,7 +26,9 @@ from ..running.distributed import (Remote, Router, agree_ranks_per_process,
 from ..running.gc_hold import held
 from ..running.handshake import agree_program, describe, error_text
 from ..running.run_options import RunOptions
-from ..running.step import CompiledStep
+from ..emit.rank_program import check_loop_form
+from ..running.step import CompiledStep, check_engine
+from ..running.step_run import StepRun
 from ..tracing.retarget import check_axis_types
 from ..tracing.trace import trace_step
 from .arguments import donated_inputs, input_specs, leaf_key
@@ -57,6 +60,25 @@ def _layout_options(layout, boundaries, microbatch_size, schedule):
     return layout, microbatch_size
 
 
+def _engine_option(engine, single_program) -> str:
+    """``baton.jit``'s ``engine``, or the engine the deprecated ``single_program`` names
+    (``True``: ``"compiled"``, ``False``: ``"interpreter"``; with a ``DeprecationWarning``);
+    ``"compiled"`` when neither is given."""
+    if single_program is None:
+        return check_engine("compiled" if engine is None else engine)
+    if engine is not None:
+        raise ConfigError(f"baton.jit: give engine={engine!r} or the deprecated "
+                          f"single_program={single_program!r}, not both")
+    if not isinstance(single_program, bool):
+        raise ConfigError(f"baton.jit: single_program must be True or False "
+                          f"(got {single_program!r}); it is deprecated: use engine='compiled' "
+                          f"or engine='interpreter'")
+    name = "compiled" if single_program else "interpreter"
+    warnings.warn(f"baton.jit: single_program={single_program} is deprecated; use "
+                  f"engine={name!r}", DeprecationWarning, stacklevel=3)
+    return name
+
+
 def _schedule_spec(schedule: Any):
     if isinstance(schedule, str):
         return S.schedule_from_name(schedule)
@@ -76,11 +98,11 @@ class PipelinedFunction(StepInspection):
     def __init__(self, fn: Callable, mesh: Any, schedule: Any, microbatches: int,
                  transport: str | None = None, timeout: float = 120.0, trace: bool = False,
                  remat: bool = True, fuse_forward_backward: bool = True,
-                 retain_host_memory: bool = True, single_program: bool = True,
+                 retain_host_memory: bool = True, engine: str = "compiled",
                  param_shardings: Any = None, boundaries: Any = None,
                  donate_argnums: Any = (), share_programs: bool = True, hold_gc: bool = True,
                  layout: Any = None, microbatch_size: int | None = None,
-                 offload: Any = None):
+                 offload: Any = None, loop_form: str = "auto"):
         self.param_shardings = param_shardings
         self.offload = offload_option(offload)
         self.layout, self.microbatch_size = _layout_options(layout, boundaries, microbatch_size,
@@ -136,10 +158,8 @@ class PipelinedFunction(StepInspection):
         self.remat = bool(remat)
         self.fuse_fb = bool(fuse_forward_backward)
         self.retain_host_memory = bool(retain_host_memory)
-        if not isinstance(single_program, bool):
-            raise ConfigError(f"baton.jit: single_program must be True or False "
-                              f"(got {single_program!r})")
-        self.single_program = single_program
+        self.engine_name = check_engine(engine)  # the engine every call runs (CompiledStep)
+        self.loop_form = check_loop_form(loop_form)  # how its rank loops are lowered
         if not isinstance(share_programs, bool):
             raise ConfigError(f"baton.jit: share_programs must be True or False "
                               f"(got {share_programs!r})")
@@ -147,6 +167,9 @@ class PipelinedFunction(StepInspection):
         self._cache: dict[Any, CompiledStep] = {}
         self._tree = None
         self.last: CompiledStep | None = None
+        # the last call's record (events, clock offsets, engine stats; its outputs dropped)
+        self.last_run: StepRun | None = None
+        self.memory_models: dict[CompiledStep, Any] = {}  # step -> its last memory()
         self.trace = bool(trace)  # record a Trace of every call (tracing.py)
         self.last_trace = None
         functools.update_wrapper(self, fn)
@@ -295,7 +318,7 @@ class PipelinedFunction(StepInspection):
         # (raises baton.VerifyError with the verifier's report when the plan fails)
         return CompiledStep(traced, sched, self.mesh, bool(sched.split_backward()),
                             fuse_forward_backward=self.fuse_fb,
-                            remat=self.remat, single_program=self.single_program,
+                            remat=self.remat, engine=self.engine_name, loop_form=self.loop_form,
                             share_programs=self.share_programs,
                             offload=stage_offloads(self.offload, sched.num_stages),
                             transport=self.loop_transport(),
@@ -335,12 +358,15 @@ class PipelinedFunction(StepInspection):
         opts = RunOptions(record=bool(record), block=bool(record) or not self.multi,
                           live=live)
         with held(self.hold_gc and step.runs == 0):  # (the first run builds the programs)
-            outs = step.run(flat, self.group, self.timeout, opts)
+            run = step.run(flat, self.group, self.timeout, opts)
         step.runs += 1
+        outs = run.outputs
+        self.last_run = run.without_outputs()
+        del run
         if record:
-            self.last_trace = build_trace(step.core_plan, step.last_events,
+            self.last_trace = build_trace(step.core_plan, self.last_run.events,
                                           buffer_bytes(step.core_plan, cost_model_of(step)),
-                                          step.last_offsets)
+                                          self.last_run.offsets)
             logging.getLogger("baton").info(
                 "traced step %s: %.3f ms, bubble per rank %s", step.plan.schedule.name,
                 self.last_trace.step_time * 1e3,
@@ -390,7 +416,7 @@ def jit(
     remat: bool = True,
     fuse_forward_backward: bool = True,
     retain_host_memory: bool = True,
-    single_program: bool = True,
+    engine: str | None = None,
     param_shardings: Any = None,
     boundaries: Any = None,
     donate_argnums: Any = (),
@@ -399,6 +425,8 @@ def jit(
     layout: Any = None,
     microbatch_size: int | None = None,
     offload: Any = None,
+    loop_form: str = "auto",
+    single_program: bool | None = None,
 ):
     """Pipelines ``fn`` (a training step containing one ``baton.accumulate``); usable as
     ``baton.jit(step, mesh=..., ...)`` or as a decorator ``@baton.jit(mesh=..., ...)``.
@@ -424,10 +452,15 @@ def jit(
     (the pipe axis, if named, is dropped); every sub-tree of the other arguments with that
     structure (optax's ``mu``, ``nu``) takes the same. Without it, ``NamedSharding``-ed
     arguments keep their specs and the rest is replicated on each rank.
-    ``single_program``: ``True`` (default): the compiled engine (one rank: the whole step as one
+    ``engine``: ``"compiled"`` (default): the compiled engine (one rank: the whole step as one
     XLA program; several: each rank's loop one XLA program whose transfers are FFI calls into
-    the C++ transports); a step it cannot run raises ``baton.ConfigError``. ``False``: the
-    interpreter (the C++ executor, one Python callback per task), for debugging.
+    the C++ transports); a step it cannot run raises ``baton.ConfigError``. ``"interpreter"``:
+    the C++ executor, one Python callback per task, for debugging. ``single_program``:
+    deprecated spelling of it (``True``: ``"compiled"``, ``False``: ``"interpreter"``).
+    ``loop_form``: how the compiled engine lowers a rank's loop: ``"auto"`` (default: rolled
+    on GPUs, a table elsewhere), ``"table"`` (each task compiled once, a switch per unit) or
+    ``"rolled"`` (the stream in order, repeating runs rolled into scans; an offloading step
+    is always rolled).
     ``share_programs``: ranks of this process doing the same work on different parameters run
     one compiled SPMD program (``emit/shared.py``), whose kernels may round differently
     from one rank's; ``False``: one program per rank.
@@ -459,10 +492,13 @@ def jit(
                          (transport in (None, "nccl") and launched_world_size() <= 1)):
         raise ConfigError("baton.jit: pass mesh=baton.PipelineMesh(devices, ranks=R)")
 
+    engine = _engine_option(engine, single_program)
+
     def wrap(f):
         return PipelinedFunction(f, mesh, schedule, microbatches, transport, timeout, trace,
                                  remat, fuse_forward_backward, retain_host_memory,
-                                 single_program, param_shardings, boundaries, donate_argnums,
-                                 share_programs, hold_gc, layout, microbatch_size, offload)
+                                 engine, param_shardings, boundaries, donate_argnums,
+                                 share_programs, hold_gc, layout, microbatch_size, offload,
+                                 loop_form)
 
     return wrap if fn is None else wrap(fn)

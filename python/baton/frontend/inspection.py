@@ -13,7 +13,8 @@ from ..planning.step_costs import cost_model_of
 
 class StepInspection:
     """Inspection methods; the class using it provides ``compile(*args)``, ``last`` (the last
-    ``CompiledStep``) and ``last_trace``."""
+    ``CompiledStep``), ``last_trace`` and ``memory_models`` (``CompiledStep`` -> its last
+    ``memory`` result, which ``summary`` shows)."""
 
     def write_trace(self, path) -> str:
         """Writes the last traced call's Chrome/Perfetto trace (``baton.jit(..., trace=True)``
@@ -43,11 +44,11 @@ class StepInspection:
         and the memory model's tables once measured."""
         step = self._step(args)
         text = step.plan.summary(cost_model_of(step), rank_ir=step.rank_ir())
-        prof = getattr(step, "profiled", None)
-        if prof is not None:
-            text += "\n" + prof.summary()
-        if step.memory_model is not None:
-            text += "\nmemory per device (step.memory):\n" + step.memory_model.table()
+        if step.profiled is not None:
+            text += "\n" + step.profiled.summary()
+        mem = self.memory_models.get(step)
+        if mem is not None:
+            text += "\nmemory per device (step.memory):\n" + mem.table()
         return text
 
     def memory(self, *args, measure: bool = False):
@@ -58,7 +59,9 @@ class StepInspection:
         (``Memory.measured``) on the step's own engine. Compiles each task on the arguments
         the loop hands it (their layouts, ``measure/task_args.capture``); one process
         only. See docs/ARCHITECTURE.md, "Measurement and memory"."""
-        return memory_model(self, args, measure)
+        mem = memory_model(self, args, measure)
+        self.memory_models[self._step(args)] = mem
+        return mem
 
     def simulate(self, *args):
         """The simulated step (``Plan.simulate`` with ``cost_model``)."""

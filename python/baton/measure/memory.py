@@ -56,7 +56,7 @@ outputs exist, with its temporaries added (``("post", j)``). Inside the loop:
   each rank's devices, the allocation XLA assigned its program (temporaries plus outputs not
   written into donated arguments; ``compiled.memory_analysis()``). A one-rank step is one
   program, so its whole step is that sample.
-* the interpreter (``single_program=False``) samples after every task's outputs are computed
+* the interpreter (``engine="interpreter"``) samples after every task's outputs are computed
   (its inputs and old running sums still held), after every RUN and every received transfer,
   adding, at a sample taken inside a task, that task's temp_size_in_bytes on its rank's
   devices.
@@ -420,7 +420,6 @@ def memory(fn, args, measure: bool = False) -> Memory:
             progs = step.engine.local_progs or []
             mem.measured_host = {step.mesh.rank_devices[p.rank][0].id: int(p.comm.host_bytes()[1])
                                  for p in progs}
-    step.memory_model = mem
     return mem
 
 

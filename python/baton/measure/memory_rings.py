@@ -25,7 +25,7 @@ from ..planning.tasks import FUSED_FB, MB, BufKind, task_exes
 def table_ranks(step) -> list[int]:
     """The ranks the compiled engine runs as tables: every rank of one device (not on GPUs)
     of a multi-rank step on the compiled engine."""
-    if not step.single_program or step.num_ranks < 2:
+    if step.engine_name != "compiled" or step.num_ranks < 2:
         return []
     return [r for r in range(step.num_ranks)
             if len(step.mesh.rank_devices[r]) == 1 and loop_form(step, r) == "table"]

@@ -304,7 +304,7 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
         raise ConfigError(f"baton.profile: costs must be 'step' or 'isolated' (got {costs!r})")
     steps = runs if steps is None else steps
     step = fn.compile(*args)
-    step.profiled = None  # flop-based costs while measuring (buffer sizes)
+    step.use_profile(None)  # flop-based costs while measuring (buffer sizes)
     flop_costs = cost_model_of(step)
     # 1.-2. each task timed alone on the arguments the loop hands it
     samples, xla = _isolated(fn, args, step, runs, warmup)
@@ -345,7 +345,7 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
                 "bubble": med.bubble,
                 # the interpreter counts its buffers' arrays; a compiled step's memory is
                 # XLA's, so its trace's replay (the plan's sizes at measured times) stands in
-                "peak_bytes": list(step.last_stats.get("peak_bytes", med.peak_total)),
+                "peak_bytes": list(fn.last_run.stats.get("peak_bytes", med.peak_total)),
                 "peak_activation": [max(t.peak_activation[r] for t in traces) for r in range(R)]}
     runs_ = list(sim.runs)
     predicted = {"step_time": (max(r.end for r in runs_) - min(r.start for r in runs_))
@@ -354,5 +354,5 @@ def profile(fn: Any, *args, runs: int = 5, warmup: int = 1, steps: int | None = 
                  "peak_activation": list(sim.peak_activation)}
     prof = Profile(cm, times, samples, link, xla, measured, predicted, med, costs,
                    iso_times, iso_link)
-    step.profiled = prof
+    step.use_profile(prof)
     return prof

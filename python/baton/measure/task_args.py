@@ -19,7 +19,7 @@ microbatch (every microbatch's arguments have the same layouts):
   (``task_exes``) hands I's weight stash straight to W. A buffer from another rank
   arrives as the step's engine hands it over: the compiled engine (the default) splits it
   over the batch axes of the receiving rank's sub-mesh (``mesh.batch_spec``, as
-  ``RankTransfers.specs`` lays out what crosses); the interpreter (``single_program=False``)
+  ``RankTransfers.specs`` lays out what crosses); the interpreter (``engine="interpreter"``)
   places it in the producer's layout on the receiver's devices (``PipelineMesh.like``), in one
   process, and replicated when it came from another process (a host array);
 * running sums, for a task that adds weight gradients into them (``exe.acc_parts``) and is
@@ -173,7 +173,7 @@ class _Derive:
         """The sharding on ``rank`` of a buffer's array ``x`` made on another rank (see the
         module docstring); ``local``: its producer is in this process."""
         mesh = self.step.mesh
-        if self.step.single_program:
+        if self.step.engine_name == "compiled":
             return mesh.batch_sharded(rank, tuple(x.shape))
         return mesh.like(rank, x) if local else mesh.replicated(rank)
 

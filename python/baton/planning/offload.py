@@ -65,9 +65,12 @@ def check_lowered(cs) -> None:
     if cs.num_ranks < 2:
         raise ConfigError("baton.jit: offload needs a pipeline of two or more ranks (one "
                           "rank runs the whole step as one XLA program, which XLA schedules)")
-    if not cs.single_program:
+    if cs.engine_name != "compiled":
         raise ConfigError("baton.jit: offload runs in the compiled rank programs; the "
-                          "interpreter (single_program=False) does not offload")
+                          "interpreter (engine='interpreter') does not offload")
+    if cs.loop_form == "table":
+        raise ConfigError("baton.jit: the table loop form does not offload; offload lowers "
+                          "the loop rolled (loop_form='rolled' or 'auto')")
     for r, devs in enumerate(cs.mesh.rank_devices):
         if len(devs) > 1:
             raise ConfigError(f"baton.jit: offload is lowered for ranks of one device; rank "

@@ -53,7 +53,7 @@ def stage_costs(step) -> list[dict]:
 def cost_model_of(step):
     """Simulator costs: the profiled ones after ``baton.profile`` (seconds), else the traced
     task costs (flops, normalized) with real byte sizes."""
-    prof = getattr(step, "profiled", None)
+    prof = step.profiled
     if prof is not None:
         return prof.cost_model
     costs = step.stage_costs()

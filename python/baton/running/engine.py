@@ -42,6 +42,7 @@ from ..emit.rolling import ItemOp, rank_items
 from ..emit.share_match import share_groups
 from ..emit.shared import SharedProgram, SharedSegments
 from ..emit.single_program import SingleProgram
+from .step_run import LoopRecord
 from .threads import on_rank_threads, raise_first
 from .events import gather_events
 from ..emit.warm import Warmup
@@ -64,7 +65,7 @@ def refusal(step, rank: int, transport_kind: str | None = None) -> str | None:
                 f"several devices cannot overlap their programs here; run one process per "
                 f"rank (python -m baton.launch; each rank's program then runs SPMD on its "
                 f"devices, transfers shard to shard), or the interpreter "
-                f"(baton.jit(..., single_program=False)), which moves shards device to device")
+                f"(baton.jit(..., engine='interpreter')), which moves shards device to device")
     k = step.mesh.ranks_per_process or 1
     if len(devs) > 1 and k > 1 and platforms == {"cpu"}:
         return (f"rank {rank} has {len(devs)} devices and this process runs {k} ranks: "
@@ -276,7 +277,9 @@ def agree_places(router, step, ranks) -> tuple[dict[tuple[int, int], tuple[str, 
 class ProgramEngine:
     """The compiled programs of one ``CompiledStep`` (built on first use, kept)."""
 
-    def __init__(self, step):
+    def __init__(self, step, share: bool = True):
+        """``share``: ranks of this process doing the same work run one shared program
+        (``baton.jit(share_programs=...)``)."""
         self.step = step
         self.single = None  # SingleProgram (one rank)
         self.single_traced = None  # ... with task markers (traced one-rank steps)
@@ -284,7 +287,7 @@ class ProgramEngine:
         # ... and the programs that run them: a SharedProgram for the largest group of
         # ranks that can share one (shared.py; ``share``), the others' own
         self.local_units = None
-        self.share = True
+        self.share = bool(share)
         self._local_hub = None  # their in-process transports
         self.rank_progs = None  # several processes: this process's ranks' RankPrograms
         self.warmup = None  # several processes: the code after the loop, compiling (warm.py)
@@ -292,9 +295,10 @@ class ProgramEngine:
         self.transfers = None  # on GPUs: "nccl" or "staged" (choose_transport), once chosen
 
     # -- one rank -----------------------------------------------------------------------
-    def run_single(self, flat_args, opts) -> list[Any]:
-        """The one-rank step as one program; traced (``opts.record``): the same program with
-        its task markers (``SingleProgram``'s docstring), built once and kept."""
+    def run_single(self, flat_args, opts) -> tuple[list[Any], LoopRecord]:
+        """The one-rank step as one program: its flat outputs and ``LoopRecord``; traced
+        (``opts.record``): the same program with its task markers (``SingleProgram``'s
+        docstring), built once and kept."""
         step = self.step
         if not opts.record:
             if self.single is None:
@@ -306,13 +310,13 @@ class ProgramEngine:
             prog = self.single_traced
             prog.comm.record(True)
         outs = prog(flat_args, opts.live)
+        events = offsets = None
         if opts.record:  # (its markers have all run once its outputs exist)
             jax.block_until_ready(outs)
             prog.comm.record(False)
-            step.last_events, step.last_offsets = [prog.events()], [0]
+            events, offsets = [prog.events()], [0]
         # no interpreter ran: no measured live-buffer peaks
-        step.last_stats = {"single_program": prog.describe()}
-        return outs
+        return outs, LoopRecord(events, offsets, {"single_program": prog.describe()})
 
     # -- one process, several ranks -------------------------------------------------------
     def _local_programs(self, vals, timeout):
@@ -402,9 +406,9 @@ class ProgramEngine:
             final.update(f)
         return final, errors
 
-    def run_local(self, vals, timeout, opts) -> dict[int, Any]:
+    def run_local(self, vals, timeout, opts) -> tuple[dict[int, Any], LoopRecord]:
         """Every rank's loop as its own program, launched from one thread per rank; returns
-        every loop output part."""
+        every loop output part and the ``LoopRecord``."""
         step = self.step
         progs = self._local_programs(vals, timeout)
         R = step.num_ranks
@@ -422,16 +426,15 @@ class ProgramEngine:
                     t.close()
                 self._local_hub = None
             raise_origin(units, errors)
-        if opts.record:
-            step.last_events = [p.events() for p in progs]
-            step.last_offsets = [0] * R
-        step.last_stats = {"rank_program": [p.describe() for p in progs]}
-        return final
+        events = [p.events() for p in progs] if opts.record else None
+        return final, LoopRecord(events, [0] * R if opts.record else None,
+                                 {"rank_program": [p.describe() for p in progs]})
 
     # -- several processes ---------------------------------------------------------------
-    def run_rank(self, group, router, vals, timeout, opts) -> dict[int, Any]:
+    def run_rank(self, group, router, vals, timeout, opts) -> tuple[dict[int, Any], LoopRecord]:
         """The loops of this process's ranks, each its program over its transport, one
-        thread per rank; returns their loop output parts. A program that cannot be built or
+        thread per rank; returns their loop output parts and the ``LoopRecord`` (events
+        gathered from every process when recording). A program that cannot be built or
         compiled raises ``ConfigError``; the processes first exchange whether they could, so
         every process raises instead of waiting on the others."""
         step = self.step
@@ -446,12 +449,13 @@ class ProgramEngine:
         final, errors = self._launch(progs, vals, opts)
         raise_origin(progs, errors)
         one = k == 1  # (one rank per process: its describe() alone, as before)
-        step.last_stats = {"rank_program": progs[0].describe() if one
-                           else [p.describe() for p in progs]}
+        stats = {"rank_program": progs[0].describe() if one
+                 else [p.describe() for p in progs]}
+        events = offsets = None
         if opts.record:
-            step.last_events, step.last_offsets = gather_events(
-                group, [p.events() for p in progs], timeout, step.mesh)
-        return final
+            events, offsets = gather_events(group, [p.events() for p in progs], timeout,
+                                            step.mesh)
+        return final, LoopRecord(events, offsets, stats)
 
     def _build_rank(self, group, router, vals, timeout, ts):
         step = self.step

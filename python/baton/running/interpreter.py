@@ -6,14 +6,14 @@ callbacks.
 * received     ``jax.device_put``s a received value to the consuming rank's sharding;
 * accumulate   adds a WGrad into the stage's accumulator.
 
-It runs only when chosen, with ``baton.jit(..., single_program=False)`` (for debugging:
+It runs only when chosen, with ``baton.jit(..., engine="interpreter")`` (for debugging:
 every task is its own call); ``baton.profile`` and the memory model get each task's arguments
 without it (``task_args.py``). Single process: one executor
 per rank over an in-process transport, each in its own thread; a task that raises stops
 every rank and the call raises the failing rank's ``ExecutionError`` (never hangs: every
 wait is bounded). One process per rank: this process's executor over its transport
-(``run_rank``). The executors' measured peak live bytes per rank are kept in the step's
-``last_stats``.
+(``run_rank``). The executors' measured peak live bytes per rank come back in the run's
+``LoopRecord.stats``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from .. import _core
 from .. import runtime as rt
 from ..runtime import to_host
 from ..planning.tasks import MB, OUT_GROUPS, BufKind, buffer_reads, final_part, task_exes
+from .step_run import LoopRecord
 from .threads import on_rank_threads, raise_first
 from .events import gather_events
 
@@ -272,9 +273,9 @@ class Interpreter:
                         from_host=rt.from_host, recv_layout=self._recv_layout)
 
     # -- single process: one executor thread per rank over the in-process hub ---
-    def run_local(self, vals, timeout, opts) -> dict[int, Any]:
+    def run_local(self, vals, timeout, opts) -> tuple[dict[int, Any], LoopRecord]:
         """The loop of every rank (``vals``: the step's values before the loop; ``opts``:
-        the run's ``RunOptions``); returns every loop output part."""
+        the run's ``RunOptions``); returns every loop output part and the ``LoopRecord``."""
         step = self.step
         st = self._state = _StepState(vals, opts)
         R = step.num_ranks
@@ -288,22 +289,23 @@ class Interpreter:
             opts.live.sample()
         errors = on_rank_threads(R, lambda r: exes[r].run())
         stats = [e.stats() for e in exes]
-        step.last_events = [e.events() for e in exes] if opts.record else None
-        step.last_offsets = [0] * R
+        events = [e.events() for e in exes] if opts.record else None
         del exes
         for t in transports:
             t.close()
         self._state = None  # (its exceptions would tie this step to their tracebacks)
         raise_first(errors, st.errors)
-        step.last_stats = {"peak_bytes": [s["peak_live_bytes"] for s in stats],
-                           "peak_buffers": [s["peak_live_buffers"] for s in stats]}
-        return self._reduce_parts(st, range(len(step.parts)))
+        record = LoopRecord(events, [0] * R if opts.record else None,
+                            {"peak_bytes": [s["peak_live_bytes"] for s in stats],
+                             "peak_buffers": [s["peak_live_buffers"] for s in stats]})
+        return self._reduce_parts(st, range(len(step.parts))), record
 
     # -- several processes ------------------------------------------------------------
-    def run_rank(self, group, router, vals, timeout, opts) -> dict[int, Any]:
+    def run_rank(self, group, router, vals, timeout, opts) -> tuple[dict[int, Any], LoopRecord]:
         """The loops of this process's ranks, one executor per rank over its transport
         (``group.rank_transports``), each on its own thread (inline for one); returns their
-        loop output parts."""
+        loop output parts and the ``LoopRecord`` (events gathered from every process when
+        recording)."""
         step = self.step
         k = step.mesh.ranks_per_process
         ranks = group.ranks(k)
@@ -330,12 +332,13 @@ class Interpreter:
         mine = " ".join(f"{s['peak_live_bytes']} {s['peak_live_buffers']}"
                         for s in (e.stats() for e in exes))
         peaks = [int(x) for p in router.allgather(mine) for x in p.split()]
-        step.last_stats = {"peak_bytes": peaks[0::2], "peak_buffers": peaks[1::2]}
+        events = offsets = None
         if opts.record:
-            step.last_events, step.last_offsets = gather_events(
-                group, [e.events() for e in exes], timeout)
+            events, offsets = gather_events(group, [e.events() for e in exes], timeout)
+        record = LoopRecord(events, offsets,
+                            {"peak_bytes": peaks[0::2], "peak_buffers": peaks[1::2]})
         return self._reduce_parts(st, [i for i, p in enumerate(step.parts)
-                                       if step.stage_rank[p.stage] in ranks])
+                                       if step.stage_rank[p.stage] in ranks]), record
 
     def _reduce_parts(self, st, idx):
         """Final value of each loop-output part in ``idx`` (``tasks.final_part``); the means

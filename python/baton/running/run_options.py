@@ -1,6 +1,6 @@
 """What one step run is asked to do besides computing (``RunOptions``), passed explicitly to
 ``CompiledStep.run``. Options never choose the engine: the step's engine (the compiled
-programs, or the interpreter with ``baton.jit(..., single_program=False)``) runs every call,
+programs, or the interpreter with ``baton.jit(..., engine="interpreter")``) runs every call,
 traced, profiled and measured ones included."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
-    """``record``: the engine records per-instruction events (``CompiledStep.last_events``:
-    per rank; ``last_offsets``: clock offsets to rank 0 in ns). ``block``: the interpreter
+    """``record``: the engine records per-instruction events (the run's ``StepRun.events``:
+    per rank; ``offsets``: clock offsets to rank 0 in ns). ``block``: the interpreter
     waits for every task's outputs, so a RUN spans its compute. ``live``
     (``memory.LivePeak``): the live arrays per device are sampled while the step runs
     (``PipelinedFunction.memory(measure=True)``)."""

@@ -7,14 +7,18 @@ facts (``buffers.Buffers``), and two engines that run the loop:
 * ``engine`` (``engine.ProgramEngine``, the default): each rank's loop as one XLA program
   whose transfers are FFI calls into the C++ transports (``rank_program.py``);
 * ``interpreter`` (``interpreter.Interpreter``, the reference engine): the C++ executor
-  calling the jitted tasks; it runs only when chosen with ``single_program=False`` (a
+  calling the jitted tasks; it runs only when chosen with ``engine="interpreter"`` (a
   debugging engine).
+
+Which one runs is ``engine_name``, and how the compiled engine lowers its ranks' loops is
+``loop_form``: both declared at construction and read-only.
 
 Each task's arguments (for ``baton.profile``'s isolated timings and the memory model) are
 derived from the plan without running either engine (``measure/task_args.py``, ``capture``).
 
 Every call runs the step's own engine; what a call measures or records is an explicit
-``RunOptions`` (``run_options.py``), never a flag on the step.
+``RunOptions`` (``run_options.py``), never a flag on the step, and what it produced comes
+back as a ``StepRun`` (``step_run.py``: outputs, events, clock offsets, engine stats).
 
 ``run`` does the code outside the loop, hands the loop to an engine, and combines the loop's
 outputs: in one process for every rank, or (``group``) for this process's ranks, moving the
@@ -30,6 +34,7 @@ import numpy as np
 
 from .. import _core
 from .. import _jax_compat as jc
+from ..emit.rank_program import check_loop_form
 from ..errors import ConfigError
 from ..planning.plan import Plan
 from . import engine as engine_mod
@@ -41,12 +46,24 @@ from ..mesh import PipelineMesh
 from ..planning.offload import check_lowered
 from ..tracing.retarget import on_rank
 from .run_options import PLAIN, RunOptions
+from .step_run import StepRun
 from ..planning.buffers import Buffers
 from ..planning.segments import Segments
 from ..planning.tasks import build_tasks
 from ..tracing.trace import Traced
 
 G = _core.graph
+
+# the engines a step can run on: its compiled programs, or the C++ interpreter (debugging)
+ENGINES = ("compiled", "interpreter")
+
+
+def check_engine(engine: Any) -> str:
+    """``engine`` if it names an engine (``ENGINES``), else ``ConfigError`` naming it."""
+    if not isinstance(engine, str) or engine not in ENGINES:
+        raise ConfigError(f"baton.jit: engine must be one of {', '.join(map(repr, ENGINES))} "
+                          f"(got {engine!r})")
+    return engine
 
 
 def _placed(x, sh) -> bool:
@@ -71,13 +88,20 @@ def _movable(x, sh):
 
 class CompiledStep:
     def __init__(self, traced: Traced, schedule: Any, mesh: PipelineMesh,
-                 split_backward: bool, remat: bool = True, single_program: bool = True,
+                 split_backward: bool, remat: bool = True, engine: str = "compiled",
+                 loop_form: str = "auto",
                  transport: str = "local", in_specs: list | None = None,
                  donated: frozenset = frozenset(), share_programs: bool = True,
                  offload: list | None = None, fuse_forward_backward: bool = False):
         """``schedule``: the step's ``_core.Schedule``. Its plan is built here, once: the
         partition's skip edges known, ``_core.build_step`` fuses F+B (when asked), lowers,
-        verifies (``VerifyError`` with the report) and builds the rank programs."""
+        verifies (``VerifyError`` with the report) and builds the rank programs. ``engine``:
+        ``"compiled"`` or ``"interpreter"`` (``ENGINES``); ``loop_form``: how the compiled
+        engine lowers a rank's loop (``"auto"``, ``"table"`` or ``"rolled"``;
+        ``rank_program.loop_form``); ``share_programs``: ranks doing the same work run one
+        shared program (``emit/shared.py``)."""
+        self._engine_name = check_engine(engine)
+        self._loop_form = check_loop_form(loop_form)
         self.traced = traced
         self.runs = 0  # calls completed (the first one builds the programs: gc_hold.py)
         # step inputs the caller gives up (baton.jit(donate_argnums=...)): the optimizer
@@ -91,7 +115,6 @@ class CompiledStep:
         self.num_stages = schedule.num_stages
         self.num_ranks = schedule.num_ranks
         self.M = schedule.num_microbatches
-        self.single_program = bool(single_program)
         # per stage, what it offloads to host memory (_core.Offload; empty: nothing)
         self.offload = list(offload or [])
         check_lowered(self)  # (an offload the programs do not lower: refused by name first)
@@ -141,15 +164,30 @@ class CompiledStep:
                     need.update(self.loop_src[v][0] for v in exe.in_groups[0] + exe.in_groups[1])
             self.loop_needs.append(sorted(need))
         self._broadcast = {self.parts[i].outer for t in self.partition.tasks for i in t.mb_out}
-        self.last_stats: dict[str, Any] = {}
-        self.memory_model = None  # the last memory.Memory of this step (summary())
-        self.last_events: list | None = None
-        self.last_offsets: list | None = None
+        # the last baton.profile's costs (measure/profile.py); the simulator uses them when
+        # set (planning/step_costs.cost_model_of); set through use_profile
+        self.profiled = None
         # the loop's transport: "local" (one process), "gloo" (CPU processes), "nccl" (GPUs)
         self.transport = transport
-        self.engine = ProgramEngine(self)
-        self.engine.share = bool(share_programs)
+        self.engine = ProgramEngine(self, share=bool(share_programs))
         self.interpreter = Interpreter(self)
+
+    # -- declared options ----------------------------------------------------------------------
+    @property
+    def engine_name(self) -> str:
+        """The engine every call runs: ``"compiled"`` or ``"interpreter"``."""
+        return self._engine_name
+
+    @property
+    def loop_form(self) -> str:
+        """How the compiled engine lowers a rank's loop: ``"auto"`` (per platform),
+        ``"table"`` or ``"rolled"`` (``rank_program.loop_form``)."""
+        return self._loop_form
+
+    def use_profile(self, prof: Any) -> None:
+        """Makes ``prof`` (a ``baton.profile`` result, or None for the traced flop costs)
+        the costs ``simulate()`` and ``summary()`` use (``profiled``)."""
+        self.profiled = prof
 
     # -- what runs ---------------------------------------------------------------------------
     def rank_ir(self, pool_of: list[int] | None = None) -> Any:
@@ -273,22 +311,24 @@ class CompiledStep:
         return engine_mod.refusal(self, rank, transport_kind)
 
     def run(self, flat_args: list[Any], group: Any = None, timeout: float = 120.0,
-            opts: RunOptions = PLAIN) -> list[Any]:
-        """One step. ``group`` None: every rank in this process; a
-        :class:`~baton.running.distributed.ProcessGroup`: this process's ranks only, over its
-        transports (see ``_run_group``). The step's engine runs it: the compiled programs,
-        or the interpreter when it was chosen (``single_program=False``); ``opts``
+            opts: RunOptions = PLAIN) -> StepRun:
+        """One step; returns its ``StepRun`` (the flat outputs, and what the engine recorded:
+        events and clock offsets when ``opts.record``, the engine's stats). ``group`` None:
+        every rank in this process; a :class:`~baton.running.distributed.ProcessGroup`: this
+        process's ranks only, over its transports (see ``_run_group``). The step's engine
+        (``engine_name``) runs it: the compiled programs, or the interpreter; ``opts``
         (``RunOptions``: tracing, memory sampling) never changes which.
 
         Runs outside the caller's mesh context (``jax.set_mesh``): the traced equations
         carry it, moved onto each rank's sub-mesh (``retarget``), and Baton's own programs
         place their values on the ranks' devices themselves."""
         with jc.without_mesh_context():
-            return self._run(flat_args, group, timeout, opts, not self.single_program)
+            outs, record = self._run(flat_args, group, timeout, opts,
+                                     self._engine_name == "interpreter")
+        return StepRun.of(outs, record)
 
-    def _run(self, flat_args, group, timeout, opts, interp) -> list[Any]:
-        if not interp:
-            self.last_events = None
+    def _run(self, flat_args, group, timeout, opts, interp):
+        """(the flat outputs, the loop's ``LoopRecord``)."""
         if group is not None:
             return self._run_group(flat_args, group, timeout, opts, interp)
         if not interp and self.num_ranks == 1:
@@ -297,9 +337,9 @@ class CompiledStep:
         vals: dict[Any, Any] = dict(zip(tr.step_inputs, flat_args))
         self._run_segments(self.pre_segments, vals)
         if interp:
-            final = self.interpreter.run_local(vals, timeout, opts)
+            final, record = self.interpreter.run_local(vals, timeout, opts)
         else:
-            final = self.engine.run_local(vals, timeout, opts)
+            final, record = self.engine.run_local(vals, timeout, opts)
         for outer, idx in self.by_outer.items():
             vals[outer] = self.combine(idx, {i: final[i] for i in idx})
         del final  # (partial sums of a value several stages make: combined above)
@@ -307,11 +347,12 @@ class CompiledStep:
         if not interp and opts.live is None:
             shared = self.engine.post_groups()
         self._run_segments(self.post_segments, vals, free=True, shared=shared, opts=opts)
-        return [vals[v] if v in vals else tr.literals[v] for v in tr.step_outputs]
+        return [vals[v] if v in vals else tr.literals[v] for v in tr.step_outputs], record
 
     # -- several processes ------------------------------------------------------------
     def _run_group(self, flat_args, group, timeout, opts, interp):
-        """This process's ranks of the step (``step_group.run_group``)."""
+        """This process's ranks of the step (``step_group.run_group``): (the flat outputs,
+        the loop's ``LoopRecord``)."""
         return step_group.run_group(self, flat_args, group, timeout, opts, interp)
 
     # -- planning data (step_costs.py) ----------------------------------------------

@@ -13,10 +13,12 @@ import numpy as np
 from ..errors import ConfigError, ExecutionError
 from .distributed import Remote, Router
 from .run_options import PLAIN
+from .step_run import LoopRecord
 
 
-def run_group(step, flat_args, group, timeout, opts, interp) -> list[Any]:
-    """One step of this process's ranks (``_run_group_body``); an error outside the loop
+def run_group(step, flat_args, group, timeout, opts, interp) -> tuple[list[Any], LoopRecord]:
+    """One step of this process's ranks (``_run_group_body``): its flat outputs and the
+    loop's ``LoopRecord``; an error outside the loop
     aborts the other processes' ranks instead of letting them wait out the timeout."""
     try:
         return _run_group_body(step, flat_args, group, timeout, opts, interp)
@@ -51,13 +53,13 @@ def _run_group_body(step, flat_args, group, timeout, opts, interp):
     for r in range(step.num_ranks):
         router.need([o for o in step.loop_needs[r] if o not in lits], procs(r), vals, where)
     if not interp:
-        final = step.engine.run_rank(group, router, vals, timeout, opts)
+        final, record = step.engine.run_rank(group, router, vals, timeout, opts)
     elif step.mesh.spans:
         raise ConfigError(
-            "baton.jit: the interpreter (single_program=False) runs ranks held by one "
+            "baton.jit: the interpreter (engine='interpreter') runs ranks held by one "
             "process each; ranks that span processes run on the compiled engine only")
     else:
-        final = step.interpreter.run_rank(group, router, vals, timeout, opts)
+        final, record = step.interpreter.run_rank(group, router, vals, timeout, opts)
     for i, p in enumerate(step.parts):
         where[("part", i)] = set(procs(step.stage_rank[p.stage]))
         if i in final:
@@ -89,7 +91,7 @@ def _run_group_body(step, flat_args, group, timeout, opts, interp):
             outs.append(Remote(tuple(aval.shape), np.dtype(aval.dtype),
                                made.get(v, step.mesh.ranks_of(min(where[v]))[0])))
     router.finish()
-    return outs
+    return outs, record
 
 def _group_segments(step, segs, vals, where, router, me, made, opts=PLAIN):
     lits = step.traced.literals
