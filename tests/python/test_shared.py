@@ -16,6 +16,8 @@ from baton.emit.shared import SharedProgram
 from mlp_step import make, make_train
 from test_engine import targets
 
+R = baton._core.graph.Region
+
 
 def _run(schedule, ranks, share, **kw):
     ps, params, batch = make(schedule, ranks, 2 * schedule.stages(ranks),
@@ -325,12 +327,12 @@ def test_only_slices_without_gradients_move_before_the_loop():
     w = jnp.ones((4,))
     tr = trace_step(lambda w, b: baton.accumulate(jax.value_and_grad(loss_fn), w, batch=b),
                     (w, jnp.ones((8, 2))), 2)
-    pre = [op for op in tr.ops if op.region == "pre" and op.prim.name == "slice"]
-    loop = [op for op in tr.ops if op.region == "loop" and op.prim.name == "slice"]
+    pre = [op for op in tr.ops if op.region == R.Pre and op.prim.name == "slice"]
+    loop = [op for op in tr.ops if op.region == R.Loop and op.prim.name == "slice"]
     assert [tuple(op.params["start_indices"]) for op in pre] == [(1,), (2,), (1,), (0,)]
     assert {tr.avals[op.inputs[0]].dtype for op in loop} == {jnp.dtype(jnp.float32)}
     assert len(loop) == 2  # w's rows and the batch's first row
-    first = min(i for i, op in enumerate(tr.ops) if op.region == "loop")
+    first = min(i for i, op in enumerate(tr.ops) if op.region == R.Loop)
     assert all(tr.ops.index(op) < first for op in pre)
     hoisted = {o for _, o, mb in tr.loop_inputs if not mb} & {op.outputs[0] for op in pre}
     assert len(hoisted) == 4

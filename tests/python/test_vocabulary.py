@@ -49,11 +49,16 @@ PATTERNS = {
     "a task output group named stash": _as_string("stash"),
     "a buffer kind taken by its name into a key":
         r"(\(|,)\s*[A-Za-z_.]*\.(kind|buffer)\.name\s*,",
+    "a traced op's region or kind as a string (_core.graph.Region, OpKind)":
+        r"""\.(region|kind)\s*(==|!=)\s*["'](pre|loop|post|compute|boundary|add_any)["']"""
+        r"""|\b(region|kind)\s*=\s*["'](pre|loop|post|compute|boundary|add_any)["']""",
 }
 # where a check looks, when not all of python/baton
 SCOPES = {
     "a task output group named stash":
-        ("python/baton/frontend", ":!python/baton/planning/offload.py"),
+        ("python/baton/tracing", "python/baton/planning", "python/baton/emit",
+         "python/baton/running", "python/baton/measure", "python/baton/frontend",
+         ":!python/baton/planning/offload.py"),
 }
 
 
@@ -106,6 +111,12 @@ def test_python_baton_has_none(what):
     ("a task output group named stash", 'outs = {"stash": [], "act": []}'),
     ("a buffer kind taken by its name into a key", "k = (bk.kind.name, bk.stage, m)"),
     ("a buffer kind taken by its name into a key", "Item(x.op, x.buffer.name, x.stage)"),
+    ("a traced op's region or kind as a string (_core.graph.Region, OpKind)",
+     'pre = [op for op in ops if op.region == "pre"]'),
+    ("a traced op's region or kind as a string (_core.graph.Region, OpKind)",
+     'if op.kind != "compute":'),
+    ("a traced op's region or kind as a string (_core.graph.Region, OpKind)",
+     'info.kind = "boundary"'),
 ])
 def test_the_patterns_find_what_they_forbid(what, line):
     import re
