@@ -111,7 +111,8 @@ def test_trace_exports_program_and_partition():
         last = [t for t in part.tasks if (t.kind, t.stage) == ("F", 2)][0]
         assert len(last.mb_out) == 1  # the loss
     # parameters of stage s are updated on stage s
-    post_stages = {s for s, op in zip(part.op_stage, tr.ops) if op.region == "post"}
+    post_stages = {s for s, op in zip(part.op_stage, tr.ops)
+                   if op.region == _core.graph.Region.Post}
     assert post_stages == {0, 1, 2}
 
 
