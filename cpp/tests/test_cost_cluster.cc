@@ -180,3 +180,58 @@ TEST(ClusterSearch, FindsAPlanAtLeastAsFastAsAGivenOne) {
 }
 
 }  // namespace
+
+namespace {
+
+// Four one-segment stages of F 1 s, B 2 s; each segment's update is 0.2 s of optimizer
+// plus `comm` s of overlapped data-parallel communication left after its own backward.
+baton::SegmentCosts dp_costs(double comm) {
+  baton::SegmentCosts c;
+  for (int k = 0; k < 4; ++k) {
+    baton::SegmentCost s;
+    s.f = 1, s.b = 2, s.i = 2;
+    s.update = 0.2 + comm;
+    s.update_comm = comm;
+    c.segments.push_back(s);
+  }
+  c.step_overhead = 0.05;
+  c.validate();
+  return c;
+}
+
+}  // namespace
+
+TEST(DpOverlap, ShallowerStagesOfARankHideTheDeeperStagesReduce) {
+  const std::vector<int> cuts{0, 1, 2, 3};
+  // One stage per rank (stages 0+1 and 2+3 as two stages of two segments): nothing more
+  // is hidden, the update is the sum as before.
+  {
+    const baton::SegmentCosts c = dp_costs(0.8);
+    EXPECT_NEAR(baton::update_time(c, {0, 2}, {0, 1}, 2, 4), 0.05 + 2 * 1.0, 1e-12);
+  }
+  // Interleaved, rank 0 holds stages 0 and 2: stage 2's communication is ready when its
+  // final group of min(M, ranks) = 2 microbatches is done, 2 x B of stage 0 = 4 s before
+  // the rank's end, so it is hidden; stage 0's 0.8 s stays exposed.
+  {
+    const baton::SegmentCosts c = dp_costs(0.8);
+    EXPECT_NEAR(baton::update_time(c, cuts, {0, 1, 0, 1}, 2, 4), 0.05 + 0.4 + 0.8, 1e-12);
+    // With one microbatch the window is one B (2 s): still hidden.
+    EXPECT_NEAR(baton::update_time(c, cuts, {0, 1, 0, 1}, 2, 1), 0.05 + 0.4 + 0.8, 1e-12);
+  }
+  // More communication than the window: the queue carries over into stage 0's.
+  {
+    const baton::SegmentCosts c = dp_costs(5.0);
+    // M 4: stage 2 runs -4 .. 1, stage 0 then 1 .. 6: 6 s exposed.
+    EXPECT_NEAR(baton::update_time(c, cuts, {0, 1, 0, 1}, 2, 4), 0.05 + 0.4 + 6.0, 1e-12);
+    // M 1: stage 2 runs -2 .. 3, stage 0 then 3 .. 8: 8 s exposed.
+    EXPECT_NEAR(baton::update_time(c, cuts, {0, 1, 0, 1}, 2, 1), 0.05 + 0.4 + 8.0, 1e-12);
+    const std::vector<double> left = baton::update_comm_exposed(c, cuts, {0, 1, 0, 1}, 2, 1);
+    ASSERT_EQ(left.size(), 2u);
+    EXPECT_NEAR(left[0], 8.0, 1e-12);
+    EXPECT_NEAR(left[1], 8.0, 1e-12);
+  }
+  // update_comm cannot exceed update.
+  baton::SegmentCosts bad = dp_costs(0.8);
+  bad.segments[1].update_comm = 2.0;
+  EXPECT_THROW(bad.validate(), baton::ConfigError);
+}

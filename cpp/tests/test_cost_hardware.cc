@@ -47,6 +47,38 @@ TEST(Hardware, ParsesAndRoundTrips) {
   EXPECT_EQ(baton::Hardware::from_json(h.to_json()), h);
 }
 
+TEST(Hardware, ClockRatioAndWaveQuantizationRoundTrip) {
+  const baton::Hardware h = baton::Hardware::from_json(with(
+      "\"efficiency\": 0.5,",
+      "\"clock_ratio\": 0.894, \"wave_quantization\": {\"sms\": 108, \"tiles\": [[256, 128], "
+      "[128, 128]]}, \"efficiency\": 0.5,"));
+  EXPECT_DOUBLE_EQ(h.clock_ratio, 0.894);
+  EXPECT_EQ(h.sms, 108);
+  ASSERT_EQ(h.gemm_tiles.size(), 2u);
+  EXPECT_DOUBLE_EQ(h.gemm_tiles[0].first, 256);
+  EXPECT_DOUBLE_EQ(h.achieved_flops(false), 9.89e14 * 0.5 * 0.894);
+  EXPECT_EQ(baton::Hardware::from_json(h.to_json()), h);
+  EXPECT_NE(error_of<baton::ConfigError>(with("\"efficiency\": 0.5,",
+                                               "\"clock_ratio\": 1.1, \"efficiency\": 0.5,"))
+                .find("clock_ratio must be in (0, 1]"),
+            std::string::npos);
+  EXPECT_NE(error_of<baton::FormatError>(
+                with("\"efficiency\": 0.5,",
+                     "\"wave_quantization\": {\"sms\": 108, \"tile\": [1, 2]}, \"efficiency\": 0.5,"))
+                .find("unknown key 'wave_quantization.tile'"),
+            std::string::npos);
+  EXPECT_NE(error_of<baton::FormatError>(
+                with("\"efficiency\": 0.5,",
+                     "\"wave_quantization\": {\"sms\": 108, \"tiles\": [[1]]}, \"efficiency\": 0.5,"))
+                .find("'wave_quantization.tiles[0]' must be [rows, cols]"),
+            std::string::npos);
+  EXPECT_NE(error_of<baton::ConfigError>(
+                with("\"efficiency\": 0.5,",
+                     "\"wave_quantization\": {\"sms\": 108, \"tiles\": []}, \"efficiency\": 0.5,"))
+                .find("wave_quantization needs sms >= 1 and at least one tile"),
+            std::string::npos);
+}
+
 TEST(Hardware, ErrorsNameTheKeyPath) {
   EXPECT_NE(error_of<baton::FormatError>(with("\"latency\": 3e-6", "\"latency\": \"x\""))
                 .find("'intra.latency' must be a number"),

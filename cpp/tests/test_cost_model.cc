@@ -38,6 +38,62 @@ baton::Hardware physical() {
   return h;
 }
 
+TEST(GemmRate, ClockRatioScalesComputeButNotMemory) {
+  // A power-capped card (clock_ratio < 1) runs every compute rate slower by the
+  // ratio; memory-bound work keeps the HBM speed.
+  baton::Hardware hw = physical();
+  hw.attention_fwd.points = {{512, 0.3}, {8192, 0.56}};
+  hw.attention_bwd_ratio = 0.8;
+  baton::Hardware capped = hw;
+  capped.clock_ratio = 0.894;
+  capped.validate();
+  const double flops = 1e12;
+  EXPECT_NEAR(capped.gemm_seconds(flops, 0, false), hw.gemm_seconds(flops, 0, false) / 0.894,
+              1e-15);
+  EXPECT_NEAR(capped.attention_seconds(flops, 8192, true),
+              hw.attention_seconds(flops, 8192, true) / 0.894, 1e-15);
+  EXPECT_DOUBLE_EQ(capped.achieved_flops(true), hw.achieved_flops(true) * 0.894);
+  EXPECT_DOUBLE_EQ(capped.memory_seconds(1e9), hw.memory_seconds(1e9));
+  // A memory-bound GEMM call is not slowed.
+  EXPECT_DOUBLE_EQ(capped.gemm_seconds(1e9, 1e9, false), hw.gemm_seconds(1e9, 1e9, false));
+  for (double bad : {0.0, -0.5, 1.2}) {
+    capped.clock_ratio = bad;
+    EXPECT_THROW(capped.validate(), baton::ConfigError) << bad;
+  }
+}
+
+TEST(GemmRate, WaveQuantizationFromTheOutputShape) {
+  // 108 SMs, 256x128 and 128x128 tiles (A100, NVIDIA's matrix-multiplication guide).
+  baton::Hardware hw = physical();
+  EXPECT_DOUBLE_EQ(hw.wave_fraction(2048, 4608), 1.0);  // off by default
+  hw.sms = 108;
+  hw.gemm_tiles = {{256, 128}};
+  hw.validate();
+  // 2048 x 4608: 8 x 36 = 288 tiles of 256x128 = 2.67 waves -> 3 waves, 8/9 useful.
+  EXPECT_NEAR(hw.wave_fraction(2048, 4608), 288.0 / 324.0, 1e-12);
+  // A whole number of waves (MAMF's best A100 shape: 54 x 64 = 3456 tiles = 32 waves).
+  EXPECT_DOUBLE_EQ(hw.wave_fraction(6912, 16384), 1.0);
+  // The better orientation: 2048 x 2304 as 8 x 18 = 144 tiles (2 waves, 0.667) or
+  // 16 x 9 = 144 tiles as well; with 128x128 tiles added: 16 x 18 = 288 (3 waves, 0.889).
+  EXPECT_NEAR(hw.wave_fraction(2048, 2304), 144.0 / 216.0, 1e-12);
+  hw.gemm_tiles = {{256, 128}, {128, 128}};
+  EXPECT_NEAR(hw.wave_fraction(2048, 2304), 288.0 / 324.0, 1e-12);
+  // Tile quantization: a partial tile still costs a whole one.
+  EXPECT_NEAR(hw.wave_fraction(100, 100), 100.0 * 100.0 / (128.0 * 128.0 * 108.0), 1e-12);
+  // The rate of a call scales by the fraction; without a shape it does not.
+  const double flops = 2.0 * 2048 * 4608 * 12288;
+  baton::Hardware plain = physical();
+  EXPECT_NEAR(hw.gemm_seconds(flops, 0, false, 2048, 4608),
+              plain.gemm_seconds(flops, 0, false) / hw.wave_fraction(2048, 4608), 1e-15);
+  EXPECT_DOUBLE_EQ(hw.gemm_seconds(flops, 0, false), plain.gemm_seconds(flops, 0, false));
+  // A file with SMs but no tiles (or tiles without SMs) is refused.
+  hw.gemm_tiles.clear();
+  EXPECT_THROW(hw.validate(), baton::ConfigError);
+  hw.sms = 0;
+  hw.gemm_tiles = {{256, 0}};
+  EXPECT_THROW(hw.validate(), baton::ConfigError);
+}
+
 TEST(GemmRate, MonotoneInSizeAndBoundedByTheMeasuredMaximum) {
   const baton::Hardware hw = physical();
   const double top = hw.gemm_bf16.max();

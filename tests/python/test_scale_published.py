@@ -51,12 +51,19 @@ def test_published_rows_meet_the_target(comparisons):
     assert s["median_abs_error"] <= 0.10 and s["max_abs_error"] <= 0.20, s
 
 
-@pytest.mark.xfail(strict=True, reason="the strong-scaling and 8 -> 128 GPU series miss by "
-                   "more than 5 points (bench/results/scale.md, 'Series')")
+@pytest.mark.xfail(strict=True, reason="Narayanan et al.'s weak-scaling series misses by more "
+                   "than 5 points (bench/results/scale.md, 'Against the target')")
 def test_series_follow_the_published_trends(comparisons):
     cs, profiles = comparisons
     for s in P.series(cs, profiles):
         assert abs(s["predicted_change"] - s["published_change"]) <= 5, s
+
+
+def test_series_other_than_the_a100_weak_scaling_follow_the_published_trends(comparisons):
+    cs, profiles = comparisons
+    for s in P.series(cs, profiles):
+        if not s["series"].startswith("Narayanan"):
+            assert abs(s["predicted_change"] - s["published_change"]) <= 5, s
 
 
 def test_series_direction_of_the_schedule_comparison(comparisons):
@@ -123,3 +130,38 @@ def test_hardware_constants_inside_their_cited_ranges():
         # host link per direction: between PCIe Gen4 x16 (31.5 GB/s) and NVLink-C2C (450 GB/s)
         assert 31e9 <= hw["host_link"]["bandwidth"] <= 450e9, name
         assert hw["sources"]["host_link.bandwidth"], name
+        # Power cap: the clock relative to the measured card, between the DVFS cube law at
+        # the lowest H100 datasheet power (NVL, 350 W: (350/700)^(1/3) = 0.79) and 1.
+        ratio = hw.get("clock_ratio", 1.0)
+        assert 0.79 <= ratio <= 1.0, name
+        if ratio < 1:
+            assert hw["sources"]["clock_ratio"], name
+        # Wave quantization: SM counts of the datasheets (A100 108, H100 132, B200 148) and
+        # thread-block tiles cuBLAS / CUTLASS use (64-256 per side).
+        wq = hw.get("wave_quantization")
+        if wq and wq.get("sms", 0) > 0:
+            assert 108 <= wq["sms"] <= 148, name
+            assert wq["tiles"] and all(64 <= a <= 256 and 64 <= b <= 256 for a, b in wq["tiles"])
+            assert hw["sources"]["wave_quantization"], name
+
+
+def test_power_capped_clock_follows_the_cited_relation():
+    # h100-500w: the 700 W measurements at (500/700)^(1/3) of the clock, between the NVL
+    # datasheet's 0.844 (400 W) and the SXM part, as torchtitan describes its GPUs.
+    hw = scale.load_cluster("h100-500w")
+    assert hw["clock_ratio"] == pytest.approx((500 / 700) ** (1 / 3), abs=1e-3)
+    assert 1671 / 1979 < hw["clock_ratio"] < 1
+    for name in ("h100", "a100", "h200", "h800", "b200"):
+        assert scale.load_cluster(name).get("clock_ratio", 1.0) == 1.0, name
+    # A100's table is the maximum-achievable (best-shape) rate: its shapes' waves apply.
+    a100 = scale.load_cluster("a100")
+    assert a100["wave_quantization"]["sms"] == 108
+
+
+def test_torchtitan_pipeline_runs_use_its_default_microbatch_count():
+    # torchtitan's pipelining takes n_microbatches = the PP degree when unset; table 5
+    # gives only the local batch (32), so the runs are fed 8 microbatches of 4 sequences.
+    for r in P.RUNS:
+        if r.source.startswith(P.TITAN) and r.pp > 1:
+            assert r.microbatches == r.pp, r.name
+            assert r.global_batch // r.dp // r.microbatches == 4, r.name

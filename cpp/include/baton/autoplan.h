@@ -117,6 +117,10 @@ struct SegmentCost {
   double overhead = 0;          // fixed seconds per task that do not scale with the microbatch
   double update = 0;            // seconds per step outside the microbatch loop (its optimizer
                                 // update), independent of the microbatch count
+  double update_comm = 0;       // the part of `update` that is overlapped data-parallel
+                                // communication (ZeRO's gradient reduce-scatter) left after
+                                // its own segment's last backward: the last backwards of
+                                // shallower stages on the rank hide it (update_time)
   int64_t act_bytes = 0;        // output sent forward if a cut follows (the gradient has as many)
   int64_t stash_bytes = 0;      // residuals kept F->B (keep-all)
   int64_t min_stash_bytes = 0;  // minimum-bytes stash ...
@@ -190,9 +194,18 @@ int64_t stage_static_bytes(const SegmentCosts& c, int begin, int end);
 // Seconds outside the microbatch loop: step_overhead + the max over ranks of
 // the update seconds of the segments of that rank's stages (ranks update
 // their stages in parallel, after their loop). stage_rank[s]: the rank of
-// stage s.
+// stage s. The overlapped communication (update_comm) of a rank's stages is a
+// queue: a stage's is ready once its last backward is done, and on a rank of
+// several stages (interleaved, V) the deeper ones finish first, the shallower
+// ones still running the backwards of their final group of min(microbatches,
+// ranks) microbatches; what the queue has left when the rank's last stage ends
+// is exposed.
 double update_time(const SegmentCosts& c, const std::vector<int>& cuts,
-                   const std::vector<int>& stage_rank, int ranks);
+                   const std::vector<int>& stage_rank, int ranks, int microbatches = 1);
+// Per rank, the seconds of its stages' update_comm that update_time counts as exposed.
+std::vector<double> update_comm_exposed(const SegmentCosts& c, const std::vector<int>& cuts,
+                                        const std::vector<int>& stage_rank, int ranks,
+                                        int microbatches);
 // A stage's transient bytes while one of its tasks runs: the largest
 // temp_bytes of its segments (XLA temporaries) plus the new gradient sums the
 // task writes while the old ones are still held (the sum of the segments'

@@ -78,6 +78,22 @@ struct Hardware {
   // Host memory per GPU that offloaded activations may hold (the node's
   // system memory / gpus_per_node); 0: unlimited.
   int64_t host_bytes = 0;
+  // Sustained tensor-core clock of this card under its power limit over the
+  // clock the gemm / attention measurements ran at (1.0: the same card and
+  // limit). A power-capped part (an H100 SXM at 500 W instead of 700 W) runs
+  // the same kernels at a lower clock; every compute rate scales with it, HBM
+  // does not (its clock is separate). Cited in sources["clock_ratio"].
+  double clock_ratio = 1.0;
+  // Wave quantization of a GEMM call (optional; sms 0 = off): a call whose
+  // output is tiled into tm x tn thread-block tiles, one tile per SM at a time
+  // on `sms` SMs, runs ceil(tiles / sms) full waves; its useful fraction is
+  // m n / (tm tn sms ceil(tiles / sms)), and the library is taken to pick the
+  // best of `gemm_tiles` (each in both orientations). It scales the call's FLOP
+  // rate. For a file whose gemm table is a best-shape (quantization-free) rate,
+  // e.g. A100's maximum-achievable figure; tables measured at the shapes
+  // themselves carry their quantization already.
+  int sms = 0;
+  std::vector<std::pair<double, double>> gemm_tiles;
   // Multiplier of every modelled compute rate; 1.0 = the cited measurements.
   // baton.scale.calibrate() fits it to a user's measured steps. Without a
   // gemm_bf16 table it is the achieved fraction of peak for all compute.
@@ -88,6 +104,8 @@ struct Hardware {
   std::string efficiency_note;                // how `efficiency` was obtained
   std::map<std::string, std::string> sources;  // field -> where the figure comes from
 
+  // Multiplier of the measured compute rates: efficiency * clock_ratio.
+  double compute_scale() const { return efficiency * clock_ratio; }
   // Usable bytes per GPU (hbm_bytes - reserved_bytes).
   int64_t memory_budget() const { return hbm_bytes - reserved_bytes; }
   // FLOP/s a matmul reaches: peak (fp8 when `fp8` and peak_fp8 > 0) * efficiency.
@@ -95,7 +113,13 @@ struct Hardware {
   double achieved_flops(bool fp8 = false) const;
   // Seconds of one GEMM call of `flops` FLOPs moving `bytes` through HBM:
   // max(flops / table rate, bytes / (hbm_bandwidth * hbm_efficiency)).
-  double gemm_seconds(double flops, double bytes, bool fp8) const;
+  // With the output's rows x cols (and `calls` of them batched) and wave
+  // quantization configured, the rate is scaled by wave_fraction().
+  double gemm_seconds(double flops, double bytes, bool fp8, double rows = 0, double cols = 0,
+                      double calls = 1) const;
+  // The useful fraction of the SM waves an output of rows x cols (x calls)
+  // occupies; 1 without wave quantization or without a shape.
+  double wave_fraction(double rows, double cols, double calls = 1) const;
   // Seconds of `flops` fused-attention FLOPs (forward, or backward when `bwd`)
   // at sequence length `seq`.
   double attention_seconds(double flops, double seq, bool bwd) const;

@@ -354,7 +354,7 @@ PlanCandidate evaluate_candidate(const SegmentCosts& costs, std::string_view sch
     pc.offload = offload;
     pc.peak_host = res.peak_host_bytes;
   }
-  pc.step_time = res.step_time + update_time(sc, cuts, s.stage_rank, ranks);
+  pc.step_time = res.step_time + update_time(sc, cuts, s.stage_rank, ranks, microbatches);
   pc.bubble_fraction = res.bubble_fraction;
   pc.peak_memory.assign(ranks, 0);
   std::vector<int64_t> tmp(ranks, 0), upd(ranks, 0);

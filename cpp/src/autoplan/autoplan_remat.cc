@@ -375,7 +375,7 @@ void Searcher::remat_leaf(Config& c) {
   // The update seconds outside the loop are exact for this partition, so
   // adding them keeps (B3) a lower bound on the candidate's step time.
   const std::vector<int> cuts(cuts_.begin(), cuts_.begin() + S);
-  const double upd = update_time(c.sc, cuts, c.stage_rank, c.P);
+  const double upd = update_time(c.sc, cuts, c.stage_rank, c.P, c.M);
   if (cut(relax(c) + upd, T_, gap_)) {
     ++st_.pruned;
     return;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string_view>
 
@@ -43,6 +44,8 @@ SegmentCost parse_segment(const json& j, const std::string& path) {
       s.overhead = kFields.get_number(val, p);
     } else if (key == "update") {
       s.update = kFields.get_number(val, p);
+    } else if (key == "update_comm") {
+      s.update_comm = kFields.get_number(val, p);
     } else if (key == "min_recompute") {
       s.min_recompute = kFields.get_number(val, p);
     } else if (key == "act_bytes") {
@@ -100,6 +103,10 @@ void SegmentCosts::validate() const {
     kFields.check_time(s.w, w + ".w");
     kFields.check_time(s.overhead, w + ".overhead");
     kFields.check_time(s.update, w + ".update");
+    kFields.check_time(s.update_comm, w + ".update_comm");
+    if (s.update_comm > s.update)
+      throw ConfigError(fmt::format("segment costs: {}.update_comm ({}) exceeds its update ({})", w,
+                                    s.update_comm, s.update));
     kFields.check_time(s.min_recompute, w + ".min_recompute");
     kFields.check_bytes(s.act_bytes, w + ".act_bytes");
     kFields.check_bytes(s.stash_bytes, w + ".stash_bytes");
@@ -172,6 +179,7 @@ std::string SegmentCosts::to_json() const {
            {"w", s.w},
            {"overhead", s.overhead},
            {"update", s.update},
+           {"update_comm", s.update_comm},
            {"act_bytes", s.act_bytes},
            {"stash_bytes", s.stash_bytes},
            {"min_stash_bytes", s.min_stash_bytes},
@@ -295,15 +303,46 @@ int64_t stage_static_bytes(const SegmentCosts& c, int begin, int end) {
   return v;
 }
 
+std::vector<double> update_comm_exposed(const SegmentCosts& c, const std::vector<int>& cuts,
+                                        const std::vector<int>& stage_rank, int ranks,
+                                        int microbatches) {
+  // Per rank, its stages in ascending order: overlapped communication and one
+  // microbatch's backward.
+  std::vector<std::vector<std::pair<double, double>>> per(static_cast<size_t>(ranks));
+  const int n = static_cast<int>(c.segments.size());
+  for (size_t s = 0; s < cuts.size(); ++s) {
+    const int e = s + 1 < cuts.size() ? cuts[s + 1] : n;
+    double comm = 0, back = 0;
+    for (int k = cuts[s]; k < e; ++k) comm += c.segments[k].update_comm, back += c.segments[k].b;
+    per[static_cast<size_t>(stage_rank[s])].emplace_back(comm, back);
+  }
+  const double group = std::max(1, std::min(microbatches, ranks));
+  std::vector<double> out(static_cast<size_t>(ranks), 0.0);
+  for (size_t r = 0; r < per.size(); ++r) {
+    const auto& stages = per[r];
+    std::vector<double> before(stages.size() + 1, 0.0);  // backward of the shallower stages
+    for (size_t j = 0; j < stages.size(); ++j) before[j + 1] = before[j] + stages[j].second;
+    // Deepest first: ready when its final group's backwards are done, before the end of
+    // the rank's last backward by the shallower stages' share of the final group.
+    double t = -std::numeric_limits<double>::infinity();
+    for (size_t j = stages.size(); j-- > 0;)
+      t = std::max(t, -group * before[j]) + stages[j].first;
+    out[r] = std::max(0.0, t);
+  }
+  return out;
+}
+
 double update_time(const SegmentCosts& c, const std::vector<int>& cuts,
-                   const std::vector<int>& stage_rank, int ranks) {
+                   const std::vector<int>& stage_rank, int ranks, int microbatches) {
   std::vector<double> per(static_cast<size_t>(ranks), 0.0);
   const int n = static_cast<int>(c.segments.size());
   for (size_t s = 0; s < cuts.size(); ++s) {
     const int e = s + 1 < cuts.size() ? cuts[s + 1] : n;
     for (int k = cuts[s]; k < e; ++k)
-      per[static_cast<size_t>(stage_rank[s])] += c.segments[k].update;
+      per[static_cast<size_t>(stage_rank[s])] += c.segments[k].update - c.segments[k].update_comm;
   }
+  const std::vector<double> comm = update_comm_exposed(c, cuts, stage_rank, ranks, microbatches);
+  for (size_t r = 0; r < per.size(); ++r) per[r] += comm[r];
   return c.step_overhead + (per.empty() ? 0.0 : *std::max_element(per.begin(), per.end()));
 }
 

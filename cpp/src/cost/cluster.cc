@@ -77,10 +77,14 @@ Parts compute_parts(const ProfileSegment& s, const Shard& sh, double mb, const C
       const double in_bytes = f8 ? 1.0 : 2.0;
       const double flops = 2.0 * rows * n * k;
       const double bytes = in_bytes * (rows * k + k * n) + 2.0 * rows * n;
-      const double one = hw.gemm_seconds(flops, bytes, f8);
+      // Forward output rows x n; the input gradient's rows x k and the weight gradient's
+      // k x n (their shapes matter only under wave quantization).
+      const double one = hw.gemm_seconds(flops, bytes, f8, rows, n);
+      const double dgrad = hw.gemm_seconds(flops, bytes, f8, rows, k);
+      const double wgrad = hw.gemm_seconds(flops, bytes, f8, k, n);
       p.gemm_f += count * one;
-      p.gemm_b += 2.0 * count * one;  // input gradient and weight (or second operand) gradient
-      if (m.linear) p.gemm_w += count * one;
+      p.gemm_b += count * (dgrad + wgrad);  // input gradient and weight (or operand) gradient
+      if (m.linear) p.gemm_w += count * wgrad;
       if (f8) {
         // fp8 recipe: the input and the weight are cast in the forward, the output
         // gradient and the transposed weight in the backward.
@@ -164,17 +168,20 @@ InstanceCost instance_cost(const ProfileSegment& s, const Shard& sh, double mb,
   // precision, all-gather of the updated bf16 parameters. With overlap the reduce-scatter
   // runs bucket by bucket during this segment's last backward and the all-gather during
   // the next step's first forward.
-  double reduce = 0;
+  double reduce = 0, reduce_rs = 0;
   if (!d.fsdp) {
     const double rs = reduce_scatter_time(o.grad_reduce_bytes * p_loc, sh.d, *sh.dp_link);
     const double ag = all_gather_time(2.0 * p_loc, sh.d, *sh.dp_link);
-    reduce = d.dp_overlap ? exposed(rs, comp_b, hw.overlap_contention) +
-                                exposed(ag, comp_f, hw.overlap_contention)
-                          : rs + ag;
+    reduce_rs = d.dp_overlap ? exposed(rs, comp_b, hw.overlap_contention) : rs;
+    reduce = reduce_rs + (d.dp_overlap ? exposed(ag, comp_f, hw.overlap_contention) : ag);
   }
   const double state = 2.0 * static_cast<double>(2 * c.param_bytes + c.opt_bytes);
   const double opt = hw.memory_seconds(state);
   c.update = reduce + opt;
+  // Overlapped, what this segment's own last backward leaves of its gradients'
+  // reduce-scatter can still hide behind the last backwards of the shallower stages on
+  // its rank (update_time); the all-gather keeps its own first forward only.
+  c.update_comm = d.dp_overlap ? reduce_rs : 0.0;
   TimeBreakdown& m = out.per_mb;
   m.gemm = p.gemm_f + p.gemm_b;
   m.attention = p.attn_f + p.attn_b;
@@ -208,6 +215,7 @@ void add_into(SegmentCost& g, const SegmentCost& c) {
   g.i += c.i;
   g.w += c.w;
   g.update += c.update;
+  g.update_comm += c.update_comm;
   g.min_recompute += c.min_recompute;
   g.act_bytes = c.act_bytes;
   g.stash_bytes += c.stash_bytes;
@@ -380,7 +388,15 @@ ClusterPlan finish(const ModelProfile& m, const Hardware& hw, const ClusterOptio
     t.ep_comm = std::max(0.0, t.ep_comm - (1 - segs.costs.fused_factor) * fb * per_rank);
   }
   t.fsdp_comm = a.fsdp_comm * per_rank;
-  t.dp_comm = segs.per_step.dp_comm / d.pp;
+  // The overlapped reduce-scatter's exposed part as update_time counts it, per rank.
+  {
+    double comm = 0;
+    for (const SegmentCost& c : segs.costs.segments) comm += c.update_comm;
+    double left = 0;
+    for (double v : update_comm_exposed(segs.costs, pc.cuts, s.stage_rank, d.pp, pc.microbatches))
+      left += v;
+    t.dp_comm = (segs.per_step.dp_comm - comm + left) / d.pp;
+  }
   t.optimizer = segs.per_step.optimizer / d.pp;
   double rec = 0;
   const int nseg = static_cast<int>(segs.costs.segments.size());

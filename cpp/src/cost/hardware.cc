@@ -136,37 +136,51 @@ double Hardware::achieved_flops(bool fp8) const {
   if (!gemm_bf16.empty()) {
     if (f8)
       return (gemm_fp8.empty() ? gemm_bf16.max() * peak_fp8 / peak_bf16 : gemm_fp8.max()) *
-             efficiency;
-    return gemm_bf16.max() * efficiency;
+             compute_scale();
+    return gemm_bf16.max() * compute_scale();
   }
-  return (f8 ? peak_fp8 : peak_bf16) * efficiency;
+  return (f8 ? peak_fp8 : peak_bf16) * compute_scale();
 }
 
 double Hardware::memory_seconds(double bytes) const {
   return bytes / (hbm_bandwidth * hbm_efficiency);
 }
 
-double Hardware::gemm_seconds(double flops, double bytes, bool fp8) const {
+double Hardware::wave_fraction(double rows, double cols, double calls) const {
+  if (sms <= 0 || gemm_tiles.empty() || rows <= 0 || cols <= 0) return 1.0;
+  const double c = std::max(1.0, calls);
+  auto frac = [&](double tm, double tn) {
+    const double tiles = std::ceil(rows / tm) * std::ceil(cols / tn) * c;
+    return rows * cols * c / (tm * tn * sms * std::ceil(tiles / sms));
+  };
+  double best = 0;
+  for (const auto& [tm, tn] : gemm_tiles) best = std::max({best, frac(tm, tn), frac(tn, tm)});
+  return std::min(1.0, best);
+}
+
+double Hardware::gemm_seconds(double flops, double bytes, bool fp8, double rows, double cols,
+                              double calls) const {
   if (flops <= 0) return 0;
   const bool f8 = fp8 && peak_fp8 > 0;
   double rate;
   if (gemm_bf16.empty())
-    rate = (f8 ? peak_fp8 : peak_bf16) * efficiency;
+    rate = (f8 ? peak_fp8 : peak_bf16) * compute_scale();
   else if (f8)
     rate = (gemm_fp8.empty() ? gemm_bf16.rate_at(flops) * peak_fp8 / peak_bf16
                              : gemm_fp8.rate_at(flops)) *
-           efficiency;
+           compute_scale();
   else
-    rate = gemm_bf16.rate_at(flops) * efficiency;
+    rate = gemm_bf16.rate_at(flops) * compute_scale();
+  rate *= wave_fraction(rows, cols, calls);
   return std::max(flops / rate, memory_seconds(bytes));
 }
 
 double Hardware::attention_seconds(double flops, double seq, bool bwd) const {
   if (flops <= 0) return 0;
   if (attention_fwd.empty())
-    return flops / (peak_bf16 * efficiency * (bwd ? attention_bwd_ratio : 1.0));
+    return flops / (peak_bf16 * compute_scale() * (bwd ? attention_bwd_ratio : 1.0));
   const double frac = attention_fwd.at(seq) * (bwd ? attention_bwd_ratio : 1.0);
-  return flops / (peak_bf16 * frac * efficiency);
+  return flops / (peak_bf16 * frac * compute_scale());
 }
 
 void Hardware::validate() const {
@@ -188,6 +202,17 @@ void Hardware::validate() const {
   if (!std::isfinite(efficiency) || efficiency <= 0 || efficiency > 1)
     throw ConfigError(
         fmt::format("hardware: efficiency must be in (0, 1] (got {})", efficiency));
+  if (sms < 0 || (sms > 0) != !gemm_tiles.empty())
+    throw ConfigError(fmt::format(
+        "hardware: wave_quantization needs sms >= 1 and at least one tile (got sms {}, {} tiles)",
+        sms, gemm_tiles.size()));
+  for (const auto& [tm, tn] : gemm_tiles)
+    if (!std::isfinite(tm) || !std::isfinite(tn) || tm < 1 || tn < 1)
+      throw ConfigError(fmt::format(
+          "hardware: wave_quantization.tiles must be sizes >= 1 (got {} x {})", tm, tn));
+  if (!std::isfinite(clock_ratio) || clock_ratio <= 0 || clock_ratio > 1)
+    throw ConfigError(
+        fmt::format("hardware: clock_ratio must be in (0, 1] (got {})", clock_ratio));
   kFields.check_time(intra.bus_bandwidth, "intra.bus_bandwidth");
   kFields.check_time(inter.bus_bandwidth, "inter.bus_bandwidth");
   if (intra.bus_bandwidth > intra.bandwidth)
@@ -274,6 +299,29 @@ Hardware Hardware::from_json(const std::string& text) {
       h.kernel_overhead = kFields.get_number(val, key);
     } else if (key == "overlap_contention") {
       h.overlap_contention = kFields.get_number(val, key);
+    } else if (key == "wave_quantization") {
+      kFields.require_object(val, "wave_quantization");
+      for (const auto& [k, v] : val.items()) {
+        if (k == "sms") {
+          h.sms = static_cast<int>(kFields.get_int(v, "wave_quantization.sms", "an integer"));
+        } else if (k == "tiles") {
+          if (!v.is_array())
+            throw FormatError(
+                "hardware JSON: 'wave_quantization.tiles' must be a list of [rows, cols]");
+          for (size_t i = 0; i < v.size(); ++i) {
+            const std::string at = fmt::format("wave_quantization.tiles[{}]", i);
+            if (!v[i].is_array() || v[i].size() != 2)
+              throw FormatError(fmt::format("hardware JSON: '{}' must be [rows, cols]", at));
+            h.gemm_tiles.emplace_back(kFields.get_number(v[i][0], at + "[0]"),
+                                      kFields.get_number(v[i][1], at + "[1]"));
+          }
+        } else {
+          throw FormatError(fmt::format(
+              "hardware JSON: unknown key 'wave_quantization.{}' (keys: sms, tiles)", k));
+        }
+      }
+    } else if (key == "clock_ratio") {
+      h.clock_ratio = kFields.get_number(val, key);
     } else if (key == "efficiency") {
       h.efficiency = kFields.get_number(val, key);
     } else if (key == "efficiency_note") {
@@ -286,7 +334,9 @@ Hardware Hardware::from_json(const std::string& text) {
           "hardware JSON: unknown key '{}' (keys: name, gpus_per_node, peak_bf16, peak_fp8, "
           "hbm_bandwidth, hbm_bytes, reserved_bytes, intra, inter, host_link, host_bytes, gemm, "
           "attention, "
-          "hbm_efficiency, kernel_overhead, overlap_contention, efficiency, efficiency_note, "
+          "hbm_efficiency, kernel_overhead, overlap_contention, wave_quantization, clock_ratio, "
+          "efficiency, "
+          "efficiency_note, "
           "sources)",
           key));
     }
@@ -321,6 +371,12 @@ std::string Hardware::to_json() const {
   j["hbm_efficiency"] = hbm_efficiency;
   j["kernel_overhead"] = kernel_overhead;
   j["overlap_contention"] = overlap_contention;
+  if (sms > 0) {
+    json tiles = json::array();
+    for (const auto& [tm, tn] : gemm_tiles) tiles.push_back({tm, tn});
+    j["wave_quantization"] = {{"sms", sms}, {"tiles", tiles}};
+  }
+  j["clock_ratio"] = clock_ratio;
   j["efficiency"] = efficiency;
   j["efficiency_note"] = efficiency_note;
   j["sources"] = sources;
