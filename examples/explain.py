@@ -37,6 +37,8 @@ import numpy as np  # noqa: E402
 import baton  # noqa: E402
 from baton.tracing.primitives import accumulate_p, tracing_pipeline  # noqa: E402
 
+G = baton._core.graph
+
 DIM = 4  # features; small so the shapes in the listing stay readable
 ROWS = 2  # rows per microbatch
 MICROBATCHES = 2
@@ -93,7 +95,7 @@ def _shape(traced, v):
 def op_line(traced, i, name):
     op = traced.ops[i]
     label = op.prim.name
-    if op.kind == "boundary":
+    if op.kind == G.OpKind.Boundary:
         label += f"[{op.boundary}{', backward' if op.backward else ''}]"
     outs = " ".join(name(v) for v in op.outputs)
     ins = " ".join(name(v) if v not in traced.literals else "lit" for v in op.inputs)
@@ -123,13 +125,13 @@ def show(schedule, params, batch, show_jaxpr=True):
         for i in t.ops:
             where.setdefault(i, []).append(f"{t.kind}{t.stage}")
     for i, op in enumerate(traced.ops):
-        if op.region != "loop":
+        if op.region != G.Region.Loop:
             placed = f"stage {part.op_stage[i]}"
-        elif op.kind == "boundary":
+        elif op.kind == G.OpKind.Boundary:
             placed = "cut"  # in no task: its two sides become a plan buffer
         else:
             placed = ",".join(where.get(i, [])) or "dead"
-        print(f"  op {i:2d} {op.region:<4s} {placed:<7s}  {op_line(traced, i, name)}")
+        print(f"  op {i:2d} {op.region.name.lower():<4s} {placed:<7s}  {op_line(traced, i, name)}")
     print("  loop inputs :", ", ".join(
         f"{name(b)}={name(o)}{'/mb' if mb else ''}" for b, o, mb in traced.loop_inputs))
     print("  loop outputs:", ", ".join(name(o) for _, o, _ in traced.loop_outputs))

@@ -29,6 +29,7 @@ from .rank_transfers import RankTransfers, recorded_events
 from .rolling import task_list
 from .task_env import _Env, _Token
 from ..planning.segments import donatable
+from ..planning.tasks import combine_parts
 
 
 class SingleProgram(_LoopProgram):
@@ -121,13 +122,10 @@ class SingleProgram(_LoopProgram):
         env = _Env()
         token = _Token(jnp.zeros((), jnp.int32) if self.marks else None)
         self._loop(env, outer, self._whole_mb(outer, {}), token)
-        # the loop's outputs: parts reduced, then combined per outer value (as _combine)
+        # the loop's outputs: parts reduced, then combined per outer value
         final = self._final_parts(env, range(len(cs.parts)))
         for o, idx in cs.by_outer.items():
-            total = None
-            for i in idx:
-                total = final[i] if total is None else total + final[i]
-            vals[o] = total
+            vals[o] = combine_parts([final[i] for i in idx])
         for seg in cs.post_segments:
             for v, x in zip(seg.outputs, seg.fn(*[vals[v] for v in seg.inputs])):
                 vals[v] = x

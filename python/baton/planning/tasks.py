@@ -299,6 +299,19 @@ def parts_of(tasks, kind, s) -> list[int]:
     return out
 
 
+def combine_parts(xs: list, move=None):
+    """A loop output made of several stages' parts: their sum (a value several stages make,
+    e.g. a tied embedding's gradient). ``move`` (when the parts sit on different ranks) puts
+    each on the rank that sums them; inside one traced program there is nothing to move. The
+    one combine of every engine and path."""
+    total = None
+    for x in xs:
+        if move is not None and len(xs) > 1:
+            x = move(x)
+        total = x if total is None else total + x
+    return total
+
+
 def final_part(part, acc, stacked, M: int):
     """A loop output part's value after the loop, from its running sum ``acc`` (Mean: /M;
     Sum: as is) or its per-microbatch values ``stacked()`` (Stack)."""

@@ -49,7 +49,7 @@ from .run_options import PLAIN, RunOptions
 from .step_run import StepRun
 from ..planning.buffers import Buffers
 from ..planning.segments import Segments
-from ..planning.tasks import build_tasks
+from ..planning.tasks import build_tasks, combine_parts
 from ..tracing.trace import Traced
 
 G = _core.graph
@@ -296,14 +296,8 @@ class CompiledStep:
 
     def combine(self, idx, final):
         """The outer value made of parts ``idx`` (their sum, on its home rank)."""
-        rank = self.home(idx)
-        total = None
-        for i in idx:
-            x = final[i]
-            if len(idx) > 1:
-                x = jax.device_put(x, self.mesh.replicated(rank))
-            total = x if total is None else total + x
-        return total
+        home = self.mesh.replicated(self.home(idx))
+        return combine_parts([final[i] for i in idx], lambda x: jax.device_put(x, home))
 
     # -- one step ------------------------------------------------------------------------------
     def engine_refusal(self, rank: int, transport_kind: str | None = None) -> str | None:
