@@ -49,7 +49,7 @@ the step runs.
 **Measurement** (``measure=True``: one more call on the step's own engine): the bytes of every
 live ``jax.Array`` per device (``jax.live_arrays()``, each array's shards per device from
 its sharding), sampled at the start of the loop and, after the loop, once each segment's
-outputs exist, with its temporaries added (``("post", j)``). Inside the loop:
+outputs exist, with its temporaries added (``PostSegment(j)``). Inside the loop:
 
 * the compiled engine (the default) runs each rank's loop as one program, which live arrays
   cannot see into: the sample taken as the programs start (their arguments placed) adds, on
@@ -75,11 +75,12 @@ import numpy as np
 from .. import _core
 from .. import _jax_compat as jc
 from ..errors import ConfigError
+from ..planning.step_costs import cost_model_of
+from ..planning.tasks import MB, BufKind, kind_name, task_exes, unit_order
+from ..running.run_options import PostSegment
 from .memory_live import LivePeak, measure_live, per_device, program_bytes
 from .memory_rings import buffer_outputs, table_loop
 from .profile import xla_memory
-from ..planning.step_costs import cost_model_of
-from ..planning.tasks import MB, BufKind, kind_name, task_exes, unit_order
 
 G = _core.graph
 # the model's components per device; predicted = max(static + copies + loop, update)
@@ -336,7 +337,7 @@ def _simulated(step, bufs, compiled, sums) -> tuple[dict, dict, dict, dict]:
 def _update_phase(step, layouts, static) -> tuple[dict, dict]:
     """Per device: the peak over the segments after the loop (the module docstring's
     update(d)), from each segment's argument layouts (``layouts[j]``, as the step handed
-    them) and its compiled outputs and temporaries; and ``("post", j)`` -> temporaries."""
+    them) and its compiled outputs and temporaries; and ``PostSegment(j)`` -> temporaries."""
     segs = step.post_segments
     inputs = set(step.traced.step_inputs)
     keep = set(step.traced.step_outputs)
@@ -358,7 +359,7 @@ def _update_phase(step, layouts, static) -> tuple[dict, dict]:
         if mem is None:
             raise ConfigError(f"memory model: the backend gives no memory analysis for "
                               f"segment {j} after the loop (stage {seg.stage})")
-        temps[("post", j)] = int(mem["temp_size_in_bytes"])
+        temps[PostSegment(j)] = int(mem["temp_size_in_bytes"])
         made = {v: per_device([(sh, tuple(o.shape), o.dtype)])
                 for v, sh, o in zip(seg.outputs, comp.output_shardings,
                                     jax.tree.leaves(lowered.out_info))}
@@ -373,7 +374,7 @@ def _update_phase(step, layouts, static) -> tuple[dict, dict]:
             now[d] -= n
             base[d] -= n
         for dv in step.mesh.rank_devices[step.stage_rank[seg.stage]]:
-            now[dv.id] = now.get(dv.id, 0) + temps[("post", j)]
+            now[dv.id] = now.get(dv.id, 0) + temps[PostSegment(j)]
         for d, n in now.items():
             peak[d] = max(peak.get(d, 0), n)
         live.update(made)

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from ..errors import ConfigError
+from ..running.run_options import PostSegment
 from .profile import xla_memory
 
 
@@ -69,7 +70,7 @@ class LivePeak:
                     n += extra
                 if n > self.peak.get(d, 0):
                     self.peak[d] = n
-                if task is not None and task[0] == "post" and n > self.update_peak.get(d, 0):
+                if isinstance(task, PostSegment) and n > self.update_peak.get(d, 0):
                     self.update_peak[d] = n
 
     def sample_programs(self, progs) -> None:

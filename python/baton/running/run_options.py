@@ -6,7 +6,7 @@ traced, profiled and measured ones included."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +22,13 @@ class RunOptions:
     live: Any = None
 
 
+class PostSegment(NamedTuple):
+    """What a live sample taken after segment ``index`` of the code after the loop is keyed
+    by (a sample inside a task is keyed by the task's ``(TaskKind, stage)``)."""
+
+    index: int
+
+
 PLAIN = RunOptions()
 
-__all__ = ["RunOptions", "PLAIN"]
+__all__ = ["RunOptions", "PLAIN", "PostSegment"]

@@ -45,7 +45,7 @@ from .interpreter import Interpreter
 from ..mesh import PipelineMesh
 from ..planning.offload import check_lowered
 from ..tracing.retarget import on_rank
-from .run_options import PLAIN, RunOptions
+from .run_options import PLAIN, PostSegment, RunOptions
 from .step_run import StepRun
 from ..planning.buffers import Buffers
 from ..planning.segments import Segments
@@ -260,7 +260,7 @@ class CompiledStep:
         once if none does), so a stage's summed gradients go once its update ran, not at the
         end of the step. With ``opts.live``, the live arrays are sampled once a
         segment's outputs exist (its inputs still held; its XLA temporaries are
-        ``("post", j)`` in the sampler's table). ``shared`` (``shared.SharedSegments``): the
+        ``PostSegment(j)`` in the sampler's table). ``shared`` (``shared.SharedSegments``): the
         segments that run as one program for several ranks, at the first one's index."""
         last: dict = {}
         if free:
@@ -283,7 +283,7 @@ class CompiledStep:
                     vals[v] = x
                 if opts.live is not None and free:
                     jax.block_until_ready(outs)
-                    opts.live.sample(rank, ("post", j))
+                    opts.live.sample(rank, PostSegment(j))
                 del outs
             for v in seg.inputs:
                 if last.get(v) == j:
