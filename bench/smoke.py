@@ -85,6 +85,7 @@ CASES = (
     Case("executor_bench.py", ("--schedules", "1f1b", "--ranks", "1,2", "--microbatches", "4",
                                "--steps", "2")),
     Case("ffi_transfer.py", ("--sizes", "4K", "--transports", "local", "--iters", "5")),
+    Case("first_call_phases.py", ("--ranks", "2", "--schedules", "1f1b", "--repeat", "1")),
     Case("handshake_cost.py", (), table=r"describe [0-9.]+s"),
     Case("memory.py", ("--dim", "16", "--seq", "8", "--batch", "4", "--microbatches", "2",
                        "--schedules", "1f1b",
