@@ -38,6 +38,8 @@ def _config(r: P.PublishedRun, remat: str) -> str:
     parts.append(f"grad {r.grad_reduce_bytes:g} B")
     if not r.flash_attention:
         parts.append("unfused attn")
+    if not r.sequence_parallel and r.tp > 1:
+        parts.append("no SP")
     return ", ".join(parts)
 
 

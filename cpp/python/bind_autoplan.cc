@@ -197,9 +197,10 @@ void bind_cluster(nb::module_& m) {
       [](const std::string& profile, const std::string& hardware, int pp, int tp, int dp, int ep,
          bool fsdp, int64_t global_batch, bool fp8, const std::string& schedule, int virtual_stages,
          int microbatches, const std::string& remat, bool tp_overlap, bool dp_overlap,
-         double grad_reduce_bytes, bool flash_attention) {
+         double grad_reduce_bytes, bool flash_attention, bool sequence_parallel) {
         baton::ClusterOptions o;
         o.flash_attention = flash_attention;
+        o.sequence_parallel = sequence_parallel;
         o.gpus = pp * tp * dp;
         o.global_batch = global_batch;
         o.fp8 = fp8;
@@ -214,7 +215,7 @@ void bind_cluster(nb::module_& m) {
       "profile"_a, "hardware"_a, "pp"_a, "tp"_a, "dp"_a, "ep"_a, "fsdp"_a, "global_batch"_a,
       "fp8"_a, "schedule"_a, "virtual_stages"_a, "microbatches"_a, "remat"_a,
       "tp_overlap"_a = false, "dp_overlap"_a = false, "grad_reduce_bytes"_a = 4.0,
-      "flash_attention"_a = true,
+      "flash_attention"_a = true, "sequence_parallel"_a = true,
       "One given configuration (even layer cuts, one remat mode) simulated; JSON like "
       "plan_cluster's with one plan.");
   m.def(

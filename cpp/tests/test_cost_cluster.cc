@@ -235,3 +235,34 @@ TEST(DpOverlap, ShallowerStagesOfARankHideTheDeeperStagesReduce) {
   bad.segments[1].update_comm = 2.0;
   EXPECT_THROW(bad.validate(), baton::ConfigError);
 }
+
+TEST(SequenceParallel, NormsAndResidualsRunUnsplitWithoutIt) {
+  // 8 layers of one column-parallel matmul and 1 MB of memory-bound bytes per sample, of
+  // which 0.4 MB are norms and residual adds (outside the TP regions).
+  baton::ModelProfile m = mlp_stack();
+  baton::ProfileSegment& l = m.segments[0];
+  l.matmuls = {baton::MatmulShape{kS, static_cast<int64_t>(kF), static_cast<int64_t>(kH), 1, true,
+                                  1, false}};
+  l.mem_bytes = 1e6;
+  l.mem_bytes_replicated = 4e5;
+  const baton::Hardware hw = hardware();
+  baton::ClusterOptions o;
+  o.gpus = 4;
+  o.global_batch = 8;
+  const baton::ClusterDegrees d{1, 4, 1, 1, false, false, false};
+  const double with_sp =
+      baton::cluster_segment_costs(m, hw, d, o, 8).per_microbatch.memory;  // mb = 1
+  o.sequence_parallel = false;
+  const double without =
+      baton::cluster_segment_costs(m, hw, d, o, 8).per_microbatch.memory;
+  // F + B move 3x the forward's bytes: split over 4 TP ranks, or 0.6 MB split and 0.4 MB
+  // whole on every rank.
+  const double hbm = hw.hbm_bandwidth * hw.hbm_efficiency;
+  EXPECT_NEAR(with_sp, kLayers * 3 * 1e6 / 4 / hbm, 1e-15);
+  EXPECT_NEAR(without, kLayers * 3 * (6e5 / 4 + 4e5) / hbm, 1e-15);
+  // The profile JSON carries the field and refuses more replicated bytes than bytes.
+  const baton::ModelProfile back = baton::ModelProfile::from_json(m.to_json());
+  EXPECT_DOUBLE_EQ(back.segments[0].mem_bytes_replicated, 4e5);
+  l.mem_bytes_replicated = 2e6;
+  EXPECT_THROW(baton::ModelProfile::from_json(m.to_json()), baton::ConfigError);
+}

@@ -165,3 +165,20 @@ def test_torchtitan_pipeline_runs_use_its_default_microbatch_count():
         if r.source.startswith(P.TITAN) and r.pp > 1:
             assert r.microbatches == r.pp, r.name
             assert r.global_batch // r.dp // r.microbatches == 4, r.name
+
+
+def test_pre_2022_megatron_runs_have_no_sequence_parallelism():
+    # Sequence parallelism came with Korthikanti et al. 2022 (arXiv:2205.05198): Narayanan
+    # et al.'s 2021 runs and BLOOM run their norms and residual adds unsplit on every TP rank.
+    for r in P.RUNS:
+        old = r.source in (P.NARAYANAN, P.BLOOM)
+        assert r.sequence_parallel is not old, r.name
+    prof = scale.profile_model("gpt-18b")
+    layer = next(s for s in prof["segments"] if s["name"] == "layer")
+    s, h = prof["seq"], 6144
+    assert layer["mem_bytes_replicated"] == 20 * s * h < layer["mem_bytes"]
+    kw = dict(pp=1, tp=8, dp=32, global_batch=1024, schedule="1f1b", microbatches=32,
+              remat="full", flash_attention=False)
+    sp = scale.evaluate_cluster("gpt-18b", "a100", **kw)
+    no_sp = scale.evaluate_cluster("gpt-18b", "a100", sequence_parallel=False, **kw)
+    assert no_sp.time.memory > sp.time.memory and no_sp.step_time > sp.step_time

@@ -80,6 +80,9 @@ struct ProfileSegment {
   double attn_scores = 0;            // elements of its score matrices (heads x seq x seq)
   bool attn_causal = true;           // causal masking: half of attn_flops is done
   double mem_bytes = 0;              // HBM bytes of the forward's memory-bound work
+  double mem_bytes_replicated = 0;   // the part of mem_bytes outside the TP regions (norms,
+                                     // residual adds): split over TP ranks only under
+                                     // sequence parallelism (ClusterOptions)
   int kernels = 0;                   // forward non-matmul kernels per instance
   bool operator==(const ProfileSegment&) const = default;
 };
@@ -144,6 +147,10 @@ struct ClusterOptions {
   // and a fused scale-mask-softmax + dropout moving 13 bytes per score in the forward,
   // twice that in the backward), as Megatron-LM did before FlashAttention (2022).
   bool flash_attention = true;
+  // Megatron's sequence parallelism (Korthikanti et al. 2022): the norms and residual adds
+  // outside the TP regions are split over the TP ranks. false: each TP rank runs them on
+  // the whole s x h activation (Megatron-LM before 2022), mem_bytes_replicated not split.
+  bool sequence_parallel = true;
   // Activation offload (AutoplanOptions::offload) over the hardware's host_link: -1 searched
   // when the hardware file has one, 0 never, 1 searched (refused without a host link).
   int offload = -1;

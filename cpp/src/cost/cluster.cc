@@ -107,7 +107,10 @@ Parts compute_parts(const ProfileSegment& s, const Shard& sh, double mb, const C
       p.attn_f = 2 * g + hw.memory_seconds(13.0 * scores);
       p.attn_b = 4 * g + hw.memory_seconds(26.0 * scores);
     }
-    const double mem = mb * s.mem_bytes / sh.t;
+    // Outside the TP regions (norms, residual adds) each TP rank works on the whole
+    // activation unless sequence parallelism splits it.
+    const double rep = o.sequence_parallel ? 0.0 : s.mem_bytes_replicated;
+    const double mem = mb * (s.mem_bytes - rep) / sh.t + mb * rep;
     p.mem_f = hw.memory_seconds(mem + cast_f);
     p.mem_b = hw.memory_seconds(2.0 * mem + cast_b);
   }

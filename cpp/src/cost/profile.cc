@@ -84,6 +84,7 @@ ProfileSegment parse_segment(const json& j, const std::string& path) {
     else if (key == "attn_causal") s.attn_causal = get_bool(val, p);
     else if (key == "attn_scores") s.attn_scores = num();
     else if (key == "mem_bytes") s.mem_bytes = num();
+    else if (key == "mem_bytes_replicated") s.mem_bytes_replicated = num();
     else if (key == "kernels") s.kernels = static_cast<int>(bytes());
     else if (key == "matmuls") {
       if (!val.is_array())
@@ -95,7 +96,8 @@ ProfileSegment parse_segment(const json& j, const std::string& path) {
           "model profile JSON: unknown key '{}' (segment keys: name, repeat, fwd_flops, "
           "bwd_flops, wgrad_flops, hbm_bytes, params, expert_params, act_bytes, stash_keep, "
           "stash_min, min_recompute_flops, stash_full, temp_bytes, tp_collectives, tp_bytes, "
-          "a2a_collectives, a2a_bytes, matmuls, attn_flops, attn_scores, attn_causal, mem_bytes, kernels)",
+          "a2a_collectives, a2a_bytes, matmuls, attn_flops, attn_scores, attn_causal, mem_bytes, "
+          "mem_bytes_replicated, kernels)",
           p));
   }
   return s;
@@ -112,6 +114,7 @@ json segment_json(const ProfileSegment& s) {
               {"attn_scores", s.attn_scores},
               {"attn_causal", s.attn_causal},
               {"mem_bytes", s.mem_bytes},
+              {"mem_bytes_replicated", s.mem_bytes_replicated},
               {"kernels", s.kernels},
               {"repeat", s.repeat},
               {"fwd_flops", s.fwd_flops},
@@ -185,6 +188,11 @@ void ModelProfile::validate() const {
     kFields.check_time(s.attn_flops, w + ".attn_flops");
     kFields.check_time(s.attn_scores, w + ".attn_scores");
     kFields.check_time(s.mem_bytes, w + ".mem_bytes");
+    kFields.check_time(s.mem_bytes_replicated, w + ".mem_bytes_replicated");
+    if (s.mem_bytes_replicated > s.mem_bytes)
+      throw ConfigError(fmt::format("model profile: {}.mem_bytes_replicated ({}) exceeds its "
+                                    "mem_bytes ({})",
+                                    w, s.mem_bytes_replicated, s.mem_bytes));
     kFields.check_bytes(s.kernels, w + ".kernels");
     for (size_t q = 0; q < s.matmuls.size(); ++q) {
       const MatmulShape& m = s.matmuls[q];

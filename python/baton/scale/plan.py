@@ -199,14 +199,17 @@ def evaluate_cluster(model, cluster, *, pp: int, tp: int, dp: int, global_batch:
                      virtual_stages: int = 1, remat: str = "keep", seq: int | None = None,
                      fp8: bool = False, efficiency: float | None = None,
                      tp_overlap: bool = False, dp_overlap: bool = False,
-                     grad_reduce_bytes: float = 4.0, flash_attention: bool = True) -> ClusterPlan:
-    """The prediction of one given configuration (layers spread evenly over the stages)."""
+                     grad_reduce_bytes: float = 4.0, flash_attention: bool = True,
+                     sequence_parallel: bool = True) -> ClusterPlan:
+    """The prediction of one given configuration (layers spread evenly over the stages).
+    ``sequence_parallel=False``: the norms and residual adds run unsplit on every TP rank
+    (Megatron-LM before 2022)."""
     prof = _model_profile(model, seq)
     hw = load_cluster(cluster, efficiency)
     out = json.loads(_core.evaluate_cluster(
         json.dumps(prof), json.dumps(hw), pp, tp, dp, ep, fsdp, int(global_batch), fp8,
         schedule, virtual_stages, microbatches, remat, tp_overlap, dp_overlap,
-        float(grad_reduce_bytes), flash_attention))
+        float(grad_reduce_bytes), flash_attention, sequence_parallel))
     return ClusterPlan.from_dict(out["plans"][0])
 
 

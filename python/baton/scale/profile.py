@@ -49,12 +49,15 @@ def _tp_dim(mm: dict, names: list[str]) -> int:
 def profile_segment(name: str, f, params, x, *, repeat: int = 1, tp_collectives: int = 0,
                     tp_bytes: int = 0, a2a_collectives: int = 0, a2a_bytes: int = 0,
                     hidden: int | None = None, mem_bytes: float = 0.0, kernels: int = 0,
-                    causal: bool = True, attn_scores: float = 0.0) -> dict:
+                    causal: bool = True, attn_scores: float = 0.0,
+                    mem_bytes_replicated: float = 0.0) -> dict:
     """One segment kind's entry of the profile (see :mod:`baton.scale.abstract`):
     ``f(params, x)`` at one sample, ``params``/``x`` abstract (``ShapeDtypeStruct``).
     Each linear layer's tensor-parallel split follows its weight's name (ROW_PARALLEL,
     REPLICATED); ``mem_bytes`` and ``kernels`` are the forward's memory-bound bytes and non-matmul
-    kernels (docs/SCALE.md, "Time from physical parts")."""
+    kernels (docs/SCALE.md, "Time from physical parts"); ``mem_bytes_replicated`` the part
+    of ``mem_bytes`` outside the TP regions (split over TP ranks only with sequence
+    parallelism)."""
     n_params = len(jax.tree.leaves(params))
     names = _leaf_names(params)
     fwd = jax.make_jaxpr(f)(params, x)
@@ -94,6 +97,7 @@ def profile_segment(name: str, f, params, x, *, repeat: int = 1, tp_collectives:
                      "expert": mm["count"] > 1} for mm in fc.matmuls],
         "attn_flops": fc.attn_flops, "attn_scores": float(attn_scores), "attn_causal": causal,
         "mem_bytes": float(mem_bytes), "kernels": int(kernels),
+        "mem_bytes_replicated": float(mem_bytes_replicated),
     }
 
 
@@ -149,12 +153,14 @@ def profile_model(model: TransformerConfig | str, seq: int | None = None) -> dic
             "layer", A._layer(cfg, False), A._abstract(A._layer_params(cfg, False)), act,
             repeat=n_dense, tp_collectives=2, tp_bytes=act_bytes, hidden=h,
             attn_scores=float(cfg.heads * s * s),
-            mem_bytes=layer_mem_bytes(cfg, False), kernels=KERNELS["layer"]))
+            mem_bytes=layer_mem_bytes(cfg, False), mem_bytes_replicated=20.0 * s * h,
+            kernels=KERNELS["layer"]))
     if n_moe:
         seg = profile_segment(
             "moe_layer", A._layer(cfg, True), A._abstract(A._layer_params(cfg, True)), act,
             repeat=n_moe, tp_collectives=2, tp_bytes=act_bytes, a2a_collectives=2,
             a2a_bytes=cfg.top_k * act_bytes, hidden=h, mem_bytes=layer_mem_bytes(cfg, True),
+            mem_bytes_replicated=20.0 * s * h,
             attn_scores=float(cfg.heads * s * s),
             kernels=KERNELS["moe_layer"])
         seg["expert_params"] = len([k for k in ("e1", "e2", "e3")

@@ -51,6 +51,7 @@ class PublishedRun:
     dp_overlap: bool = False
     grad_reduce_bytes: float = 4.0
     flash_attention: bool = True
+    sequence_parallel: bool = True
     published_mem_gib: float | None = None
     assumptions: str = ""
 
@@ -61,7 +62,9 @@ class PublishedRun:
 
 _N = ("microbatch size 1, full recompute (the paper's setting), 1F1B for p = 1 and "
       "interleaved v = 2 otherwise, fp16 gradients all-reduced after the backward (no overlap), "
-      "unfused attention (FlashAttention came in 2022)")
+      "unfused attention (FlashAttention came in 2022), no sequence parallelism (introduced in "
+      "2022, Korthikanti et al., arXiv:2205.05198: the norms and residual adds run on the whole "
+      "activation on every TP rank)")
 _L3 = ("interleaved v = 4, microbatch 1 (M = the batch per DP group), remat auto, ZeRO-1 with "
        "the gradient reduce-scatter overlapped (the paper's FSDP without resharding) in fp32, "
        "TP overlap off (not described)")
@@ -80,26 +83,34 @@ _M = ("TP 4 / PP 8, interleaved with one layer per virtual stage (v = 12), micro
 
 RUNS = [
     PublishedRun("GPT 1.7B, 32 A100", NARAYANAN, "gpt-1.7b", "a100", 1, 1, 32, 512, "1f1b", 16,
-                 137, "megatron_tflops", remat="full", grad_reduce_bytes=2, flash_attention=False, assumptions=_N),
+                 137, "megatron_tflops", remat="full", grad_reduce_bytes=2, flash_attention=False,
+                 sequence_parallel=False, assumptions=_N),
     PublishedRun("GPT 18.4B, 256 A100", NARAYANAN, "gpt-18b", "a100", 1, 8, 32, 1024, "1f1b", 32,
-                 135, "megatron_tflops", remat="full", grad_reduce_bytes=2, flash_attention=False, assumptions=_N),
+                 135, "megatron_tflops", remat="full", grad_reduce_bytes=2, flash_attention=False,
+                 sequence_parallel=False, assumptions=_N),
     PublishedRun("GPT 39.1B, 512 A100", NARAYANAN, "gpt-39b", "a100", 2, 8, 32, 1536,
                  "interleaved", 48, 138, "megatron_tflops", v=2, remat="full",
-                 grad_reduce_bytes=2, flash_attention=False, assumptions=_N),
+                 grad_reduce_bytes=2, flash_attention=False,
+                 sequence_parallel=False, assumptions=_N),
     PublishedRun("GPT 145.6B, 1536 A100", NARAYANAN, "gpt-145b", "a100", 8, 8, 24, 2304,
                  "interleaved", 96, 148, "megatron_tflops", v=2, remat="full",
-                 grad_reduce_bytes=2, flash_attention=False, assumptions=_N),
+                 grad_reduce_bytes=2, flash_attention=False,
+                 sequence_parallel=False, assumptions=_N),
     PublishedRun("GPT 310.1B, 1920 A100", NARAYANAN, "gpt-310b", "a100", 16, 8, 15, 2160,
                  "interleaved", 144, 155, "megatron_tflops", v=2, remat="full",
-                 grad_reduce_bytes=2, flash_attention=False, assumptions=_N),
+                 grad_reduce_bytes=2, flash_attention=False,
+                 sequence_parallel=False, assumptions=_N),
     PublishedRun("GPT 1T, 3072 A100", NARAYANAN, "gpt-1t", "a100", 64, 8, 6, 3072,
                  "interleaved", 512, 163, "megatron_tflops", v=2, remat="full",
-                 grad_reduce_bytes=2, flash_attention=False, assumptions=_N),
+                 grad_reduce_bytes=2, flash_attention=False,
+                 sequence_parallel=False, assumptions=_N),
     PublishedRun("BLOOM 176B, 384 A100", BLOOM, "bloom-176b", "a100", 12, 4, 8, 2048, "1f1b", 128,
                  156, "megatron_tflops", remat="full", flash_attention=False,
+                 sequence_parallel=False,
                  assumptions="TP 4 / PP 12 / DP 8, global batch 2048, microbatch 2 (M = 128), "
                              "ZeRO-1 (the paper); 1F1B, full recompute, no overlap, fp32 "
-                             "gradient reduction (assumed)"),
+                             "gradient reduction, no sequence parallelism (Megatron-DeepSpeed "
+                             "of 2022; assumed)"),
     PublishedRun("Llama 3 405B, 8192 H100", LLAMA3, "llama3-405b", "h100", 16, 8, 64, 2048,
                  "interleaved", 32, 430, "model_tflops", v=4, dp_overlap=True, assumptions=_L3),
     PublishedRun("Llama 3 405B, 16384 H100", LLAMA3, "llama3-405b", "h100", 16, 8, 128, 2048,
@@ -223,7 +234,8 @@ def predict(run: PublishedRun, profiles: dict | None = None) -> Comparison:
                                 virtual_stages=run.v, remat=mode, fp8=run.fp8,
                                 tp_overlap=run.tp_overlap, dp_overlap=run.dp_overlap,
                                 grad_reduce_bytes=run.grad_reduce_bytes,
-                                flash_attention=run.flash_attention)
+                                flash_attention=run.flash_attention,
+                                sequence_parallel=run.sequence_parallel)
         if plan.fits:
             break
     return Comparison(run, plan, metric(run, prof, hw, plan.step_time), mode)
