@@ -42,7 +42,7 @@ def make_args():
 
 def worker_main(out: str) -> None:
     import baton
-    from baton.running import step_group
+    from baton.running import step as step_mod
     from baton.emit import warm
 
     p = int(os.environ["BATON_RANK"])
@@ -54,16 +54,16 @@ def worker_main(out: str) -> None:
         init(self, *a, **kw)
 
     warm.Warmup.__init__ = record
-    group_segments = step_group._group_segments
+    run_segments = step_mod.CompiledStep._run_segments
 
     def segments(step, segs, *a, **kw):
         in_post[0] = segs is step.post_segments
         try:
-            return group_segments(step, segs, *a, **kw)
+            return run_segments(step, segs, *a, **kw)
         finally:
             in_post[0] = False
 
-    step_group._group_segments = segments
+    step_mod.CompiledStep._run_segments = segments
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, secs, **kw: post_compiles.append(name)
         if in_post[0] and ("backend_compile" in name or "cache_retrieval" in name) else None)

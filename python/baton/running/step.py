@@ -36,21 +36,22 @@ from .. import _core
 from .. import _jax_compat as jc
 from ..emit.rank_program import check_loop_form
 from ..errors import ConfigError
-from ..planning.plan import Plan
-from . import engine as engine_mod
-from ..planning import step_costs
-from . import step_group
-from .engine import ProgramEngine
-from .interpreter import Interpreter
 from ..mesh import PipelineMesh
-from ..planning.offload import check_lowered
-from ..tracing.retarget import on_rank
-from .run_options import PLAIN, PostSegment, RunOptions
-from .step_run import StepRun
+from ..planning import step_costs
 from ..planning.buffers import Buffers
+from ..planning.offload import check_lowered
+from ..planning.plan import Plan
 from ..planning.segments import Segments
 from ..planning.tasks import build_tasks, combine_parts
+from ..tracing.retarget import on_rank
 from ..tracing.trace import Traced
+from . import engine as engine_mod
+from . import step_group
+from .around_loop import Route, run_around
+from .engine import ProgramEngine
+from .interpreter import Interpreter
+from .run_options import PLAIN, PostSegment, RunOptions
+from .step_run import StepRun
 
 G = _core.graph
 
@@ -254,8 +255,11 @@ class CompiledStep:
                 out[i] = y
         return out
 
-    def _run_segments(self, segs, vals, free: bool = False, shared=None, opts=PLAIN):
-        """Runs ``segs`` in order on ``vals``. ``free`` (the segments after the loop): a value
+    def _run_segments(self, segs, vals, free: bool = False, shared=None, opts=PLAIN,
+                       route=None):
+        """Runs ``segs`` in order on ``vals``. ``route`` (``around_loop.Route``): brings each
+        segment's inputs to its rank's processes, which alone run it (None: all here).
+        ``free`` (the segments after the loop): a value
         the step does not return leaves ``vals`` after the last segment that reads it (or at
         once if none does), so a stage's summed gradients go once its update ran, not at the
         end of the step. With ``opts.live``, the live arrays are sampled once a
@@ -274,7 +278,8 @@ class CompiledStep:
         for j, seg in enumerate(segs):
             if shared is not None and j in shared.starts:  # (the group's segments, at once)
                 shared.starts[j][1](vals)
-            elif shared is None or j not in shared.skip:
+            elif (shared is None or j not in shared.skip) and (
+                    route is None or route.ready(seg, vals)):
                 rank = self.stage_rank[seg.stage]
                 args = self.place(seg.inputs, [vals[v] for v in seg.inputs], rank)
                 outs = seg.fn(*args)
@@ -285,6 +290,8 @@ class CompiledStep:
                     jax.block_until_ready(outs)
                     opts.live.sample(rank, PostSegment(j))
                 del outs
+            if route is not None:
+                route.ran(seg)
             for v in seg.inputs:
                 if last.get(v) == j:
                     vals.pop(v, None)
@@ -327,21 +334,12 @@ class CompiledStep:
             return self._run_group(flat_args, group, timeout, opts, interp)
         if not interp and self.num_ranks == 1:
             return self.engine.run_single(flat_args, opts)
-        tr = self.traced
-        vals: dict[Any, Any] = dict(zip(tr.step_inputs, flat_args))
-        self._run_segments(self.pre_segments, vals)
-        if interp:
-            final, record = self.interpreter.run_local(vals, timeout, opts)
-        else:
-            final, record = self.engine.run_local(vals, timeout, opts)
-        for outer, idx in self.by_outer.items():
-            vals[outer] = self.combine(idx, {i: final[i] for i in idx})
-        del final  # (partial sums of a value several stages make: combined above)
+        runner = self.interpreter if interp else self.engine
         shared = None
         if not interp and opts.live is None:
-            shared = self.engine.post_groups()
-        self._run_segments(self.post_segments, vals, free=True, shared=shared, opts=opts)
-        return [vals[v] if v in vals else tr.literals[v] for v in tr.step_outputs], record
+            shared = self.engine.post_groups
+        return run_around(self, flat_args, lambda vals: runner.run_local(vals, timeout, opts),
+                          Route(self), opts, shared=shared)
 
     # -- several processes ------------------------------------------------------------
     def _run_group(self, flat_args, group, timeout, opts, interp):
