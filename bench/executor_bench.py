@@ -6,9 +6,9 @@
 Each RUN calls a trivial jitted task (``x + 1`` on 8 float32s); each ACCUMULATE a jitted add.
 Rows:
 
-* ``executor``: ``Executor.run`` over the plan, in one process with the in-process transport
-  (``LocalHub``; with 2 ranks, one long-lived thread per rank). Includes the GIL hand-offs, the
-  nanobind crossing, the value bookkeeping, SEND/RECV/FREE handling.
+* ``executor``: ``Executor.run`` over the plan's rank IR, in one process with the in-process
+  transport (``LocalHub``; with 2 ranks, one long-lived thread per rank). Includes the GIL
+  hand-offs, the nanobind crossing, the value bookkeeping, POST/WAIT/FREE handling.
 * ``bare loop``: the same jitted functions called in a plain Python loop, once per RUN and per
   ACCUMULATE of the plan in program order, results kept in a dict: the floor any runtime pays.
 * ``executor, no-op tasks``: the executor with callbacks that return a cached array without calling
@@ -69,7 +69,7 @@ def exec_step_times(plan, ranks, steps, jax_tasks):
     hub = rt.LocalHub(ranks)
     ts = [hub.transport(r) for r in range(ranks)]
     accs = [{} for _ in range(ranks)]
-    exs = [rt.Executor(plan.core, r, ts[r], make_tasks(accs[r], jax_tasks), timeout=60.0)
+    exs = [rt.Executor(plan.rank_ir(), r, ts[r], make_tasks(accs[r], jax_tasks), timeout=60.0)
            for r in range(ranks)]
     # One long-lived thread per rank beyond the first (thread start-up is not executor cost).
     start, done = threading.Barrier(ranks), threading.Barrier(ranks)

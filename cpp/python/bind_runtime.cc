@@ -78,12 +78,11 @@ struct PyRequest {
 };
 
 struct PyExecutor {
-  PyExecutor(const baton::Plan& plan, int rank, PyTransport& transport, PyTasks& tasks,
-             double timeout, bool record_events, bool early_receives)
+  PyExecutor(const baton::RankIR& ir, int rank, PyTransport& transport, PyTasks& tasks,
+             double timeout, bool record_events)
       : keep(transport.t),
-        exp(std::make_unique<rt::Executor>(
-            plan, rank, transport.get(), tasks,
-            rt::ExecutorOptions{ms(timeout), record_events, early_receives})),
+        exp(std::make_unique<rt::Executor>(ir, rank, transport.get(), tasks,
+                                           rt::ExecutorOptions{ms(timeout), record_events})),
         ex(*exp) {}
   ~PyExecutor() {
     // Waits for transfer threads that may need the GIL (Executor::~Executor).
@@ -352,11 +351,12 @@ void init_runtime(nb::module_& root) {
       },
       "a"_a, "b"_a, "nbytes"_a, "iters"_a, "through_comm"_a);
 
-  nb::class_<PyExecutor>(m, "Executor", "Runs one rank's program of a Plan.")
-      .def(nb::init<const baton::Plan&, int, PyTransport&, PyTasks&, double, bool, bool>(),
-           "plan"_a, "rank"_a, "transport"_a, "tasks"_a, "timeout"_a = 60.0,
-           "record_events"_a = false, "early_receives"_a = true, nb::keep_alive<1, 2>(),
-           nb::keep_alive<1, 4>(), nb::keep_alive<1, 5>())
+  nb::class_<PyExecutor>(m, "Executor",
+                         "Runs one rank's program of a RankIR (ir.programs[rank]) with Python "
+                         "task callbacks; refuses programs with OFFLOAD / FETCH.")
+      .def(nb::init<const baton::RankIR&, int, PyTransport&, PyTasks&, double, bool>(), "ir"_a,
+           "rank"_a, "transport"_a, "tasks"_a, "timeout"_a = 60.0, "record_events"_a = false,
+           nb::keep_alive<1, 2>(), nb::keep_alive<1, 4>(), nb::keep_alive<1, 5>())
       .def(
           "run",
           [](PyExecutor& e) {
@@ -393,5 +393,6 @@ void init_runtime(nb::module_& root) {
             return out;
           },
           "(instr, op, buffer, peer, posted_ns, started_ns, completed_ns) per instruction of the "
-          "last step (time.monotonic_ns clock); empty unless record_events.");
+          "rank's plan stream (instr: its index there) for the last step (time.monotonic_ns "
+          "clock); empty unless record_events.");
 }

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "baton/generators.h"
+#include "baton/rank_program.h"
 #include "baton/runtime.h"
 #include "baton/verify.h"
 
@@ -104,18 +105,18 @@ double expected_acc(const Schedule& s, int stage) {
 }
 
 // Runs `steps` steps of `plan` on one thread per rank; returns per-rank errors.
-std::vector<std::string> run_ranks(const Plan& plan, std::vector<std::unique_ptr<Transport>>& tr,
+std::vector<std::string> run_ranks(const RankIR& ir, std::vector<std::unique_ptr<Transport>>& tr,
                                    std::vector<std::unique_ptr<FakeTasks>>& tasks, int steps,
                                    ExecutorOptions opts = {},
                                    std::vector<std::vector<Event>>* events = nullptr) {
-  const int p = plan.schedule.num_ranks;
+  const int p = ir.plan.schedule.num_ranks;
   std::vector<std::string> errors(static_cast<size_t>(p));
   if (events) events->assign(static_cast<size_t>(p), {});
   std::vector<std::thread> threads;
   for (int r = 0; r < p; ++r) {
     threads.emplace_back([&, r] {
       try {
-        Executor ex(plan, r, *tr[static_cast<size_t>(r)], *tasks[static_cast<size_t>(r)], opts);
+        Executor ex(ir, r, *tr[static_cast<size_t>(r)], *tasks[static_cast<size_t>(r)], opts);
         ex.handshake(5s);
         for (int i = 0; i < steps; ++i) ex.run();
         if (events) (*events)[static_cast<size_t>(r)] = ex.events();
@@ -185,7 +186,7 @@ TEST(RuntimeLocal, EverySchedule) {
     ASSERT_TRUE(verify(plan).ok());
     auto tr = local_transports(c.p);
     auto tasks = make_tasks(plan);
-    check_results(plan, tasks, 2, run_ranks(plan, tr, tasks, 2));
+    check_results(plan, tasks, 2, run_ranks(build_rank_ir(plan), tr, tasks, 2));
   }
 }
 
@@ -196,7 +197,7 @@ TEST(RuntimeGloo, EveryScheduleBetweenThreads) {
     const Plan plan = lower(make_schedule(c.name, c.p, c.m, c.v));
     auto tr = gloo_transports(c.p);
     auto tasks = make_tasks(plan);
-    check_results(plan, tasks, 2, run_ranks(plan, tr, tasks, 2));
+    check_results(plan, tasks, 2, run_ranks(build_rank_ir(plan), tr, tasks, 2));
   }
 }
 
@@ -207,7 +208,7 @@ TEST(RuntimeGloo, KnownLayoutsRunSchedulesAndAreAskedOncePerBuffer) {
     auto tr = gloo_transports(2);
     auto tasks = make_tasks(plan);
     for (auto& t : tasks) t->known_layout = true;
-    check_results(plan, tasks, 3, run_ranks(plan, tr, tasks, 3));
+    check_results(plan, tasks, 3, run_ranks(build_rank_ir(plan), tr, tasks, 3));
     // Asked once per buffer crossing ranks (each rank asks for what it sends
     // and what it receives), not once per transfer of the 3 steps.
     int crossing = 0;
@@ -319,7 +320,7 @@ TEST(RuntimeLocal, ComputeOverlapsSlowTransfer) {
   ExecutorOptions eo;
   eo.record_events = true;
   std::vector<std::vector<Event>> ev;
-  auto errors = run_ranks(plan, tr, tasks, 1, eo, &ev);
+  auto errors = run_ranks(build_rank_ir(plan), tr, tasks, 1, eo, &ev);
   check_results(plan, tasks, 1, errors);
   const Event* send0 = nullptr;
   const Event* run1 = nullptr;
@@ -342,7 +343,7 @@ TEST(RuntimeLocal, TaskFailureStopsEveryRank) {
   ExecutorOptions eo;
   eo.timeout = 20s;
   const auto t0 = Clock::now();
-  auto errors = run_ranks(plan, tr, tasks, 1, eo);
+  auto errors = run_ranks(build_rank_ir(plan), tr, tasks, 1, eo);
   EXPECT_LT(Clock::now() - t0, 10s);  // the failure, not the 20 s timeout
   EXPECT_NE(errors[1].find("injected failure"), std::string::npos) << errors[1];
   EXPECT_NE(errors[1].find("rank 1 #"), std::string::npos) << errors[1];
@@ -363,7 +364,7 @@ TEST(RuntimeGloo, TaskFailureStopsEveryRank) {
   ExecutorOptions eo;
   eo.timeout = 20s;
   const auto t0 = Clock::now();
-  auto errors = run_ranks(plan, tr, tasks, 1, eo);
+  auto errors = run_ranks(build_rank_ir(plan), tr, tasks, 1, eo);
   EXPECT_LT(Clock::now() - t0, 10s);  // the failure, not the 20 s timeout
   EXPECT_NE(errors[2].find("injected failure"), std::string::npos) << errors[2];
   for (int r : {0, 1})
@@ -377,7 +378,8 @@ TEST(RuntimeGloo, TimeoutNamesPeerAndBuffer) {
   FakeTasks tasks(plan);
   ExecutorOptions eo;
   eo.timeout = 300ms;
-  Executor ex(plan, 0, *tr[0], tasks, eo);  // rank 1 never runs
+  const RankIR ir = build_rank_ir(plan);
+  Executor ex(ir, 0, *tr[0], tasks, eo);  // rank 1 never runs
   const auto t0 = Clock::now();
   try {
     ex.run();
@@ -393,7 +395,7 @@ TEST(RuntimeGloo, TimeoutNamesPeerAndBuffer) {
   EXPECT_LT(Clock::now() - t0, 10s);
   // Rank 1 was told: its next run stops at once, naming rank 0.
   FakeTasks t1(plan);
-  Executor ex1(plan, 1, *tr[1], t1, eo);
+  Executor ex1(ir, 1, *tr[1], t1, eo);
   const auto deadline = Clock::now() + 10s;
   while (!tr[1]->failure() && Clock::now() < deadline) std::this_thread::sleep_for(5ms);
   ASSERT_TRUE(tr[1]->failure().has_value());
@@ -406,16 +408,17 @@ TEST(RuntimeLocal, HandshakeReportsDifference) {
   const Plan b = lower(make_schedule("1f1b", 2, 6));
   auto tr = local_transports(2);
   FakeTasks ta(a), tb(b);
+  const RankIR ia = build_rank_ir(a), ib = build_rank_ir(b);
   std::string e0, e1;
   std::thread t([&] {
     try {
-      Executor(b, 1, *tr[1], tb).handshake(5s);
+      Executor(ib, 1, *tr[1], tb).handshake(5s);
     } catch (const ExecutionError& e) {
       e1 = e.what();
     }
   });
   try {
-    Executor(a, 0, *tr[0], ta).handshake(5s);
+    Executor(ia, 0, *tr[0], ta).handshake(5s);
   } catch (const ExecutionError& e) {
     e0 = e.what();
   }
@@ -430,8 +433,9 @@ TEST(RuntimeGloo, HandshakeAgreesAndTimesOut) {
   const Plan a = lower(make_schedule("1f1b", 2, 4));
   auto tr = gloo_transports(2);
   FakeTasks ta(a);
+  const RankIR ia = build_rank_ir(a);
   try {
-    Executor(a, 0, *tr[0], ta).handshake(200ms);  // rank 1 never answers
+    Executor(ia, 0, *tr[0], ta).handshake(200ms);  // rank 1 never answers
     FAIL();
   } catch (const ExecutionError& e) {
     EXPECT_NE(std::string(e.what()).find("no answer from rank 1"), std::string::npos) << e.what();
@@ -442,8 +446,69 @@ TEST(Runtime, ExecutorRejectsMismatchedTransport) {
   const Plan a = lower(make_schedule("1f1b", 2, 4));
   auto tr = local_transports(3);
   FakeTasks ta(a);
-  EXPECT_THROW(Executor(a, 0, *tr[0], ta), ConfigError);
-  EXPECT_THROW(Executor(a, 5, *tr[0], ta), ConfigError);
+  const RankIR ia = build_rank_ir(a);
+  EXPECT_THROW(Executor(ia, 0, *tr[0], ta), ConfigError);
+  EXPECT_THROW(Executor(ia, 5, *tr[0], ta), ConfigError);
+}
+
+// The executor runs the rank program: two ranks over the in-process
+// transport, every instruction once, and its events are the plan's
+// instructions (one per plan instruction, in plan order).
+TEST(RuntimeLocal, RunsTheRankProgram) {
+  const Plan plan = lower(make_schedule("1f1b", 2, 4));
+  const RankIR ir = build_rank_ir(plan);
+  auto tr = local_transports(2);
+  auto tasks = make_tasks(plan);
+  ExecutorOptions eo;
+  eo.record_events = true;
+  std::vector<std::vector<Event>> ev;
+  check_results(plan, tasks, 1, run_ranks(ir, tr, tasks, 1, eo, &ev));
+  for (int r = 0; r < 2; ++r) {
+    const auto& prog = plan.programs[static_cast<size_t>(r)];
+    const auto& e = ev[static_cast<size_t>(r)];
+    ASSERT_EQ(e.size(), prog.size()) << "rank " << r;
+    for (size_t i = 0; i < e.size(); ++i) {
+      EXPECT_EQ(e[i].instr, static_cast<int32_t>(i));
+      EXPECT_EQ(e[i].op, prog[i].op);
+      EXPECT_EQ(e[i].buffer, prog[i].buffer);
+      EXPECT_LE(e[i].posted, e[i].completed) << plan.describe(r, static_cast<int>(i));
+    }
+  }
+}
+
+// A WAIT whose send never comes times out, naming the rank, the WAIT and the
+// buffer; an offloading program is refused by name.
+TEST(RuntimeLocal, WaitThatNeverArrivesTimesOut) {
+  const Plan plan = lower(make_schedule("gpipe", 2, 2));
+  const RankIR ir = build_rank_ir(plan);
+  auto tr = local_transports(2);
+  FakeTasks tasks(plan);
+  ExecutorOptions eo;
+  eo.timeout = 200ms;
+  Executor ex(ir, 1, *tr[1], tasks, eo);  // rank 0 never runs
+  try {
+    ex.run();
+    FAIL() << "expected a timeout";
+  } catch (const ExecutionError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("rank 1 #"), std::string::npos) << m;
+    EXPECT_NE(m.find("WAIT act(s0,m0)<-0"), std::string::npos) << m;
+    EXPECT_NE(m.find("timed out after 0.2 s waiting to receive act(s0,m0) from rank 0"),
+              std::string::npos)
+        << m;
+  }
+  RankIROptions off;
+  off.offload = {Offload::Stash, Offload::None};
+  const RankIR oir = build_rank_ir(lower(make_schedule("1f1b", 2, 4)), off);
+  auto tr2 = local_transports(2);
+  FakeTasks t0(oir.plan);
+  try {
+    Executor bad(oir, 0, *tr2[0], t0);
+    FAIL() << "an offloading program was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("does not offload"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("OFFLOAD"), std::string::npos) << e.what();
+  }
 }
 
 // Without CUDA support compiled in, or without a GPU, asking for NCCL is a

@@ -46,7 +46,7 @@ WORKER = textwrap.dedent('''
 
     def run_plan(plan, steps=1, fail_at=None, timeout=30.0):
         acc = {}
-        ex = rt.Executor(plan.core, rank, t, fake_tasks(plan, acc, fail_at), timeout=timeout)
+        ex = rt.Executor(plan.rank_ir(), rank, t, fake_tasks(plan, acc, fail_at), timeout=timeout)
         ex.handshake(20.0)
         for _ in range(steps):
             ex.run()

@@ -31,9 +31,9 @@ def test_one_f_one_b_rank_programs():
     """2 ranks, 1F1B, 8 microbatches: each rank's loop is a table whose units are its tasks
     (each once: F0 and B0 on rank 0, the fused FB1 on rank 1) and its distinct transfer
     stretches; rank 0 keeps two stashes in flight (a ring of 2), every other buffer is read by
-    the next unit (rings of 1). Receives are posted where the interpreter posts them
-    (Executor::post_ahead: before the task preceding the RECV), so the simulator's memory
-    model holds for the program."""
+    the next unit (rings of 1). Receives are posted where the rank IR posts them (the
+    interpreter runs the same IR: before the task preceding the RECV), so the simulator's
+    memory model holds for the program."""
     cs = _step("1f1b", 2, 8)
     r0 = RankProgram(cs, 0, _core.runtime.RankComm(0), 10.0)
     r1 = RankProgram(cs, 1, _core.runtime.RankComm(1), 10.0)

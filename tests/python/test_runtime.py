@@ -89,7 +89,8 @@ def run_plan(plan, transports, *, steps=1, timeout=30.0, fail=None, to_jax=False
     def body(r):
         tasks = fake_tasks(plan, r, accs[r], fail_at=fail.get(r) if fail else None,
                            to_jax=to_jax, make=make)
-        ex = rt.Executor(plan.core, r, transports[r], tasks, timeout=timeout, record_events=True)
+        ex = rt.Executor(plan.rank_ir(), r, transports[r], tasks, timeout=timeout,
+                         record_events=True)
         execs[r] = ex
         ex.handshake(10.0)
         for _ in range(steps):
@@ -248,7 +249,7 @@ def test_timeout_names_peer_buffer_stage_microbatch():
     plan = baton.plan("gpipe", ranks=2, microbatches=2)
     hub = rt.LocalHub(2)
     t1 = hub.transport(1)
-    ex = rt.Executor(plan.core, 1, t1, fake_tasks(plan, 1, {}), timeout=0.3)
+    ex = rt.Executor(plan.rank_ir(), 1, t1, fake_tasks(plan, 1, {}), timeout=0.3)
     with pytest.raises(baton.ExecutionError) as e:
         ex.run()  # rank 0 never runs
     msg = str(e.value)
@@ -262,7 +263,8 @@ def test_handshake_mismatch_names_difference():
     ts = [hub.transport(r) for r in range(2)]
     plans = [a, b]
     errors = run_threads([
-        lambda r=r: rt.Executor(plans[r].core, r, ts[r], fake_tasks(plans[r], r, {})).handshake(5.0)
+        lambda r=r: rt.Executor(plans[r].rank_ir(), r, ts[r],
+                                fake_tasks(plans[r], r, {})).handshake(5.0)
         for r in range(2)])
     for r in range(2):
         assert isinstance(errors[r], baton.ExecutionError)
@@ -366,7 +368,7 @@ def test_local_executor_runs_jitted_tasks_on_each_ranks_device():
                         received=lambda r, b, v: [jax.device_put(x, devs[r]) for x in v])
 
     def body(r):
-        ex = rt.Executor(core, r, ts[r], tasks_for(r), timeout=30)
+        ex = rt.Executor(plan.rank_ir(), r, ts[r], tasks_for(r), timeout=30)
         execs.append(ex)
         ex.run()
 

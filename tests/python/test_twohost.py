@@ -82,7 +82,7 @@ WORKER = textwrap.dedent('''
         for name in names:
             plan = baton.plan(name, ranks=2, microbatches=M)
             acc = {}
-            ex = rt.Executor(plan.core, rank, t, tasks_for(plan, acc), timeout=30.0)
+            ex = rt.Executor(plan.rank_ir(), rank, t, tasks_for(plan, acc), timeout=30.0)
             ex.handshake(20.0)
             for _ in range(steps):
                 ex.run()
@@ -117,7 +117,7 @@ WORKER = textwrap.dedent('''
                 t.send(0, 12, got, timeout=60)
         elif mode == "kill":
             plan = baton.plan("1f1b", ranks=2, microbatches=8)
-            ex = rt.Executor(plan.core, rank, t, tasks_for(plan, {}, 3 if rank == 1 else None),
+            ex = rt.Executor(plan.rank_ir(), rank, t, tasks_for(plan, {}, 3 if rank == 1 else None),
                              timeout=60.0)
             ex.handshake(20.0)
             ex.run()

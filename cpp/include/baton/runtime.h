@@ -1,19 +1,31 @@
-// Runtime: executes one rank's instruction stream of a Plan (plan.h).
+// Runtime: executes one rank's program of the rank IR (rank_program.h), the
+// instruction stream the compiled engine lowers.
 //
-//   RUN a        waits (bounded) until the action's inputs are present, then
-//                calls Tasks::run with their values; stores the outputs.
-//   SEND b,r     posts an asynchronous send to the Transport; never blocks.
-//   RECV b,r     posts an asynchronous receive; the value is taken when a
-//                later instruction needs it.
+//   POST g       posts the group's sends (the buffers' values) and receives
+//                to the Transport; never blocks. The receives are handed to
+//                the transport at the end of the stretch of POST, FREE and
+//                ACCUMULATE instructions the POST is in (before the next WAIT
+//                or RUN): none of them waits, so no order a transport sees
+//                changes (receives match by tag, in post order), and the
+//                FREEs of that stretch release their buffers before the
+//                receives are posted, as the simulators count memory at one
+//                time. NCCL, which issues a group's sends and receives as
+//                one call, gets them with the sends.
+//   WAIT t       waits (bounded) until receive t has arrived; its value is
+//                then present (Tasks::received).
+//   RUN u        calls Tasks::run with the unit's inputs (present); stores
+//                the outputs.
 //   FREE b       drops b; when a send of b is still in flight the value is
 //                released once that send completes (FREE does not block, so
 //                a slow send never holds up the next task).
 //   ACCUMULATE b calls Tasks::accumulate with b's value.
+//   OFFLOAD / FETCH are not interpreted: the executor refuses a program that
+//                has them (ConfigError, at construction).
 // Transfers are moved by the transport's own threads (the progress engine)
 // while tasks run. Every blocking wait has a deadline (ExecutorOptions::
 // timeout); when it passes, or a peer fails, the executor aborts the transport
 // (which tells every other rank) and throws an ExecutionError naming the rank,
-// instruction, buffer, stage and microbatch, and the failed peer if known.
+// instruction and buffer (RankIR::describe), and the failed peer if known.
 //
 // Values are opaque reference-counted handles (ValueBase): in Python a list of
 // jax.Arrays, in tests a number. Byte transports (Gloo, NCCL) convert a value
@@ -34,6 +46,7 @@
 
 #include "baton/error.h"
 #include "baton/plan.h"
+#include "baton/rank_program.h"
 
 namespace baton::runtime {
 
@@ -127,7 +140,7 @@ class HostValue : public ValueBase {
 // What the executor passes to Tasks::run.
 struct TaskCall {
   int rank = 0;
-  int instr = 0;   // instruction index
+  int instr = 0;   // the plan instruction of the RUN (Plan::programs)
   int action = 0;  // index into schedule.rank_actions[rank]
   const Action* act = nullptr;
   const std::vector<int32_t>* input_ids = nullptr;   // Plan::action_inputs
@@ -226,9 +239,9 @@ class Transport {
   // posts the tensor receives at once and reads no header).
   virtual RequestPtr irecv(int peer, uint64_t tag, const std::string& what, Tasks* tasks,
                            int channel = 0, const Layout& layout = {}) = 0;
-  // Ends a communication group (the executor calls it after the last of
-  // consecutive SEND/RECV posts). NCCL issues a group's operations as one
-  // ncclGroupStart/End; other transports ignore it.
+  // Ends a communication group (the executor calls it after the posts of a
+  // POST). NCCL issues a group's operations as one ncclGroupStart/End; other
+  // transports ignore it.
   virtual void flush() {}
   // Returns once no transfer thread uses `tasks` any more (bounded; after a
   // failure, aborted transfers may still be finishing a conversion). The
@@ -336,39 +349,40 @@ std::unique_ptr<Transport> make_nccl_transport(int rank, int world_size, int dev
 // ---------------------------------------------------------------- executor
 
 struct ExecutorOptions {
-  // Longest time one instruction may wait for a transfer or an input.
+  // Longest time one instruction may wait for a transfer.
   std::chrono::milliseconds timeout{60000};
   bool record_events = false;
-  // Post the receives that follow a RUN (up to the next RUN) before that RUN
-  // starts, so that their rendezvous and data overlap its compute instead of
-  // starting when the consumer is reached. Ignored for NCCL, whose grouped,
-  // stream-ordered calls must keep the plan's positions. The simulator models
-  // the same (SimOptions::early_receives); a RECV event's `posted` is then the
-  // early time.
-  bool early_receives = true;
 };
 
+// One instruction of the rank's Plan stream (plan.h), as traces and memory
+// replays read them: the executor runs the rank IR and records each of its
+// RUNs, transfers, FREEs and ACCUMULATEs under the plan instruction it comes
+// from (a POST records one SEND or RECV per transfer; a WAIT is part of the
+// RUN after it).
 struct Event {
-  int32_t instr = -1;
+  int32_t instr = -1;  // the plan instruction's index
   OpCode op = OpCode::Run;
-  int32_t buffer = -1;  // SEND/RECV/FREE/ACCUMULATE
+  int32_t buffer = -1;  // SEND/RECV/FREE/ACCUMULATE: the plan buffer id
   int32_t peer = -1;
-  // RUN: posted = reached, started = inputs ready, completed = returned.
-  // SEND/RECV: posted by the executor; started/completed by the transport.
+  // RUN: posted = reached (the first WAIT just before it), started = inputs
+  // ready, completed = returned. SEND/RECV: posted by the POST;
+  // started/completed by the transport.
   Clock::time_point posted{}, started{}, completed{};
 };
 
 struct ExecStats {
   int64_t peak_live_buffers = 0;
   int64_t peak_live_bytes = 0;
-  int64_t instructions = 0;
-  double wait_seconds = 0;  // time blocked on transfers
+  int64_t instructions = 0;  // rank IR instructions run
+  double wait_seconds = 0;   // time blocked on transfers
 };
 
 class Executor {
  public:
-  // `plan`, `transport` and `tasks` must outlive the executor.
-  Executor(const Plan& plan, int rank, Transport& transport, Tasks& tasks,
+  // Runs ir.programs[rank]. `ir`, `transport` and `tasks` must outlive the
+  // executor. Throws ConfigError for a rank or transport that does not fit
+  // and for a program with OFFLOAD / FETCH instructions (not interpreted).
+  Executor(const RankIR& ir, int rank, Transport& transport, Tasks& tasks,
            ExecutorOptions opts = {});
   ~Executor();
   Executor(const Executor&) = delete;
@@ -378,51 +392,64 @@ class Executor {
   // Compares plan fingerprint, Baton version, schedule and world size with
   // every rank; throws ExecutionError saying what differs (on every rank).
   void handshake(std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
+  // The last step's events, ordered by plan instruction; empty unless
+  // ExecutorOptions::record_events.
   const std::vector<Event>& events() const { return events_; }
   const ExecStats& stats() const { return stats_; }
   int rank() const { return rank_; }
   int64_t steps_done() const { return step_; }
 
  private:
-  struct Slot {
+  struct Slot {  // one per RankProgram::buffers entry
     Value value;
-    RequestPtr recv;  // pending receive
-    RequestPtr send;  // pending send
+    RequestPtr recv;                // posted, not yet waited on
+    std::vector<RequestPtr> sends;  // posted sends not yet released by a FREE
     bool present = false;
   };
-  void exec(int index, const Instr& in);
-  void post_recv(int index, const Instr& in);  // posts a RECV into its slot
-  void post_ahead(int index);                  // early_receives: the RECVs after RUN `index`
-  // The receiver's layout of `buffer` (Tasks::recv_layout of `receiver`), asked
-  // once per buffer; empty for the in-process transport, which moves handles.
-  const Layout& layout_of(int index, int32_t buffer, int receiver);
-  Value need(int index, int32_t buffer);
+  void exec(int index, const RankInstr& in);
+  void post(int index, const TransferGroup& g);
+  void post_recv(int index, int32_t transfer);
+  void post_queued_recvs();
+  // The receiver's layout of local buffer `b` (Tasks::recv_layout of
+  // `receiver`), asked once per buffer; empty for the in-process transport,
+  // which moves handles.
+  const Layout& layout_of(int index, int32_t b, int receiver);
+  Value present(int index, int32_t b, const char* doing);
   void wait(int index, const RequestPtr& r, const char* doing);
   [[noreturn]] void fail(int index, const std::string& msg, int failed_rank = -1);
   std::string where(int index) const;
+  std::string name(int32_t b) const;  // "act(s0,m1)" of local buffer b
   void add_live(const Value& v);
   void drop_live(const Value& v);
-  uint64_t tag(int32_t buffer) const;
+  uint64_t tag(int32_t b) const;
+  void record(int32_t plan_instr, Clock::time_point posted, Clock::time_point started);
+  void reap(bool wait_all, int index);
 
+  const RankIR& ir_;
   const Plan& plan_;
+  const RankProgram& prog_;
   int rank_;
   Transport& transport_;
   Tasks& tasks_;
   ExecutorOptions opts_;
   std::vector<Slot> slots_;
-  std::vector<std::vector<int32_t>> action_in_, action_out_;
+  std::vector<std::vector<int32_t>> unit_in_, unit_out_;  // plan buffer ids per unit
+  // The plan instruction of each rank instruction (RUN, FREE, ACCUMULATE;
+  // -1 for the others) and of each transfer: what events are recorded under.
+  std::vector<int32_t> instr_plan_, transfer_plan_;
   std::vector<Event> events_;
   std::vector<std::pair<size_t, RequestPtr>> pending_events_;  // SEND/RECV events
-  // early_receives: instruction index -> (request, when posted) of a RECV posted ahead
-  std::vector<std::pair<RequestPtr, Clock::time_point>> early_;
-  std::vector<int32_t> posts_;  // Plan::receive_posts(rank_)
-  std::vector<std::optional<Layout>> layouts_;  // per buffer (empty: local); see layout_of
+  std::vector<std::optional<Layout>> layouts_;  // per local buffer (empty: local); layout_of
   // FREEd buffers whose send is still in flight: released when it completes.
   std::vector<std::pair<RequestPtr, Value>> deferred_;
-  void reap(bool wait_all, int index);
   ExecStats stats_;
   int64_t live_buffers_ = 0, live_bytes_ = 0;
   int64_t step_ = 0;
+  Clock::time_point reached_{};  // when the next RUN was reached (its first WAIT)
+  // Receives of POSTs not yet handed to the transport: (POST index, transfer).
+  // See the top of this file; off for NCCL.
+  bool defer_recvs_ = true;
+  std::vector<std::pair<int, int32_t>> recv_queue_;
 };
 
 // The string compared by the handshake (plan fingerprint, version, schedule).

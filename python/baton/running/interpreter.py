@@ -282,7 +282,7 @@ class Interpreter:
         hub = rt.LocalHub(R)
         transports = [hub.transport(r) for r in range(R)]
         tasks = self._tasks()
-        exes = [rt.Executor(step.core_plan, r, transports[r], tasks, timeout=timeout,
+        exes = [rt.Executor(step.rank_ir(), r, transports[r], tasks, timeout=timeout,
                             record_events=opts.record)
                 for r in range(R)]
         if opts.live is not None:
@@ -313,7 +313,7 @@ class Interpreter:
         if (self._group_exec is None or self._group_exec[0] is not group
                 or self._group_exec[2] != opts.record):
             self._group_exec = None
-            exes = [rt.Executor(step.core_plan, r, t, self._tasks(), timeout=timeout,
+            exes = [rt.Executor(step.rank_ir(), r, t, self._tasks(), timeout=timeout,
                                 record_events=opts.record)
                     for r, t in zip(ranks, group.rank_transports(k, timeout))]
             errors = on_rank_threads(k, lambda j: exes[j].handshake(timeout), inline=True)
