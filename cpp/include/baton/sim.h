@@ -97,10 +97,10 @@ struct SimResult {
 // their instructions, and sends/receives that never pair up). Call verify
 // first for a precise report.
 struct SimOptions {
-  // As the runtime executor does (ExecutorOptions::early_receives; not for
-  // NCCL): the RECVs between a RUN and the next RUN are posted when the rank
-  // reaches that RUN, so their buffers count from then (transfers already
-  // start at the send: a posted receive never delays data here).
+  // As the rank IR's POST placement does (Plan::receive_posts; not for NCCL):
+  // the RECVs between a RUN and the next RUN are posted when the rank reaches
+  // that RUN, so their buffers count from then (transfers already start at the
+  // send: a posted receive never delays data here).
   bool early_receives = true;
 };
 SimResult simulate(const Plan& plan, const CostModel& costs, SimOptions opts = {});

@@ -1,5 +1,6 @@
-"""The reference engine: the plan's per-rank instruction streams run by the C++
-``Executor`` (``baton._core.runtime``), with the step's jitted tasks as its ``Tasks``
+"""The reference engine: each rank's program of the step's rank IR (``step.rank_ir()``, the
+instruction stream the compiled engine lowers: POST, WAIT, RUN, FREE, ACCUMULATE) run by the
+C++ ``Executor`` (``baton._core.runtime``), with the step's jitted tasks as its ``Tasks``
 callbacks.
 
 * run          calls the action's jitted task(s) on the rank's devices;
