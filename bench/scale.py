@@ -40,6 +40,9 @@ def _config(r: P.PublishedRun, remat: str) -> str:
         parts.append("unfused attn")
     if not r.sequence_parallel and r.tp > 1:
         parts.append("no SP")
+    if r.ep > 1:
+        parts.append(f"dispatch {'fp8' if r.dispatch_bytes < 2 else 'bf16'}"
+                     + (f", <= {r.ep_node_limit} nodes/token" if r.ep_node_limit else ""))
     return ", ".join(parts)
 
 
@@ -107,7 +110,8 @@ def main() -> None:
             t = time.perf_counter()
             try:
                 res = scale.plan_cluster(profiles[r.model], r.cluster, r.gpus, r.global_batch,
-                                         fp8=r.fp8, top=1)
+                                         fp8=r.fp8, top=1, dispatch_bytes=r.dispatch_bytes,
+                                         ep_node_limit=r.ep_node_limit)
             except ValueError as e:
                 print(f"| {r.name} | no plan: {str(e)[:80]} | - | - | - | - | - |")
                 continue

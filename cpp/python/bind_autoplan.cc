@@ -157,8 +157,11 @@ void bind_cluster(nb::module_& m) {
          const std::vector<int>& ep, int fsdp_mode, const std::vector<std::string>& families,
          int top, int max_segments, int max_microbatch_choices, double gap, int64_t node_budget,
          const std::vector<int>& interleaved_v, int tp_overlap, int dp_overlap,
-         double grad_reduce_bytes, int offload, int32_t fetch_lookahead) {
+         double grad_reduce_bytes, int offload, int32_t fetch_lookahead, double dispatch_bytes,
+         int ep_node_limit) {
         baton::ClusterOptions o;
+        o.dispatch_bytes = dispatch_bytes;
+        o.ep_node_limit = ep_node_limit;
         o.offload = offload;
         o.fetch_lookahead = fetch_lookahead;
         o.tp_overlap = tp_overlap;
@@ -189,6 +192,7 @@ void bind_cluster(nb::module_& m) {
       "max_segments"_a = 24, "max_microbatch_choices"_a = 1, "gap"_a = 0.02, "node_budget"_a = 500,
       "interleaved_v"_a = std::vector<int>{}, "tp_overlap"_a = -1, "dp_overlap"_a = -1,
       "grad_reduce_bytes"_a = 4.0, "offload"_a = -1, "fetch_lookahead"_a = 1,
+      "dispatch_bytes"_a = 2.0, "ep_node_limit"_a = 0,
       "Searches degrees x cuts x schedule x microbatches x remat x offload; returns the ranked "
       "result as JSON. offload: -1 searched when the hardware has a host_link, 0 never, 1 "
       "searched (refused without one). Raises ConfigError when nothing fits.");
@@ -197,8 +201,11 @@ void bind_cluster(nb::module_& m) {
       [](const std::string& profile, const std::string& hardware, int pp, int tp, int dp, int ep,
          bool fsdp, int64_t global_batch, bool fp8, const std::string& schedule, int virtual_stages,
          int microbatches, const std::string& remat, bool tp_overlap, bool dp_overlap,
-         double grad_reduce_bytes, bool flash_attention, bool sequence_parallel) {
+         double grad_reduce_bytes, bool flash_attention, bool sequence_parallel,
+         double dispatch_bytes, int ep_node_limit) {
         baton::ClusterOptions o;
+        o.dispatch_bytes = dispatch_bytes;
+        o.ep_node_limit = ep_node_limit;
         o.flash_attention = flash_attention;
         o.sequence_parallel = sequence_parallel;
         o.gpus = pp * tp * dp;
@@ -215,7 +222,8 @@ void bind_cluster(nb::module_& m) {
       "profile"_a, "hardware"_a, "pp"_a, "tp"_a, "dp"_a, "ep"_a, "fsdp"_a, "global_batch"_a,
       "fp8"_a, "schedule"_a, "virtual_stages"_a, "microbatches"_a, "remat"_a,
       "tp_overlap"_a = false, "dp_overlap"_a = false, "grad_reduce_bytes"_a = 4.0,
-      "flash_attention"_a = true, "sequence_parallel"_a = true,
+      "flash_attention"_a = true, "sequence_parallel"_a = true, "dispatch_bytes"_a = 2.0,
+      "ep_node_limit"_a = 0,
       "One given configuration (even layer cuts, one remat mode) simulated; JSON like "
       "plan_cluster's with one plan.");
   m.def(

@@ -3,6 +3,7 @@
 // (PP, TP, DP, FSDP) choices), and the degree search.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 
 #include "baton/cluster.h"
@@ -265,4 +266,93 @@ TEST(SequenceParallel, NormsAndResidualsRunUnsplitWithoutIt) {
   EXPECT_DOUBLE_EQ(back.segments[0].mem_bytes_replicated, 4e5);
   l.mem_bytes_replicated = 2e6;
   EXPECT_THROW(baton::ModelProfile::from_json(m.to_json()), baton::ConfigError);
+}
+
+namespace {
+
+// The MLP stack as MoE layers: each token's s x h activation goes to top_k experts, two
+// all-to-alls per pass (dispatch, combine) of top_k x s x h bf16.
+constexpr int kTopK = 4;
+
+baton::ModelProfile moe_stack() {
+  baton::ModelProfile m = mlp_stack();
+  m.num_experts = 16;
+  baton::ProfileSegment& l = m.segments[0];
+  l.a2a_collectives = 2;
+  l.a2a_bytes = static_cast<int64_t>(kTopK * 2 * kS * kH);
+  l.a2a_top_k = kTopK;
+  return m;
+}
+
+// Expert all-to-all seconds of one microbatch (F + B) on ep 16 over 4 nodes of 4.
+double ep_comm(const baton::ModelProfile& m, const baton::Hardware& hw, baton::ClusterOptions o,
+               int ep, double dispatch_bytes, int node_limit) {
+  o.gpus = 16;
+  o.global_batch = 16;
+  o.dispatch_bytes = dispatch_bytes;
+  o.ep_node_limit = node_limit;
+  return baton::cluster_segment_costs(m, hw, {1, 1, 16, ep, false}, o, 1)
+      .per_microbatch.ep_comm;  // mb = 1
+}
+
+}  // namespace
+
+TEST(ExpertAllToAll, NodeLimitedRoutingAndFp8Dispatch) {
+  const baton::ModelProfile m = moe_stack();
+  baton::Hardware hw = hardware();  // 4 GPUs per node; NVLink 1e11, IB 1e10 bytes/s
+  const baton::ClusterOptions o;
+  const double bytes = kTopK * 2 * kS * kH;  // one all-to-all, bf16
+  // Per microbatch: F and B, each a dispatch-way and a combine-way all-to-all.
+  auto per_mb = [](double dispatch, double combine) { return kLayers * 2 * (dispatch + combine); };
+  // No limit: every copy to its expert's GPU over IB, pairwise over the 16 ranks.
+  const double flat = 15.0 / 16 * bytes / hw.inter.bandwidth;
+  EXPECT_NEAR(ep_comm(m, hw, o, 16, 2, 0), per_mb(flat, flat), 1e-12);
+  // At most 2 of the 4 nodes per token: 2 of the 4 copies cross IB (pairwise over the 4
+  // nodes), all 4 go on over NVLink (pairwise over a node's 4 GPUs) at the same time.
+  const double ib = 3.0 / 4 * bytes * 2 / kTopK / hw.inter.bandwidth;
+  const double nvl = 3.0 / 4 * bytes / hw.intra.bandwidth;
+  ASSERT_GT(ib, nvl);
+  EXPECT_NEAR(ep_comm(m, hw, o, 16, 2, 2), per_mb(ib, ib), 1e-12);
+  // fp8 dispatch (1 byte per element): the dispatch-way half moves half the bytes.
+  EXPECT_NEAR(ep_comm(m, hw, o, 16, 1, 2), per_mb(ib / 2, ib), 1e-12);
+  // A limit above top_k: one IB copy per expert still, but only across nodes.
+  EXPECT_NEAR(ep_comm(m, hw, o, 16, 2, 8), per_mb(2 * ib, 2 * ib), 1e-12);
+  // With IB as fast as NVLink the NVLink forward is the larger part.
+  hw.inter = hw.intra;
+  EXPECT_NEAR(ep_comm(m, hw, o, 16, 2, 2), per_mb(nvl, nvl), 1e-12);
+  // An expert group inside one node (ep 4) ignores the limit: NVLink all-to-all.
+  hw = hardware();
+  const double node = 3.0 / 4 * bytes / hw.intra.bandwidth;
+  EXPECT_NEAR(ep_comm(m, hw, o, 4, 2, 2), per_mb(node, node), 1e-12);
+  EXPECT_NEAR(ep_comm(m, hw, o, 4, 2, 0), per_mb(node, node), 1e-12);
+  // A profile without a2a_top_k keeps the flat all-to-all; bad options are refused.
+  baton::ModelProfile plain = m;
+  plain.segments[0].a2a_top_k = 0;
+  EXPECT_NEAR(ep_comm(plain, hw, o, 16, 2, 2), per_mb(flat, flat), 1e-12);
+  EXPECT_THROW(ep_comm(m, hw, o, 16, 0, 2), baton::ConfigError);
+  EXPECT_THROW(ep_comm(m, hw, o, 16, 2, -1), baton::ConfigError);
+  const baton::ModelProfile back = baton::ModelProfile::from_json(m.to_json());
+  EXPECT_EQ(back.segments[0].a2a_top_k, kTopK);
+}
+
+TEST(ExpertAllToAll, DualPipeVPairsHideItWithContention) {
+  const baton::ModelProfile m = moe_stack();
+  baton::Hardware hw = hardware();
+  hw.overlap_contention = 0.1;
+  baton::ClusterOptions o;
+  o.gpus = 16;
+  o.global_batch = 16;
+  const baton::ClusterSegments segs =
+      baton::cluster_segment_costs(m, hw, {1, 1, 16, 16, false}, o, 1);
+  double fb = 0;
+  for (const baton::SegmentCost& c : segs.costs.segments) fb += c.f + c.b;
+  const double a2a = segs.per_microbatch.ep_comm;
+  ASSERT_GT(a2a, 0);
+  ASSERT_GT(fb, a2a);
+  // The fused F&B pair: what the other microbatch's compute hides of one microbatch's
+  // all-to-alls is gone but for the contention (overlap_exposed).
+  const double hidden = std::min(a2a, fb - a2a);
+  EXPECT_NEAR(segs.costs.fused_factor * fb,
+              fb - hidden + baton::overlap_exposed(hidden, fb - a2a, 0.1), 1e-12);
+  EXPECT_NEAR(segs.costs.fused_factor, (fb - 0.9 * hidden) / fb, 1e-12);
 }

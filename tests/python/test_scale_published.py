@@ -182,3 +182,38 @@ def test_pre_2022_megatron_runs_have_no_sequence_parallelism():
     sp = scale.evaluate_cluster("gpt-18b", "a100", **kw)
     no_sp = scale.evaluate_cluster("gpt-18b", "a100", sequence_parallel=False, **kw)
     assert no_sp.time.memory > sp.time.memory and no_sp.step_time > sp.step_time
+
+
+def test_deepseek_all_to_alls_follow_the_report():
+    # Node-limited routing (arXiv:2412.19437 sec. 2.1.2: at most 4 nodes per token) and the
+    # fp8 dispatch (sec. 3.3.3: e4m3 with one fp32 scale per 1x128 tile, sec. 3.3.2); only
+    # the MoE row states them, every other row keeps the defaults.
+    for r in P.RUNS:
+        moe = r.source == P.DEEPSEEK
+        assert (r.ep_node_limit, r.dispatch_bytes) == ((4, 1 + 4 / 128) if moe else (0, 2.0))
+    prof = scale.profile_model("deepseek-v3")
+    moe = next(s for s in prof["segments"] if s["name"] == "moe_layer")
+    assert moe["a2a_top_k"] == 8 and moe["a2a_collectives"] == 2
+    kw = dict(pp=16, tp=1, dp=128, ep=64, global_batch=15360, schedule="1f1b",
+              microbatches=120, remat="min", fp8=True)
+    flat = scale.evaluate_cluster(prof, "h800", **kw)
+    limited = scale.evaluate_cluster(prof, "h800", ep_node_limit=4, **kw)
+    fp8 = scale.evaluate_cluster(prof, "h800", ep_node_limit=4, dispatch_bytes=1 + 4 / 128,
+                                 **kw)
+    # Over IB 4 of the 8 copies per token, pairwise over the group's 8 nodes (7/8 of them
+    # remote) rather than 8 copies over 64 ranks (63/64 remote); the NVLink forward of all 8
+    # copies (7/8 of them inside a node of 8) runs at the same time and is shorter.
+    hw = scale.load_cluster("h800")
+    ib, nvl = hw["inter"], hw["intra"]
+    copies = 8 * 4096 * 7168 * 2  # one all-to-all of a microbatch, bf16
+
+    def one(b):  # node-limited, b bytes per element
+        return max(7 / 8 * copies * b / 2 * 4 / 8 / ib["bus_bandwidth"] + 7 * ib["latency"],
+                   7 / 8 * copies * b / 2 / nvl["bus_bandwidth"] + 7 * nvl["latency"])
+
+    flat_one = 63 / 64 * copies / ib["bus_bandwidth"] + 63 * ib["latency"]
+    assert limited.time.ep_comm == pytest.approx(one(2) / flat_one * flat.time.ep_comm, rel=1e-9)
+    # The dispatch-way half at 1.03 bytes per element, the combine-way half in bf16.
+    assert fp8.time.ep_comm == pytest.approx(
+        (one(1 + 4 / 128) + one(2)) / 2 / flat_one * flat.time.ep_comm, rel=1e-9)
+    assert fp8.step_time < limited.step_time < flat.step_time

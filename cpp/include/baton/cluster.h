@@ -72,7 +72,9 @@ struct ProfileSegment {
   int tp_collectives = 0;          // TP all-reduces in F (as many in B)
   int64_t tp_bytes = 0;            // bytes of each
   int a2a_collectives = 0;         // expert all-to-alls in F (as many in B)
-  int64_t a2a_bytes = 0;           // bytes of each (before TP sharding)
+  int64_t a2a_bytes = 0;           // bytes of each (before TP sharding), bf16
+  int a2a_top_k = 0;               // experts each token goes to (0: not given; the
+                                   // node limit of ClusterOptions then does not apply)
   // Physical parts (docs/SCALE.md, "Time from physical parts"); a profile
   // without `matmuls` is costed from fwd_flops at the largest GEMM rate.
   std::vector<MatmulShape> matmuls;  // forward matmuls outside attention's core
@@ -143,6 +145,18 @@ struct ClusterOptions {
   // fp8 recipe: bytes moved per element cast to fp8 (read bf16 + write fp8),
   // for inputs, weights and output gradients of every fp8 linear layer.
   double fp8_cast_bytes = 3;
+  // Expert all-to-alls (docs/SCALE.md, "Communication as runs overlap it"). Of each pass's
+  // two all-to-alls (forward: dispatch, combine; backward: the combine's gradient sent the
+  // dispatch way, the dispatch's gradient sent the combine way) the dispatch-way one moves
+  // `dispatch_bytes` per element (2: bf16; DeepSeek-V3's fp8 with one fp32 scale per 1x128
+  // tile: 1 + 4/128), the other bf16.
+  double dispatch_bytes = 2;
+  // Node-limited routing (DeepSeek-V3 report sec. 2.1.2 / 3.2.2): when > 0 and the expert
+  // group spans nodes, each token crosses the inter-node link once per target node, to at
+  // most this many nodes, and is forwarded to its top_k experts over the intra-node link;
+  // the two run at once (the time is the larger). 0: every copy goes directly to its
+  // expert's GPU over the expert axis's link (an all-to-all over all ep ranks).
+  int ep_node_limit = 0;
   // Fused (flash) attention; false: the score matrices go through HBM (two batched GEMMs
   // and a fused scale-mask-softmax + dropout moving 13 bytes per score in the forward,
   // twice that in the backward), as Megatron-LM did before FlashAttention (2022).

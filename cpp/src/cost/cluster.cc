@@ -119,6 +119,30 @@ Parts compute_parts(const ProfileSegment& s, const Shard& sh, double mb, const C
   return p;
 }
 
+// One expert all-to-all of a pass, averaged over its dispatch-way and combine-way halves
+// (ClusterOptions::dispatch_bytes, ep_node_limit). `bytes` per copy direction: bf16.
+double expert_all_to_all_time(const ProfileSegment& s, const Shard& sh, double mb,
+                              const ClusterOptions& o, const Hardware& hw) {
+  if (s.a2a_collectives == 0 || sh.e == 1) return 0.0;
+  const double bf16 = mb * static_cast<double>(s.a2a_bytes) / sh.t;  // top_k copies, bf16
+  auto one = [&](double bytes) {
+    // The expert group spans nodes when its t x e GPUs exceed a node (axis_link's rule).
+    const int64_t span = static_cast<int64_t>(sh.t) * sh.e;
+    if (o.ep_node_limit <= 0 || s.a2a_top_k <= 0 || span <= hw.gpus_per_node)
+      return all_to_all_time(bytes, sh.e, *sh.ep_link);
+    // Node-limited: one copy per target node over the inter-node link (to at most
+    // ep_node_limit of the group's nodes), forwarded to the top_k experts' GPUs inside
+    // the node; the two overlap (DeepSeek-V3 sec. 3.2.2), so the larger one counts.
+    const int nodes = static_cast<int>((span + hw.gpus_per_node - 1) / hw.gpus_per_node);
+    const int per_node = std::max(1, hw.gpus_per_node / sh.t);  // expert ranks in a node
+    const double copies = std::min({s.a2a_top_k, o.ep_node_limit, nodes});
+    const double inter = all_to_all_time(bytes * copies / s.a2a_top_k, nodes, hw.inter);
+    const double intra = all_to_all_time(bytes, per_node, hw.intra);
+    return std::max(inter, intra);
+  };
+  return 0.5 * (one(bf16 * o.dispatch_bytes / 2.0) + one(bf16));
+}
+
 double exposed(double comm, double compute, double contention) {
   return overlap_exposed(comm, compute, contention);
 }
@@ -143,8 +167,7 @@ InstanceCost instance_cost(const ProfileSegment& s, const Shard& sh, double mb,
   const double tp_raw = s.tp_collectives * tp_one;
   const double tp_f = d.tp_overlap ? exposed(tp_raw, p.gemm_f, hw.overlap_contention) : tp_raw;
   const double tp_b = d.tp_overlap ? exposed(tp_raw, p.gemm_b, hw.overlap_contention) : tp_raw;
-  const double a2a =
-      s.a2a_collectives * all_to_all_time(mb * s.a2a_bytes / sh.t, sh.e, *sh.ep_link);
+  const double a2a = s.a2a_collectives * expert_all_to_all_time(s, sh, mb, o, hw);
   const double p_loc = params_local(s, sh);
   const double p_store = d.fsdp ? params_sharded(s, sh) : p_loc;
   const double gather = d.fsdp ? all_gather_time(2.0 * p_loc, sh.d, *sh.dp_link) : 0.0;
@@ -242,6 +265,10 @@ void check_degrees(const ModelProfile& m, const ClusterDegrees& d, const Cluster
   if (d.dp % d.ep != 0 || (d.ep > 1 && (m.num_experts == 0 || m.num_experts % d.ep != 0)))
     throw ConfigError(fmt::format("cluster: ep {} must divide dp {} and the {} experts", d.ep,
                                   d.dp, m.num_experts));
+  if (!(o.dispatch_bytes > 0 && o.dispatch_bytes <= 4) || o.ep_node_limit < 0)
+    throw ConfigError(fmt::format("cluster: dispatch_bytes must be in (0, 4] and ep_node_limit "
+                                  ">= 0 (got {} and {})",
+                                  o.dispatch_bytes, o.ep_node_limit));
   if (o.global_batch % d.dp != 0)
     throw ConfigError(fmt::format("cluster: global batch {} is not divisible by dp {}",
                                   o.global_batch, d.dp));
@@ -302,12 +329,17 @@ ClusterSegments build_segments(const ModelProfile& m, const Hardware& hw, const 
     out.layers.push_back(bounds[g + 1] - bounds[g]);
   }
   // DualPipeV's fused F&B pairs hide one microbatch's expert all-to-alls behind the other's
-  // compute: the fused action lasts (F + B - hidden) / (F + B) of the two tasks.
+  // compute: the fused action lasts (F + B - (1 - c) hidden) / (F + B) of the two tasks,
+  // the hidden part still slowing the compute by the hardware's overlap_contention c, as
+  // overlap_exposed counts it (DeepSeek-V3 sec. 3.2.2: its all-to-all kernels hold 20 of
+  // the H800's 132 SMs while the paired chunk computes).
   {
     double fb = 0;
     for (const SegmentCost& c : out.costs.segments) fb += c.f + c.b;
     const double a2a = out.per_microbatch.ep_comm;
-    if (a2a > 0 && fb > a2a) out.costs.fused_factor = (fb - std::min(a2a, fb - a2a)) / fb;
+    if (a2a > 0 && fb > a2a)
+      out.costs.fused_factor =
+          (fb - (1 - hw.overlap_contention) * std::min(a2a, fb - a2a)) / fb;
   }
   // The last gradient bucket's reduce-scatter has no backward left to hide behind.
   if (d.dp_overlap) {
@@ -385,7 +417,8 @@ ClusterPlan finish(const ModelProfile& m, const Hardware& hw, const ClusterOptio
   t.tp_comm = a.tp_comm * per_rank;
   t.ep_comm = a.ep_comm * per_rank;
   if (pc.schedule == "dualpipev" && segs.costs.fused_factor < 1) {
-    // The fused F&B pairs hide all-to-alls: (1 - fused_factor) of their F + B.
+    // The fused F&B pairs hide all-to-alls: (1 - fused_factor) of their F + B (what is
+    // left of ep_comm: the part not hidden and the contention of the hidden part).
     double fb = 0;
     for (const SegmentCost& c : segs.costs.segments) fb += c.f + c.b;
     t.ep_comm = std::max(0.0, t.ep_comm - (1 - segs.costs.fused_factor) * fb * per_rank);

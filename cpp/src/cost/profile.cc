@@ -80,6 +80,7 @@ ProfileSegment parse_segment(const json& j, const std::string& path) {
     else if (key == "tp_bytes") s.tp_bytes = bytes();
     else if (key == "a2a_collectives") s.a2a_collectives = static_cast<int>(bytes());
     else if (key == "a2a_bytes") s.a2a_bytes = bytes();
+    else if (key == "a2a_top_k") s.a2a_top_k = static_cast<int>(bytes());
     else if (key == "attn_flops") s.attn_flops = num();
     else if (key == "attn_causal") s.attn_causal = get_bool(val, p);
     else if (key == "attn_scores") s.attn_scores = num();
@@ -96,8 +97,8 @@ ProfileSegment parse_segment(const json& j, const std::string& path) {
           "model profile JSON: unknown key '{}' (segment keys: name, repeat, fwd_flops, "
           "bwd_flops, wgrad_flops, hbm_bytes, params, expert_params, act_bytes, stash_keep, "
           "stash_min, min_recompute_flops, stash_full, temp_bytes, tp_collectives, tp_bytes, "
-          "a2a_collectives, a2a_bytes, matmuls, attn_flops, attn_scores, attn_causal, mem_bytes, "
-          "mem_bytes_replicated, kernels)",
+          "a2a_collectives, a2a_bytes, a2a_top_k, matmuls, attn_flops, attn_scores, "
+          "attn_causal, mem_bytes, mem_bytes_replicated, kernels)",
           p));
   }
   return s;
@@ -132,7 +133,8 @@ json segment_json(const ProfileSegment& s) {
               {"tp_collectives", s.tp_collectives},
               {"tp_bytes", s.tp_bytes},
               {"a2a_collectives", s.a2a_collectives},
-              {"a2a_bytes", s.a2a_bytes}};
+              {"a2a_bytes", s.a2a_bytes},
+              {"a2a_top_k", s.a2a_top_k}};
 }
 
 }  // namespace
@@ -185,6 +187,7 @@ void ModelProfile::validate() const {
     kFields.check_bytes(s.tp_bytes, w + ".tp_bytes");
     kFields.check_bytes(s.a2a_collectives, w + ".a2a_collectives");
     kFields.check_bytes(s.a2a_bytes, w + ".a2a_bytes");
+    kFields.check_bytes(s.a2a_top_k, w + ".a2a_top_k");
     kFields.check_time(s.attn_flops, w + ".attn_flops");
     kFields.check_time(s.attn_scores, w + ".attn_scores");
     kFields.check_time(s.mem_bytes, w + ".mem_bytes");

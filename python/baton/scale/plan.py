@@ -169,7 +169,8 @@ def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None =
                  interleaved_v=(2, 4), efficiency: float | None = None,
                  tp_overlap: bool | None = None, dp_overlap: bool | None = None,
                  grad_reduce_bytes: float = 4.0, offload: bool | None = None,
-                 fetch_lookahead: int = 1) -> ClusterPlans:
+                 fetch_lookahead: int = 1, dispatch_bytes: float = 2.0,
+                 ep_node_limit: int = 0) -> ClusterPlans:
     """Fastest predicted plans for ``model`` on ``gpus`` GPUs of ``cluster``: degrees
     (pipeline, tensor, data with ZeRO-1 or FSDP, expert), overlap settings, cuts, schedule,
     microbatches, remat and activation offload, ranked by step time. ``global_batch`` in
@@ -177,7 +178,11 @@ def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None =
     ``grad_reduce_bytes``: bytes per gradient element in the data-parallel reduction.
     ``offload``: whether a plan over the memory budget may offload its ranks' stashes to host
     memory over the cluster's ``host_link`` (None: when the cluster file has one; True
-    without one raises ``ConfigError``); ``fetch_lookahead``: tasks a fetch runs ahead."""
+    without one raises ``ConfigError``); ``fetch_lookahead``: tasks a fetch runs ahead.
+    ``dispatch_bytes``: bytes per element of the dispatch-way expert all-to-alls (2: bf16;
+    DeepSeek-V3's fp8 with a scale per 1x128 tile: 1 + 4/128); ``ep_node_limit``: each
+    token's experts lie on at most this many nodes (DeepSeek-V3's node-limited routing: 4;
+    0: no limit)."""
     prof = _model_profile(model, seq)
     hw = load_cluster(cluster, efficiency)
     out = json.loads(_core.plan_cluster(
@@ -189,7 +194,8 @@ def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None =
         tp_overlap=-1 if tp_overlap is None else int(tp_overlap),
         dp_overlap=-1 if dp_overlap is None else int(dp_overlap),
         grad_reduce_bytes=float(grad_reduce_bytes),
-        offload=-1 if offload is None else int(offload), fetch_lookahead=int(fetch_lookahead)))
+        offload=-1 if offload is None else int(offload), fetch_lookahead=int(fetch_lookahead),
+        dispatch_bytes=float(dispatch_bytes), ep_node_limit=int(ep_node_limit)))
     return ClusterPlans([ClusterPlan.from_dict(p) for p in out["plans"]], out["stats"],
                         prof, hw)
 
@@ -200,16 +206,19 @@ def evaluate_cluster(model, cluster, *, pp: int, tp: int, dp: int, global_batch:
                      fp8: bool = False, efficiency: float | None = None,
                      tp_overlap: bool = False, dp_overlap: bool = False,
                      grad_reduce_bytes: float = 4.0, flash_attention: bool = True,
-                     sequence_parallel: bool = True) -> ClusterPlan:
+                     sequence_parallel: bool = True, dispatch_bytes: float = 2.0,
+                     ep_node_limit: int = 0) -> ClusterPlan:
     """The prediction of one given configuration (layers spread evenly over the stages).
     ``sequence_parallel=False``: the norms and residual adds run unsplit on every TP rank
-    (Megatron-LM before 2022)."""
+    (Megatron-LM before 2022). ``dispatch_bytes``, ``ep_node_limit``: as in
+    ``plan_cluster``."""
     prof = _model_profile(model, seq)
     hw = load_cluster(cluster, efficiency)
     out = json.loads(_core.evaluate_cluster(
         json.dumps(prof), json.dumps(hw), pp, tp, dp, ep, fsdp, int(global_batch), fp8,
         schedule, virtual_stages, microbatches, remat, tp_overlap, dp_overlap,
-        float(grad_reduce_bytes), flash_attention, sequence_parallel))
+        float(grad_reduce_bytes), flash_attention, sequence_parallel, float(dispatch_bytes),
+        int(ep_node_limit)))
     return ClusterPlan.from_dict(out["plans"][0])
 
 

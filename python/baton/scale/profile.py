@@ -50,14 +50,14 @@ def profile_segment(name: str, f, params, x, *, repeat: int = 1, tp_collectives:
                     tp_bytes: int = 0, a2a_collectives: int = 0, a2a_bytes: int = 0,
                     hidden: int | None = None, mem_bytes: float = 0.0, kernels: int = 0,
                     causal: bool = True, attn_scores: float = 0.0,
-                    mem_bytes_replicated: float = 0.0) -> dict:
+                    mem_bytes_replicated: float = 0.0, a2a_top_k: int = 0) -> dict:
     """One segment kind's entry of the profile (see :mod:`baton.scale.abstract`):
     ``f(params, x)`` at one sample, ``params``/``x`` abstract (``ShapeDtypeStruct``).
     Each linear layer's tensor-parallel split follows its weight's name (ROW_PARALLEL,
     REPLICATED); ``mem_bytes`` and ``kernels`` are the forward's memory-bound bytes and non-matmul
     kernels (docs/SCALE.md, "Time from physical parts"); ``mem_bytes_replicated`` the part
     of ``mem_bytes`` outside the TP regions (split over TP ranks only with sequence
-    parallelism)."""
+    parallelism); ``a2a_top_k`` the experts each token's all-to-all copies go to."""
     n_params = len(jax.tree.leaves(params))
     names = _leaf_names(params)
     fwd = jax.make_jaxpr(f)(params, x)
@@ -91,7 +91,7 @@ def profile_segment(name: str, f, params, x, *, repeat: int = 1, tp_collectives:
         "stash_keep": keep, "stash_min": min(stash_min, keep), "min_recompute_flops": 0.0,
         "stash_full": A._nbytes(x), "temp_bytes": fc.largest,
         "tp_collectives": tp_collectives, "tp_bytes": tp_bytes,
-        "a2a_collectives": a2a_collectives, "a2a_bytes": a2a_bytes,
+        "a2a_collectives": a2a_collectives, "a2a_bytes": a2a_bytes, "a2a_top_k": a2a_top_k,
         "matmuls": [{"m": mm["m"], "n": mm["n"], "k": mm["k"], "count": mm["count"],
                      "linear": mm["linear"], "tp_dim": _tp_dim(mm, names),
                      "expert": mm["count"] > 1} for mm in fc.matmuls],
@@ -159,7 +159,7 @@ def profile_model(model: TransformerConfig | str, seq: int | None = None) -> dic
         seg = profile_segment(
             "moe_layer", A._layer(cfg, True), A._abstract(A._layer_params(cfg, True)), act,
             repeat=n_moe, tp_collectives=2, tp_bytes=act_bytes, a2a_collectives=2,
-            a2a_bytes=cfg.top_k * act_bytes, hidden=h, mem_bytes=layer_mem_bytes(cfg, True),
+            a2a_bytes=cfg.top_k * act_bytes, a2a_top_k=cfg.top_k, hidden=h, mem_bytes=layer_mem_bytes(cfg, True),
             mem_bytes_replicated=20.0 * s * h,
             attn_scores=float(cfg.heads * s * s),
             kernels=KERNELS["moe_layer"])

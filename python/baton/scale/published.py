@@ -26,6 +26,10 @@ TITAN = "torchtitan docs/performance.md (commit 9dec370, Dec 2024)"
 MEGATRON_README = "Megatron-LM README, strong scaling (NVIDIA/Megatron-LM)"
 BLOOM = "BLOOM (arXiv:2211.05100), sec. 3.4"
 DEEPSEEK = "DeepSeek-V3 technical report (arXiv:2412.19437), table 1 and sec. 3"
+# Bytes per element of DeepSeek-V3's fp8 dispatch: e4m3 values with one fp32 scaling factor
+# per 1x128 tile of activations (report sec. 3.3.2, fine-grained quantization; sec. 3.3.3,
+# the activations before the MoE up-projections are quantized to fp8 before the dispatch).
+DEEPSEEK_FP8_DISPATCH = 1 + 4 / 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +56,10 @@ class PublishedRun:
     grad_reduce_bytes: float = 4.0
     flash_attention: bool = True
     sequence_parallel: bool = True
+    # Expert all-to-alls (ClusterOptions): bytes per element of the dispatch-way ones
+    # (2: bf16) and the most nodes a token's experts lie on (0: no limit).
+    dispatch_bytes: float = 2.0
+    ep_node_limit: int = 0
     published_mem_gib: float | None = None
     assumptions: str = ""
 
@@ -153,12 +161,17 @@ RUNS = [
                              "ZeRO-1; " + _T405_M),
     PublishedRun("DeepSeek-V3 671B, 2048 H800, fp8", DEEPSEEK, "deepseek-v3", "h800", 16, 1, 128,
                  15360, "dualpipev", 120, 14.8e12 / (2.664e6 * 3600), "tps", ep=64, fp8=True,
-                 remat="min", dp_overlap=True,
+                 remat="min", dp_overlap=True, dispatch_bytes=DEEPSEEK_FP8_DISPATCH,
+                 ep_node_limit=4,
                  assumptions="14.8T tokens in 2.664M H800 GPU hours (pre-training) = 1,543 "
                              "tokens/s/GPU; PP 16 / EP 64 / ZeRO-1 (the report), DualPipe as "
                              "DualPipeV, final batch 15,360 x 4,096, microbatch 1, RMSNorm and "
-                             "up-projection recompute as remat min, MLA as plain attention, "
-                             "balanced routing over all EP ranks (the report limits it to 4 nodes)"),
+                             "up-projection recompute as remat min, MLA as plain attention; "
+                             "node-limited routing, each token to at most 4 nodes over IB and "
+                             "on to its 8 experts over NVLink, the two overlapped (sec. 2.1.2, "
+                             "3.2.2), balanced over the nodes; dispatch in fp8 with one fp32 "
+                             "scale per 1x128 tile (1.03 bytes per element), combine in bf16 "
+                             "(sec. 3.3.3, 3.3.2), the backward's two all-to-alls likewise"),
 ]
 
 # Series: a source's runs in order; the change of MFU (points) across each is compared.
@@ -235,7 +248,9 @@ def predict(run: PublishedRun, profiles: dict | None = None) -> Comparison:
                                 tp_overlap=run.tp_overlap, dp_overlap=run.dp_overlap,
                                 grad_reduce_bytes=run.grad_reduce_bytes,
                                 flash_attention=run.flash_attention,
-                                sequence_parallel=run.sequence_parallel)
+                                sequence_parallel=run.sequence_parallel,
+                                dispatch_bytes=run.dispatch_bytes,
+                                ep_node_limit=run.ep_node_limit)
         if plan.fits:
             break
     return Comparison(run, plan, metric(run, prof, hw, plan.step_time), mode)
