@@ -99,7 +99,11 @@ def commit_of(tree: str) -> str:
 def run_child(tree: str, ranks: int, schedule: str) -> dict:
     env = dict(os.environ)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(tree, "python"), HERE])
+    # this checkout: the Baton this Python imports (installed, or this tree in development);
+    # another: its python folder first on the path
+    first = [] if tree == ROOT else [os.path.join(tree, "python")]
+    env["PYTHONPATH"] = os.pathsep.join(first + [HERE] + (
+        [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--ranks",
                           str(ranks), "--schedules", schedule], env=env, capture_output=True,
                          text=True, timeout=600)
