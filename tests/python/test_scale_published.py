@@ -217,3 +217,24 @@ def test_deepseek_all_to_alls_follow_the_report():
     assert fp8.time.ep_comm == pytest.approx(
         (one(1 + 4 / 128) + one(2)) / 2 / flat_one * flat.time.ep_comm, rel=1e-9)
     assert fp8.step_time < limited.step_time < flat.step_time
+
+
+def test_deepseek_v2_row_follows_the_report():
+    # arXiv:2405.04434: 172.8K H800 GPU hours per trillion tokens (sec. 3.2.3); 60 layers, the
+    # first dense, then 160 routed experts of width 1536, 6 per token, 2 shared (sec. 3.1.2);
+    # PP 16 zero-bubble, EP 8, ZeRO-1 DP, no TP, bf16 (sec. 3.1.3); batch 9,216 x 4,096.
+    (r,) = [r for r in P.RUNS if r.source == P.DEEPSEEK_V2]
+    assert r.metric == "tps"
+    assert r.published == pytest.approx(1e12 / (172.8e3 * 3600), rel=1e-12)
+    assert round(r.published) == 1608
+    cfg = scale.get_model(r.model)
+    assert (cfg.layers, cfg.hidden, cfg.heads, cfg.hd, cfg.vocab, cfg.seq) == (
+        60, 5120, 128, 128, 102400, 4096)
+    assert (cfg.experts, cfg.top_k, cfg.moe_ffn, cfg.shared_experts) == (160, 6, 1536, 2)
+    assert (cfg.dense_layers, cfg.ffn) == (1, 12288)
+    assert (r.pp, r.tp, r.ep, r.cluster, r.schedule, r.fp8) == (16, 1, 8, "h800", "zbh1", False)
+    assert r.dp % r.ep == 0 and r.global_batch == 9216
+    assert r.microbatches == r.global_batch // r.dp  # microbatch size 1
+    # EP 8 lies inside one node of 8: device-limited routing changes no inter-node traffic.
+    assert r.ep <= scale.load_cluster(r.cluster)["gpus_per_node"] and r.ep_node_limit == 0
+    assert r.dispatch_bytes == 2.0

@@ -82,6 +82,12 @@ MODELS: dict[str, TransformerConfig] = {m.name: m for m in [
     TransformerConfig("deepseek-v3", 61, 7168, 18432, 128, 128, 129280, 4096, experts=256,
                       top_k=8, moe_ffn=2048, shared_experts=1, dense_layers=3, head_dim=128,
                       source="DeepSeek-V3 technical report (arXiv:2412.19437), sec. 4.2"),
+    # DeepSeek-V2 (arXiv:2405.04434, sec. 3.1.2): 60 layers, width 5120, 128 heads of 128, the
+    # first layer dense (width 12288), then 160 routed experts of width 1536, 6 per token, 2
+    # shared; vocabulary 102,400, sequence 4,096; MLA modelled as plain attention (docs/SCALE.md).
+    TransformerConfig("deepseek-v2", 60, 5120, 12288, 128, 128, 102400, 4096, experts=160,
+                      top_k=6, moe_ffn=1536, shared_experts=2, dense_layers=1, head_dim=128,
+                      source="DeepSeek-V2 technical report (arXiv:2405.04434), sec. 3.1.2"),
     # BLOOM-176B (arXiv:2211.05100, table 1): 70 layers, width 14336, 112 heads, GELU MLP of
     # 4h, vocabulary 250,880, sequence 2,048 (ALiBi: no rotary, same FLOPs).
     _gpt("bloom-176b", 112, 14336, 70, vocab=250880,

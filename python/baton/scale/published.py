@@ -26,6 +26,7 @@ TITAN = "torchtitan docs/performance.md (commit 9dec370, Dec 2024)"
 MEGATRON_README = "Megatron-LM README, strong scaling (NVIDIA/Megatron-LM)"
 BLOOM = "BLOOM (arXiv:2211.05100), sec. 3.4"
 DEEPSEEK = "DeepSeek-V3 technical report (arXiv:2412.19437), table 1 and sec. 3"
+DEEPSEEK_V2 = "DeepSeek-V2 technical report (arXiv:2405.04434), sec. 3.1.3 and 3.2.3"
 # Bytes per element of DeepSeek-V3's fp8 dispatch: e4m3 values with one fp32 scaling factor
 # per 1x128 tile of activations (report sec. 3.3.2, fine-grained quantization; sec. 3.3.3,
 # the activations before the MoE up-projections are quantized to fp8 before the dispatch).
@@ -172,6 +173,23 @@ RUNS = [
                              "3.2.2), balanced over the nodes; dispatch in fp8 with one fp32 "
                              "scale per 1x128 tile (1.03 bytes per element), combine in bf16 "
                              "(sec. 3.3.3, 3.3.2), the backward's two all-to-alls likewise"),
+    # 172.8K H800 GPU hours per trillion tokens (sec. 3.2.3) = 1,607.5 tokens/s/GPU; PP 16 with
+    # zero-bubble pipelining, EP 8, ZeRO-1 DP, no TP, bf16 (sec. 3.1.3); batch 9,216 x 4,096
+    # after the ramp (sec. 3.1.2). The GPU count is not stated: DP 64 (1,024 GPUs) assumed.
+    PublishedRun("DeepSeek-V2 236B, 1024 H800", DEEPSEEK_V2, "deepseek-v2", "h800", 16, 1, 64,
+                 9216, "zbh1", 144, 1e12 / (172.8e3 * 3600), "tps", ep=8, remat="min",
+                 dp_overlap=True,
+                 assumptions="172.8K H800 GPU hours per trillion tokens (sec. 3.2.3) = 1,607.5 "
+                             "tokens/s/GPU; PP 16 (zero-bubble, as ZB-H1) / EP 8 / ZeRO-1 DP, "
+                             "no TP (sec. 3.1.3); the GPU count is not stated: DP 64 assumed "
+                             "(1,024 GPUs), EP 8 inside the data axis and inside one node of 8 "
+                             "(NVLink), so device-limited routing (M = 3 devices per token, "
+                             "sec. 2.2.2) leaves the expert all-to-alls intra-node and is not "
+                             "modelled (no node limit); final batch 9,216 x 4,096 (the ramp "
+                             "ignored), microbatch 1 (M = 144); the report's partial operator "
+                             "recomputation as remat min; bf16 throughout, dispatch and combine "
+                             "in bf16; MLA as plain attention of 128 heads of 128; gradient "
+                             "reduction overlapped with the backward as in the V3 row"),
 ]
 
 # Series: a source's runs in order; the change of MFU (points) across each is compared.
