@@ -237,6 +237,46 @@ TEST(DpOverlap, ShallowerStagesOfARankHideTheDeeperStagesReduce) {
   EXPECT_THROW(bad.validate(), baton::ConfigError);
 }
 
+TEST(ClusterMemory, StashesFollowTheRematAndTheUpdateWritesInPlace) {
+  // The MLP stack with its two linear matmuls: column-parallel s x h @ h x f, then
+  // row-parallel s x f @ f x h; TP 2, microbatches of 2 samples.
+  baton::ModelProfile m = mlp_stack();
+  const auto H = static_cast<int64_t>(kH), F = static_cast<int64_t>(kF);
+  m.segments[0].matmuls = {baton::MatmulShape{kS, F, H, 1, true, 1, false},
+                           baton::MatmulShape{kS, H, F, 1, true, 2, false}};
+  const baton::Hardware hw = hardware();
+  baton::ClusterOptions o;
+  o.gpus = 8;
+  o.global_batch = 64;
+  const baton::ClusterDegrees d{1, 2, 4, 1, false};
+  const int M = 8;
+  const double mb = 2, t = 2;
+  int64_t wstash = 0, full = 0;
+  for (const baton::SegmentCost& s : baton::cluster_segment_costs(m, hw, d, o, M).costs.segments) {
+    wstash += s.wstash_bytes;
+    full += s.full_stash_bytes;
+  }
+  // I -> W keeps each linear layer's input and its output's gradient (bf16): s x h and
+  // s x f/t for the first, s x f/t and s x h for the second.
+  EXPECT_NEAR(static_cast<double>(wstash), kLayers * mb * 2 * (2 * kS * kH + 2 * kS * kF / t),
+              kLayers);
+  // Full remat checkpoints each layer: its s x h input, split over TP like the stash.
+  EXPECT_NEAR(static_cast<double>(full), kLayers * mb * 2 * kS * kH / t, kLayers);
+  // The update in place: the peak is the static bytes plus the loop's; otherwise the new
+  // parameters and optimizer state (P + O) sit beside the static 2P + O after the loop.
+  const baton::ClusterPlan in_place =
+      baton::evaluate_cluster(m, hw, d, o, "1f1b", 1, M, baton::Remat::Full);
+  o.update_in_place = false;
+  const baton::ClusterPlan copies =
+      baton::evaluate_cluster(m, hw, d, o, "1f1b", 1, M, baton::Remat::Full);
+  const int64_t P = in_place.memory.params, O = in_place.memory.optimizer;
+  EXPECT_GT(3 * P + 2 * O, in_place.memory.total);  // this case: the copies are the peak
+  EXPECT_EQ(copies.memory.total, std::max(in_place.memory.total, 3 * P + 2 * O));
+  // Full remat keeps every layer's input of the microbatches in flight (one pipeline
+  // rank: one at a time), beyond the transient of one segment's backward.
+  EXPECT_GE(in_place.memory.activations, full - kLayers);
+}
+
 TEST(SequenceParallel, NormsAndResidualsRunUnsplitWithoutIt) {
   // 8 layers of one column-parallel matmul and 1 MB of memory-bound bytes per sample, of
   // which 0.4 MB are norms and residual adds (outside the TP regions).

@@ -174,6 +174,28 @@ TEST(AutoplanStage, Aggregation) {
   EXPECT_EQ(cm.link, c.link);
 }
 
+TEST(AutoplanStage, FullRematPerLayerKeepsEachLayersInput) {
+  SegmentCosts c = sample_costs();
+  // Without full_stash_bytes a Full stage keeps its input only (above); with it on every
+  // segment of the stage (each layer checkpointed on its own) it keeps their sum.
+  c.segments[1].full_stash_bytes = 70;
+  EXPECT_EQ(stage_cost(c, 1, 3, Remat::Full).stash_bytes, 100);  // segment 2 has none
+  c.segments[2].full_stash_bytes = 90;
+  const StageCost f = stage_cost(c, 1, 3, Remat::Full);
+  EXPECT_EQ(f.stash_bytes, 70 + 90);
+  EXPECT_DOUBLE_EQ(f.b, 6.5 + 4.5);  // the time is the same: every forward again
+  EXPECT_EQ(stage_cost(c, 1, 3, Remat::Keep).stash_bytes, 401 + 402);
+  // Scaled with the microbatch, written to and read from JSON, negative refused.
+  EXPECT_EQ(c.scaled(2).segments[1].full_stash_bytes, 70 * 4);
+  const SegmentCosts back = SegmentCosts::from_json(c.to_json());
+  EXPECT_EQ(back.segments, c.segments);
+  EXPECT_EQ(SegmentCosts::from_json(sample_costs().to_json()).segments[1].full_stash_bytes, -1);
+  EXPECT_NE(error_of<ConfigError>([] {
+              SegmentCosts::from_json(R"({"segments": [{"full_stash_bytes": -2}]})");
+            }).find("full_stash_bytes"),
+            std::string::npos);
+}
+
 TEST(AutoplanStage, EvaluateMatchesSimulator) {
   const SegmentCosts c = sample_costs();
   const std::vector<int> cuts{0, 1, 2, 3};

@@ -106,6 +106,21 @@ def test_mlp_stack_memory_and_collectives_match_hand_formulas(pp, tp, dp, fsdp):
     assert tp_seconds == pytest.approx(tp_wire / link_tp["bandwidth"], rel=1e-12)
 
 
+def test_update_in_place_is_the_default_and_can_be_declined():
+    """A run's optimizer writes its new state over the old (PyTorch, Megatron, a Baton step
+    with donated arguments): the peak is the static bytes plus the loop's. Declined, the new
+    parameters and optimizer state sit beside the old after the loop."""
+    prof = _mlp_profile()
+    kw = dict(pp=2, tp=1, dp=4, global_batch=64, schedule="1f1b", microbatches=8, remat="full")
+    own = scale.evaluate_cluster(prof, HW, **kw).memory
+    copies = scale.evaluate_cluster(prof, HW, update_in_place=False, **kw).memory
+    P, O = own.params, own.optimizer
+    assert copies.total == max(own.total, 3 * P + 2 * O) > own.total
+    plans = scale.plan_cluster(prof, HW, 8, 64, top=1, update_in_place=False, pp=[2], tp=[1],
+                               fsdp=False)
+    assert plans.plans[0].memory.total >= 3 * plans.plans[0].memory.params
+
+
 def _core_time(kind, nbytes, n, link):
     from baton import _core
     return _core.collective_time(kind, nbytes, n, link["bandwidth"], link["latency"])

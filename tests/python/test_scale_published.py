@@ -51,19 +51,54 @@ def test_published_rows_meet_the_target(comparisons):
     assert s["median_abs_error"] <= 0.10 and s["max_abs_error"] <= 0.20, s
 
 
-@pytest.mark.xfail(strict=True, reason="Narayanan et al.'s weak-scaling series misses by more "
-                   "than 5 points (bench/results/scale.md, 'Against the target')")
+# Series whose predicted change misses the published one by more than 5 points
+# (bench/results/scale.md, "Against the target").
+SERIES_MISSED = {"Narayanan weak scaling 1.7B -> 1T", "Megatron-LM strong scaling 96 -> 4608 H100"}
+
+
+@pytest.mark.xfail(strict=True, reason="Narayanan et al.'s weak-scaling series and the "
+                   "Megatron-LM strong-scaling series miss by more than 5 points "
+                   "(bench/results/scale.md, 'Against the target')")
 def test_series_follow_the_published_trends(comparisons):
     cs, profiles = comparisons
     for s in P.series(cs, profiles):
         assert abs(s["predicted_change"] - s["published_change"]) <= 5, s
 
 
-def test_series_other_than_the_a100_weak_scaling_follow_the_published_trends(comparisons):
+def test_series_other_than_the_recorded_misses_follow_the_published_trends(comparisons):
     cs, profiles = comparisons
     for s in P.series(cs, profiles):
-        if not s["series"].startswith("Narayanan"):
-            assert abs(s["predicted_change"] - s["published_change"]) <= 5, s
+        within = abs(s["predicted_change"] - s["published_change"]) <= 5
+        # the recorded misses still miss: a fix updates SERIES_MISSED and scale.md
+        assert within != (s["series"] in SERIES_MISSED), s
+
+
+# Rows whose source reports a memory figure the prediction misses by more than 15%
+# (bench/results/scale.md, "Memory").
+MEMORY_MISSED = {"torchtitan 70B FSDP 32 TP 8, fp8", "torchtitan 70B FSDP 32 TP 8, fp8, async TP"}
+# Rows that ran but that the memory model puts over the GPU (bench/results/scale.md).
+FIT_MISSED = {"DeepSeek-V3 671B, 2048 H800, fp8", "DeepSeek-V2 236B, 1024 H800"}
+
+
+@pytest.mark.xfail(strict=True, reason="the torchtitan 70B rows' memory is under-predicted by "
+                   "half and the DeepSeek rows do not fit (bench/results/scale.md, 'Memory')")
+def test_every_published_run_fits_and_its_memory_is_within_15_percent(comparisons):
+    cs, _ = comparisons
+    for c in cs:
+        assert c.plan.fits, c.run.name
+        if c.run.published_mem_gib:
+            assert c.plan.memory.total / 2**30 == pytest.approx(c.run.published_mem_gib,
+                                                                rel=0.15), c.run.name
+
+
+def test_memory_other_than_the_recorded_misses(comparisons):
+    cs, _ = comparisons
+    assert sum(c.run.published_mem_gib is not None for c in cs) >= 6
+    for c in cs:
+        assert c.plan.fits != (c.run.name in FIT_MISSED), c.run.name
+        if c.run.published_mem_gib:
+            err = abs(c.plan.memory.total / 2**30 / c.run.published_mem_gib - 1)
+            assert (err <= 0.15) != (c.run.name in MEMORY_MISSED), (c.run.name, err)
 
 
 def test_series_direction_of_the_schedule_comparison(comparisons):

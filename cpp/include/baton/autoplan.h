@@ -104,7 +104,8 @@ namespace baton {
 //   Keep: stash every residual (stash = sum stash_bytes).
 //   Min:  stash the minimum-bytes set (sum min_stash_bytes); b and i +=
 //         sum min_recompute.
-//   Full: stash only the stage's input activation; b and i += f.
+//   Full: stash only the stage's input activation (or, when every segment
+//         gives full_stash_bytes, their sum: each layer's input); b and i += f.
 enum class Remat : uint8_t { Keep = 0, Min = 1, Full = 2 };
 const char* remat_name(Remat r);           // "keep", "min", "full"
 Remat parse_remat(std::string_view name);  // throws ConfigError
@@ -126,6 +127,10 @@ struct SegmentCost {
   int64_t min_stash_bytes = 0;  // minimum-bytes stash ...
   double min_recompute = 0;     // ... and the extra backward seconds it costs
   int64_t wstash_bytes = 0;     // kept I->W
+  // Residuals under full remat when each layer is checkpointed on its own (Megatron's and
+  // torchtitan's full recomputation, baton.scale's checkpoint_stages): every layer's input.
+  // < 0: the stage is checkpointed as a whole and keeps only its input.
+  int64_t full_stash_bytes = -1;
   int64_t param_bytes = 0;
   int64_t opt_bytes = 0;   // optimizer state
   int64_t temp_bytes = 0;  // XLA temporaries of its tasks

@@ -169,6 +169,11 @@ struct ClusterOptions {
   // when the hardware file has one, 0 never, 1 searched (refused without a host link).
   int offload = -1;
   int32_t fetch_lookahead = 1;  // RUNs a fetch runs ahead of its read (RankIROptions)
+  // The optimizer writes the new parameters and its state over the old ones (PyTorch's and
+  // Megatron's optimizers, optax under baton.jit(donate_argnums=...)): a rank's peak is its
+  // static bytes plus the loop's. false: the update's new copies exist beside the old ones
+  // (AutoplanOptions::update_in_place), as in a step that donates nothing.
+  bool update_in_place = true;
 };
 
 // Where the predicted time of one step goes, on the average pipeline rank

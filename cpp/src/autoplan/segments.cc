@@ -56,6 +56,9 @@ SegmentCost parse_segment(const json& j, const std::string& path) {
       s.min_stash_bytes = kFields.get_int(val, p, "an integer byte count");
     } else if (key == "wstash_bytes") {
       s.wstash_bytes = kFields.get_int(val, p, "an integer byte count");
+    } else if (key == "full_stash_bytes") {
+      s.full_stash_bytes = kFields.get_int(val, p, "an integer byte count");
+      kFields.check_bytes(s.full_stash_bytes, p);
     } else if (key == "param_bytes") {
       s.param_bytes = kFields.get_int(val, p, "an integer byte count");
     } else if (key == "opt_bytes") {
@@ -66,8 +69,7 @@ SegmentCost parse_segment(const json& j, const std::string& path) {
       throw FormatError(fmt::format(
           "segment costs JSON: unknown key '{}' (segment keys: name, f, b, i, w, overhead, "
           "update, act_bytes, stash_bytes, min_stash_bytes, min_recompute, wstash_bytes, "
-          "param_bytes, "
-          "opt_bytes, temp_bytes)",
+          "full_stash_bytes, param_bytes, opt_bytes, temp_bytes)",
           p));
     }
   }
@@ -189,6 +191,7 @@ std::string SegmentCosts::to_json() const {
            {"opt_bytes", s.opt_bytes},
            {"temp_bytes", s.temp_bytes}};
     if (!s.name.empty()) j["name"] = s.name;
+    if (s.full_stash_bytes >= 0) j["full_stash_bytes"] = s.full_stash_bytes;
     segs.push_back(std::move(j));
   }
   json j{{"batch", batch},
@@ -224,6 +227,7 @@ SegmentCosts SegmentCosts::scaled(int microbatches) const {
     s.stash_bytes = scale_bytes(s.stash_bytes, k);
     s.min_stash_bytes = scale_bytes(s.min_stash_bytes, k);
     s.wstash_bytes = scale_bytes(s.wstash_bytes, k);
+    if (s.full_stash_bytes >= 0) s.full_stash_bytes = scale_bytes(s.full_stash_bytes, k);
     s.temp_bytes = scale_bytes(s.temp_bytes, k);
   }
   return out;
@@ -257,7 +261,8 @@ StageCost stage_cost(const SegmentCosts& c, int begin, int end, Remat remat) {
         fmt::format("stage [{}, {}) is not a non-empty range of the {} segments", begin, end, n));
   StageCost st;
   st.stash_bytes = st.wstash_bytes = st.wgrad_bytes = 0;
-  int64_t min_stash = 0;
+  int64_t min_stash = 0, full_stash = 0;
+  bool per_layer = true;
   double rec = 0;
   const std::array<double, 4> saved = c.tasks_saved();
   const double merged = end - begin - 1;
@@ -273,6 +278,8 @@ StageCost stage_cost(const SegmentCosts& c, int begin, int end, Remat remat) {
     st.w += s.w;
     st.stash_bytes += s.stash_bytes;
     min_stash += s.min_stash_bytes;
+    full_stash += s.full_stash_bytes;
+    per_layer = per_layer && s.full_stash_bytes >= 0;
     rec += s.min_recompute;
     st.wstash_bytes += s.wstash_bytes;
     st.wgrad_bytes += s.param_bytes;
@@ -289,7 +296,7 @@ StageCost stage_cost(const SegmentCosts& c, int begin, int end, Remat remat) {
       st.i += rec;
       break;
     case Remat::Full:
-      st.stash_bytes = st.grad_bytes;
+      st.stash_bytes = per_layer ? full_stash : st.grad_bytes;
       st.b += st.f;
       st.i += st.f;
       break;

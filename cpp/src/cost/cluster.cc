@@ -47,6 +47,9 @@ struct Parts {
   double mem_f = 0, mem_b = 0;
   double launch_f = 0, launch_b = 0;
   double legacy_recompute = 0;
+  // Bytes a split backward keeps from I to W: each linear layer's input and its output's
+  // gradient (dW = x^T dy); < 0 without matmul shapes (then the whole stash).
+  double wstash = -1;
   double f() const { return gemm_f + attn_f + mem_f + launch_f; }
   double b() const { return gemm_b + attn_b + mem_b + launch_b; }
 };
@@ -63,6 +66,7 @@ Parts compute_parts(const ProfileSegment& s, const Shard& sh, double mb, const C
     p.legacy_recompute = mb * s.min_recompute_flops / sh.t / rate;
   } else {
     double cast_f = 0, cast_b = 0;
+    p.wstash = 0;
     for (const MatmulShape& m : s.matmuls) {
       double rows = mb * m.m;
       double n = static_cast<double>(m.n), k = static_cast<double>(m.k);
@@ -84,7 +88,10 @@ Parts compute_parts(const ProfileSegment& s, const Shard& sh, double mb, const C
       const double wgrad = hw.gemm_seconds(flops, bytes, f8, k, n);
       p.gemm_f += count * one;
       p.gemm_b += count * (dgrad + wgrad);  // input gradient and weight (or operand) gradient
-      if (m.linear) p.gemm_w += count * wgrad;
+      if (m.linear) {
+        p.gemm_w += count * wgrad;
+        p.wstash += count * (in_bytes * rows * k + 2.0 * rows * n);
+      }
       if (f8) {
         // fp8 recipe: the input and the weight are cast in the forward, the output
         // gradient and the transposed weight in the backward.
@@ -184,7 +191,10 @@ InstanceCost instance_cost(const ProfileSegment& s, const Shard& sh, double mb,
   c.act_bytes = round_bytes(mb * s.act_bytes / sh.t);
   c.stash_bytes = round_bytes(mb * s.stash_keep / sh.t);
   c.min_stash_bytes = round_bytes(mb * s.stash_min / sh.t);
-  c.wstash_bytes = c.stash_bytes;
+  c.wstash_bytes = p.wstash < 0 ? c.stash_bytes : round_bytes(p.wstash);
+  // Full remat checkpoints each layer on its own (Megatron's and torchtitan's full
+  // recomputation; the plan's checkpoint_stages): each layer keeps its input.
+  c.full_stash_bytes = round_bytes(mb * s.stash_full / sh.t);
   c.param_bytes = round_bytes(2.0 * p_store);
   const double opt_params = d.fsdp ? p_store : params_sharded(s, sh);
   c.opt_bytes =
@@ -247,6 +257,7 @@ void add_into(SegmentCost& g, const SegmentCost& c) {
   g.stash_bytes += c.stash_bytes;
   g.min_stash_bytes += c.min_stash_bytes;
   g.wstash_bytes += c.wstash_bytes;
+  g.full_stash_bytes = std::max<int64_t>(g.full_stash_bytes, 0) + c.full_stash_bytes;
   g.param_bytes += c.param_bytes;
   g.opt_bytes += c.opt_bytes;
   g.temp_bytes = std::max(g.temp_bytes, c.temp_bytes);
@@ -500,7 +511,7 @@ ClusterPlan evaluate_cluster(const ModelProfile& model, const Hardware& hw,
     cuts[s] = lead + static_cast<int>(static_cast<int64_t>(s) * body / stages);
   const std::vector<Remat> rem(stages, remat);
   PlanCandidate pc = evaluate_candidate(segs.costs, schedule, d.pp, virtual_stages, microbatches,
-                                        cuts, rem, hw.memory_budget());
+                                        cuts, rem, hw.memory_budget(), o.update_in_place);
   return finish(model, hw, o, d, segs, std::move(pc));
 }
 
@@ -606,6 +617,7 @@ ClusterResult plan_cluster(const ModelProfile& model, const Hardware& hw,
       ao.offload = with_offload;
       ao.host_memory = hw.host_bytes;
       ao.fetch_lookahead = o.fetch_lookahead;
+      ao.update_in_place = o.update_in_place;
       ao.verify = false;
       // Only a plan that enters the top K, or improves this tuple's row, matters.
       ao.upper_bound = kth_best();

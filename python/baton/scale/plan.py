@@ -170,7 +170,7 @@ def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None =
                  tp_overlap: bool | None = None, dp_overlap: bool | None = None,
                  grad_reduce_bytes: float = 4.0, offload: bool | None = None,
                  fetch_lookahead: int = 1, dispatch_bytes: float = 2.0,
-                 ep_node_limit: int = 0) -> ClusterPlans:
+                 ep_node_limit: int = 0, update_in_place: bool = True) -> ClusterPlans:
     """Fastest predicted plans for ``model`` on ``gpus`` GPUs of ``cluster``: degrees
     (pipeline, tensor, data with ZeRO-1 or FSDP, expert), overlap settings, cuts, schedule,
     microbatches, remat and activation offload, ranked by step time. ``global_batch`` in
@@ -182,7 +182,10 @@ def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None =
     ``dispatch_bytes``: bytes per element of the dispatch-way expert all-to-alls (2: bf16;
     DeepSeek-V3's fp8 with a scale per 1x128 tile: 1 + 4/128); ``ep_node_limit``: each
     token's experts lie on at most this many nodes (DeepSeek-V3's node-limited routing: 4;
-    0: no limit)."""
+    0: no limit). ``update_in_place``: the optimizer writes the new parameters and state
+    over the old ones (PyTorch, Megatron; a Baton step with ``donate_argnums`` on them), so
+    no rank holds two copies after the loop; False counts the copies (a step that donates
+    nothing)."""
     prof = _model_profile(model, seq)
     hw = load_cluster(cluster, efficiency)
     out = json.loads(_core.plan_cluster(
@@ -195,7 +198,8 @@ def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None =
         dp_overlap=-1 if dp_overlap is None else int(dp_overlap),
         grad_reduce_bytes=float(grad_reduce_bytes),
         offload=-1 if offload is None else int(offload), fetch_lookahead=int(fetch_lookahead),
-        dispatch_bytes=float(dispatch_bytes), ep_node_limit=int(ep_node_limit)))
+        dispatch_bytes=float(dispatch_bytes), ep_node_limit=int(ep_node_limit),
+        update_in_place=bool(update_in_place)))
     return ClusterPlans([ClusterPlan.from_dict(p) for p in out["plans"]], out["stats"],
                         prof, hw)
 
@@ -207,18 +211,18 @@ def evaluate_cluster(model, cluster, *, pp: int, tp: int, dp: int, global_batch:
                      tp_overlap: bool = False, dp_overlap: bool = False,
                      grad_reduce_bytes: float = 4.0, flash_attention: bool = True,
                      sequence_parallel: bool = True, dispatch_bytes: float = 2.0,
-                     ep_node_limit: int = 0) -> ClusterPlan:
+                     ep_node_limit: int = 0, update_in_place: bool = True) -> ClusterPlan:
     """The prediction of one given configuration (layers spread evenly over the stages).
     ``sequence_parallel=False``: the norms and residual adds run unsplit on every TP rank
-    (Megatron-LM before 2022). ``dispatch_bytes``, ``ep_node_limit``: as in
-    ``plan_cluster``."""
+    (Megatron-LM before 2022). ``dispatch_bytes``, ``ep_node_limit``, ``update_in_place``:
+    as in ``plan_cluster``."""
     prof = _model_profile(model, seq)
     hw = load_cluster(cluster, efficiency)
     out = json.loads(_core.evaluate_cluster(
         json.dumps(prof), json.dumps(hw), pp, tp, dp, ep, fsdp, int(global_batch), fp8,
         schedule, virtual_stages, microbatches, remat, tp_overlap, dp_overlap,
         float(grad_reduce_bytes), flash_attention, sequence_parallel, float(dispatch_bytes),
-        int(ep_node_limit)))
+        int(ep_node_limit), bool(update_in_place)))
     return ClusterPlan.from_dict(out["plans"][0])
 
 
