@@ -79,6 +79,37 @@ TEST(Hardware, ClockRatioAndWaveQuantizationRoundTrip) {
             std::string::npos);
 }
 
+TEST(Hardware, NamedAttentionKernels) {
+  // The default curve and a named one ("fa2"), each a fraction of peak by sequence length.
+  const baton::Hardware h = baton::Hardware::from_json(with(
+      "\"efficiency\": 0.5,",
+      "\"attention\": {\"fwd\": [[1024, 0.4], [8192, 0.5]], \"bwd_ratio\": 0.8}, "
+      "\"attention_kernels\": {\"fa2\": {\"fwd\": [[1024, 0.25], [8192, 0.3]], "
+      "\"bwd_ratio\": 0.75}}, \"efficiency\": 0.5,"));
+  const double rate = 9.89e14 * 0.5;
+  EXPECT_DOUBLE_EQ(h.attention_seconds(1e12, 8192, false), 1e12 / (rate * 0.5));
+  EXPECT_DOUBLE_EQ(h.attention_seconds(1e12, 8192, false, "fa2"), 1e12 / (rate * 0.3));
+  EXPECT_DOUBLE_EQ(h.attention_seconds(1e12, 1024, true, "fa2"), 1e12 / (rate * 0.25 * 0.75));
+  EXPECT_EQ(baton::Hardware::from_json(h.to_json()), h);
+  try {
+    h.attention_seconds(1e12, 8192, false, "fa4");
+    FAIL() << "no error";
+  } catch (const baton::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("no attention kernel 'fa4' (attention_kernels: fa2)"),
+              std::string::npos);
+  }
+  EXPECT_NE(error_of<baton::ConfigError>(with(
+                "\"efficiency\": 0.5,",
+                "\"attention_kernels\": {\"fa2\": {\"fwd\": [[1024, 1.5]]}}, \"efficiency\": 0.5,"))
+                .find("attention_kernels.fa2.fwd must be fractions <= 1"),
+            std::string::npos);
+  EXPECT_NE(error_of<baton::FormatError>(with(
+                "\"efficiency\": 0.5,",
+                "\"attention_kernels\": {\"fa2\": {\"fw\": []}}, \"efficiency\": 0.5,"))
+                .find("unknown key 'attention_kernels.fa2.fw'"),
+            std::string::npos);
+}
+
 TEST(Hardware, ErrorsNameTheKeyPath) {
   EXPECT_NE(error_of<baton::FormatError>(with("\"latency\": 3e-6", "\"latency\": \"x\""))
                 .find("'intra.latency' must be a number"),

@@ -154,6 +154,12 @@ def test_hardware_constants_inside_their_cited_ranges():
             assert max(r for _, r in hw["gemm"]["fp8"]) <= 0.80 * hw["peak_fp8"], name
         fwd = hw["attention"]["fwd"]
         assert all(0.3 <= f <= 0.75 for _, f in fwd), name  # FlashAttention-2/3 range
+        # Named kernels: FlashAttention-2 at most the 35% of H100 that the FlashAttention-3
+        # paper's abstract states, the others within FlashAttention-3's 75%.
+        for kernel, a in hw.get("attention_kernels", {}).items():
+            top = 0.35 if kernel == "fa2" else 0.75
+            assert all(0.15 <= f <= top for _, f in a["fwd"]), (name, kernel)
+            assert 0.7 <= a["bwd_ratio"] <= 0.9 and hw["sources"]["attention_kernels." + kernel]
         if fwd:
             assert 0.7 <= hw["attention"]["bwd_ratio"] <= 0.9, name
             assert 0.7 <= hw["hbm_efficiency"] <= 0.95, name
@@ -191,6 +197,27 @@ def test_power_capped_clock_follows_the_cited_relation():
     # A100's table is the maximum-achievable (best-shape) rate: its shapes' waves apply.
     a100 = scale.load_cluster("a100")
     assert a100["wave_quantization"]["sms"] == 108
+
+
+def test_torchtitan_runs_attend_with_flashattention_2():
+    """torchtitan's rows ran PyTorch's scaled_dot_product_attention, whose H100 backend in
+    Dec 2024 was FlashAttention-2 (cuDNN's opt-in): the hardware file's "fa2" curve, slower
+    than its default (cuDNN's) by the FlashAttention-3 paper's figure."""
+    titan = [r for r in P.RUNS if r.source.startswith(P.TITAN)]
+    assert titan and all(r.attention_kernel == "fa2" for r in titan)
+    assert all(r.attention_kernel == "" for r in P.RUNS if r not in titan)
+    r = titan[0]
+    kw = dict(pp=r.pp, tp=r.tp, dp=r.dp, fsdp=r.fsdp, global_batch=r.global_batch,
+              schedule=r.schedule, microbatches=r.microbatches, remat=r.remat)
+    fa2 = scale.evaluate_cluster(r.model, r.cluster, attention_kernel="fa2", **kw).time
+    default = scale.evaluate_cluster(r.model, r.cluster, **kw).time
+    hw = scale.load_cluster(r.cluster)
+    slower = hw["attention"]["fwd"][-2][1] / hw["attention_kernels"]["fa2"]["fwd"][-2][1]
+    assert fa2.attention == pytest.approx(default.attention * slower, rel=1e-9)  # seq 8192
+    assert fa2.gemm == default.gemm
+    from baton.errors import ConfigError
+    with pytest.raises(ConfigError, match="no attention kernel 'fa9'"):
+        scale.evaluate_cluster(r.model, r.cluster, attention_kernel="fa9", **kw)
 
 
 def test_torchtitan_pipeline_runs_use_its_default_microbatch_count():

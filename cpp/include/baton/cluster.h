@@ -161,6 +161,9 @@ struct ClusterOptions {
   // and a fused scale-mask-softmax + dropout moving 13 bytes per score in the forward,
   // twice that in the backward), as Megatron-LM did before FlashAttention (2022).
   bool flash_attention = true;
+  // The fused attention kernel by name among the hardware file's attention_kernels ("fa2":
+  // FlashAttention-2, PyTorch SDPA's flash backend); empty: the file's default curve.
+  std::string attention_kernel;
   // Megatron's sequence parallelism (Korthikanti et al. 2022): the norms and residual adds
   // outside the TP regions are split over the TP ranks. false: each TP rank runs them on
   // the whole s x h activation (Megatron-LM before 2022), mem_bytes_replicated not split.

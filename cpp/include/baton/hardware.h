@@ -46,6 +46,14 @@ struct RateTable {
   bool operator==(const RateTable&) const = default;
 };
 
+// One fused-attention kernel: forward achieved fraction of peak_bf16 by sequence length
+// (head dim 128, causal work counted) and the backward's rate relative to the forward's.
+struct AttentionCurve {
+  RateTable fwd;
+  double bwd_ratio = 1.0;
+  bool operator==(const AttentionCurve&) const = default;
+};
+
 struct Hardware {
   std::string name;
   int gpus_per_node = 8;
@@ -65,6 +73,9 @@ struct Hardware {
   // rate relative to the forward's.
   RateTable attention_fwd;
   double attention_bwd_ratio = 1.0;
+  // Other attention kernels a run may use instead, by name (ClusterOptions::
+  // attention_kernel): e.g. "fa2", FlashAttention-2 as PyTorch's SDPA runs it.
+  std::map<std::string, AttentionCurve> attention_kernels;
   // Fraction of hbm_bandwidth that memory-bound kernels reach.
   double hbm_efficiency = 1.0;
   // Seconds of launch and host work per non-matmul kernel.
@@ -121,8 +132,10 @@ struct Hardware {
   // occupies; 1 without wave quantization or without a shape.
   double wave_fraction(double rows, double cols, double calls = 1) const;
   // Seconds of `flops` fused-attention FLOPs (forward, or backward when `bwd`)
-  // at sequence length `seq`.
-  double attention_seconds(double flops, double seq, bool bwd) const;
+  // at sequence length `seq`, by the default curve or the named `kernel` of
+  // attention_kernels (ConfigError naming it when the file has none such).
+  double attention_seconds(double flops, double seq, bool bwd,
+                           const std::string& kernel = "") const;
   // Seconds of memory-bound work moving `bytes`.
   double memory_seconds(double bytes) const;
 

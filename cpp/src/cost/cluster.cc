@@ -101,9 +101,11 @@ Parts compute_parts(const ProfileSegment& s, const Shard& sh, double mb, const C
     }
     if (o.flash_attention) {
       const double attn = mb * s.attn_flops / sh.t * (s.attn_causal ? 0.5 : 1.0);
-      p.attn_f = hw.attention_seconds(attn, static_cast<double>(sh.seq), false);
+      p.attn_f =
+          hw.attention_seconds(attn, static_cast<double>(sh.seq), false, o.attention_kernel);
       // Fused backward: dQ, dK, dV and the recomputed scores, 2.5x the forward's FLOPs.
-      p.attn_b = hw.attention_seconds(2.5 * attn, static_cast<double>(sh.seq), true);
+      p.attn_b =
+          hw.attention_seconds(2.5 * attn, static_cast<double>(sh.seq), true, o.attention_kernel);
     } else if (s.attn_flops > 0) {
       // Unfused: QK^T and PV as two batched GEMMs over the full square, the scores
       // through HBM (written, softmax read + write, dropout read + write + mask, read by
@@ -484,12 +486,19 @@ ClusterSegments cluster_segment_costs(const ModelProfile& model, const Hardware&
   return build_segments(model, hw, d, o, microbatches, search_groups(model, o, d.pp));
 }
 
+namespace {
+void check_attention_kernel(const Hardware& hw, const ClusterOptions& o) {
+  if (!o.attention_kernel.empty()) hw.attention_seconds(0, 1, false, o.attention_kernel);
+}
+}  // namespace
+
 ClusterPlan evaluate_cluster(const ModelProfile& model, const Hardware& hw,
                              const ClusterDegrees& d, const ClusterOptions& o,
                              const std::string& schedule, int virtual_stages, int microbatches,
                              Remat remat) {
   model.validate();
   hw.validate();
+  check_attention_kernel(hw, o);
   const ClusterSegments segs =
       build_segments(model, hw, d, o, microbatches, model.num_layers());
   const int n = static_cast<int>(segs.costs.segments.size());
@@ -519,6 +528,7 @@ ClusterResult plan_cluster(const ModelProfile& model, const Hardware& hw,
                            const ClusterOptions& o) {
   model.validate();
   hw.validate();
+  check_attention_kernel(hw, o);
   if (o.gpus < 1) throw ConfigError(fmt::format("cluster: gpus must be >= 1 (got {})", o.gpus));
   if (o.global_batch < 1)
     throw ConfigError(

@@ -175,11 +175,24 @@ double Hardware::gemm_seconds(double flops, double bytes, bool fp8, double rows,
   return std::max(flops / rate, memory_seconds(bytes));
 }
 
-double Hardware::attention_seconds(double flops, double seq, bool bwd) const {
+double Hardware::attention_seconds(double flops, double seq, bool bwd,
+                                   const std::string& kernel) const {
+  const RateTable* fwd = &attention_fwd;
+  double ratio = attention_bwd_ratio;
+  if (!kernel.empty()) {
+    const auto it = attention_kernels.find(kernel);
+    if (it == attention_kernels.end()) {
+      std::string known;
+      for (const auto& [k, v] : attention_kernels) known += (known.empty() ? "" : ", ") + k;
+      throw ConfigError(fmt::format("hardware {}: no attention kernel '{}' (attention_kernels: {})",
+                                    name, kernel, known.empty() ? "none" : known));
+    }
+    fwd = &it->second.fwd;
+    ratio = it->second.bwd_ratio;
+  }
   if (flops <= 0) return 0;
-  if (attention_fwd.empty())
-    return flops / (peak_bf16 * compute_scale() * (bwd ? attention_bwd_ratio : 1.0));
-  const double frac = attention_fwd.at(seq) * (bwd ? attention_bwd_ratio : 1.0);
+  if (fwd->empty()) return flops / (peak_bf16 * compute_scale() * (bwd ? ratio : 1.0));
+  const double frac = fwd->at(seq) * (bwd ? ratio : 1.0);
   return flops / (peak_bf16 * frac * compute_scale());
 }
 
@@ -237,6 +250,13 @@ void Hardware::validate() const {
   if (attention_fwd.max() > 1)
     throw ConfigError("hardware: attention.fwd fractions must be <= 1");
   check_fraction(attention_bwd_ratio, "attention.bwd_ratio");
+  for (const auto& [k, a] : attention_kernels) {
+    const std::string at = "attention_kernels." + k;
+    check_table(a.fwd, at + ".fwd");
+    if (a.fwd.empty() || a.fwd.max() > 1)
+      throw ConfigError(fmt::format("hardware: {}.fwd must be fractions <= 1, at least one", at));
+    check_fraction(a.bwd_ratio, at + ".bwd_ratio");
+  }
   check_fraction(hbm_efficiency, "hbm_efficiency");
   kFields.check_time(kernel_overhead, "kernel_overhead");
   if (!std::isfinite(overlap_contention) || overlap_contention < 0 || overlap_contention >= 1)
@@ -293,6 +313,23 @@ Hardware Hardware::from_json(const std::string& text) {
           throw FormatError(fmt::format(
               "hardware JSON: unknown key 'attention.{}' (attention keys: fwd, bwd_ratio)", k));
       }
+    } else if (key == "attention_kernels") {
+      kFields.require_object(val, "attention_kernels");
+      for (const auto& [name, kv] : val.items()) {
+        const std::string at = "attention_kernels." + name;
+        kFields.require_object(kv, at);
+        AttentionCurve a;
+        for (const auto& [k, v] : kv.items()) {
+          if (k == "fwd")
+            a.fwd = parse_table(v, at + ".fwd");
+          else if (k == "bwd_ratio")
+            a.bwd_ratio = kFields.get_number(v, at + ".bwd_ratio");
+          else
+            throw FormatError(fmt::format(
+                "hardware JSON: unknown key '{}.{}' (keys: fwd, bwd_ratio)", at, k));
+        }
+        h.attention_kernels[name] = a;
+      }
     } else if (key == "hbm_efficiency") {
       h.hbm_efficiency = kFields.get_number(val, key);
     } else if (key == "kernel_overhead") {
@@ -333,7 +370,7 @@ Hardware Hardware::from_json(const std::string& text) {
       throw FormatError(fmt::format(
           "hardware JSON: unknown key '{}' (keys: name, gpus_per_node, peak_bf16, peak_fp8, "
           "hbm_bandwidth, hbm_bytes, reserved_bytes, intra, inter, host_link, host_bytes, gemm, "
-          "attention, "
+          "attention, attention_kernels, "
           "hbm_efficiency, kernel_overhead, overlap_contention, wave_quantization, clock_ratio, "
           "efficiency, "
           "efficiency_note, "
@@ -368,6 +405,8 @@ std::string Hardware::to_json() const {
   if (host_bytes > 0) j["host_bytes"] = host_bytes;
   j["gemm"] = {{"bf16", table_json(gemm_bf16)}, {"fp8", table_json(gemm_fp8)}};
   j["attention"] = {{"fwd", table_json(attention_fwd)}, {"bwd_ratio", attention_bwd_ratio}};
+  for (const auto& [k, a] : attention_kernels)
+    j["attention_kernels"][k] = {{"fwd", table_json(a.fwd)}, {"bwd_ratio", a.bwd_ratio}};
   j["hbm_efficiency"] = hbm_efficiency;
   j["kernel_overhead"] = kernel_overhead;
   j["overlap_contention"] = overlap_contention;

@@ -170,7 +170,8 @@ def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None =
                  tp_overlap: bool | None = None, dp_overlap: bool | None = None,
                  grad_reduce_bytes: float = 4.0, offload: bool | None = None,
                  fetch_lookahead: int = 1, dispatch_bytes: float = 2.0,
-                 ep_node_limit: int = 0, update_in_place: bool = True) -> ClusterPlans:
+                 ep_node_limit: int = 0, update_in_place: bool = True,
+                 attention_kernel: str = "") -> ClusterPlans:
     """Fastest predicted plans for ``model`` on ``gpus`` GPUs of ``cluster``: degrees
     (pipeline, tensor, data with ZeRO-1 or FSDP, expert), overlap settings, cuts, schedule,
     microbatches, remat and activation offload, ranked by step time. ``global_batch`` in
@@ -185,7 +186,9 @@ def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None =
     0: no limit). ``update_in_place``: the optimizer writes the new parameters and state
     over the old ones (PyTorch, Megatron; a Baton step with ``donate_argnums`` on them), so
     no rank holds two copies after the loop; False counts the copies (a step that donates
-    nothing)."""
+    nothing). ``attention_kernel``: a fused-attention kernel of the cluster file's
+    ``attention_kernels`` (e.g. ``"fa2"``: FlashAttention-2, PyTorch SDPA's flash backend)
+    instead of its default curve."""
     prof = _model_profile(model, seq)
     hw = load_cluster(cluster, efficiency)
     out = json.loads(_core.plan_cluster(
@@ -199,7 +202,7 @@ def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None =
         grad_reduce_bytes=float(grad_reduce_bytes),
         offload=-1 if offload is None else int(offload), fetch_lookahead=int(fetch_lookahead),
         dispatch_bytes=float(dispatch_bytes), ep_node_limit=int(ep_node_limit),
-        update_in_place=bool(update_in_place)))
+        update_in_place=bool(update_in_place), attention_kernel=str(attention_kernel)))
     return ClusterPlans([ClusterPlan.from_dict(p) for p in out["plans"]], out["stats"],
                         prof, hw)
 
@@ -211,18 +214,19 @@ def evaluate_cluster(model, cluster, *, pp: int, tp: int, dp: int, global_batch:
                      tp_overlap: bool = False, dp_overlap: bool = False,
                      grad_reduce_bytes: float = 4.0, flash_attention: bool = True,
                      sequence_parallel: bool = True, dispatch_bytes: float = 2.0,
-                     ep_node_limit: int = 0, update_in_place: bool = True) -> ClusterPlan:
+                     ep_node_limit: int = 0, update_in_place: bool = True,
+                     attention_kernel: str = "") -> ClusterPlan:
     """The prediction of one given configuration (layers spread evenly over the stages).
     ``sequence_parallel=False``: the norms and residual adds run unsplit on every TP rank
-    (Megatron-LM before 2022). ``dispatch_bytes``, ``ep_node_limit``, ``update_in_place``:
-    as in ``plan_cluster``."""
+    (Megatron-LM before 2022). ``dispatch_bytes``, ``ep_node_limit``, ``update_in_place``,
+    ``attention_kernel``: as in ``plan_cluster``."""
     prof = _model_profile(model, seq)
     hw = load_cluster(cluster, efficiency)
     out = json.loads(_core.evaluate_cluster(
         json.dumps(prof), json.dumps(hw), pp, tp, dp, ep, fsdp, int(global_batch), fp8,
         schedule, virtual_stages, microbatches, remat, tp_overlap, dp_overlap,
         float(grad_reduce_bytes), flash_attention, sequence_parallel, float(dispatch_bytes),
-        int(ep_node_limit), bool(update_in_place)))
+        int(ep_node_limit), bool(update_in_place), str(attention_kernel)))
     return ClusterPlan.from_dict(out["plans"][0])
 
 

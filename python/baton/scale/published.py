@@ -61,6 +61,9 @@ class PublishedRun:
     # (2: bf16) and the most nodes a token's experts lie on (0: no limit).
     dispatch_bytes: float = 2.0
     ep_node_limit: int = 0
+    # Fused attention kernel by name among the hardware file's attention_kernels ("fa2":
+    # PyTorch SDPA's flash backend); "": the file's default (cuDNN's on Hopper).
+    attention_kernel: str = ""
     published_mem_gib: float | None = None
     assumptions: str = ""
 
@@ -78,7 +81,8 @@ _L3 = ("interleaved v = 4, microbatch 1 (M = the batch per DP group), remat auto
        "the gradient reduce-scatter overlapped (the paper's FSDP without resharding) in fp32, "
        "TP overlap off (not described)")
 _T = ("torch.compile rows (fused elementwise work, as Baton models it); gradients reduced in "
-      "fp32 (FSDP2's default)")
+      "fp32 (FSDP2's default); attention by PyTorch's scaled_dot_product_attention, whose "
+      "flash backend is FlashAttention-2 on H100 (cuDNN's opt-in since pytorch/pytorch#138522)")
 # torchtitan's table 5 states local batch 32 and no microbatch count; its pipelining code at
 # the benchmarked commit takes `n_microbatches = pipeline_parallel_microbatches or
 # pipeline_parallel_degree` (torchtitan/parallelisms/pipelining_utils.py; the option's help:
@@ -131,33 +135,37 @@ RUNS = [
                  "interleaved", 8, 0.42, "mfu", v=12, tp_overlap=True, dp_overlap=True,
                  assumptions=_M),
     PublishedRun("torchtitan 8B FSDP 8, bf16", TITAN + ", table 1", "llama3-8b", "h100-500w", 1, 1,
-                 8, 16, "1f1b", 1, 6667, "tps", fsdp=True, remat="min", published_mem_gib=77.0,
-                 assumptions=_T + "; selective AC = remat min"),
+                 8, 16, "1f1b", 1, 6667, "tps", fsdp=True, remat="min", attention_kernel="fa2",
+                 published_mem_gib=77.0, assumptions=_T + "; selective AC = remat min"),
     PublishedRun("torchtitan 8B FSDP 8, fp8", TITAN + ", table 1", "llama3-8b", "h100-500w", 1, 1,
                  8, 16, "1f1b", 1, 8532, "tps", fsdp=True, fp8=True, remat="min",
-                 published_mem_gib=76.8, assumptions=_T + "; selective AC = remat min"),
+                 attention_kernel="fa2", published_mem_gib=76.8,
+                 assumptions=_T + "; selective AC = remat min"),
     PublishedRun("torchtitan 8B FSDP 128, bf16", TITAN + ", table 3", "llama3-8b", "h100-500w", 1,
                  1, 128, 256, "1f1b", 1, 6514, "tps", fsdp=True, remat="min",
-                 published_mem_gib=62.0, assumptions=_T + "; selective AC = remat min"),
+                 attention_kernel="fa2", published_mem_gib=62.0,
+                 assumptions=_T + "; selective AC = remat min"),
     PublishedRun("torchtitan 8B FSDP 128, fp8", TITAN + ", table 3", "llama3-8b", "h100-500w", 1,
                  1, 128, 256, "1f1b", 1, 8380, "tps", fsdp=True, fp8=True, remat="min",
-                 published_mem_gib=61.8, assumptions=_T + "; selective AC = remat min"),
+                 attention_kernel="fa2", published_mem_gib=61.8,
+                 assumptions=_T + "; selective AC = remat min"),
     PublishedRun("torchtitan 70B FSDP 32 TP 8, fp8", TITAN + ", table 4", "llama3-70b",
                  "h100-500w", 1, 8, 32, 512, "1f1b", 1, 829, "tps", fsdp=True, fp8=True,
-                 remat="full", published_mem_gib=71.9, assumptions=_T + "; full AC"),
+                 remat="full", attention_kernel="fa2", published_mem_gib=71.9,
+                 assumptions=_T + "; full AC"),
     PublishedRun("torchtitan 70B FSDP 32 TP 8, fp8, async TP", TITAN + ", table 4", "llama3-70b",
                  "h100-500w", 1, 8, 32, 512, "1f1b", 1, 876, "tps", fsdp=True, fp8=True,
-                 remat="full", tp_overlap=True, published_mem_gib=67.6,
+                 remat="full", tp_overlap=True, attention_kernel="fa2", published_mem_gib=67.6,
                  assumptions=_T + "; full AC"),
     PublishedRun("torchtitan 405B 1F1B, 512 H100, fp8", TITAN + ", table 5", "llama3-405b",
                  "h100-500w", 8, 8, 8, 256, "1f1b", 8, 100, "tps", fp8=True, remat="full",
-                 tp_overlap=True, published_mem_gib=82.5,
+                 tp_overlap=True, attention_kernel="fa2", published_mem_gib=82.5,
                  assumptions=_T + "; full AC, async TP; FSDP under PP keeps parameters "
                              "gathered through the step, evaluated as ZeRO-1 without overlap; "
                              + _T405_M),
     PublishedRun("torchtitan 405B interleaved, 512 H100, fp8", TITAN + ", table 5", "llama3-405b",
                  "h100-500w", 8, 8, 8, 256, "interleaved", 8, 128, "tps", v=2, fp8=True,
-                 remat="full", tp_overlap=True, published_mem_gib=72.7,
+                 remat="full", tp_overlap=True, attention_kernel="fa2", published_mem_gib=72.7,
                  assumptions=_T + "; full AC, async TP, v = 2; FSDP under PP evaluated as "
                              "ZeRO-1; " + _T405_M),
     PublishedRun("DeepSeek-V3 671B, 2048 H800, fp8", DEEPSEEK, "deepseek-v3", "h800", 16, 1, 128,
@@ -268,7 +276,8 @@ def predict(run: PublishedRun, profiles: dict | None = None) -> Comparison:
                                 flash_attention=run.flash_attention,
                                 sequence_parallel=run.sequence_parallel,
                                 dispatch_bytes=run.dispatch_bytes,
-                                ep_node_limit=run.ep_node_limit)
+                                ep_node_limit=run.ep_node_limit,
+                                attention_kernel=run.attention_kernel)
         if plan.fits:
             break
     return Comparison(run, plan, metric(run, prof, hw, plan.step_time), mode)
