@@ -40,6 +40,8 @@ def _config(r: P.PublishedRun, remat: str) -> str:
         parts.append("unfused attn")
     if r.attention_kernel:
         parts.append(f"attention {r.attention_kernel}")
+    if r.stash_bytes < 2:
+        parts.append("stash fp8")
     if not r.sequence_parallel and r.tp > 1:
         parts.append("no SP")
     if r.ep > 1:
@@ -114,7 +116,8 @@ def main() -> None:
                 res = scale.plan_cluster(profiles[r.model], r.cluster, r.gpus, r.global_batch,
                                          fp8=r.fp8, top=1, dispatch_bytes=r.dispatch_bytes,
                                          ep_node_limit=r.ep_node_limit,
-                                         attention_kernel=r.attention_kernel)
+                                         attention_kernel=r.attention_kernel,
+                                         stash_bytes=r.stash_bytes)
             except ValueError as e:
                 print(f"| {r.name} | no plan: {str(e)[:80]} | - | - | - | - | - |")
                 continue

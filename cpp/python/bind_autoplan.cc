@@ -158,8 +158,10 @@ void bind_cluster(nb::module_& m) {
          int top, int max_segments, int max_microbatch_choices, double gap, int64_t node_budget,
          const std::vector<int>& interleaved_v, int tp_overlap, int dp_overlap,
          double grad_reduce_bytes, int offload, int32_t fetch_lookahead, double dispatch_bytes,
-         int ep_node_limit, bool update_in_place, const std::string& attention_kernel) {
+         int ep_node_limit, bool update_in_place, const std::string& attention_kernel,
+         double stash_bytes) {
         baton::ClusterOptions o;
+        o.stash_bytes = stash_bytes;
         o.dispatch_bytes = dispatch_bytes;
         o.ep_node_limit = ep_node_limit;
         o.update_in_place = update_in_place;
@@ -195,7 +197,7 @@ void bind_cluster(nb::module_& m) {
       "interleaved_v"_a = std::vector<int>{}, "tp_overlap"_a = -1, "dp_overlap"_a = -1,
       "grad_reduce_bytes"_a = 4.0, "offload"_a = -1, "fetch_lookahead"_a = 1,
       "dispatch_bytes"_a = 2.0, "ep_node_limit"_a = 0, "update_in_place"_a = true,
-      "attention_kernel"_a = "",
+      "attention_kernel"_a = "", "stash_bytes"_a = 2.0,
       "Searches degrees x cuts x schedule x microbatches x remat x offload; returns the ranked "
       "result as JSON. offload: -1 searched when the hardware has a host_link, 0 never, 1 "
       "searched (refused without one). Raises ConfigError when nothing fits.");
@@ -206,8 +208,9 @@ void bind_cluster(nb::module_& m) {
          int microbatches, const std::string& remat, bool tp_overlap, bool dp_overlap,
          double grad_reduce_bytes, bool flash_attention, bool sequence_parallel,
          double dispatch_bytes, int ep_node_limit, bool update_in_place,
-         const std::string& attention_kernel) {
+         const std::string& attention_kernel, double stash_bytes) {
         baton::ClusterOptions o;
+        o.stash_bytes = stash_bytes;
         o.dispatch_bytes = dispatch_bytes;
         o.ep_node_limit = ep_node_limit;
         o.update_in_place = update_in_place;
@@ -230,6 +233,7 @@ void bind_cluster(nb::module_& m) {
       "tp_overlap"_a = false, "dp_overlap"_a = false, "grad_reduce_bytes"_a = 4.0,
       "flash_attention"_a = true, "sequence_parallel"_a = true, "dispatch_bytes"_a = 2.0,
       "ep_node_limit"_a = 0, "update_in_place"_a = true, "attention_kernel"_a = "",
+      "stash_bytes"_a = 2.0,
       "One given configuration (even layer cuts, one remat mode) simulated; JSON like "
       "plan_cluster's with one plan.");
   m.def(

@@ -275,6 +275,29 @@ TEST(ClusterMemory, StashesFollowTheRematAndTheUpdateWritesInPlace) {
   // Full remat keeps every layer's input of the microbatches in flight (one pipeline
   // rank: one at a time), beyond the transient of one segment's backward.
   EXPECT_GE(in_place.memory.activations, full - kLayers);
+  // Stashes kept in fp8 with scales (stash_bytes 1.03125): every stash by 1.03125 / 2; under
+  // fp8 the weight-gradient GEMM reads fp8 casts, one byte per element of both operands.
+  o.update_in_place = true;
+  o.stash_bytes = 1.03125;
+  o.fp8 = true;
+  baton::Hardware hw8 = hw;
+  hw8.peak_fp8 = 2 * hw.peak_bf16;
+  int64_t wstash8 = 0, full8 = 0, min8 = 0, min16 = 0;
+  for (const baton::SegmentCost& s :
+       baton::cluster_segment_costs(m, hw8, d, o, M).costs.segments) {
+    wstash8 += s.wstash_bytes;
+    full8 += s.full_stash_bytes;
+    min8 += s.min_stash_bytes;
+  }
+  o.stash_bytes = 2;
+  for (const baton::SegmentCost& s :
+       baton::cluster_segment_costs(m, hw8, d, o, M).costs.segments)
+    min16 += s.min_stash_bytes;
+  EXPECT_NEAR(static_cast<double>(full8), full * 1.03125 / 2, kLayers);
+  EXPECT_NEAR(static_cast<double>(min8), min16 * 1.03125 / 2, kLayers);
+  EXPECT_NEAR(static_cast<double>(wstash8), wstash / 2.0, kLayers);
+  o.stash_bytes = 0;
+  EXPECT_THROW(baton::cluster_segment_costs(m, hw8, d, o, M), baton::ConfigError);
 }
 
 TEST(SequenceParallel, NormsAndResidualsRunUnsplitWithoutIt) {

@@ -151,6 +151,11 @@ struct ClusterOptions {
   // `dispatch_bytes` per element (2: bf16; DeepSeek-V3's fp8 with one fp32 scale per 1x128
   // tile: 1 + 4/128), the other bf16.
   double dispatch_bytes = 2;
+  // Bytes per element of the activations kept from F to B (2: bf16). DeepSeek-V3 caches
+  // them in fp8 with one fp32 scale per 1x128 tile (report sec. 3.3.3: the linear layers'
+  // inputs and the MoE SwiGLU's input): 1 + 4/128. Every stash (keep, min, full) scales
+  // by stash_bytes / 2.
+  double stash_bytes = 2;
   // Node-limited routing (DeepSeek-V3 report sec. 2.1.2 / 3.2.2): when > 0 and the expert
   // group spans nodes, each token crosses the inter-node link once per target node, to at
   // most this many nodes, and is forwarded to its top_k experts over the intra-node link;

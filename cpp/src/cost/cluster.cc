@@ -48,7 +48,8 @@ struct Parts {
   double launch_f = 0, launch_b = 0;
   double legacy_recompute = 0;
   // Bytes a split backward keeps from I to W: each linear layer's input and its output's
-  // gradient (dW = x^T dy); < 0 without matmul shapes (then the whole stash).
+  // gradient (dW = x^T dy), as the weight-gradient GEMM reads them (fp8 casts under fp8);
+  // < 0 without matmul shapes (then the whole stash).
   double wstash = -1;
   double f() const { return gemm_f + attn_f + mem_f + launch_f; }
   double b() const { return gemm_b + attn_b + mem_b + launch_b; }
@@ -90,7 +91,7 @@ Parts compute_parts(const ProfileSegment& s, const Shard& sh, double mb, const C
       p.gemm_b += count * (dgrad + wgrad);  // input gradient and weight (or operand) gradient
       if (m.linear) {
         p.gemm_w += count * wgrad;
-        p.wstash += count * (in_bytes * rows * k + 2.0 * rows * n);
+        p.wstash += count * in_bytes * rows * (k + n);
       }
       if (f8) {
         // fp8 recipe: the input and the weight are cast in the forward, the output
@@ -191,12 +192,13 @@ InstanceCost instance_cost(const ProfileSegment& s, const Shard& sh, double mb,
   // score matmuls carry batch dimensions (Megatron's selective recomputation).
   c.min_recompute = p.mem_f + p.launch_f + p.attn_f + p.legacy_recompute;
   c.act_bytes = round_bytes(mb * s.act_bytes / sh.t);
-  c.stash_bytes = round_bytes(mb * s.stash_keep / sh.t);
-  c.min_stash_bytes = round_bytes(mb * s.stash_min / sh.t);
+  const double kept = o.stash_bytes / 2.0;  // the stashes' element size against bf16
+  c.stash_bytes = round_bytes(kept * mb * s.stash_keep / sh.t);
+  c.min_stash_bytes = round_bytes(kept * mb * s.stash_min / sh.t);
   c.wstash_bytes = p.wstash < 0 ? c.stash_bytes : round_bytes(p.wstash);
   // Full remat checkpoints each layer on its own (Megatron's and torchtitan's full
   // recomputation; the plan's checkpoint_stages): each layer keeps its input.
-  c.full_stash_bytes = round_bytes(mb * s.stash_full / sh.t);
+  c.full_stash_bytes = round_bytes(kept * mb * s.stash_full / sh.t);
   c.param_bytes = round_bytes(2.0 * p_store);
   const double opt_params = d.fsdp ? p_store : params_sharded(s, sh);
   c.opt_bytes =
@@ -282,6 +284,9 @@ void check_degrees(const ModelProfile& m, const ClusterDegrees& d, const Cluster
     throw ConfigError(fmt::format("cluster: dispatch_bytes must be in (0, 4] and ep_node_limit "
                                   ">= 0 (got {} and {})",
                                   o.dispatch_bytes, o.ep_node_limit));
+  if (!(o.stash_bytes > 0 && o.stash_bytes <= 4))
+    throw ConfigError(
+        fmt::format("cluster: stash_bytes must be in (0, 4] (got {})", o.stash_bytes));
   if (o.global_batch % d.dp != 0)
     throw ConfigError(fmt::format("cluster: global batch {} is not divisible by dp {}",
                                   o.global_batch, d.dp));

@@ -171,7 +171,7 @@ def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None =
                  grad_reduce_bytes: float = 4.0, offload: bool | None = None,
                  fetch_lookahead: int = 1, dispatch_bytes: float = 2.0,
                  ep_node_limit: int = 0, update_in_place: bool = True,
-                 attention_kernel: str = "") -> ClusterPlans:
+                 attention_kernel: str = "", stash_bytes: float = 2.0) -> ClusterPlans:
     """Fastest predicted plans for ``model`` on ``gpus`` GPUs of ``cluster``: degrees
     (pipeline, tensor, data with ZeRO-1 or FSDP, expert), overlap settings, cuts, schedule,
     microbatches, remat and activation offload, ranked by step time. ``global_batch`` in
@@ -188,7 +188,8 @@ def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None =
     no rank holds two copies after the loop; False counts the copies (a step that donates
     nothing). ``attention_kernel``: a fused-attention kernel of the cluster file's
     ``attention_kernels`` (e.g. ``"fa2"``: FlashAttention-2, PyTorch SDPA's flash backend)
-    instead of its default curve."""
+    instead of its default curve. ``stash_bytes``: bytes per element of the activations kept
+    for the backward (2: bf16; DeepSeek-V3 caches them in fp8 with 1x128 scales: 1 + 4/128)."""
     prof = _model_profile(model, seq)
     hw = load_cluster(cluster, efficiency)
     out = json.loads(_core.plan_cluster(
@@ -202,7 +203,8 @@ def plan_cluster(model, cluster, gpus: int, global_batch: int, seq: int | None =
         grad_reduce_bytes=float(grad_reduce_bytes),
         offload=-1 if offload is None else int(offload), fetch_lookahead=int(fetch_lookahead),
         dispatch_bytes=float(dispatch_bytes), ep_node_limit=int(ep_node_limit),
-        update_in_place=bool(update_in_place), attention_kernel=str(attention_kernel)))
+        update_in_place=bool(update_in_place), attention_kernel=str(attention_kernel),
+        stash_bytes=float(stash_bytes)))
     return ClusterPlans([ClusterPlan.from_dict(p) for p in out["plans"]], out["stats"],
                         prof, hw)
 
@@ -215,18 +217,18 @@ def evaluate_cluster(model, cluster, *, pp: int, tp: int, dp: int, global_batch:
                      grad_reduce_bytes: float = 4.0, flash_attention: bool = True,
                      sequence_parallel: bool = True, dispatch_bytes: float = 2.0,
                      ep_node_limit: int = 0, update_in_place: bool = True,
-                     attention_kernel: str = "") -> ClusterPlan:
+                     attention_kernel: str = "", stash_bytes: float = 2.0) -> ClusterPlan:
     """The prediction of one given configuration (layers spread evenly over the stages).
     ``sequence_parallel=False``: the norms and residual adds run unsplit on every TP rank
     (Megatron-LM before 2022). ``dispatch_bytes``, ``ep_node_limit``, ``update_in_place``,
-    ``attention_kernel``: as in ``plan_cluster``."""
+    ``attention_kernel``, ``stash_bytes``: as in ``plan_cluster``."""
     prof = _model_profile(model, seq)
     hw = load_cluster(cluster, efficiency)
     out = json.loads(_core.evaluate_cluster(
         json.dumps(prof), json.dumps(hw), pp, tp, dp, ep, fsdp, int(global_batch), fp8,
         schedule, virtual_stages, microbatches, remat, tp_overlap, dp_overlap,
         float(grad_reduce_bytes), flash_attention, sequence_parallel, float(dispatch_bytes),
-        int(ep_node_limit), bool(update_in_place), str(attention_kernel)))
+        int(ep_node_limit), bool(update_in_place), str(attention_kernel), float(stash_bytes)))
     return ClusterPlan.from_dict(out["plans"][0])
 
 

@@ -60,6 +60,9 @@ class PublishedRun:
     # Expert all-to-alls (ClusterOptions): bytes per element of the dispatch-way ones
     # (2: bf16) and the most nodes a token's experts lie on (0: no limit).
     dispatch_bytes: float = 2.0
+    # Bytes per element of the activations kept for the backward (2: bf16; DeepSeek-V3's fp8
+    # with 1x128 scales: DEEPSEEK_FP8_DISPATCH).
+    stash_bytes: float = 2.0
     ep_node_limit: int = 0
     # Fused attention kernel by name among the hardware file's attention_kernels ("fa2":
     # PyTorch SDPA's flash backend); "": the file's default (cuDNN's on Hopper).
@@ -171,6 +174,7 @@ RUNS = [
     PublishedRun("DeepSeek-V3 671B, 2048 H800, fp8", DEEPSEEK, "deepseek-v3", "h800", 16, 1, 128,
                  15360, "dualpipev", 120, 14.8e12 / (2.664e6 * 3600), "tps", ep=64, fp8=True,
                  remat="min", dp_overlap=True, dispatch_bytes=DEEPSEEK_FP8_DISPATCH,
+                 stash_bytes=DEEPSEEK_FP8_DISPATCH,
                  ep_node_limit=4,
                  assumptions="14.8T tokens in 2.664M H800 GPU hours (pre-training) = 1,543 "
                              "tokens/s/GPU; PP 16 / EP 64 / ZeRO-1 (the report), DualPipe as "
@@ -180,7 +184,10 @@ RUNS = [
                              "on to its 8 experts over NVLink, the two overlapped (sec. 2.1.2, "
                              "3.2.2), balanced over the nodes; dispatch in fp8 with one fp32 "
                              "scale per 1x128 tile (1.03 bytes per element), combine in bf16 "
-                             "(sec. 3.3.3, 3.3.2), the backward's two all-to-alls likewise"),
+                             "(sec. 3.3.3, 3.3.2), the backward's two all-to-alls likewise; "
+                             "activations kept for the backward in fp8 with the same scales "
+                             "(sec. 3.3.3, low-precision storage: the linear layers' inputs, "
+                             "the MoE SwiGLU's input), all stashes at 1.03 bytes per element"),
     # 172.8K H800 GPU hours per trillion tokens (sec. 3.2.3) = 1,607.5 tokens/s/GPU; PP 16 with
     # zero-bubble pipelining, EP 8, ZeRO-1 DP, no TP, bf16 (sec. 3.1.3); batch 9,216 x 4,096
     # after the ramp (sec. 3.1.2). The GPU count is not stated: DP 64 (1,024 GPUs) assumed.
@@ -277,7 +284,8 @@ def predict(run: PublishedRun, profiles: dict | None = None) -> Comparison:
                                 sequence_parallel=run.sequence_parallel,
                                 dispatch_bytes=run.dispatch_bytes,
                                 ep_node_limit=run.ep_node_limit,
-                                attention_kernel=run.attention_kernel)
+                                attention_kernel=run.attention_kernel,
+                                stash_bytes=run.stash_bytes)
         if plan.fits:
             break
     return Comparison(run, plan, metric(run, prof, hw, plan.step_time), mode)
