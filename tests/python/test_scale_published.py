@@ -218,6 +218,8 @@ def test_torchtitan_runs_attend_with_flashattention_2():
     from baton.errors import ConfigError
     with pytest.raises(ConfigError, match="no attention kernel 'fa9'"):
         scale.evaluate_cluster(r.model, r.cluster, attention_kernel="fa9", **kw)
+    with pytest.raises(ConfigError, match=r"no attention kernel 'fa9' \(attention_kernels: fa2, fa3"):
+        scale.plan_cluster(r.model, r.cluster, r.gpus, r.global_batch, attention_kernel="fa9")
 
 
 def test_torchtitan_pipeline_runs_use_its_default_microbatch_count():
