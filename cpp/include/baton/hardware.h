@@ -131,9 +131,12 @@ struct Hardware {
   // The useful fraction of the SM waves an output of rows x cols (x calls)
   // occupies; 1 without wave quantization or without a shape.
   double wave_fraction(double rows, double cols, double calls = 1) const;
+  // The attention curve of the named `kernel` of attention_kernels, or the
+  // default one (attention_fwd, attention_bwd_ratio) for an empty name;
+  // ConfigError naming the kernel when the file has none such.
+  AttentionCurve attention_curve(const std::string& kernel) const;
   // Seconds of `flops` fused-attention FLOPs (forward, or backward when `bwd`)
-  // at sequence length `seq`, by the default curve or the named `kernel` of
-  // attention_kernels (ConfigError naming it when the file has none such).
+  // at sequence length `seq`, by attention_curve(kernel).
   double attention_seconds(double flops, double seq, bool bwd,
                            const std::string& kernel = "") const;
   // Seconds of memory-bound work moving `bytes`.

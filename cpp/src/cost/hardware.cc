@@ -175,25 +175,23 @@ double Hardware::gemm_seconds(double flops, double bytes, bool fp8, double rows,
   return std::max(flops / rate, memory_seconds(bytes));
 }
 
+AttentionCurve Hardware::attention_curve(const std::string& kernel) const {
+  if (kernel.empty()) return {attention_fwd, attention_bwd_ratio};
+  const auto it = attention_kernels.find(kernel);
+  if (it != attention_kernels.end()) return it->second;
+  std::string known;
+  for (const auto& [k, v] : attention_kernels) known += (known.empty() ? "" : ", ") + k;
+  throw ConfigError(fmt::format("hardware {}: no attention kernel '{}' (attention_kernels: {})",
+                                name, kernel, known.empty() ? "none" : known));
+}
+
 double Hardware::attention_seconds(double flops, double seq, bool bwd,
                                    const std::string& kernel) const {
-  const RateTable* fwd = &attention_fwd;
-  double ratio = attention_bwd_ratio;
-  if (!kernel.empty()) {
-    const auto it = attention_kernels.find(kernel);
-    if (it == attention_kernels.end()) {
-      std::string known;
-      for (const auto& [k, v] : attention_kernels) known += (known.empty() ? "" : ", ") + k;
-      throw ConfigError(fmt::format("hardware {}: no attention kernel '{}' (attention_kernels: {})",
-                                    name, kernel, known.empty() ? "none" : known));
-    }
-    fwd = &it->second.fwd;
-    ratio = it->second.bwd_ratio;
-  }
+  const AttentionCurve a = attention_curve(kernel);
   if (flops <= 0) return 0;
-  if (fwd->empty()) return flops / (peak_bf16 * compute_scale() * (bwd ? ratio : 1.0));
-  const double frac = fwd->at(seq) * (bwd ? ratio : 1.0);
-  return flops / (peak_bf16 * frac * compute_scale());
+  const double ratio = bwd ? a.bwd_ratio : 1.0;
+  if (a.fwd.empty()) return flops / (peak_bf16 * compute_scale() * ratio);
+  return flops / (peak_bf16 * a.fwd.at(seq) * ratio * compute_scale());
 }
 
 void Hardware::validate() const {

@@ -27,10 +27,11 @@ MEGATRON_README = "Megatron-LM README, strong scaling (NVIDIA/Megatron-LM)"
 BLOOM = "BLOOM (arXiv:2211.05100), sec. 3.4"
 DEEPSEEK = "DeepSeek-V3 technical report (arXiv:2412.19437), table 1 and sec. 3"
 DEEPSEEK_V2 = "DeepSeek-V2 technical report (arXiv:2405.04434), sec. 3.1.3 and 3.2.3"
-# Bytes per element of DeepSeek-V3's fp8 dispatch: e4m3 values with one fp32 scaling factor
-# per 1x128 tile of activations (report sec. 3.3.2, fine-grained quantization; sec. 3.3.3,
-# the activations before the MoE up-projections are quantized to fp8 before the dispatch).
-DEEPSEEK_FP8_DISPATCH = 1 + 4 / 128
+# Bytes per element of DeepSeek-V3's fp8 activations: e4m3 values with one fp32 scaling
+# factor per 1x128 tile (report sec. 3.3.2, fine-grained quantization; sec. 3.3.3, the
+# activations before the MoE up-projections are quantized to fp8 before the dispatch, and
+# those kept for the backward are cached in fp8).
+DEEPSEEK_FP8 = 1 + 4 / 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +62,7 @@ class PublishedRun:
     # (2: bf16) and the most nodes a token's experts lie on (0: no limit).
     dispatch_bytes: float = 2.0
     # Bytes per element of the activations kept for the backward (2: bf16; DeepSeek-V3's fp8
-    # with 1x128 scales: DEEPSEEK_FP8_DISPATCH).
+    # with 1x128 scales: DEEPSEEK_FP8).
     stash_bytes: float = 2.0
     ep_node_limit: int = 0
     # Fused attention kernel by name among the hardware file's attention_kernels ("fa2":
@@ -173,8 +174,8 @@ RUNS = [
                              "ZeRO-1; " + _T405_M),
     PublishedRun("DeepSeek-V3 671B, 2048 H800, fp8", DEEPSEEK, "deepseek-v3", "h800", 16, 1, 128,
                  15360, "dualpipev", 120, 14.8e12 / (2.664e6 * 3600), "tps", ep=64, fp8=True,
-                 remat="min", dp_overlap=True, dispatch_bytes=DEEPSEEK_FP8_DISPATCH,
-                 stash_bytes=DEEPSEEK_FP8_DISPATCH,
+                 remat="min", dp_overlap=True, dispatch_bytes=DEEPSEEK_FP8,
+                 stash_bytes=DEEPSEEK_FP8,
                  ep_node_limit=4,
                  assumptions="14.8T tokens in 2.664M H800 GPU hours (pre-training) = 1,543 "
                              "tokens/s/GPU; PP 16 / EP 64 / ZeRO-1 (the report), DualPipe as "
