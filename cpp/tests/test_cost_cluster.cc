@@ -300,6 +300,52 @@ TEST(ClusterMemory, StashesFollowTheRematAndTheUpdateWritesInPlace) {
   EXPECT_THROW(baton::cluster_segment_costs(m, hw8, d, o, M), baton::ConfigError);
 }
 
+TEST(ClusterMemory, WeightStashKeepsASharedInputOnce) {
+  // A gate and an up projection reading the same s x h activation (SwiGLU), then the
+  // row-parallel down projection; TP 2, microbatches of 2 samples.
+  baton::ModelProfile m = mlp_stack();
+  const auto H = static_cast<int64_t>(kH), F = static_cast<int64_t>(kF);
+  baton::MatmulShape gate{kS, F, H, 1, true, 1, false};
+  baton::MatmulShape up = gate, down{kS, H, F, 1, true, 2, false};
+  up.input = 0;
+  m.segments[0].matmuls = {gate, up, down};
+  const baton::Hardware hw = hardware();
+  baton::ClusterOptions o;
+  o.gpus = 8;
+  o.global_batch = 64;
+  const baton::ClusterDegrees d{1, 2, 4, 1, false};
+  const double mb = 2, t = 2;
+  auto wstash = [&](const baton::ModelProfile& p) {
+    int64_t w = 0;
+    for (const auto& s : baton::cluster_segment_costs(p, hw, d, o, 8).costs.segments)
+      w += s.wstash_bytes;
+    return static_cast<double>(w);
+  };
+  // bf16: the shared s x h input once, the gradients of the two s x f/t outputs, then the
+  // down projection's s x f/t input and s x h output gradient.
+  const double once = kLayers * mb * 2 * (kS * kH + 2 * kS * kF / t + kS * kF / t + kS * kH);
+  EXPECT_NEAR(wstash(m), once, kLayers);
+  baton::ModelProfile apart = m;
+  apart.segments[0].matmuls[1].input = -1;  // read apart: each keeps its own copy
+  EXPECT_NEAR(wstash(apart), once + kLayers * mb * 2 * kS * kH, kLayers);
+  // The field round-trips through JSON; a reference that cannot be the same activation is
+  // refused by name.
+  EXPECT_EQ(baton::ModelProfile::from_json(m.to_json()).segments, m.segments);
+  for (int bad : {1, 2, -2}) {
+    baton::ModelProfile b = m;
+    b.segments[0].matmuls[1].input = bad;  // itself, a later matmul, not an index
+    EXPECT_THROW(baton::ModelProfile::from_json(b.to_json()), baton::ConfigError) << bad;
+  }
+  baton::ModelProfile other = m;
+  other.segments[0].matmuls[2].input = 0;  // the down projection reads s x f/t, not s x h
+  try {
+    baton::ModelProfile::from_json(other.to_json());
+    ADD_FAILURE() << "a different activation was accepted";
+  } catch (const baton::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("matmuls[2].input"), std::string::npos) << e.what();
+  }
+}
+
 TEST(SequenceParallel, NormsAndResidualsRunUnsplitWithoutIt) {
   // 8 layers of one column-parallel matmul and 1 MB of memory-bound bytes per sample, of
   // which 0.4 MB are norms and residual adds (outside the TP regions).

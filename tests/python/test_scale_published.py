@@ -141,6 +141,29 @@ def test_remat_policies_keep_what_jax_keeps():
     assert seg["stash_full"] < seg["stash_min"] < seg["stash_keep"]
 
 
+def test_full_recomputation_checkpoints_the_layers_not_the_head():
+    # Megatron-LM's and torchtitan's full recomputation (and the plan's checkpoint_stages)
+    # wrap the transformer layers only: the head keeps its fp32 logits for the loss's
+    # backward, the embedding its token ids.
+    prof = scale.profile_model("llama3-8b")
+    seg = {s["name"]: s for s in prof["segments"]}
+    assert seg["layer"]["stash_full"] == 2 * 8192 * 4096  # the layer's bf16 input
+    assert seg["head"]["stash_full"] == seg["head"]["stash_keep"]
+    assert seg["head"]["stash_keep"] > 4 * 8192 * 128256  # the fp32 logits at least
+    assert seg["embed"]["stash_full"] == seg["embed"]["stash_keep"]
+    hw = scale.load_cluster("h100")
+    kw = dict(pp=1, tp=1, dp=8, fsdp=True, global_batch=16, schedule="1f1b", microbatches=1)
+    full = scale.evaluate_cluster(prof, hw, remat="full", **kw).memory
+    # per GPU: 2 samples, 32 layer inputs each, and the head's own residuals
+    stash = 2 * (32 * seg["layer"]["stash_full"] + seg["head"]["stash_keep"])
+    assert full.activations >= stash
+    # q, k and v read one normalized activation, gate and up another: the weight-gradient
+    # stash keeps each once (the matmuls' "input" names the first reader).
+    shared = [(mm["n"], mm["input"]) for mm in seg["layer"]["matmuls"]]
+    assert shared == [(4096, -1), (1024, 0), (1024, 0), (4096, -1), (14336, -1), (14336, 4),
+                      (4096, -1)]
+
+
 def test_hardware_constants_inside_their_cited_ranges():
     for name in scale.cluster_names():
         hw = scale.load_cluster(name)

@@ -49,6 +49,10 @@ struct MatmulShape {
   bool linear = true;
   int tp_dim = 0;
   bool expert = false;
+  // Index of the first matmul of the segment that reads the same activation (q, k and v;
+  // an MLP's gate and up): a split backward keeps that input for the weight gradients
+  // once. -1: its own input.
+  int input = -1;
   bool operator==(const MatmulShape&) const = default;
 };
 

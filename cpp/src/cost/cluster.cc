@@ -47,8 +47,9 @@ struct Parts {
   double mem_f = 0, mem_b = 0;
   double launch_f = 0, launch_b = 0;
   double legacy_recompute = 0;
-  // Bytes a split backward keeps from I to W: each linear layer's input and its output's
-  // gradient (dW = x^T dy), as the weight-gradient GEMM reads them (fp8 casts under fp8);
+  // Bytes a split backward keeps from I to W: each linear layer's input (once for the
+  // layers that read the same one) and its output's gradient (dW = x^T dy), as the
+  // weight-gradient GEMM reads them (fp8 casts under fp8);
   // < 0 without matmul shapes (then the whole stash).
   double wstash = -1;
   double f() const { return gemm_f + attn_f + mem_f + launch_f; }
@@ -91,7 +92,8 @@ Parts compute_parts(const ProfileSegment& s, const Shard& sh, double mb, const C
       p.gemm_b += count * (dgrad + wgrad);  // input gradient and weight (or operand) gradient
       if (m.linear) {
         p.gemm_w += count * wgrad;
-        p.wstash += count * in_bytes * rows * (k + n);
+        // The output's gradient, and the input unless an earlier matmul keeps it.
+        p.wstash += count * in_bytes * rows * (m.input < 0 ? k + n : n);
       }
       if (f8) {
         // fp8 recipe: the input and the weight are cast in the forward, the output

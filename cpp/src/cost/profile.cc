@@ -44,10 +44,11 @@ MatmulShape parse_matmul(const json& j, const std::string& path) {
     else if (key == "linear") m.linear = get_bool(val, p);
     else if (key == "tp_dim") m.tp_dim = static_cast<int>(kFields.get_int(val, p, "an integer"));
     else if (key == "expert") m.expert = get_bool(val, p);
+    else if (key == "input") m.input = static_cast<int>(kFields.get_int(val, p, "an integer"));
     else
       throw FormatError(fmt::format(
           "model profile JSON: unknown key '{}' (matmul keys: m, n, k, count, linear, tp_dim, "
-          "expert)",
+          "expert, input)",
           p));
   }
   return m;
@@ -108,7 +109,7 @@ json segment_json(const ProfileSegment& s) {
   json mm = json::array();
   for (const MatmulShape& m : s.matmuls)
     mm.push_back({{"m", m.m}, {"n", m.n}, {"k", m.k}, {"count", m.count}, {"linear", m.linear},
-                  {"tp_dim", m.tp_dim}, {"expert", m.expert}});
+                  {"tp_dim", m.tp_dim}, {"expert", m.expert}, {"input", m.input}});
   return json{{"name", s.name},
               {"matmuls", mm},
               {"attn_flops", s.attn_flops},
@@ -207,6 +208,21 @@ void ModelProfile::validate() const {
       if (m.tp_dim < 0 || m.tp_dim > 2)
         throw ConfigError(
             fmt::format("model profile: {}.tp_dim must be 0, 1 or 2 (got {})", mw, m.tp_dim));
+      if (m.input >= 0) {
+        const auto& first = m.input < static_cast<int>(q) ? s.matmuls[m.input] : m;
+        if (m.input >= static_cast<int>(q) || !m.linear || !first.linear || first.input != -1 ||
+            first.m != m.m || first.k != m.k || first.count != m.count ||
+            (first.tp_dim == 2) != (m.tp_dim == 2) || first.expert != m.expert)
+          throw ConfigError(fmt::format(
+              "model profile: {}.input must name an earlier linear matmul that reads the same "
+              "activation (same m, k, count and expert, both or neither row-parallel, its own "
+              "input -1; got {})",
+              mw, m.input));
+      } else if (m.input != -1) {
+        throw ConfigError(
+            fmt::format("model profile: {}.input must be -1 or an earlier matmul (got {})", mw,
+                        m.input));
+      }
     }
   }
 }

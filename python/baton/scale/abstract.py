@@ -62,6 +62,10 @@ class JaxprCounts:
     # count, linear); the FLOPs of those inside (attention's core) in ``attn_flops``.
     matmuls: list = dataclasses.field(default_factory=list)
     attn_flops: float = 0.0
+    # The activation operand of each linear matmul -> (the variable, kept alive so that its
+    # id stays unique; the index of the first matmul reading it): matmuls that read the
+    # same activation (q, k and v; an MLP's gate and up) carry that index as "input".
+    inputs: dict = dataclasses.field(default_factory=dict)
 
 
 def _dot_shape(eqn, param_operand: int | None) -> dict:
@@ -107,7 +111,12 @@ def _count(jaxpr, params: dict, out: JaxprCounts, top: bool, in_ckpt: bool = Fal
                 out.attn_flops += f
             else:
                 po = next((j for j, i in enumerate(ins[:2]) if i in params), None)
-                out.matmuls.append(dict(_dot_shape(eqn, po),
+                shared = -1
+                if po is not None and ins[1 - po] is not None:
+                    act = eqn.invars[1 - po]
+                    shared = out.inputs.setdefault(id(act), (act, len(out.matmuls)))[1]
+                    shared = -1 if shared == len(out.matmuls) else shared
+                out.matmuls.append(dict(_dot_shape(eqn, po), input=shared,
                                         param=None if po is None else params[ins[po]]))
         elif name in _SHAPE_OPS and ins and ins[0] in params:
             params[id(eqn.outvars[0])] = params[ins[0]]

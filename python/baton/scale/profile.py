@@ -50,14 +50,19 @@ def profile_segment(name: str, f, params, x, *, repeat: int = 1, tp_collectives:
                     tp_bytes: int = 0, a2a_collectives: int = 0, a2a_bytes: int = 0,
                     hidden: int | None = None, mem_bytes: float = 0.0, kernels: int = 0,
                     causal: bool = True, attn_scores: float = 0.0,
-                    mem_bytes_replicated: float = 0.0, a2a_top_k: int = 0) -> dict:
+                    mem_bytes_replicated: float = 0.0, a2a_top_k: int = 0,
+                    checkpointed: bool = True) -> dict:
     """One segment kind's entry of the profile (see :mod:`baton.scale.abstract`):
     ``f(params, x)`` at one sample, ``params``/``x`` abstract (``ShapeDtypeStruct``).
     Each linear layer's tensor-parallel split follows its weight's name (ROW_PARALLEL,
     REPLICATED); ``mem_bytes`` and ``kernels`` are the forward's memory-bound bytes and non-matmul
     kernels (docs/SCALE.md, "Time from physical parts"); ``mem_bytes_replicated`` the part
     of ``mem_bytes`` outside the TP regions (split over TP ranks only with sequence
-    parallelism); ``a2a_top_k`` the experts each token's all-to-all copies go to."""
+    parallelism); ``a2a_top_k`` the experts each token's all-to-all copies go to.
+    ``checkpointed``: whether full recomputation checkpoints this segment (the transformer
+    layers); the embedding and the head are not (Megatron-LM's and torchtitan's full
+    recomputation wrap the layers only, as the plan's ``checkpoint_stages`` do), so their
+    ``stash_full`` is what they keep without recomputation."""
     n_params = len(jax.tree.leaves(params))
     names = _leaf_names(params)
     fwd = jax.make_jaxpr(f)(params, x)
@@ -89,12 +94,12 @@ def profile_segment(name: str, f, params, x, *, repeat: int = 1, tp_collectives:
         "expert_params": 0,
         "act_bytes": out_bytes if out_bytes > 64 else 0,
         "stash_keep": keep, "stash_min": min(stash_min, keep), "min_recompute_flops": 0.0,
-        "stash_full": A._nbytes(x), "temp_bytes": fc.largest,
+        "stash_full": A._nbytes(x) if checkpointed else keep, "temp_bytes": fc.largest,
         "tp_collectives": tp_collectives, "tp_bytes": tp_bytes,
         "a2a_collectives": a2a_collectives, "a2a_bytes": a2a_bytes, "a2a_top_k": a2a_top_k,
         "matmuls": [{"m": mm["m"], "n": mm["n"], "k": mm["k"], "count": mm["count"],
                      "linear": mm["linear"], "tp_dim": _tp_dim(mm, names),
-                     "expert": mm["count"] > 1} for mm in fc.matmuls],
+                     "expert": mm["count"] > 1, "input": mm["input"]} for mm in fc.matmuls],
         "attn_flops": fc.attn_flops, "attn_scores": float(attn_scores), "attn_causal": causal,
         "mem_bytes": float(mem_bytes), "kernels": int(kernels),
         "mem_bytes_replicated": float(mem_bytes_replicated),
@@ -145,7 +150,7 @@ def profile_model(model: TransformerConfig | str, seq: int | None = None) -> dic
     segs = [profile_segment(
         "embed", _embed, A._abstract({"emb": (cfg.vocab, h)}),
         jax.ShapeDtypeStruct((1, s), jnp.int32), tp_collectives=1, tp_bytes=act_bytes,
-        hidden=h, mem_bytes=4.0 * s * h, kernels=KERNELS["embed"])]
+        hidden=h, mem_bytes=4.0 * s * h, kernels=KERNELS["embed"], checkpointed=False)]
     n_moe = cfg.layers - cfg.dense_layers if cfg.experts else 0
     n_dense = cfg.layers - n_moe
     if n_dense:
@@ -170,7 +175,8 @@ def profile_model(model: TransformerConfig | str, seq: int | None = None) -> dic
         "head", _head, A._abstract({"out": (h, cfg.vocab), "norm": (h,)}), act,
         tp_collectives=1, tp_bytes=act_bytes, hidden=h,
         # the norm (4sh) and the loss: the logits written, read by the softmax (4 s V)
-        mem_bytes=4.0 * s * h + 4.0 * s * cfg.vocab, kernels=KERNELS["head"]))
+        mem_bytes=4.0 * s * h + 4.0 * s * cfg.vocab, kernels=KERNELS["head"],
+        checkpointed=False))
     fwd = sum(x["fwd_flops"] * x["repeat"] for x in segs)
     return {"name": cfg.name, "seq": s, "model_flops_per_sample": 3.0 * fwd,
             "max_tp": math.gcd(cfg.heads, 64), "num_experts": cfg.experts, "segments": segs}
