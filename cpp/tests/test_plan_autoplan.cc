@@ -196,6 +196,37 @@ TEST(AutoplanStage, FullRematPerLayerKeepsEachLayersInput) {
             std::string::npos);
 }
 
+TEST(AutoplanStage, RematHoldsOneUnitsRecomputationAtOnce) {
+  SegmentCosts c = sample_costs();
+  c.segments[1].min_transient_bytes = 300;
+  c.segments[1].full_transient_bytes = 380;
+  c.segments[2].full_transient_bytes = 395;
+  // The stage's largest unit, per remat; nothing under keep.
+  EXPECT_EQ(stage_transient_bytes(c, 1, 3, Remat::Keep), 0);
+  EXPECT_EQ(stage_transient_bytes(c, 1, 3, Remat::Min), 300);
+  EXPECT_EQ(stage_transient_bytes(c, 1, 3, Remat::Full), 395);
+  EXPECT_EQ(c.scaled(2).segments[2].full_transient_bytes, 395 * 4);
+  EXPECT_EQ(SegmentCosts::from_json(c.to_json()).segments, c.segments);
+  EXPECT_NE(error_of<ConfigError>([] {
+              SegmentCosts::from_json(R"({"segments": [{"min_transient_bytes": -1}]})");
+            }).find("min_transient_bytes"),
+            std::string::npos);
+  // A candidate's peak holds it beside the stage's temporaries: rank 0 of ZB-V holds
+  // stages 0 and 3, the first two ranks' stages 1 and 2 (cuts 0, 1, 2, 3).
+  const std::vector<int> cuts{0, 1, 2, 3};
+  const std::vector<Remat> rm{Remat::Keep, Remat::Min, Remat::Full, Remat::Full};
+  const PlanCandidate none = evaluate_candidate(sample_costs(), "zbv", 2, 2, 4, cuts, rm, 0, true);
+  const PlanCandidate with = evaluate_candidate(c, "zbv", 2, 2, 4, cuts, rm, 0, true);
+  EXPECT_EQ(with.peak_memory[0], none.peak_memory[0]);  // stages 0 and 3 have none
+  const SegmentCosts s = sample_costs().scaled(4);
+  const int64_t t1 = stage_temp_bytes(s, 1, 2), t2 = stage_temp_bytes(s, 2, 3);
+  // Rank 1, at microbatches of twice the reference: the larger of stage 1's temporaries
+  // + 300 x 2 (min) and stage 2's + 395 x 2 (full).
+  EXPECT_EQ(with.peak_memory[1] - none.peak_memory[1],
+            std::max(t1 + 300 * 2, t2 + 395 * 2) - std::max(t1, t2));
+  EXPECT_EQ(with.step_time, none.step_time);
+}
+
 TEST(AutoplanStage, EvaluateMatchesSimulator) {
   const SegmentCosts c = sample_costs();
   const std::vector<int> cuts{0, 1, 2, 3};
@@ -329,6 +360,10 @@ SegmentCosts random_costs(std::mt19937& rng, int n) {
     s.param_bytes = bytes(0, 500);
     s.opt_bytes = bytes(0, 500);
     s.temp_bytes = bytes(0, 100);
+    // What a checkpointed unit rematerializes at once, in either order of size (a layer
+    // that full remat checkpoints and min keeps whole, or the reverse).
+    s.min_transient_bytes = u(rng) < 0.5 ? bytes(0, 300) : 0;
+    s.full_transient_bytes = u(rng) < 0.5 ? bytes(0, 300) : 0;
     c.segments.push_back(s);
   }
   return c;

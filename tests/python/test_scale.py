@@ -227,19 +227,23 @@ def test_16384_gpu_search_takes_seconds():
 
 def test_offload_keeps_the_stashes_recompute_would_drop():
     """Llama 3 405B on 16,384 H100 (pp 32 x tp 8): without offload the best plan recomputes
-    part of most stages to fit in 76 GiB; with the H100's PCIe host link searched (the
-    default for a cluster file with one) the fullest rank offloads its stashes, the step is
-    faster, and host memory holds what the device no longer does, within the preset's host
-    bytes per GPU."""
+    part of most stages to fit in 76 GiB. Over PCIe (63 GB/s a direction) moving a layer's
+    stash costs more than recomputing it, so the search keeps recomputing; over a Grace
+    Hopper-class host link (NVLink-C2C, 450 GB/s a direction) every stage keeps its
+    residuals and offloads them, the step is faster, and host memory holds what the device
+    no longer does, within the preset's host bytes per GPU."""
     from baton.errors import ConfigError
     prof = scale.profile_model("llama3-405b")
-    kw = dict(top=1, pp=[32], tp=[8], fsdp=False, tp_overlap=True, dp_overlap=True)
-    plain = scale.plan_cluster(prof, "h100", 16384, 2048, offload=False, **kw).plans[0]
-    off = scale.plan_cluster(prof, "h100", 16384, 2048, **kw).plans[0]
+    kw = dict(top=1, pp=[32], tp=[8], fsdp=False, tp_overlap=True, dp_overlap=True, gap=0.0)
     hw = scale.load_cluster("h100")
+    c2c = dict(hw, host_link=dict(hw["host_link"], bandwidth=450e9))
+    plain = scale.plan_cluster(prof, c2c, 16384, 2048, offload=False, **kw).plans[0]
+    pcie = scale.plan_cluster(prof, hw, 16384, 2048, **kw).plans[0]
+    off = scale.plan_cluster(prof, c2c, 16384, 2048, **kw).plans[0]
     assert sum(m != "keep" for m in plain.remat) > len(plain.remat) // 2
     assert not plain.offload and plain.memory.host == 0
-    assert "stash" in off.offload
+    assert not pcie.offload and pcie.step_time == pytest.approx(plain.step_time)
+    assert "stash" in off.offload and set(off.remat) == {"keep"}
     assert off.step_time < plain.step_time and off.mfu > plain.mfu
     assert off.memory.total <= 76 * 2**30 and 0 < max(off.peak_host) <= hw["host_bytes"]
     # each offloading stage's rank holds host bytes; the others none
@@ -248,10 +252,10 @@ def test_offload_keeps_the_stashes_recompute_would_drop():
     assert off.jit_kwargs()["offload"] == {k: "stash" for k, o in enumerate(off.offload)
                                            if o == "stash"}
     assert plain.jit_kwargs()["offload"] is None
-    assert "host" in scale.plan_cluster(prof, "h100", 16384, 2048, **kw).table()
+    assert "host" in scale.plan_cluster(prof, c2c, 16384, 2048, **kw).table()
     # host memory bounds it: a quarter of what that plan holds forbids it
     cap = max(off.peak_host) // 4
-    capped = scale.plan_cluster(prof, dict(hw, host_bytes=cap), 16384, 2048, **kw).plans[0]
+    capped = scale.plan_cluster(prof, dict(c2c, host_bytes=cap), 16384, 2048, **kw).plans[0]
     assert max(capped.peak_host, default=0) <= cap
     # a cluster file without a host link: not searched, and refused by name when asked for
     bare = {k: v for k, v in hw.items() if k != "host_link"}

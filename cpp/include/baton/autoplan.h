@@ -134,6 +134,11 @@ struct SegmentCost {
   int64_t param_bytes = 0;
   int64_t opt_bytes = 0;   // optimizer state
   int64_t temp_bytes = 0;  // XLA temporaries of its tasks
+  // Bytes the backward of one checkpointed unit rematerializes at once under min / full
+  // remat (its recomputed residuals beyond what the remat keeps), held while that unit's
+  // backward runs: the stage's temporaries grow by the largest (stage_transient_bytes).
+  // 0: none beyond temp_bytes (traced costs measure their tasks' temporaries whole).
+  int64_t min_transient_bytes = 0, full_transient_bytes = 0;
   bool operator==(const SegmentCost&) const = default;
 };
 
@@ -218,6 +223,9 @@ std::vector<double> update_comm_exposed(const SegmentCosts& c, const std::vector
 // schedule runs B tasks of a split partition (runs_b_as_i_then_w), each as I
 // then W, so I's weight stash (wstash_bytes) is held while W runs.
 int64_t stage_temp_bytes(const SegmentCosts& c, int begin, int end, bool b_split = false);
+// What the stage's backward rematerializes at once under `remat` beyond its stash: the
+// largest min_transient_bytes / full_transient_bytes of its segments (0 under keep).
+int64_t stage_transient_bytes(const SegmentCosts& c, int begin, int end, Remat remat);
 // Whether the schedule has B tasks while its partition is split into I and W
 // (DualPipeV: B in its overlapped pairs, I and W at the end): such a B runs as
 // I then W.

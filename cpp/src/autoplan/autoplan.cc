@@ -78,14 +78,14 @@ void Searcher::probe_min_memory(const Config& c) {
   build_options(c);
   choice_.assign(c.S, 0);
   for (int s = 0; s < c.S; ++s) {
-    choice_[s] = static_cast<int>(opts_[s].size()) - 1;
+    choice_[s] = least_stash(s);
     stc_[s] = opts_[s][choice_[s]].cost;
   }
   const SimResult res = simulate_stc(c);
   int64_t peak = -1;
   int rank = 0;
   for (int r = 0; r < c.P; ++r) {
-    const int64_t m = rank_peak(r, res.peak_total[r]);
+    const int64_t m = rank_peak(c, r, res.peak_total[r]);
     if (m > peak) {
       peak = m;
       rank = r;
@@ -363,7 +363,8 @@ PlanCandidate evaluate_candidate(const SegmentCosts& costs, std::string_view sch
     const int a = cuts[st], e = st + 1 < s.num_stages ? cuts[st + 1] : n;
     const int r = s.stage_rank[st];
     pc.peak_memory[r] += stage_static_bytes(sc, a, e);
-    tmp[r] = std::max(tmp[r], stage_temp_bytes(sc, a, e, b_split));
+    tmp[r] = std::max(tmp[r], stage_temp_bytes(sc, a, e, b_split) +
+                                  stage_transient_bytes(sc, a, e, remat[st]));
     if (!update_in_place) upd[r] += stage_update_bytes(sc, a, e);
   }
   pc.fits = true;

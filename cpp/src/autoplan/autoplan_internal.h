@@ -35,6 +35,7 @@ struct Option {
   double added = 0;   // added to b and i
   int64_t stash = 0;  // stash bytes per microbatch
   StageCost cost;     // stage_cost() of this mode
+  int64_t transient = 0;  // stage_transient_bytes() of this mode
 };
 
 // Bounds are computed with prefix sums, the simulated costs with sequential
@@ -125,10 +126,18 @@ class Searcher {
   int64_t stage_upd(const Config& c, int a, int e) const {
     return o_.update_in_place ? 0 : c.pupdate[e] - c.pupdate[a];
   }
-  // A rank's peak: its static bytes plus the larger of the loop (transient +
-  // pipeline buffers) and the update's new copies.
-  int64_t rank_peak(int r, int64_t buffers) const {
-    return static_[r] + std::max(temp_[r] + buffers, upd_[r]);
+  // A rank's peak at the current remat choices: its static bytes plus the larger of the
+  // loop (the largest stage transient: temporaries plus what the chosen remat
+  // rematerializes at once; + pipeline buffers) and the update's new copies.
+  int64_t rank_peak(const Config& c, int r, int64_t buffers) const {
+    int64_t t = temp_[r];
+    for (int s : c.rank_stages[r]) {
+      int64_t x = opts_[s][choice_[s]].transient;
+      if (least_transient_)
+        for (const Option& op : opts_[s]) x = std::min(x, op.transient);
+      t = std::max(t, stage_temp_[s] + x);
+    }
+    return static_[r] + std::max(t + buffers, upd_[r]);
   }
   int64_t temp(const Config& c, int a, int e) const { return c.tmax[a * (n_ + 1) + e]; }
   double bi_min(const Config& c, int s, double b, double i) const {
@@ -147,6 +156,7 @@ class Searcher {
   void dfs(Config& c, int s, int a, double node_lb);
   void leaf(Config& c);
   void build_options(const Config& c);
+  int least_stash(int s) const;  // the option of stage s (opts_) that stashes least
   // Zeroes the DFS state (cuts_, busy_, static_, temp_, hd_, td_) sized for c.
   void clear_dfs_state(const Config& c);
   void set_partition(const Config& c, const std::vector<int>& cuts);
@@ -194,6 +204,11 @@ class Searcher {
   std::vector<StageCost> stc_;
   std::vector<StageCost> fast_;  // costs at every stage's fastest option
   std::vector<std::vector<Option>> opts_;
+  std::vector<int64_t> stage_temp_;  // temp(c, a, e) of each stage of the leaf
+  // rank_peak takes each stage's least transient over its options, not its chosen
+  // one's: with every stash at its least, a lower bound on every remat vector's peak
+  // (the option that stashes least need not rematerialize least).
+  bool least_transient_ = false;
   std::vector<int> choice_;
   std::vector<int> order_;     // stages grouped by rank
   std::vector<int> rank_end_;  // order_ index after which rank r is complete (-1 if none)

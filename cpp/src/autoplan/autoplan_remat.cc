@@ -122,9 +122,11 @@ void Searcher::build_options(const Config& c) {
   const int S = c.S;
   stc_.resize(S);
   opts_.assign(S, {});
+  stage_temp_.assign(S, 0);
   for (int s = 0; s < S; ++s) {
     const int a = cuts_[s], e = s + 1 < S ? cuts_[s + 1] : n_;
     stc_[s] = stage_cost(c.sc, a, e, Remat::Keep);
+    stage_temp_[s] = temp(c, a, e);
     double rec = 0;
     for (int k = a; k < e; ++k) rec += c.sc.segments[k].min_recompute;
     std::vector<Option> os;
@@ -133,14 +135,27 @@ void Searcher::build_options(const Config& c) {
       // stage_cost adds exactly these sums, so `added` orders b and i too.
       op.added = m == Remat::Keep ? 0.0 : m == Remat::Min ? rec : stc_[s].f;
       op.stash = op.cost.stash_bytes;
+      op.transient = stage_transient_bytes(c.sc, a, e, m);
       os.push_back(op);
     }
     std::sort(os.begin(), os.end(), [](const Option& x, const Option& y) {
       return x.added != y.added ? x.added < y.added : x.stash < y.stash;
     });
-    for (const Option& op : os)  // Pareto: keep an option only if it stashes less
-      if (opts_[s].empty() || op.stash < opts_[s].back().stash) opts_[s].push_back(op);
+    // Pareto: a slower option stays only if no faster one stashes and rematerializes at
+    // most as much.
+    for (const Option& op : os)
+      if (std::none_of(opts_[s].begin(), opts_[s].end(), [&](const Option& q) {
+            return q.stash <= op.stash && q.transient <= op.transient;
+          }))
+        opts_[s].push_back(op);
   }
+}
+
+int Searcher::least_stash(int s) const {
+  int j = 0;
+  for (int k = 1; k < static_cast<int>(opts_[s].size()); ++k)
+    if (opts_[s][k].stash < opts_[s][j].stash) j = k;
+  return j;
 }
 
 void Searcher::leaf(Config& c) {
@@ -152,19 +167,22 @@ void Searcher::leaf(Config& c) {
   auto apply = [&](int s) { stc_[s] = opts_[s][choice_[s]].cost; };
   for (int s = 0; s < S; ++s) apply(s);
   fast_ = stc_;
-  // Memory: least stash everywhere.
+  // Memory: least stash (and least rematerialized at once) everywhere.
   for (int s = 0; s < S; ++s) {
-    choice_[s] = static_cast<int>(opts_[s].size()) - 1;
+    choice_[s] = least_stash(s);
     apply(s);
   }
+  least_transient_ = true;
   for (int r = 0; r < c.P; ++r) {
-    const int64_t m = rank_peak(r, rank_stash_lb(c, r));
+    const int64_t m = rank_peak(c, r, rank_stash_lb(c, r));
     if (m > budget_) {
+      least_transient_ = false;
       ++st_.pruned;
       note_peak(m, r, describe(c, cuts_), false);
       return;
     }
   }
+  least_transient_ = false;
   for (int s = 0; s < S; ++s) {
     choice_[s] = 0;
     apply(s);
@@ -198,7 +216,7 @@ void Searcher::greedy_leaf(Config& c) {
   const bool offload = offload_;
   offload_ = false;
   for (int r = 0; r < c.P; ++r) {
-    while (rank_peak(r, rank_stash_lb(c, r)) > budget_) {
+    while (rank_peak(c, r, rank_stash_lb(c, r)) > budget_) {
       int best = -1;
       double best_ratio = -1;
       for (int s : c.rank_stages[r]) {
@@ -213,7 +231,7 @@ void Searcher::greedy_leaf(Config& c) {
           best = s;
         }
       }
-      if (best < 0) break;  // every stage at its least stash: the descent decides
+      if (best < 0) break;  // no slower option left that saves: the descent decides
       stc_[best] = opts_[best][++choice_[best]].cost;
     }
   }
@@ -254,11 +272,11 @@ void Searcher::remat_dfs(Config& c, size_t k) {
     stc_[s] = opts_[s][j].cost;
     if (rank_end_[k] >= 0) {
       const int r = rank_end_[k];
-      const int64_t m = rank_peak(r, rank_stash_lb(c, r));
+      const int64_t m = rank_peak(c, r, rank_stash_lb(c, r));
       if (m > budget_) {
         ++st_.pruned;
         note_peak(m, r, describe(c, cuts_), false);
-        continue;  // slower options stash less: try them
+        continue;  // a slower option may stash or rematerialize less: try them
       }
     }
     if (j > 0) {
@@ -338,7 +356,7 @@ bool Searcher::offload_fit(Config& c, PlanCandidate& pc, double upd) {
     fits = true;
     bool host_over = false;
     for (int r = 0; r < c.P; ++r) {
-      peaks[r] = rank_peak(r, res.peak_total[r]);
+      peaks[r] = rank_peak(c, r, res.peak_total[r]);
       fits = fits && peaks[r] <= budget_;
       host_over = host_over || (o_.host_memory > 0 && res.peak_host_bytes[r] > o_.host_memory);
     }
@@ -393,7 +411,7 @@ void Searcher::remat_leaf(Config& c) {
   pc.peak_memory.resize(c.P);
   pc.fits = true;
   for (int r = 0; r < c.P; ++r) {
-    pc.peak_memory[r] = rank_peak(r, res.peak_total[r]);
+    pc.peak_memory[r] = rank_peak(c, r, res.peak_total[r]);
     if (pc.peak_memory[r] > budget_) pc.fits = false;
   }
   if (!pc.fits) {

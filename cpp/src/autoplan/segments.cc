@@ -65,11 +65,16 @@ SegmentCost parse_segment(const json& j, const std::string& path) {
       s.opt_bytes = kFields.get_int(val, p, "an integer byte count");
     } else if (key == "temp_bytes") {
       s.temp_bytes = kFields.get_int(val, p, "an integer byte count");
+    } else if (key == "min_transient_bytes") {
+      s.min_transient_bytes = kFields.get_int(val, p, "an integer byte count");
+    } else if (key == "full_transient_bytes") {
+      s.full_transient_bytes = kFields.get_int(val, p, "an integer byte count");
     } else {
       throw FormatError(fmt::format(
           "segment costs JSON: unknown key '{}' (segment keys: name, f, b, i, w, overhead, "
           "update, act_bytes, stash_bytes, min_stash_bytes, min_recompute, wstash_bytes, "
-          "full_stash_bytes, param_bytes, opt_bytes, temp_bytes)",
+          "full_stash_bytes, param_bytes, opt_bytes, temp_bytes, min_transient_bytes, "
+          "full_transient_bytes)",
           p));
     }
   }
@@ -117,6 +122,8 @@ void SegmentCosts::validate() const {
     kFields.check_bytes(s.param_bytes, w + ".param_bytes");
     kFields.check_bytes(s.opt_bytes, w + ".opt_bytes");
     kFields.check_bytes(s.temp_bytes, w + ".temp_bytes");
+    kFields.check_bytes(s.min_transient_bytes, w + ".min_transient_bytes");
+    kFields.check_bytes(s.full_transient_bytes, w + ".full_transient_bytes");
   }
 }
 
@@ -192,6 +199,8 @@ std::string SegmentCosts::to_json() const {
            {"temp_bytes", s.temp_bytes}};
     if (!s.name.empty()) j["name"] = s.name;
     if (s.full_stash_bytes >= 0) j["full_stash_bytes"] = s.full_stash_bytes;
+    if (s.min_transient_bytes > 0) j["min_transient_bytes"] = s.min_transient_bytes;
+    if (s.full_transient_bytes > 0) j["full_transient_bytes"] = s.full_transient_bytes;
     segs.push_back(std::move(j));
   }
   json j{{"batch", batch},
@@ -229,6 +238,8 @@ SegmentCosts SegmentCosts::scaled(int microbatches) const {
     s.wstash_bytes = scale_bytes(s.wstash_bytes, k);
     if (s.full_stash_bytes >= 0) s.full_stash_bytes = scale_bytes(s.full_stash_bytes, k);
     s.temp_bytes = scale_bytes(s.temp_bytes, k);
+    s.min_transient_bytes = scale_bytes(s.min_transient_bytes, k);
+    s.full_transient_bytes = scale_bytes(s.full_transient_bytes, k);
   }
   return out;
 }
@@ -362,6 +373,16 @@ int64_t stage_temp_bytes(const SegmentCosts& c, int begin, int end, bool b_split
     if (b_split) sums += c.segments[k].wstash_bytes;
   }
   return v + sums;
+}
+
+int64_t stage_transient_bytes(const SegmentCosts& c, int begin, int end, Remat remat) {
+  int64_t v = 0;
+  for (int k = begin; k < end; ++k) {
+    const SegmentCost& s = c.segments[k];
+    if (remat == Remat::Min) v = std::max(v, s.min_transient_bytes);
+    if (remat == Remat::Full) v = std::max(v, s.full_transient_bytes);
+  }
+  return v;
 }
 
 int64_t stage_update_bytes(const SegmentCosts& c, int begin, int end) {

@@ -201,6 +201,11 @@ InstanceCost instance_cost(const ProfileSegment& s, const Shard& sh, double mb,
   // Full remat checkpoints each layer on its own (Megatron's and torchtitan's full
   // recomputation; the plan's checkpoint_stages): each layer keeps its input.
   c.full_stash_bytes = round_bytes(kept * mb * s.stash_full / sh.t);
+  // Each layer is its own checkpointed unit: its backward first rematerializes what the
+  // remat dropped, live until that backward ends (Megatron's, torchtitan's and JAX's
+  // per-layer checkpoints alike).
+  c.min_transient_bytes = std::max<int64_t>(0, c.stash_bytes - c.min_stash_bytes);
+  c.full_transient_bytes = std::max<int64_t>(0, c.stash_bytes - c.full_stash_bytes);
   c.param_bytes = round_bytes(2.0 * p_store);
   const double opt_params = d.fsdp ? p_store : params_sharded(s, sh);
   c.opt_bytes =
@@ -267,6 +272,8 @@ void add_into(SegmentCost& g, const SegmentCost& c) {
   g.param_bytes += c.param_bytes;
   g.opt_bytes += c.opt_bytes;
   g.temp_bytes = std::max(g.temp_bytes, c.temp_bytes);
+  g.min_transient_bytes = std::max(g.min_transient_bytes, c.min_transient_bytes);
+  g.full_transient_bytes = std::max(g.full_transient_bytes, c.full_transient_bytes);
 }
 
 void check_degrees(const ModelProfile& m, const ClusterDegrees& d, const ClusterOptions& o) {
