@@ -214,24 +214,31 @@ def pipeoffload_rows(ranks: int, m: int, cluster: bool) -> list[str]:
                 f"rank's device peak {first.device_peak / base.device_peak:.2f}x |")
     if cluster:
         prof = scale.profile_model("llama3-405b")
-        kw = dict(top=1, pp=[32], tp=[8], fsdp=False, tp_overlap=True, dp_overlap=True)
-        plain = scale.plan_cluster(prof, "h100", 16384, 2048, offload=False, **kw).plans[0]
-        off = scale.plan_cluster(prof, "h100", 16384, 2048, **kw).plans[0]
+        kw = dict(top=1, pp=[32], tp=[8], fsdp=False, tp_overlap=True, dp_overlap=True,
+                  gap=0.0)
+        hw = scale.load_cluster("h100")
+        c2c = dict(hw, host_link=dict(hw["host_link"], bandwidth=HOST_LINKS["GH200, NVLink-C2C"]))
+        plain = scale.plan_cluster(prof, hw, 16384, 2048, offload=False, **kw).plans[0]
+        pcie = scale.plan_cluster(prof, hw, 16384, 2048, **kw).plans[0]
+        off = scale.plan_cluster(prof, c2c, 16384, 2048, **kw).plans[0]
+
         def recomputing(p):
             return sum(r != "keep" for r in p.remat)
+
+        def desc(p):
+            return (f"{p.schedule} v{p.virtual_stages}, {recomputing(p)} of {len(p.remat)} "
+                    f"stages recompute, {p.offload.count('stash')} offload their stash, MFU "
+                    f"{100 * p.mfu:.1f}%, {p.memory.total / 2**30:.1f} GiB on the fullest GPU, "
+                    f"{max(p.peak_host, default=0) / 2**30:.1f} GiB on the host of the rank that "
+                    "holds most there")
 
         rows.append(
             "| with offload, a deeper pipeline beats tensor parallelism by up to 19% at lower "
             "memory (GPT-3-like models, Megatron-LM) | Llama 3 405B, 16,384 H100, pp 32 x tp "
-            f"8: without offload {plain.schedule} v{plain.virtual_stages}, "
-            f"{recomputing(plain)} of {len(plain.remat)} stages recompute, MFU "
-            f"{100 * plain.mfu:.1f}%, {plain.memory.total / 2**30:.1f} GiB; with offload "
-            f"{off.schedule} v{off.virtual_stages}, {recomputing(off)} of {len(off.remat)} "
-            f"recompute and {off.offload.count('stash')} offload their stash, MFU "
-            f"{100 * off.mfu:.1f}% ({100 * (plain.step_time / off.step_time - 1):+.1f}% "
-            f"throughput), {off.memory.total / 2**30:.1f} GiB on the fullest GPU and "
-            f"{max(off.peak_host, default=0) / 2**30:.1f} GiB on the host of the rank that "
-            "holds most there (docs/SCALE.md) |")
+            f"8 (search gap 0): without offload {desc(plain)}; offload searched over "
+            f"PCIe: {desc(pcie)} ({100 * (plain.step_time / pcie.step_time - 1):+.1f}% "
+            f"throughput); over a GH200-class NVLink-C2C: {desc(off)} "
+            f"({100 * (plain.step_time / off.step_time - 1):+.1f}% throughput) |")
     return rows
 
 
