@@ -114,8 +114,10 @@ def _count(jaxpr, params: dict, out: JaxprCounts, top: bool, in_ckpt: bool = Fal
                 shared = -1
                 if po is not None and ins[1 - po] is not None:
                     act = eqn.invars[1 - po]
-                    shared = out.inputs.setdefault(id(act), (act, len(out.matmuls)))[1]
-                    shared = -1 if shared == len(out.matmuls) else shared
+                    if id(act) in out.inputs:
+                        shared = out.inputs[id(act)][1]
+                    else:
+                        out.inputs[id(act)] = (act, len(out.matmuls))
                 out.matmuls.append(dict(_dot_shape(eqn, po), input=shared,
                                         param=None if po is None else params[ins[po]]))
         elif name in _SHAPE_OPS and ins and ins[0] in params:
